@@ -1,0 +1,242 @@
+"""The typed stack model: one Pulumi stack file describes one datacenter of one environment.
+
+A stack file is a Pulumi stack config file (`stacks/Pulumi.<env>-<dc>.yaml`); the project's keys live under
+the `pdstack:` namespace, so `pulumi up` reads the very values `pdstack validate` checked. Settings that hold for
+the whole environment (serving, canary, secrets, capacity) live in the control-plane datacenter's stack, once.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from ipaddress import IPv4Network
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
+AWS_REGION_PATTERN = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
+LOCAL_REGION = "local"
+
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="lower-case DNS label, 2-32 characters")]
+Port = Annotated[int, Field(ge=1024, le=65535)]
+Seconds = Annotated[float, Field(gt=0, le=3600)]
+Percent = Annotated[float, Field(ge=0, le=100)]
+
+
+class Strict(BaseModel):
+    """Base for every config section: unknown keys are errors, values are not coerced across types."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Environment(StrEnum):
+    LOCAL = "local"
+    DEV = "dev"
+    STAGING = "staging"
+    PROD = "prod"
+
+
+class DatacenterRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CONTROL = "control"
+    MIXED = "mixed"
+
+
+class PoolRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CONTROL = "control"
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self is not PoolRole.CONTROL
+
+
+class Placement(StrEnum):
+    """EC2 placement strategy for a pool; `cluster` packs nodes in one AZ for EFA bandwidth."""
+
+    NONE = "none"
+    CLUSTER = "cluster"
+    SPREAD = "spread"
+
+
+class LinkKind(StrEnum):
+    TRANSIT_GATEWAY = "transit_gateway"
+    VPC_PEERING = "vpc_peering"
+    EMULATED = "emulated"  # local only: the user-space WAN forwarder between node networks
+
+
+class NodePool(Strict):
+    name: Name
+    role: PoolRole
+    instance_type: str = Field(min_length=1)
+    min_size: int = Field(ge=0, le=1000)
+    desired_size: int = Field(ge=0, le=1000)
+    max_size: int = Field(ge=1, le=1000)
+    efa: bool = False
+    placement: Placement = Placement.NONE
+    data_volume_gib: int = Field(default=500, ge=0, le=65536)
+
+    @model_validator(mode="after")
+    def _sizes_ordered(self) -> NodePool:
+        if not self.min_size <= self.desired_size <= self.max_size:
+            raise ValueError(
+                f"need min_size <= desired_size <= max_size, got {self.min_size} <= {self.desired_size} <= {self.max_size}"
+            )
+        return self
+
+
+class Link(Strict):
+    """A private link from this datacenter to a peer of the same environment."""
+
+    peer: Name
+    kind: LinkKind
+    bandwidth_gbps: float = Field(gt=0, le=3200)
+    rtt_ms: float = Field(ge=0, le=1000)
+    loss_pct: float = Field(default=0.0, ge=0, lt=100)
+
+
+class Datacenter(Strict):
+    name: Name
+    region: str = Field(description="AWS region, or `local` for the emulated datacenters")
+    cidr: IPv4Network = Field(strict=False)
+    role: DatacenterRole
+    pools: list[NodePool] = Field(min_length=1)
+    links: list[Link] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Datacenter:
+        if self.region != LOCAL_REGION and not AWS_REGION_PATTERN.match(self.region):
+            raise ValueError(f"region {self.region!r} is neither `local` nor an AWS region like us-east-1")
+        if not 16 <= self.cidr.prefixlen <= 24:
+            raise ValueError(f"cidr {self.cidr} must be a /16 to /24 network to hold management and service subnets")
+        if len({p.name for p in self.pools}) != len(self.pools):
+            raise ValueError("pool names must be unique within a datacenter")
+        if len({link.peer for link in self.links}) != len(self.links):
+            raise ValueError("at most one link per peer datacenter")
+        if any(link.peer == self.name for link in self.links):
+            raise ValueError("a datacenter cannot link to itself")
+        return self
+
+
+class Ports(Strict):
+    gateway: Port = 8000
+    scheduler: Port = 8100
+    prefill: Port = 8200
+    decode: Port = 8300
+    kv: Port = 8400
+    prometheus: Port = 9090
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Ports:
+        values = list(self.model_dump().values())
+        if len(set(values)) != len(values):
+            raise ValueError("ports must be distinct")
+        return self
+
+
+class Limits(Strict):
+    max_prompt_tokens: int = Field(default=8192, ge=1)
+    max_output_tokens: int = Field(default=2048, ge=1)
+    max_batch_size: int = Field(default=64, ge=1, description="sequences in one decode step")
+    prefill_token_budget: int = Field(default=8192, ge=1, description="prompt tokens per prefill step (chunked prefill)")
+    max_concurrency: int = Field(default=256, ge=1, description="requests in flight per instance before 429")
+
+
+class Timeouts(Strict):
+    connect_s: Seconds = 2.0
+    prefill_s: Seconds = 30.0
+    first_token_s: Seconds = 30.0
+    request_s: Seconds = 300.0
+    kv_transfer_s: Seconds = 10.0
+    kv_lease_s: Seconds = 30.0
+
+
+class Model(Strict):
+    name: str = Field(min_length=1, description="served model name, as clients ask for it")
+    path: str = Field(min_length=1, description="checkpoint directory on the nodes (Hugging Face layout)")
+    revision: str = Field(default="main", min_length=1)
+
+
+class Serving(Strict):
+    model: Model
+    ports: Ports = Ports()
+    limits: Limits = Limits()
+    timeouts: Timeouts = Timeouts()
+    offload_threshold_tokens: int = Field(
+        default=256, ge=0, description="prompts shorter than this are prefilled on decode (selective offload)"
+    )
+    kv_streams: int = Field(default=4, ge=1, le=64, description="parallel TCP connections per KV pull")
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+class CanaryThresholds(Strict):
+    success_rate_min_pct: Percent = 99.0
+    ttft_p95_max_ratio: float = Field(default=1.2, ge=1.0, description="canary TTFT p95 over baseline's, at most")
+    itl_p95_max_ratio: float = Field(default=1.2, ge=1.0, description="canary inter-token p95 over baseline's, at most")
+    kv_transfer_failures_max: int = Field(default=0, ge=0)
+    confidence: float = Field(default=0.98, gt=0.5, lt=1.0, description="Mann-Whitney test confidence")
+
+
+class Canary(Strict):
+    steps_pct: list[Annotated[int, Field(gt=0, le=100)]] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
+    interval_s: Seconds = 60.0
+    min_samples: int = Field(default=50, ge=1)
+    thresholds: CanaryThresholds = CanaryThresholds()
+
+    @model_validator(mode="after")
+    def _steps_rise_to_full(self) -> Canary:
+        steps = self.steps_pct
+        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)) or steps[-1] != 100:
+            raise ValueError(f"steps_pct must rise strictly and end at 100, got {steps}")
+        return self
+
+
+class Secret(Strict):
+    name: Name
+    rotation_days: int = Field(default=90, ge=1, le=365)
+
+
+def _default_secrets() -> list[Secret]:
+    return [Secret(name="gateway-api-keys"), Secret(name="kv-channel-key"), Secret(name="scheduler-admin-token")]
+
+
+class Capacity(Strict):
+    """The workload the environment is sized for; the planner turns it into node counts."""
+
+    requests_per_second: float = Field(gt=0)
+    mean_input_tokens: int = Field(gt=0)
+    mean_output_tokens: int = Field(gt=0)
+    ttft_slo_ms: float = Field(gt=0)
+    tpot_slo_ms: float = Field(gt=0)
+    headroom_pct: float = Field(description="spare capacity over the target; 20-30 % is the accepted band")
+
+
+class StackConfig(Strict):
+    """Everything under `pdstack:` in one stack file."""
+
+    environment: Environment
+    datacenter: Datacenter
+    serving: Serving | None = None
+    canary: Canary | None = None
+    secrets: list[Secret] | None = None
+    capacity: Capacity | None = None
+
+    ENVIRONMENT_WIDE: ClassVar[tuple[str, ...]] = ("serving", "canary", "secrets", "capacity")
+
+    @model_validator(mode="after")
+    def _environment_wide_settings_on_control(self) -> StackConfig:
+        if self.datacenter.role is DatacenterRole.CONTROL:
+            if self.serving is None:
+                raise ValueError("the control-plane stack must set `serving`")
+        else:
+            misplaced = [key for key in self.ENVIRONMENT_WIDE if getattr(self, key) is not None]
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)} belong in the control-plane stack, not a {self.datacenter.role} one")
+        return self
+
+    @property
+    def secret_specs(self) -> list[Secret]:
+        return self.secrets if self.secrets is not None else _default_secrets()
