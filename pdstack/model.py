@@ -7,6 +7,7 @@ the whole environment (serving, canary, secrets, capacity) live in the control-p
 
 from __future__ import annotations
 
+import itertools
 import re
 from enum import StrEnum
 from ipaddress import IPv4Network
@@ -83,7 +84,8 @@ class NodePool(Strict):
     def _sizes_ordered(self) -> NodePool:
         if not self.min_size <= self.desired_size <= self.max_size:
             raise ValueError(
-                f"need min_size <= desired_size <= max_size, got {self.min_size} <= {self.desired_size} <= {self.max_size}"
+                "need min_size <= desired_size <= max_size, "
+                f"got {self.min_size} <= {self.desired_size} <= {self.max_size}"
             )
         return self
 
@@ -141,7 +143,9 @@ class Limits(Strict):
     max_prompt_tokens: int = Field(default=8192, ge=1)
     max_output_tokens: int = Field(default=2048, ge=1)
     max_batch_size: int = Field(default=64, ge=1, description="sequences in one decode step")
-    prefill_token_budget: int = Field(default=8192, ge=1, description="prompt tokens per prefill step (chunked prefill)")
+    prefill_token_budget: int = Field(
+        default=8192, ge=1, description="prompt tokens per prefill step (chunked prefill)"
+    )
     max_concurrency: int = Field(default=256, ge=1, description="requests in flight per instance before 429")
 
 
@@ -189,7 +193,7 @@ class Canary(Strict):
     @model_validator(mode="after")
     def _steps_rise_to_full(self) -> Canary:
         steps = self.steps_pct
-        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)) or steps[-1] != 100:
+        if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 100:
             raise ValueError(f"steps_pct must rise strictly and end at 100, got {steps}")
         return self
 
@@ -211,7 +215,7 @@ class Capacity(Strict):
     mean_output_tokens: int = Field(gt=0)
     ttft_slo_ms: float = Field(gt=0)
     tpot_slo_ms: float = Field(gt=0)
-    headroom_pct: float = Field(description="spare capacity over the target; 20-30 % is the accepted band")
+    headroom_pct: float = Field(ge=20, le=30, description="spare capacity over the target, 20-30 %")
 
 
 class StackConfig(Strict):
@@ -234,7 +238,9 @@ class StackConfig(Strict):
         else:
             misplaced = [key for key in self.ENVIRONMENT_WIDE if getattr(self, key) is not None]
             if misplaced:
-                raise ValueError(f"{', '.join(misplaced)} belong in the control-plane stack, not a {self.datacenter.role} one")
+                raise ValueError(
+                    f"{', '.join(misplaced)} belong in the control-plane stack, not a {self.datacenter.role} one"
+                )
         return self
 
     @property

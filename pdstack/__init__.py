@@ -1,0 +1,1 @@
+"""pdstack: infrastructure as code for prefill/decode-disaggregated LLM inference across datacenters."""

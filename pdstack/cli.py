@@ -1,0 +1,57 @@
+"""The `pdstack` command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdstack.validate import validate
+
+app = typer.Typer(
+    help="Prefill/decode-disaggregated LLM inference across datacenters.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def project_stacks_dir(start: Path | None = None) -> Path:
+    """The `stacks/` folder of the Pulumi project holding `start` (default: the working directory)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "Pulumi.yaml").is_file():
+            return folder / "stacks"
+    return here / "stacks"
+
+
+@app.callback()
+def main() -> None:
+    """pdstack: validate, plan and synthesise stacks; run the local environment."""
+
+
+@app.command("validate")
+def validate_command(
+    paths: Annotated[
+        list[Path] | None, typer.Argument(help="stack files or folders (default: the project's stacks/)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable report")] = False,
+) -> None:
+    """Check every stack file, then every environment as a whole. Exit 1 on any problem, one line each."""
+    targets = paths or [project_stacks_dir()]
+    missing = [p for p in targets if not p.exists()]
+    if missing:
+        typer.echo(f"no such file or folder: {', '.join(map(str, missing))}", err=True)
+        raise typer.Exit(2)
+    report = validate(targets)
+    if as_json:
+        typer.echo(json.dumps(report.as_json(), indent=2))
+    elif report.valid:
+        envs = report.environments()
+        summary = ", ".join(f"{env} ({len(stacks)})" for env, stacks in sorted(envs.items()))
+        typer.echo(f"ok: {len(report.stacks)} stacks valid: {summary}")
+    else:
+        for problem in sorted(report.problems):
+            typer.echo(str(problem))
+    raise typer.Exit(0 if report.valid else 1)
