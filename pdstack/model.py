@@ -239,7 +239,8 @@ class StackConfig(Strict):
             misplaced = [key for key in self.ENVIRONMENT_WIDE if getattr(self, key) is not None]
             if misplaced:
                 raise ValueError(
-                    f"{', '.join(misplaced)} belong in the control-plane stack, not a {self.datacenter.role} one"
+                    f"pdstack:{', pdstack:'.join(misplaced)} must be set in the control-plane stack, "
+                    f"not in a {self.datacenter.role} one"
                 )
         return self
 

@@ -111,7 +111,7 @@ def _pulumi_config_block(raw: Any, where: str) -> dict[str, Any]:
 
 def _problem_of(where: str, err: ErrorDetails) -> Problem:
     loc = err["loc"]
-    path = f"{NAMESPACE}:" + _dotted(loc) if loc else f"{NAMESPACE}:"
+    path = f"{NAMESPACE}:" + _dotted(loc) if loc else ""
     reason = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         reason = f"unknown key{_did_you_mean(loc)}"

@@ -1,0 +1,3 @@
+from pdstack.cli import app
+
+app(prog_name="pdstack")
