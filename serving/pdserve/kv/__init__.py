@@ -1,0 +1,24 @@
+"""The KV channel: prefill holds KV under leases and serves it; decode pulls it over parallel, verified streams."""
+
+from pdserve.kv.auth import SecretKey
+from pdserve.kv.blob import KVBlob, KVMeta, Layer
+from pdserve.kv.client import ack, pull
+from pdserve.kv.errors import KVTransferError
+from pdserve.kv.metrics import KVMetrics, default_metrics
+from pdserve.kv.server import KVServer
+from pdserve.kv.store import LeaseStore, StoredKV
+
+__all__ = [
+    "KVBlob",
+    "KVMeta",
+    "KVMetrics",
+    "KVServer",
+    "KVTransferError",
+    "Layer",
+    "LeaseStore",
+    "SecretKey",
+    "StoredKV",
+    "ack",
+    "default_metrics",
+    "pull",
+]

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the KV channel, registered on a registry the serving process exposes."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+class KVMetrics:
+    """One set of KV-channel metrics; `role` is "sender" (prefill) or "receiver" (decode)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else REGISTRY
+        self.bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV payload bytes moved over the KV channel", ["role"], registry=reg
+        )
+        self.seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "Duration of whole KV transfers", ["role"],
+            buckets=SECONDS_BUCKETS, registry=reg,
+        )
+        self.gbps = Histogram(
+            "pdserve_kv_transfer_gigabits_per_second", "Goodput of whole KV transfers", ["role"],
+            buckets=GBPS_BUCKETS, registry=reg,
+        )
+        self.last_gbps = Gauge(
+            "pdserve_kv_transfer_last_gigabits_per_second", "Goodput of the latest KV transfer", ["role"], registry=reg
+        )
+        self.failures = Counter(
+            "pdserve_kv_transfer_failures", "Failed KV transfers by cause", ["role", "cause"], registry=reg
+        )
+        self.auth_refused = Counter(
+            "pdserve_kv_auth_refused", "Connections refused for missing or wrong authentication", registry=reg
+        )
+        self.lease_bytes = Gauge("pdserve_kv_lease_bytes", "KV bytes held under lease", registry=reg)
+        self.leases = Gauge("pdserve_kv_leases", "KV blobs held under lease", registry=reg)
+        self.lease_released = Counter(
+            "pdserve_kv_leases_released", "KV leases released, by reason (ack or expired)", ["reason"], registry=reg
+        )
+
+    def observe_transfer(self, role: str, nbytes: int, seconds: float) -> None:
+        self.bytes.labels(role).inc(nbytes)
+        self.seconds.labels(role).observe(seconds)
+        gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+        self.gbps.labels(role).observe(gbps)
+        self.last_gbps.labels(role).set(gbps)
+
+    def observe_failure(self, role: str, cause: str) -> None:
+        self.failures.labels(role, cause).inc()
+
+
+@lru_cache(maxsize=1)
+def default_metrics() -> KVMetrics:
+    """The process-wide metrics on prometheus_client's default registry."""
+    return KVMetrics(REGISTRY)

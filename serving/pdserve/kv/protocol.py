@@ -1,0 +1,149 @@
+"""Wire format of the KV channel.
+
+Every frame is a 20-byte header followed by a payload:
+
+    magic "PDKV" | version u8 | type u8 | flags u16 | payload length u64 | crc32 u32
+
+The crc32 covers the first 16 header bytes and the payload, so a flipped bit anywhere in a frame is caught.
+DATA payloads start with a 13-byte sub-header (layer u32, part u8 (0 = K, 1 = V), byte offset u64).
+Control payloads (PULL, MANIFEST, ACK, ERROR, END) are JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.kv.blob import Manifest
+from pdserve.kv.errors import Cause, KVTransferError
+
+MAGIC = b"PDKV"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHQI")
+DATA_HEADER = struct.Struct("!IBQ")
+MAX_CONTROL_PAYLOAD = 4 << 20
+NONCE_BYTES = 32
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1  # client nonce
+    CHALLENGE = 2  # server nonce + server proof
+    AUTH = 3  # client proof
+    PULL = 4
+    MANIFEST = 5
+    DATA = 6
+    END = 7
+    ACK = 8
+    ACK_OK = 9
+    ERROR = 10
+
+
+@dataclass(frozen=True)
+class Frame:
+    type: FrameType
+    payload: bytes
+
+    def json(self) -> dict[str, Any]:
+        try:
+            body = json.loads(self.payload)
+        except ValueError as error:
+            raise KVTransferError("protocol", f"{self.type.name} frame payload is not JSON") from error
+        if not isinstance(body, dict):
+            raise KVTransferError("protocol", f"{self.type.name} frame payload is not a JSON object")
+        return body
+
+
+@dataclass(frozen=True)
+class Chunk:
+    layer: int
+    part: int
+    offset: int
+    length: int
+
+
+def chunk_plan(manifest: Manifest) -> list[Chunk]:
+    """All chunks of a blob in layer order; stream s of N carries plan[s::N] so layers arrive roughly in order."""
+    plan: list[Chunk] = []
+    for index, pair in enumerate(manifest.layers):
+        for part, spec in enumerate(pair):
+            for offset in range(0, spec.nbytes, manifest.chunk_bytes):
+                plan.append(Chunk(index, part, offset, min(manifest.chunk_bytes, spec.nbytes - offset)))
+    return plan
+
+
+def _header(frame_type: FrameType, payload_len: int, crc: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, frame_type, 0, payload_len, crc)
+
+
+def encode_header(frame_type: FrameType, *payload_parts: bytes | memoryview) -> bytes:
+    """The header for a payload made of `payload_parts` (sent after it without being joined)."""
+    length = sum(len(part) for part in payload_parts)
+    crc = zlib.crc32(HEADER.pack(MAGIC, VERSION, frame_type, 0, length, 0)[:16])
+    for part in payload_parts:
+        crc = zlib.crc32(part, crc)
+    return _header(frame_type, length, crc)
+
+
+def write_frame(writer: asyncio.StreamWriter, frame_type: FrameType, *payload_parts: bytes | memoryview) -> None:
+    writer.write(encode_header(frame_type, *payload_parts))
+    for part in payload_parts:
+        writer.write(part)
+
+
+def write_json(writer: asyncio.StreamWriter, frame_type: FrameType, body: dict[str, Any]) -> None:
+    write_frame(writer, frame_type, json.dumps(body, sort_keys=True).encode())
+
+
+def write_error(writer: asyncio.StreamWriter, cause: Cause, message: str) -> None:
+    write_json(writer, FrameType.ERROR, {"cause": cause, "message": message})
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
+    """Read one frame and verify its checksum; raise KVTransferError with the cause on any failure."""
+    try:
+        async with asyncio.timeout(timeout):
+            header = await reader.readexactly(HEADER.size)
+            magic, version, raw_type, _flags, length, crc = HEADER.unpack(header)
+            _check_header(magic, version, raw_type, length, max_payload)
+            payload = await reader.readexactly(length)
+    except TimeoutError as error:
+        raise KVTransferError("timeout", f"no complete frame within {timeout:g} s") from error
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as error:
+        raise KVTransferError("connection", f"connection lost while reading a frame: {error!r}") from error
+    if zlib.crc32(payload, zlib.crc32(header[:16])) != crc:
+        raise KVTransferError("checksum", f"frame crc32 mismatch in a {FrameType(raw_type).name} frame")
+    return Frame(FrameType(raw_type), payload)
+
+
+def _check_header(magic: bytes, version: int, raw_type: int, length: int, max_payload: int) -> None:
+    # A corrupted header usually shows up here before its crc can be checked; report it as a checksum failure
+    # because the peer spoke the protocol up to this frame.
+    if magic != MAGIC:
+        raise KVTransferError("checksum", f"bad frame magic {magic!r}")
+    if version != VERSION:
+        raise KVTransferError("protocol", f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if raw_type not in FrameType._value2member_map_:
+        raise KVTransferError("checksum", f"unknown frame type {raw_type}")
+    if length > max_payload:
+        raise KVTransferError("checksum", f"frame length {length} exceeds the limit {max_payload}")
+
+
+def raise_if_error(frame: Frame) -> None:
+    if frame.type is FrameType.ERROR:
+        body = frame.json()
+        cause = str(body.get("cause", "protocol"))
+        known: tuple[Cause, ...] = ("auth", "not_found", "expired", "protocol", "checksum", "capacity")
+        matched: Cause = next((item for item in known if item == cause), "protocol")
+        raise KVTransferError(matched, f"server: {body.get('message', '')}")
+
+
+def expect(frame: Frame, frame_type: FrameType) -> Frame:
+    raise_if_error(frame)
+    if frame.type is not frame_type:
+        raise KVTransferError("protocol", f"expected a {frame_type.name} frame, got {frame.type.name}")
+    return frame

@@ -1,0 +1,178 @@
+"""The KV channel's listener, run inside the prefill server's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+
+from pdserve.kv import auth
+from pdserve.kv.blob import as_bytes
+from pdserve.kv.errors import KVTransferError
+from pdserve.kv.metrics import KVMetrics, default_metrics
+from pdserve.kv.protocol import (
+    DATA_HEADER,
+    NONCE_BYTES,
+    Frame,
+    FrameType,
+    chunk_plan,
+    expect,
+    read_frame,
+    write_error,
+    write_frame,
+    write_json,
+)
+from pdserve.kv.store import LeaseStore
+
+log = logging.getLogger(__name__)
+MAX_STREAMS = 64
+
+
+class KVServer:
+    """Serves pulls and acks for the blobs in a LeaseStore over authenticated (optionally TLS) TCP connections."""
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        key: auth.SecretKey,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        io_timeout_s: float = 30.0,
+        idle_timeout_s: float = 300.0,
+        metrics: KVMetrics | None = None,
+    ) -> None:
+        self.store = store
+        self._key = key
+        self._host = host
+        self._port = port
+        self._ssl = ssl_context
+        self._io_timeout = io_timeout_s
+        self._idle_timeout = idle_timeout_s
+        self._metrics = metrics if metrics is not None else default_metrics()
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("KVServer is not started")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=self._ssl)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            # Aborting the sockets (rather than cancelling the handlers) lets each handler end on its own error path.
+            for writer in self._connections.values():
+                writer.transport.abort()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            await self._serve_connection(reader, writer)
+        finally:
+            self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            await self._authenticate(reader, writer)
+        except KVTransferError as error:
+            self._metrics.auth_refused.inc()
+            log.warning("kv: refused connection from %s: %s", peer, error.message)
+            await self._send_error(writer, error)
+            return
+        while True:
+            try:
+                frame = await read_frame(reader, self._idle_timeout)
+            except KVTransferError:
+                return  # the client closed or went idle between requests
+            try:
+                await self._dispatch(frame, reader, writer)
+            except KVTransferError as error:
+                self._metrics.observe_failure("sender", error.cause)
+                log.info("kv: request from %s failed: %s", peer, error)
+                await self._send_error(writer, error)
+                return
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello = await read_frame(reader, self._io_timeout)
+        except KVTransferError as error:
+            raise KVTransferError("auth", f"no HELLO frame ({error.cause})") from error
+        if hello.type is not FrameType.HELLO or len(hello.payload) != NONCE_BYTES:
+            raise KVTransferError("auth", f"client opened with {hello.type.name} instead of HELLO")
+        server_nonce = auth.new_nonce()
+        write_frame(
+            writer, FrameType.CHALLENGE, server_nonce + auth.server_proof(self._key, hello.payload, server_nonce)
+        )
+        await self._drain(writer)
+        try:
+            proof = await read_frame(reader, self._io_timeout)
+        except KVTransferError as error:
+            raise KVTransferError("auth", f"no AUTH frame ({error.cause})") from error
+        if proof.type is not FrameType.AUTH:
+            raise KVTransferError("auth", f"client sent {proof.type.name} instead of AUTH")
+        auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
+
+    async def _dispatch(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if frame.type is FrameType.PULL:
+            await self._serve_pull(frame, writer)
+        elif frame.type is FrameType.ACK:
+            request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
+            released = self.store.ack(request_id)
+            write_json(writer, FrameType.ACK_OK, {"request_id": request_id, "released": released})
+            await self._drain(writer)
+        else:
+            raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
+
+    async def _serve_pull(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+        body = frame.json()
+        request_id, stream, streams = body.get("request_id"), body.get("stream"), body.get("streams")
+        if not isinstance(request_id, str) or not isinstance(stream, int) or not isinstance(streams, int):
+            raise KVTransferError("protocol", "PULL needs request_id (string), stream and streams (integers)")
+        if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams:
+            raise KVTransferError("protocol", f"PULL stream {stream} of {streams} is out of range")
+        stored = self.store.get(request_id)
+        started = time.perf_counter()
+        write_frame(writer, FrameType.MANIFEST, stored.manifest.to_bytes())
+        sent = 0
+        chunks = chunk_plan(stored.manifest)[stream::streams]
+        for chunk in chunks:
+            array = stored.layers[chunk.layer][chunk.part]
+            payload = as_bytes(array)[chunk.offset : chunk.offset + chunk.length]
+            write_frame(writer, FrameType.DATA, DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)
+            await self._drain(writer)
+            sent += chunk.length
+        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent})
+        await self._drain(writer)
+        self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(self._io_timeout):
+                await writer.drain()
+        except TimeoutError as error:
+            raise KVTransferError("timeout", f"client did not read for {self._io_timeout:g} s") from error
+        except (ConnectionError, OSError) as error:
+            raise KVTransferError("connection", f"client connection lost: {error!r}") from error
+
+    async def _send_error(self, writer: asyncio.StreamWriter, error: KVTransferError) -> None:
+        with contextlib.suppress(Exception):
+            write_error(writer, error.cause, error.message)
+            async with asyncio.timeout(1.0):
+                await writer.drain()

@@ -1,0 +1,107 @@
+"""Helpers for the KV channel tests: synthetic KV, a running server and a byte-level TCP proxy for fault injection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from pdserve.kv import KVMeta, KVServer, Layer, LeaseStore, SecretKey
+
+
+def make_layers(count: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> list[Layer]:
+    rng = np.random.default_rng(seed)
+    layers: list[Layer] = []
+    for _ in range(count):
+        pair = []
+        for _part in range(2):
+            raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+            pair.append(raw.view(dtype).reshape(shape))
+        layers.append((pair[0], pair[1]))
+    return layers
+
+
+def meta_for(request_id: str, token_count: int = 7, fingerprint: str = "fp-test-1") -> KVMeta:
+    return KVMeta(request_id=request_id, token_count=token_count, fingerprint=fingerprint)
+
+
+@contextlib.asynccontextmanager
+async def running_server(store: LeaseStore, key: SecretKey, **options: object) -> AsyncIterator[KVServer]:
+    server = KVServer(store, key, **options)  # type: ignore[arg-type]
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@dataclass
+class ByteProxy:
+    """A loopback TCP proxy that can flip one server-to-client byte, throttle, and report how much it forwarded."""
+
+    upstream_port: int
+    corrupt_at: int | None = None
+    bytes_per_second: float | None = None
+    forwarded: int = 0
+    port: int = 0
+    _server: asyncio.Server | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    on_forward: Callable[[int], None] | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_writer.close()
+            return
+        pumps = [
+            asyncio.create_task(self._pump(client_reader, up_writer, downstream=False)),
+            asyncio.create_task(self._pump(up_reader, client_writer, downstream=True)),
+        ]
+        self._tasks.update(pumps)
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for task in pumps:
+            task.cancel()
+        client_writer.close()
+        up_writer.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool) -> None:
+        while data := await reader.read(16384):
+            if downstream:
+                data = self._maybe_corrupt(data)
+                self.forwarded += len(data)
+                if self.on_forward is not None:
+                    self.on_forward(self.forwarded)
+                if self.bytes_per_second:
+                    await asyncio.sleep(len(data) / self.bytes_per_second)
+            writer.write(data)
+            await writer.drain()
+
+    def _maybe_corrupt(self, data: bytes) -> bytes:
+        if self.corrupt_at is None or not self.forwarded <= self.corrupt_at < self.forwarded + len(data):
+            return data
+        index = self.corrupt_at - self.forwarded
+        return data[:index] + bytes([data[index] ^ 0x5A]) + data[index + 1 :]
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(upstream_port: int, **options: object) -> AsyncIterator[ByteProxy]:
+    proxy = ByteProxy(upstream_port, **options)  # type: ignore[arg-type]
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.close()

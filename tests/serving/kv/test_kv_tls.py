@@ -1,0 +1,55 @@
+"""The KV channel over TLS with a self-signed certificate made by the openssl CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+from pathlib import Path
+
+import pytest
+from kvtestlib import make_layers, meta_for, running_server
+from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, private_key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(private_key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, private_key
+
+
+def test_tls_round_trip_and_untrusted_certificate_refused(
+    certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
+):
+    cert, private_key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, private_key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=8192, metrics=metrics)
+    layers = make_layers(4, (32, 128), "float16")
+    stored = store.put("tls-1", layers, meta_for("tls-1"))
+
+    async def scenario() -> None:
+        async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
+            blob = await pull(
+                "127.0.0.1", server.port, "tls-1", stored.checksum, key=key, streams=3,
+                ssl_context=trusting, server_hostname="localhost", retries=0,
+            )  # fmt: skip
+            assert [k.tobytes() + v.tobytes() for k, v in blob.layers] == [
+                k.tobytes() + v.tobytes() for k, v in layers
+            ]
+            with pytest.raises(KVTransferError) as raised:
+                await pull(
+                    "127.0.0.1", server.port, "tls-1", stored.checksum, key=key,
+                    ssl_context=ssl.create_default_context(), server_hostname="localhost", retries=0,
+                )  # fmt: skip
+            assert raised.value.cause == "auth"
+
+    asyncio.run(scenario())
