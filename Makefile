@@ -1,0 +1,31 @@
+# pdstack: `make test` builds the virtual environment from nothing and runs lint, type checks and the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv lint typecheck test test-unit clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml serving/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[infra,ansible,dev]' -e 'serving[parity]'
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check pdstack
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(VENV)/bin/pytest
+
+test-unit: venv
+	$(VENV)/bin/pytest tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
