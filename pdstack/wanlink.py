@@ -94,7 +94,8 @@ class LinkDirection:
     def schedule(self, now: float, size: int) -> float | None:
         """Delivery time of a packet of `size` bytes that arrives at `now`, or None if the link drops it."""
         free_at = max(now, self._serialiser_free_at)
-        if (free_at - now) * self.spec.bytes_per_second + size > self.spec.queue_limit_bytes:
+        backlog_bytes = round((free_at - now) * self.spec.bytes_per_second)
+        if backlog_bytes + size > self.spec.queue_limit_bytes:
             self.stats.dropped_queue += 1
             return None
         if self.spec.loss_pct and self.rng.random() * 100 < self.spec.loss_pct:
