@@ -1,0 +1,113 @@
+"""The canary judge: compare a canary with its baseline, metric by metric, the way Kayenta and Flagger do.
+
+Each latency metric arrives as two samples (one value per scrape step over the analysis window, per version). A metric
+fails only when both hold: the canary's p95 exceeds the baseline's by more than the allowed ratio, *and* a one-sided
+Mann-Whitney U test says the canary's values are larger at the configured confidence. The ratio alone flaps on noise;
+the test alone fails on differences too small to matter. Counters (success rate, KV transfer failures) are judged
+against absolute thresholds. Too few requests make the verdict inconclusive, never a pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+import numpy as np
+from scipy.stats import mannwhitneyu
+
+from pdstack.model import CanaryThresholds
+
+
+class Outcome(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class Check:
+    metric: str
+    outcome: Outcome
+    canary: float | None
+    baseline: float | None
+    threshold: str
+    detail: str = ""
+
+    def line(self) -> str:
+        def fmt(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.4g}"
+
+        return (f"{self.outcome.upper()} {self.metric}: canary {fmt(self.canary)} vs baseline {fmt(self.baseline)}, "
+                f"threshold {self.threshold}" + (f" ({self.detail})" if self.detail else ""))
+
+
+@dataclass(frozen=True)
+class Observations:
+    """What the judge needs for one version over one analysis window."""
+
+    requests: int
+    successes: int
+    kv_transfer_failures: int
+    ttft_p95_s: Sequence[float]
+    itl_p95_s: Sequence[float]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    checks: list[Check] = field(default_factory=list)
+
+    def report(self) -> str:
+        return "\n".join(check.line() for check in self.checks)
+
+    def as_json(self) -> dict[str, object]:
+        return {"outcome": self.outcome, "checks": [asdict(c) for c in self.checks], "report": self.report()}
+
+
+def judge(canary: Observations, baseline: Observations, thresholds: CanaryThresholds, min_samples: int) -> Verdict:
+    if canary.requests < min_samples or baseline.requests < min_samples:
+        check = Check("sample_size", Outcome.INCONCLUSIVE, canary.requests, baseline.requests, f">= {min_samples}",
+                      "too few requests to judge")
+        return Verdict(Outcome.INCONCLUSIVE, [check])
+    checks = [
+        _success_rate(canary, baseline, thresholds.success_rate_min_pct),
+        _kv_failures(canary, baseline, thresholds.kv_transfer_failures_max),
+        _latency("ttft_p95_seconds", canary.ttft_p95_s, baseline.ttft_p95_s, thresholds.ttft_p95_max_ratio,
+                 thresholds.confidence),
+        _latency("itl_p95_seconds", canary.itl_p95_s, baseline.itl_p95_s, thresholds.itl_p95_max_ratio,
+                 thresholds.confidence),
+    ]
+    outcomes = {c.outcome for c in checks}
+    overall = (Outcome.FAIL if Outcome.FAIL in outcomes
+               else Outcome.INCONCLUSIVE if Outcome.INCONCLUSIVE in outcomes else Outcome.PASS)
+    return Verdict(overall, checks)
+
+
+def _success_rate(canary: Observations, baseline: Observations, min_pct: float) -> Check:
+    rate_c = 100.0 * canary.successes / canary.requests
+    rate_b = 100.0 * baseline.successes / baseline.requests
+    outcome = Outcome.PASS if rate_c >= min_pct else Outcome.FAIL
+    return Check("success_rate_pct", outcome, rate_c, rate_b, f">= {min_pct}")
+
+
+def _kv_failures(canary: Observations, baseline: Observations, max_failures: int) -> Check:
+    outcome = Outcome.PASS if canary.kv_transfer_failures <= max_failures else Outcome.FAIL
+    return Check("kv_transfer_failures", outcome, canary.kv_transfer_failures, baseline.kv_transfer_failures,
+                 f"<= {max_failures}")
+
+
+def _latency(metric: str, canary: Sequence[float], baseline: Sequence[float], max_ratio: float,
+             confidence: float) -> Check:
+    values_c = np.asarray([v for v in canary if np.isfinite(v)], dtype=float)
+    values_b = np.asarray([v for v in baseline if np.isfinite(v)], dtype=float)
+    if len(values_c) < 3 or len(values_b) < 3:
+        return Check(metric, Outcome.INCONCLUSIVE, None, None, f"<= {max_ratio}x baseline",
+                     f"{len(values_c)} canary and {len(values_b)} baseline points, need 3 each")
+    p95_c, p95_b = float(np.percentile(values_c, 95)), float(np.percentile(values_b, 95))
+    ratio = p95_c / p95_b if p95_b > 0 else float("inf")
+    p_value = float(mannwhitneyu(values_c, values_b, alternative="greater").pvalue)
+    significant = p_value < 1 - confidence
+    outcome = Outcome.FAIL if ratio > max_ratio and significant else Outcome.PASS
+    detail = f"ratio {ratio:.2f}, Mann-Whitney p={p_value:.3g}, significant below {1 - confidence:.3g}"
+    return Check(metric, outcome, p95_c, p95_b, f"<= {max_ratio}x baseline", detail)
