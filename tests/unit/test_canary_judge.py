@@ -15,7 +15,7 @@ def latencies(center: float, n: int = 30, seed: int = 0) -> list[float]:
     return list(np.random.default_rng(seed).normal(center, center * 0.05, n))
 
 
-def obs(requests: int = 500, successes: int = 500, kv_failures: int = 0, ttft: float = 0.2, itl: float = 0.02,
+def obs(*, requests: int = 500, successes: int = 500, kv_failures: int = 0, ttft: float = 0.2, itl: float = 0.02,
         seed: int = 0) -> Observations:
     return Observations(requests, successes, kv_failures, latencies(ttft, seed=seed), latencies(itl, seed=seed + 1))
 
