@@ -1,0 +1,22 @@
+"""pdserve scheduler: instance registry with heartbeats, routing table, version weights (canary), P:D advice.
+
+Run it with `pdserve scheduler --state-file F --admin-token-file T` (or `python -m pdserve.scheduler`).
+Servers report to it with `pdserve.scheduler.client.run_heartbeats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import uvicorn
+
+from .app import create_app
+from .jsonlog import configure
+from .settings import SchedulerSettings, load_settings
+
+
+def main(argv: Sequence[str]) -> None:
+    settings = load_settings(SchedulerSettings, argv, prog="pdserve scheduler")
+    configure("scheduler", settings.log_level)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, log_config=None)

@@ -1,0 +1,230 @@
+"""The scheduler's HTTP API.
+
+Instances:  POST /v1/instances (register)  POST /v1/instances/{id}/heartbeat  POST /v1/instances/{id}/drain
+            DELETE /v1/instances/{id}  GET /v1/instances
+Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)
+Operators:  GET /v1/advice   GET /v1/admin/weights   PUT /v1/admin/weights (Authorization: Bearer <admin token>)
+Health:     /health/live  /health/ready  /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .advisor import Advice, advise
+from .metrics import SchedulerMetrics
+from .protocol import Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
+from .registry import Registry, UnknownInstanceError
+from .settings import SchedulerSettings
+from .weights import WeightsError, WeightsStore
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def error(status: int, message: str, field: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "field": field}}, status_code=status)
+
+
+def validation_error(exc: ValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return error(400, f"{field}: {first['msg']}", field)
+
+
+async def parse_body(request: Request, model: type[M]) -> M | JSONResponse:
+    try:
+        payload = json.loads(await request.body() or b"{}")
+    except json.JSONDecodeError as exc:
+        return error(400, f"body: not valid JSON ({exc.msg})", "body")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        return validation_error(exc)
+
+
+class SchedulerState:
+    """Everything the handlers share: registry, weights, admin token, metrics."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self.admin_token = read_token(settings)
+        self.weights = WeightsStore(settings.state_file)
+        self.weights_generation = 0
+        self.boot_id = uuid.uuid4().hex[:8]
+        self.registry = Registry(settings.dead_after(), settings.forget_dead_after,
+                                 on_transition=lambda state: self.metrics.transitions.labels(state).inc())
+        self.metrics = SchedulerMetrics(self.registry, lambda: self.weights.weights, self.advice)
+
+    def advice(self) -> Advice:
+        s = self.settings
+        return advise(self.registry.in_state("ready"), s.target_utilisation, s.scale_up_utilisation,
+                      s.scale_down_utilisation)
+
+    def etag(self) -> str:
+        return f'"{self.boot_id}-{self.registry.generation + self.weights_generation}"'
+
+    def routing_table(self) -> RoutingTable:
+        return RoutingTable(generation=self.registry.generation + self.weights_generation,
+                            weights=self.weights.weights,
+                            instances=[i.routed() for i in self.registry.in_state("ready")])
+
+    def is_admin(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.admin_token.encode())
+
+
+def read_token(settings: SchedulerSettings) -> str:
+    token = settings.admin_token_file.read_text().strip()
+    if not token:
+        raise ValueError(f"admin_token_file {settings.admin_token_file} is empty")
+    return token
+
+
+def state_of(request: Request) -> SchedulerState:
+    state: SchedulerState = request.app.state.scheduler
+    return state
+
+
+async def register(request: Request) -> Response:
+    info = await parse_body(request, InstanceInfo)
+    if isinstance(info, JSONResponse):
+        return info
+    state = state_of(request)
+    instance = state.registry.register(info)
+    return JSONResponse({"instance_id": instance.instance_id, "state": instance.state,
+                         "heartbeat_interval": state.settings.heartbeat_interval}, status_code=201)
+
+
+async def heartbeat(request: Request) -> Response:
+    beat = await parse_body(request, Heartbeat)
+    if isinstance(beat, JSONResponse):
+        return beat
+    state = state_of(request)
+    try:
+        instance = state.registry.heartbeat(request.path_params["instance_id"], beat.load)
+    except UnknownInstanceError:
+        state.metrics.heartbeats.labels("unknown").inc()
+        return error(404, "unknown instance: register again", "instance_id")
+    state.metrics.heartbeats.labels("ok").inc()
+    return JSONResponse({"instance_id": instance.instance_id, "state": instance.state})
+
+
+async def drain(request: Request) -> Response:
+    try:
+        instance = state_of(request).registry.drain(request.path_params["instance_id"])
+    except UnknownInstanceError:
+        return error(404, "unknown instance", "instance_id")
+    return JSONResponse({"instance_id": instance.instance_id, "state": instance.state})
+
+
+async def deregister(request: Request) -> Response:
+    try:
+        state_of(request).registry.remove(request.path_params["instance_id"])
+    except UnknownInstanceError:
+        return error(404, "unknown instance", "instance_id")
+    return Response(status_code=204)
+
+
+async def list_instances(request: Request) -> Response:
+    instances = [i.routed().model_dump() for i in state_of(request).registry.all()]
+    return JSONResponse({"instances": instances})
+
+
+async def routing(request: Request) -> Response:
+    state = state_of(request)
+    etag = state.etag()
+    if request.headers.get("if-none-match") == etag:
+        state.metrics.table_polls.labels("not_modified").inc()
+        return Response(status_code=304, headers={"ETag": etag})
+    state.metrics.table_polls.labels("changed").inc()
+    return JSONResponse(state.routing_table().model_dump(), headers={"ETag": etag})
+
+
+async def advice(request: Request) -> Response:
+    return JSONResponse(state_of(request).advice().model_dump())
+
+
+async def get_weights(request: Request) -> Response:
+    return JSONResponse({"weights": state_of(request).weights.weights})
+
+
+async def put_weights(request: Request) -> Response:
+    state = state_of(request)
+    if not state.is_admin(request):
+        state.metrics.admin_requests.labels("unauthorized").inc()
+        return error(401, "admin API needs Authorization: Bearer <admin token>")
+    update = await parse_body(request, WeightsUpdate)
+    if isinstance(update, JSONResponse):
+        state.metrics.admin_requests.labels("invalid").inc()
+        return update
+    try:
+        state.weights.set(update.weights)
+    except WeightsError as exc:
+        state.metrics.admin_requests.labels("invalid").inc()
+        return error(400, str(exc), "weights")
+    state.weights_generation += 1
+    state.metrics.admin_requests.labels("ok").inc()
+    log.info("weights set", extra={"fields": {"weights": update.weights}})
+    return JSONResponse({"weights": state.weights.weights})
+
+
+async def live(request: Request) -> Response:
+    return JSONResponse({"status": "live"})
+
+
+async def ready(request: Request) -> Response:
+    return JSONResponse({"status": "ready", "generation": state_of(request).registry.generation})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(state_of(request).metrics.prometheus), media_type=CONTENT_TYPE_LATEST)
+
+
+async def sweep_forever(state: SchedulerState) -> None:
+    period = min(1.0, state.settings.heartbeat_interval / 2)
+    while True:
+        await asyncio.sleep(period)
+        state.registry.sweep()
+
+
+def create_app(settings: SchedulerSettings) -> Starlette:
+    state = SchedulerState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        sweeper = asyncio.create_task(sweep_forever(state))
+        try:
+            yield {}
+        finally:
+            sweeper.cancel()
+
+    routes = [
+        Route("/v1/instances", register, methods=["POST"]),
+        Route("/v1/instances", list_instances, methods=["GET"]),
+        Route("/v1/instances/{instance_id}/heartbeat", heartbeat, methods=["POST"]),
+        Route("/v1/instances/{instance_id}/drain", drain, methods=["POST"]),
+        Route("/v1/instances/{instance_id}", deregister, methods=["DELETE"]),
+        Route("/v1/routing", routing, methods=["GET"]),
+        Route("/v1/advice", advice, methods=["GET"]),
+        Route("/v1/admin/weights", get_weights, methods=["GET"]),
+        Route("/v1/admin/weights", put_weights, methods=["PUT"]),
+        Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.scheduler = state
+    return app

@@ -1,0 +1,103 @@
+"""What a prefill/decode/colocated server runs to register with the scheduler and heartbeat.
+
+    info = InstanceInfo(role="decode", version="v1", kv_fingerprint=engine.fingerprint,
+                        url="http://10.0.0.5:8100", model="tiny", instance_id="decode-a")
+    task = asyncio.create_task(run_heartbeats(scheduler_url, info, load_fn, interval=2.0))
+    ...
+    await drain(scheduler_url, info.instance_id)  # on SIGTERM: stop new traffic, finish in-flight, then
+    task.cancel()                                 # cancelling deregisters the instance
+
+`load_fn` returns an InstanceLoad (or a dict of its fields), sync or async; `ready=False` keeps the instance out of the
+routing table. The loop never raises on scheduler trouble: it logs, retries, and registers again when the scheduler
+forgot the instance (404 after a scheduler restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from .protocol import InstanceInfo, InstanceLoad
+
+log = logging.getLogger(__name__)
+
+LoadFn = Callable[[], InstanceLoad | dict[str, Any] | Awaitable[InstanceLoad | dict[str, Any]]]
+TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+
+
+async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[str, Any], load_fn: LoadFn,
+                         interval: float = 2.0) -> None:
+    """Register, then send a heartbeat with the current load every `interval` seconds until cancelled."""
+    info = InstanceInfo.model_validate(instance_info)
+    if info.instance_id is None:
+        info = info.model_copy(update={"instance_id": f"{info.role}-{uuid.uuid4().hex[:12]}"})
+    base = scheduler_url.rstrip("/")
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        try:
+            registered = False
+            while True:
+                if not registered:
+                    registered = await _register(client, base, info)
+                if registered:
+                    registered = await _heartbeat(client, base, info, await _current_load(load_fn))
+                await asyncio.sleep(interval)
+        finally:
+            await asyncio.shield(_deregister(client, base, str(info.instance_id)))
+
+
+async def drain(scheduler_url: str, instance_id: str) -> bool:
+    """Ask the scheduler to route no new requests to this instance; True if it acknowledged."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        try:
+            response = await client.post(f"{scheduler_url.rstrip('/')}/v1/instances/{instance_id}/drain")
+        except httpx.HTTPError as exc:
+            log.warning("drain failed", extra={"fields": {"cause": type(exc).__name__}})
+            return False
+    return response.status_code == 200
+
+
+async def _current_load(load_fn: LoadFn) -> InstanceLoad:
+    value = load_fn()
+    if inspect.isawaitable(value):
+        value = await value
+    return InstanceLoad.model_validate(value)
+
+
+async def _register(client: httpx.AsyncClient, base: str, info: InstanceInfo) -> bool:
+    try:
+        response = await client.post(f"{base}/v1/instances", json=info.model_dump())
+    except httpx.HTTPError as exc:
+        log.warning("scheduler unreachable", extra={"fields": {"cause": type(exc).__name__, "scheduler": base}})
+        return False
+    if response.status_code != 201:
+        log.error("registration refused", extra={"fields": {"status": response.status_code, "body": response.text}})
+        return False
+    log.info("registered with scheduler", extra={"fields": {"instance_id": info.instance_id, "scheduler": base}})
+    return True
+
+
+async def _heartbeat(client: httpx.AsyncClient, base: str, info: InstanceInfo, load: InstanceLoad) -> bool:
+    """Send one heartbeat; False means the scheduler does not know us and we must register again."""
+    try:
+        response = await client.post(f"{base}/v1/instances/{info.instance_id}/heartbeat",
+                                     json={"load": load.model_dump()})
+    except httpx.HTTPError as exc:
+        log.warning("heartbeat failed", extra={"fields": {"cause": type(exc).__name__}})
+        return True
+    if response.status_code == 404:
+        log.info("scheduler forgot this instance; registering again")
+        return False
+    return True
+
+
+async def _deregister(client: httpx.AsyncClient, base: str, instance_id: str) -> None:
+    try:
+        await client.delete(f"{base}/v1/instances/{instance_id}", timeout=2.0)
+    except httpx.HTTPError:
+        log.warning("deregistration failed; the scheduler will declare the instance dead")

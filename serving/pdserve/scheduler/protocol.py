@@ -1,0 +1,85 @@
+"""The scheduler's wire format: what instances register and report, and the routing table gateways poll."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["prefill", "decode", "colocated"]
+State = Literal["starting", "ready", "draining", "dead"]
+
+
+class InstanceLoad(BaseModel):
+    """Load figures an instance sends with every heartbeat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready: bool = Field(True, description="the instance has its model loaded and accepts requests")
+    queue_depth: int = Field(0, ge=0, description="requests waiting for a slot")
+    active_requests: int = Field(0, ge=0, description="requests being prefilled or decoded")
+    max_concurrency: int = Field(1, ge=1, description="request slots (decode batch size or prefill concurrency)")
+    kv_used_bytes: int = Field(0, ge=0, description="KV cache memory in use")
+    kv_capacity_bytes: int = Field(0, ge=0, description="KV cache memory budget; 0 if unknown")
+    outstanding_prompt_tokens: int = Field(0, ge=0, description="prompt tokens admitted but not yet prefilled")
+
+    def slot_utilisation(self) -> float:
+        return min(1.0, (self.active_requests + self.queue_depth) / self.max_concurrency)
+
+    def kv_utilisation(self) -> float:
+        return self.kv_used_bytes / self.kv_capacity_bytes if self.kv_capacity_bytes else 0.0
+
+    def utilisation(self) -> float:
+        """The busier of slots and KV memory, in [0, 1]."""
+        return max(self.slot_utilisation(), min(1.0, self.kv_utilisation()))
+
+
+class InstanceInfo(BaseModel):
+    """What an instance tells the scheduler when it registers; it does not change while the instance lives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="stable id chosen by the instance (re-registering with it is idempotent); generated if absent",
+    )
+    role: Role
+    version: str = Field(min_length=1, max_length=64, description="release of model + server, the canary unit")
+    kv_fingerprint: str = Field(min_length=1, max_length=128, description="engine KV fingerprint; pairs must match")
+    url: str = Field(pattern=r"^https?://[^/\s]+$", description="advertised base URL, e.g. http://10.0.0.5:8100")
+    model: str = Field("", max_length=256, description="served model name")
+    kv_host: str | None = Field(None, description="KV channel host (prefill only)")
+    kv_port: int | None = Field(None, ge=1, le=65535, description="KV channel port (prefill only)")
+    min_prompt_tokens: int = Field(0, ge=0, description="prefill length bucket: shortest prompt it takes")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="prefill length bucket: longest prompt it takes")
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    load: InstanceLoad = Field(default_factory=InstanceLoad)
+
+
+class RoutedInstance(BaseModel):
+    """One instance as the routing table shows it."""
+
+    instance_id: str
+    state: State
+    info: InstanceInfo
+    load: InstanceLoad
+
+
+class RoutingTable(BaseModel):
+    """Ready instances and version weights; `generation` changes whenever anything in it does."""
+
+    generation: int
+    weights: dict[str, float]
+    instances: list[RoutedInstance]
+
+
+class WeightsUpdate(BaseModel):
+    """Traffic weights per version. Versions not named get no traffic, unless no weights are set at all."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: dict[str, float] = Field(description="version -> non-negative weight")

@@ -1,0 +1,94 @@
+"""Start control-plane services as real processes on loopback ports, and wait for them to answer."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    """A `python -m MODULE` process listening on 127.0.0.1:port; its stderr (JSON logs) goes to `log_path`."""
+
+    module: str
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_path: str = "/health/live", timeout: float = 30.0) -> Service:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(self.port), *self.args],
+                stdout=log, stderr=log, env={**os.environ, **self.env},
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + ready_path, timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.module} did not answer {ready_path} within {timeout}s:\n{self.log_path.read_text()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup, as a crashed server would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def logs(self) -> str:
+        return self.log_path.read_text()
+
+
+def write_secret(path: Path) -> str:
+    token = secrets.token_urlsafe(24)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def start_scheduler(tmp: Path, heartbeat_interval: float = 0.2, missed: int = 3, port: int | None = None,
+                    state_file: Path | None = None) -> tuple[Service, str]:
+    """A scheduler process; returns it and its admin token."""
+    token_file = tmp / "admin.token"
+    token = token_file.read_text().strip() if token_file.exists() else write_secret(token_file)
+    args = ["--state-file", str(state_file or tmp / "scheduler-state.json"), "--admin-token-file", str(token_file),
+            "--heartbeat-interval", str(heartbeat_interval), "--missed-heartbeats", str(missed)]
+    service = Service("pdserve.scheduler", args, tmp / "scheduler.log")
+    if port is not None:
+        service.port = port
+    return service.start(), token

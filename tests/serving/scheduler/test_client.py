@@ -1,0 +1,56 @@
+"""The heartbeat client servers run: registers, reports load, re-registers after a scheduler restart, deregisters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.scheduler.client import drain, run_heartbeats
+from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad
+
+from .services import start_scheduler
+
+INFO = InstanceInfo(instance_id="decode-x", role="decode", version="v1", kv_fingerprint="fp", url="http://127.0.0.1:9")
+
+
+async def wait_until(check: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(check):  # type: ignore[arg-type]
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_heartbeats_survive_scheduler_restart_and_deregister_on_cancel(tmp_path: Path) -> None:
+    service, _ = start_scheduler(tmp_path)
+    active = {"n": 0}
+
+    def load() -> InstanceLoad:
+        active["n"] += 1
+        return InstanceLoad(active_requests=active["n"], max_concurrency=1000)
+
+    def routed() -> list[dict[str, object]]:
+        instances: list[dict[str, object]] = httpx.get(f"{service.url}/v1/routing").json()["instances"]
+        return instances
+
+    async def scenario() -> None:
+        task = asyncio.create_task(run_heartbeats(service.url, INFO, load, interval=0.05))
+        await wait_until(lambda: len(routed()) == 1 and routed()[0]["load"]["active_requests"] > 1)  # type: ignore[index]
+        await asyncio.to_thread(service.kill)
+        await asyncio.to_thread(service.start)  # same port, empty registry
+        await wait_until(lambda: [i["instance_id"] for i in routed()] == ["decode-x"])
+        assert await drain(service.url, "decode-x")
+        await wait_until(lambda: routed() == [])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        listed = httpx.get(f"{service.url}/v1/instances").json()["instances"]
+        assert listed == [], "cancelling the heartbeat task must deregister the instance"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        service.stop()

@@ -1,0 +1,168 @@
+"""The scheduler as a real process: registration, heartbeats and states, routing table, weights, advice, metrics."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .services import Service, start_scheduler
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[tuple[Service, str]]:
+    service, token = start_scheduler(tmp_path)
+    yield service, token
+    service.stop()
+
+
+def instance(instance_id: str, role: str = "decode", version: str = "v1", fingerprint: str = "fp-a") -> dict[str, Any]:
+    return {"instance_id": instance_id, "role": role, "version": version, "kv_fingerprint": fingerprint,
+            "url": "http://127.0.0.1:9", "model": "tiny"}
+
+
+def beat(url: str, instance_id: str, **load: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}})
+
+
+def states(url: str) -> dict[str, str]:
+    return {i["instance_id"]: i["state"] for i in httpx.get(f"{url}/v1/instances").json()["instances"]}
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_states_starting_ready_draining_dead(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    assert httpx.post(f"{url}/v1/instances", json=instance("d1")).status_code == 201
+    assert states(url) == {"d1": "starting"}
+    assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}}).json()["state"] == "starting"
+    assert beat(url, "d1").json()["state"] == "ready"
+    assert httpx.post(f"{url}/v1/instances/d1/drain").json()["state"] == "draining"
+    assert beat(url, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
+    wait_for(lambda: states(url) == {"d1": "dead"})  # heartbeats stopped: 3 x 0.2 s missed
+
+
+def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    for name in ("p1", "d1", "d2"):
+        httpx.post(f"{url}/v1/instances", json=instance(name, role="prefill" if name.startswith("p") else "decode"))
+    beat(url, "p1")
+    beat(url, "d1", active_requests=3, max_concurrency=8)
+    table = httpx.get(f"{url}/v1/routing")
+    ids = {i["instance_id"]: i for i in table.json()["instances"]}
+    assert set(ids) == {"p1", "d1"}
+    assert ids["d1"]["load"]["active_requests"] == 3
+    etag = table.headers["etag"]
+    assert httpx.get(f"{url}/v1/routing", headers={"If-None-Match": etag}).status_code == 304
+    beat(url, "d2")
+    changed = httpx.get(f"{url}/v1/routing", headers={"If-None-Match": etag})
+    assert changed.status_code == 200
+    assert {i["instance_id"] for i in changed.json()["instances"]} == {"p1", "d1", "d2"}
+
+
+def test_deregister_and_unknown_heartbeat(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    httpx.post(f"{url}/v1/instances", json=instance("d1"))
+    assert httpx.delete(f"{url}/v1/instances/d1").status_code == 204
+    response = beat(url, "d1")
+    assert response.status_code == 404
+    assert "register again" in response.json()["error"]["message"]
+
+
+def test_bad_registration_names_the_field(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    bad = instance("d1") | {"role": "router"}
+    response = httpx.post(f"{url}/v1/instances", json=bad)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == "role"
+    response = httpx.post(f"{url}/v1/instances", json=instance("d1") | {"url": "ftp://x"})
+    assert response.json()["error"]["field"] == "url"
+    response = httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}})
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == "load.queue_depth"
+
+
+def test_weights_need_the_admin_token(scheduler: tuple[Service, str]) -> None:
+    url, token = scheduler[0].url, scheduler[1]
+    body = {"weights": {"v1": 90, "v2": 10}}
+    assert httpx.put(f"{url}/v1/admin/weights", json=body).status_code == 401
+    wrong = httpx.put(f"{url}/v1/admin/weights", json=body, headers={"Authorization": "Bearer " + token + "x"})
+    assert wrong.status_code == 401
+    ok = httpx.put(f"{url}/v1/admin/weights", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{url}/v1/routing").json()["weights"] == {"v1": 90, "v2": 10}
+    negative = httpx.put(f"{url}/v1/admin/weights", json={"weights": {"v2": -1}},
+                         headers={"Authorization": f"Bearer {token}"})
+    assert negative.status_code == 400
+    assert "weights.v2" in negative.json()["error"]["message"]
+
+
+def test_weights_survive_a_restart(tmp_path: Path) -> None:
+    service, token = start_scheduler(tmp_path)
+    try:
+        httpx.put(f"{service.url}/v1/admin/weights", json={"weights": {"v1": 75, "v2": 25}},
+                  headers={"Authorization": f"Bearer {token}"}).raise_for_status()
+    finally:
+        service.kill()  # no graceful shutdown: the state must already be on disk
+    restarted, _ = start_scheduler(tmp_path, port=service.port)
+    try:
+        assert httpx.get(f"{restarted.url}/v1/admin/weights").json()["weights"] == {"v1": 75, "v2": 25}
+        assert httpx.get(f"{restarted.url}/v1/routing").json()["weights"] == {"v1": 75, "v2": 25}
+    finally:
+        restarted.stop()
+
+
+def test_advice_recommends_ratio_and_direction(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    for name in ("p1", "p2"):
+        httpx.post(f"{url}/v1/instances", json=instance(name, role="prefill"))
+        beat(url, name, active_requests=4, max_concurrency=4)  # saturated
+    for name in ("d1", "d2", "d3"):
+        httpx.post(f"{url}/v1/instances", json=instance(name))
+        beat(url, name, active_requests=1, max_concurrency=10, kv_used_bytes=5, kv_capacity_bytes=100)
+    advice = httpx.get(f"{url}/v1/advice").json()
+    assert advice["prefill"]["utilisation"] == 1.0
+    assert advice["prefill"]["scale"] == "up"
+    assert advice["decode"]["utilisation"] == pytest.approx(0.1)
+    assert advice["decode"]["scale"] == "down"
+    # 2 busy prefill at target 0.6 -> 4 instances; 0.3 busy decode -> 1 instance.
+    assert advice["prefill"]["recommended_instances"] == 4
+    assert advice["decode"]["recommended_instances"] == 1
+    assert advice["recommended_pd_ratio"] == 4.0
+
+
+def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pdserve.scheduler", "--state-file", str(tmp_path / "s.json"),
+                             "--admin-token-file", str(tmp_path / "t"), "--heartbeat-interval", "soon"],
+                            check=False, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "--heartbeat-interval" in result.stderr
+
+
+def test_metrics_pass_promtool(scheduler: tuple[Service, str]) -> None:
+    url = scheduler[0].url
+    httpx.post(f"{url}/v1/instances", json=instance("d1"))
+    beat(url, "d1")
+    httpx.get(f"{url}/v1/routing")
+    text = httpx.get(f"{url}/metrics").text
+    assert 'pdserve_scheduler_instances{role="decode",state="ready",version="v1"} 1.0' in text
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: apt-get install prometheus"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, check=False, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
