@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from pdstack.plan.command import plan_command
 from pdstack.validate import validate
 
 app = typer.Typer(
@@ -24,6 +25,9 @@ def project_stacks_dir(start: Path | None = None) -> Path:
         if (folder / "Pulumi.yaml").is_file():
             return folder / "stacks"
     return here / "stacks"
+
+
+app.command("plan")(plan_command)
 
 
 @app.callback()

@@ -1,0 +1,6 @@
+"""The capacity planner: KV sizes, prefill/decode timing, node counts, link need and the offload threshold."""
+
+from pdstack.plan.planner import Plan, PlanInputs, Slo, make_plan
+from pdstack.plan.stacks import LinkCheck, link_checks, link_problems
+
+__all__ = ["LinkCheck", "Plan", "PlanInputs", "Slo", "link_checks", "link_problems", "make_plan"]
