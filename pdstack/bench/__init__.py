@@ -1,0 +1,1 @@
+"""`pdstack bench`: an open-loop load generator for OpenAI-compatible endpoints."""
