@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from pdstack.bench.cli import bench_command
 from pdstack.plan.command import plan_command
 from pdstack.validate import validate
 
@@ -28,6 +29,7 @@ def project_stacks_dir(start: Path | None = None) -> Path:
 
 
 app.command("plan")(plan_command)
+app.command("bench")(bench_command)
 
 
 @app.callback()
