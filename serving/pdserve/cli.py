@@ -1,0 +1,58 @@
+"""`pdserve ROLE [options]`: run one pdserve component.
+
+ROLE is prefill, decode or colocated (the model servers in pdserve.server), or gateway or scheduler (the control
+plane, each a module exposing main(argv)). `pdserve ROLE --help` lists a role's options and their PDSERVE_* variables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+SERVER_ROLES = ("prefill", "decode", "colocated")
+CONTROL_ROLES = ("gateway", "scheduler")
+USAGE = f"usage: pdserve ROLE [options]   (ROLE: {' | '.join(SERVER_ROLES + CONTROL_ROLES)}; pdserve ROLE --help)"
+
+
+def run_server(role: str, argv: Sequence[str]) -> None:
+    import uvicorn  # noqa: PLC0415  (the control-plane roles do not need it loaded)
+
+    from pdserve.server import create_app  # noqa: PLC0415
+    from pdserve.server.logs import configure  # noqa: PLC0415
+    from pdserve.server.settings import settings_from_args  # noqa: PLC0415
+
+    settings = settings_from_args(role, argv)
+    configure(settings.log_level)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                log_level=settings.log_level, timeout_graceful_shutdown=5)
+
+
+def run_control_plane(role: str, argv: Sequence[str]) -> None:
+    try:
+        module = importlib.import_module(f"pdserve.{role}")
+    except ImportError as error:
+        raise SystemExit(f"pdserve {role}: this installation has no pdserve.{role} module ({error})") from None
+    entry = getattr(module, "main", None)
+    if entry is None:
+        raise SystemExit(f"pdserve {role}: pdserve.{role} has no main(argv) entry point")
+    entry(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        raise SystemExit(0 if args else 2)
+    role, rest = args[0], args[1:]
+    if role in SERVER_ROLES:
+        run_server(role, rest)
+    elif role in CONTROL_ROLES:
+        run_control_plane(role, rest)
+    else:
+        raise SystemExit(f"pdserve: unknown role {role!r}\n{USAGE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The app factory all three roles share: routes, lifespan (model load in the background, KV channel, batch loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.engine import Engine
+from pdserve.kv import SecretKey
+from pdserve.server.batching import Admission, BatchScheduler
+from pdserve.server.generation import GenerationService
+from pdserve.server.heartbeat import start_heartbeats
+from pdserve.server.kvlink import DecodeImporter, PrefillExporter
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.openai_api import OpenAIEndpoints
+from pdserve.server.settings import Role, ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What the routes read: the loaded service (None while loading) and why loading failed, if it did."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    service: GenerationService | None = None
+    load_error: str | None = None
+    exporter: PrefillExporter | None = None
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+async def load_service(state: ServerState) -> None:
+    settings = state.settings
+    try:
+        engine = await asyncio.to_thread(Engine.load, settings.model)
+        key = SecretKey.from_file(settings.kv_key_file) if settings.kv_key_file is not None else None
+        exporter = importer = None
+        if settings.role is Role.PREFILL:
+            assert key is not None
+            exporter = PrefillExporter(settings, engine, key, state.metrics)
+            await exporter.start()
+            state.exporter = exporter
+        elif settings.role is Role.DECODE:
+            assert key is not None
+            importer = DecodeImporter(settings, engine, key, state.metrics)
+        scheduler = BatchScheduler(engine, settings.prefill_token_budget, state.metrics)
+        scheduler.start()
+        admission = Admission(settings.max_num_seqs, settings.kv_memory_bytes, state.metrics)
+        state.service = GenerationService(settings, engine, scheduler, admission, state.metrics,
+                                          exporter=exporter, importer=importer)
+    except Exception as error:
+        state.load_error = f"{type(error).__name__}: {error}"
+        log.error("model load failed", extra={"error": state.load_error})
+        return
+    state.metrics.ready.set(1)
+    log.info("ready", extra={"role": settings.role.value, "model": settings.model_name,
+                             "fingerprint": engine.fingerprint,
+                             "kv_port": exporter.server.port if exporter is not None else None})
+    heartbeat = start_heartbeats(settings, state.service, exporter)
+    if heartbeat is not None:
+        state.background.append(heartbeat)
+
+
+def create_app(settings: ServerSettings, registry: CollectorRegistry | None = None) -> Starlette:
+    metrics = ServerMetrics(registry if registry is not None else CollectorRegistry())
+    state = ServerState(settings, metrics)
+    endpoints = OpenAIEndpoints(lambda: state.service, settings.model_name)
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"status": "live", "role": settings.role.value})
+
+    async def ready(request: Request) -> Response:
+        if state.service is None:
+            reason = f"model load failed: {state.load_error}" if state.load_error else "model loading"
+            return JSONResponse({"status": "not_ready", "reason": reason}, 503)
+        body: dict[str, object] = {"status": "ready", "role": settings.role.value, "model": settings.model_name,
+                                   "fingerprint": state.service.engine.fingerprint, "engine_id": settings.engine_id}
+        if state.exporter is not None:
+            body["kv_port"] = state.exporter.server.port
+        return JSONResponse(body)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.background.append(asyncio.create_task(load_service(state)))
+        try:
+            yield
+        finally:
+            for task in state.background:
+                task.cancel()
+            await asyncio.gather(*state.background, return_exceptions=True)
+            if state.service is not None:
+                await state.service.scheduler.stop()
+            if state.exporter is not None:
+                await state.exporter.close()
+
+    routes = [
+        Route("/health/live", live),
+        Route("/health/ready", ready),
+        Route("/metrics", metrics_endpoint),
+        Route("/v1/models", endpoints.models),
+        Route("/v1/completions", endpoints.completions, methods=["POST"]),
+        Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(RequestIdMiddleware, metrics=metrics)])
+    app.state.server = state
+    return app
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (X-Request-Id, taken from the client's if sent), counts answers, logs /v1 calls."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path: str = scope["path"]
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            endpoint = path if path.startswith(("/v1/", "/health", "/metrics")) else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if path.startswith("/v1/"):
+                log.info("http request", extra={"request_id": request_id, "path": path, "status": status,
+                                                "seconds": round(time.perf_counter() - started, 4)})

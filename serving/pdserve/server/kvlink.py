@@ -1,0 +1,169 @@
+"""Both ends of the KV channel as the servers use them: prefill exports KV under a lease, decode imports it.
+
+The KV shipped is that of prompt[:-1] (see batching.py for why); `num_tokens` in kv_transfer_params is the prompt's
+token count, so the blob holds num_tokens - 1 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.engine import Engine, EngineError, KVCache
+from pdserve.kv import KVMeta, KVServer, KVTransferError, LeaseStore, SecretKey, StoredKV, ack, pull
+from pdserve.kv.errors import Cause
+from pdserve.server.batching import ExportHook, Sequence
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.schemas import KVTransferParams, RequestError
+from pdserve.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+TRANSFERRED_IDS_KEPT = 65536
+
+
+def server_tls(settings: ServerSettings) -> ssl.SSLContext | None:
+    if settings.kv_tls_cert is None or settings.kv_tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.kv_tls_cert, settings.kv_tls_key)
+    return context
+
+
+def client_tls(settings: ServerSettings) -> ssl.SSLContext | None:
+    if settings.kv_tls_ca is None:
+        return None
+    return ssl.create_default_context(cafile=str(settings.kv_tls_ca))
+
+
+def kv_memory_per_request(engine: Engine, total_tokens: int) -> int:
+    """Bytes a sequence's KV can grow to (sliding layers stop at their window)."""
+    spec = engine.kv_spec
+    per_token = 2 * spec.num_kv_heads * spec.head_dim * 4
+    return sum(spec.layer_tokens(layer, total_tokens) for layer in range(spec.num_layers)) * per_token
+
+
+class PrefillExporter:
+    """Prefill role: a LeaseStore served by a KVServer; sequences hand their KV to it just before their first token."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine, key: SecretKey, metrics: ServerMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.store = LeaseStore(settings.kv_store_bytes, settings.kv_lease_seconds, metrics=metrics.kv)
+        self.server = KVServer(self.store, key, host=settings.kv_host, port=settings.kv_port,
+                               ssl_context=server_tls(settings), metrics=metrics.kv)
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.store.start_reaper()
+
+    async def close(self) -> None:
+        await self.store.stop_reaper()
+        await self.server.close()
+
+    def hook(self, remote_request_id: str, holder: dict[str, StoredKV]) -> ExportHook:
+        def export(sequence: Sequence) -> None:
+            layers = [(np.array(k), np.array(v)) for k, v in sequence.cache.layers()]
+            meta = KVMeta(remote_request_id, sequence.cache.position, self.engine.fingerprint)
+            holder["stored"] = self.store.put(remote_request_id, layers, meta)
+        return export
+
+    def response_params(self, remote_request_id: str, stored: StoredKV, num_tokens: int) -> dict[str, object]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.settings.engine_id,
+            "remote_request_id": remote_request_id,
+            "remote_host": self.settings.advertised_host,
+            "remote_port": self.server.port,
+            "remote_block_ids": [],  # pdserve addresses KV by remote_request_id, not by blocks
+            "kv_fingerprint": self.engine.fingerprint,
+            "num_tokens": num_tokens,
+            "kv_checksum": stored.checksum,
+        }
+
+    def release(self, remote_request_id: str) -> None:
+        self.store.ack(remote_request_id)
+
+
+@dataclass
+class KVLoadFailure(Exception):
+    cause: Cause
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.cause}: {self.message}"
+
+
+class DecodeImporter:
+    """Decode role: pulls and verifies remote KV, acknowledges it, and remembers what was transferred."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine, key: SecretKey, metrics: ServerMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.key = key
+        self.metrics = metrics
+        self._tls = client_tls(settings)
+        self._transferred: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._acks: set[asyncio.Task[None]] = set()
+
+    def check_params(self, params: KVTransferParams, prompt_tokens: int) -> tuple[str, str]:
+        missing = params.missing_remote_fields()
+        if missing:
+            raise RequestError(f"kv_transfer_params: missing {', '.join(missing)}", param="kv_transfer_params")
+        if params.num_tokens != prompt_tokens:
+            raise RequestError(
+                f"kv_transfer_params.num_tokens: the KV is for {params.num_tokens} prompt tokens, this request's "
+                f"prompt has {prompt_tokens}", param="kv_transfer_params.num_tokens")
+        transfer = (str(params.remote_engine_id), str(params.remote_request_id))
+        if transfer in self._transferred:
+            raise RequestError(f"kv_transfer_params: KV of request {transfer[1]!r} was already transferred (a request "
+                               "transfers at most once)", param="kv_transfer_params.remote_request_id", status=409)
+        self._transferred[transfer] = None
+        while len(self._transferred) > TRANSFERRED_IDS_KEPT:
+            self._transferred.popitem(last=False)
+        return transfer
+
+    async def load(self, params: KVTransferParams, prompt_tokens: int) -> KVCache:
+        """The KV of prompt[:-1], pulled and verified; raises KVLoadFailure naming the cause."""
+        assert params.remote_host and params.remote_port and params.remote_request_id and params.kv_checksum
+        if params.kv_fingerprint != self.engine.fingerprint:
+            raise KVLoadFailure("fingerprint", f"prefill's KV fingerprint {params.kv_fingerprint} differs from this "
+                                f"decoder's {self.engine.fingerprint} (different model, dtype or engine version)")
+        try:
+            blob = await pull(
+                params.remote_host, params.remote_port, params.remote_request_id, params.kv_checksum, key=self.key,
+                streams=self.settings.kv_streams, expected_fingerprint=self.engine.fingerprint,
+                ssl_context=self._tls, server_hostname=self.settings.kv_tls_server_name,
+                connect_timeout_s=self.settings.kv_connect_timeout_seconds,
+                read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv,
+            )
+        except KVTransferError as error:
+            raise KVLoadFailure(error.cause, error.message) from error
+        if blob.meta.token_count != prompt_tokens - 1:
+            message = f"the KV holds {blob.meta.token_count} tokens, expected {prompt_tokens - 1}"
+            raise KVLoadFailure("protocol", message)
+        try:
+            cache = self.engine.cache_from_layers(blob.layers, blob.meta.token_count)
+        except EngineError as error:
+            raise KVLoadFailure("protocol", f"the KV does not fit this model: {error}") from error
+        self._acknowledge(params.remote_host, params.remote_port, params.remote_request_id)
+        return cache
+
+    def _acknowledge(self, host: str, port: int, request_id: str) -> None:
+        async def send() -> None:
+            try:
+                await ack(host, port, request_id, key=self.key, ssl_context=self._tls,
+                          server_hostname=self.settings.kv_tls_server_name,
+                          connect_timeout_s=self.settings.kv_connect_timeout_seconds,
+                          read_timeout_s=self.settings.kv_read_timeout_seconds)
+            except KVTransferError as error:  # the lease then simply expires
+                log.warning("kv ack failed", extra={"kv_request_id": request_id, "cause": error.cause})
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)

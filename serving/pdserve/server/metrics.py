@@ -1,0 +1,62 @@
+"""Prometheus metrics of a serving process, on the registry /metrics exposes (the KV channel's metrics share it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.kv import KVMetrics
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.kv = KVMetrics(registry)
+        self.requests = Counter(
+            "pdserve_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "pdserve_requests_rejected", "Requests refused for capacity, by reason", ["reason"], registry=registry
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Time from request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.inter_token = Histogram(
+            "pdserve_inter_token_latency_seconds", "Time between consecutive generated tokens of a request",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_request_duration_seconds", "Time from request arrival to its last token",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens admitted", registry=registry)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=registry)
+        self.running = Gauge("pdserve_running_requests", "Requests in the running batch", registry=registry)
+        self.admitted = Gauge(
+            "pdserve_admitted_requests", "Requests admitted (pulling KV, prefilling or decoding)", registry=registry
+        )
+        self.kv_reserved = Gauge(
+            "pdserve_kv_memory_reserved_bytes", "KV memory reserved by admitted requests", registry=registry
+        )
+        self.kv_limit = Gauge("pdserve_kv_memory_limit_bytes", "KV memory available to requests", registry=registry)
+        self.step_batch = Histogram(
+            "pdserve_step_batch_size", "Sequences in one engine step", buckets=BATCH_BUCKETS, registry=registry
+        )
+        self.step_tokens = Histogram(
+            "pdserve_step_tokens", "Tokens fed to the engine in one step", buckets=TOKEN_BUCKETS, registry=registry
+        )
+        self.step_seconds = Histogram(
+            "pdserve_step_duration_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.kv_load_failures = Counter(
+            "pdserve_kv_load_failures", "Remote KV that could not be used, by cause and the action taken",
+            ["cause", "action"], registry=registry,
+        )
+        self.ready = Gauge(
+            "pdserve_ready", "1 once the model is loaded and the server takes requests", registry=registry
+        )

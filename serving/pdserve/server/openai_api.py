@@ -1,0 +1,188 @@
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (JSON or SSE) and /v1/models."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine import EngineError
+from pdserve.kv import KVTransferError
+from pdserve.server.batching import CapacityError
+from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, GenerationService
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def as_error_response(error: BaseException) -> JSONResponse:
+    """The HTTP answer for an error raised while serving a request."""
+    if isinstance(error, RequestError):
+        return error_response(error.status, error.message, error.kind, error.param)
+    if isinstance(error, CapacityError):
+        return error_response(error.status, error.message, f"server_full_{error.reason}")
+    if isinstance(error, KVTransferError) and error.cause == "capacity":
+        return error_response(503, f"KV lease store full: {error.message}", "server_full_kv_store")
+    if isinstance(error, EngineError):
+        return error_response(500, f"engine error: {error}", "engine_error")
+    log.error("unexpected error", exc_info=error)
+    return error_response(500, "internal server error", "internal_error")
+
+
+class OpenAIEndpoints:
+    def __init__(self, service_ref: Any, model_name: str) -> None:
+        self._ref = service_ref  # a callable returning the GenerationService, or None while the model loads
+        self.model_name = model_name
+
+    @property
+    def service(self) -> GenerationService:
+        service: GenerationService | None = self._ref()
+        if service is None:
+            raise RequestError("the model is still loading; retry once /health/ready answers 200", status=503,
+                               kind="not_ready")
+        return service
+
+    async def models(self, request: Request) -> Response:
+        service = self._ref()
+        entry: dict[str, Any] = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                                 "owned_by": "pdserve"}
+        if service is not None:
+            entry["max_model_len"] = service.max_model_len
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        request_id = request.state.request_id
+        try:
+            body = await _json_body(request)
+            service = self.service
+            if chat:
+                chat_req = parse_request(ChatCompletionRequest, body)
+                self._check_model(chat_req.model)
+                prompt_ids = service.chat_prompt(chat_req)
+                max_tokens = service.max_tokens(chat_req, len(prompt_ids), None)
+                generation = await service.start(chat_req, prompt_ids, max_tokens, request_id)
+                parsed: ChatCompletionRequest | CompletionRequest = chat_req
+            else:
+                completion_req = parse_request(CompletionRequest, body)
+                self._check_model(completion_req.model)
+                prompt_ids = service.completion_prompt(completion_req)
+                max_tokens = service.max_tokens(completion_req, len(prompt_ids), DEFAULT_COMPLETION_TOKENS)
+                generation = await service.start(completion_req, prompt_ids, max_tokens, request_id)
+                parsed = completion_req
+        except Exception as error:
+            return as_error_response(error)
+        formatter = _Formatter(chat, self.model_name, request_id)
+        if parsed.stream:
+            return StreamingResponse(_sse(generation, formatter, parsed.include_usage), media_type="text/event-stream")
+        try:
+            async for _ in generation.outputs():
+                pass
+        except Exception as error:
+            return as_error_response(error)
+        return JSONResponse(formatter.full(generation))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"model: {model!r} is not served here (this server serves {self.model_name!r})",
+                               param="model", status=404, kind="model_not_found")
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+
+
+class _Formatter:
+    """Builds OpenAI response objects for one request."""
+
+    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(generation: Generation) -> dict[str, int]:
+        return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens,
+                "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+
+    def full(self, generation: Generation) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": generation.text},
+                                      "logprobs": None, "finish_reason": generation.finish_reason}
+            body = self._envelope("chat.completion")
+        else:
+            choice = {"index": 0, "text": generation.text, "logprobs": None,
+                      "finish_reason": generation.finish_reason}
+            body = self._envelope("text_completion")
+        body["choices"] = [choice]
+        body["usage"] = self.usage(generation)
+        body["kv_transfer_params"] = generation.kv_transfer_params()
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion")
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, generation: Generation) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = self.usage(generation)
+        return body
+
+
+def _event(body: dict[str, Any] | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body)
+    return f"data: {data}\n\n".encode()
+
+
+async def _sse(generation: Generation, formatter: _Formatter, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: one chunk per token with new text, a final chunk with finish_reason, then [DONE].
+    An error after the stream began is sent as an error event (the status line has already gone out)."""
+    try:
+        if formatter.chat:
+            yield _event(formatter.chunk(None, None, first=True))
+        async for output in generation.outputs():
+            if output.finished:
+                yield _event(formatter.chunk(output.text, output.finish_reason))
+            elif output.text:
+                yield _event(formatter.chunk(output.text, None))
+        if include_usage:
+            yield _event(formatter.usage_chunk(generation))
+    except Exception as error:
+        response = as_error_response(error)
+        yield _event(json.loads(bytes(response.body)))
+    finally:
+        generation.close()  # the client may have gone: stop generating for it
+    yield _event("[DONE]")
