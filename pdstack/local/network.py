@@ -1,0 +1,249 @@
+"""Build and remove the local environment's networks: a router namespace per datacenter, a namespace per node,
+and an emulated WAN link (pdstack.wanlink) for every link the local stacks declare.
+
+    host ── uplink veth ── router ns "dc1" ── bridge ── veth ── node ns "dc1-prefill-1"  (node container joins it)
+                              │ TUN
+                       WAN forwarder (rate, delay, loss from the stack's link)
+                              │ TUN
+                           router ns "dc2" ── bridge ── veth ── node ns "dc2-decode-1"
+
+The host keeps one service address (SERVICE_ADDRESS) that every node reaches through its router: the image
+registry listens there. Nodes reach package mirrors through the host's NAT. Every step checks before it acts, so
+`up` twice changes nothing, and `down` removes exactly what `up` made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Datacenter, Link, Node, Topology
+from pdstack.wanlink import Endpoint, LinkSpec, link_arguments
+
+MTU = "65000"  # as the WAN's TUN devices: large segments keep the user-space forwarder's packet rate low
+NAT_COMMENT = "pdstack-local"
+
+
+class NetworkError(RuntimeError):
+    pass
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(args), capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        raise NetworkError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def namespaces() -> set[str]:
+    return {line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.strip()}
+
+
+def link_exists(device: str, namespace: str | None = None) -> bool:
+    prefix = ["ip", "-n", namespace] if namespace else ["ip"]
+    return sh(*prefix, "link", "show", device, check=False).returncode == 0
+
+
+def has_service_address() -> bool:
+    return f" {SERVICE_ADDRESS}/32 " in sh("ip", "-o", "addr", "show", "dev", "lo").stdout
+
+
+def in_ns(namespace: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return sh("ip", "netns", "exec", namespace, *args, check=check)
+
+
+class LocalNetwork:
+    def __init__(self, topology: Topology, state_dir: Path) -> None:
+        self.topology = topology
+        self.state_dir = state_dir
+
+    # -- up -------------------------------------------------------------------------------------------------------
+
+    def up(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._service_address()
+        for dc in self.topology.datacenters:
+            self._router(dc)
+            for node in dc.nodes:
+                self._node(dc, node)
+        self._nat()
+        for link in self.topology.links:
+            self._start_link(link)
+
+    def _service_address(self) -> None:
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        if not has_service_address():
+            sh("ip", "addr", "add", f"{SERVICE_ADDRESS}/32", "dev", "lo")
+
+    def _router(self, dc: Datacenter) -> None:
+        ns = dc.router_namespace
+        if ns in namespaces():
+            return
+        sh("ip", "netns", "add", ns)
+        for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
+            in_ns(ns, "sysctl", "-qw", setting)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "add", "br0", "mtu", MTU, "type", "bridge")
+        sh("ip", "-n", ns, "addr", "add", str(dc.gateway), "dev", "br0")
+        sh("ip", "-n", ns, "link", "set", "br0", "up")
+        sh(
+            "ip",
+            "link",
+            "add",
+            dc.uplink_device,
+            "mtu",
+            MTU,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "uplink",
+            "netns",
+            ns,
+            "mtu",
+            MTU,
+        )
+        sh("ip", "addr", "add", str(dc.uplink_host), "dev", dc.uplink_device)
+        sh("ip", "link", "set", dc.uplink_device, "up")
+        sh("ip", "-n", ns, "addr", "add", str(dc.uplink_router), "dev", "uplink")
+        sh("ip", "-n", ns, "link", "set", "uplink", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", str(dc.uplink_host.ip))
+        sh("ip", "route", "replace", str(dc.network), "via", str(dc.uplink_router.ip))
+
+    def _node(self, dc: Datacenter, node: Node) -> None:
+        ns = node.namespace
+        if ns in namespaces():
+            return
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        port = f"v{node.address.ip.packed[-1]}"
+        sh(
+            "ip",
+            "-n",
+            dc.router_namespace,
+            "link",
+            "add",
+            port,
+            "mtu",
+            MTU,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns,
+            "mtu",
+            MTU,
+        )
+        sh("ip", "-n", dc.router_namespace, "link", "set", port, "master", "br0", "up")
+        sh("ip", "-n", ns, "addr", "add", str(node.address), "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", str(dc.gateway.ip))
+
+    def _nat_rules(self) -> list[list[str]]:
+        net = str(LOCAL_SUPERNET)
+        tag = ["-m", "comment", "--comment", NAT_COMMENT]
+        return [
+            ["-t", "nat", "POSTROUTING", "-s", net, "!", "-d", net, *tag, "-j", "MASQUERADE"],
+            ["-t", "filter", "FORWARD", "-s", net, *tag, "-j", "ACCEPT"],
+            ["-t", "filter", "FORWARD", "-d", net, *tag, "-j", "ACCEPT"],
+        ]
+
+    def _nat(self) -> None:
+        for rule in self._nat_rules():
+            table, chain, *spec = rule[1], rule[2], *rule[3:]
+            if sh("iptables", "-t", table, "-C", chain, *spec, check=False).returncode != 0:
+                sh("iptables", "-t", table, "-A", chain, *spec)
+
+    def _pid_file(self, link: Link) -> Path:
+        return self.state_dir / f"link-{link.a}-{link.b}.pid"
+
+    def link_pid(self, link: Link) -> int | None:
+        path = self._pid_file(link)
+        if not path.is_file():
+            return None
+        pid = int(path.read_text())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def _start_link(self, link: Link) -> None:
+        if self.link_pid(link) is not None:
+            return
+        a, b = self.topology.datacenter(link.a), self.topology.datacenter(link.b)
+        addr_a, addr_b = link.addresses()
+        end_a = Endpoint(a.router_namespace, link.device_towards(b.name), addr_a, (b.network,))
+        end_b = Endpoint(b.router_namespace, link.device_towards(a.name), addr_b, (a.network,))
+        spec = LinkSpec(rate_mbit=link.rate_mbit, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
+        log = self.state_dir / f"link-{link.a}-{link.b}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pdstack.wanlink", *link_arguments(end_a, end_b, spec)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._pid_file(link).write_text(str(process.pid))
+        deadline = time.monotonic() + 15
+        while "ready" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise NetworkError(f"WAN link {link.a}<->{link.b} did not come up: {log.read_text()[-1000:]}")
+            time.sleep(0.1)
+
+    # -- down -----------------------------------------------------------------------------------------------------
+
+    def down(self) -> None:
+        for link in self.topology.links:
+            pid = self.link_pid(link)
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM)
+                _wait_gone(pid)
+            self._pid_file(link).unlink(missing_ok=True)
+        present = namespaces()
+        for dc in self.topology.datacenters:
+            for node in dc.nodes:
+                if node.namespace in present:
+                    sh("ip", "netns", "delete", node.namespace)
+            if dc.router_namespace in present:
+                sh("ip", "netns", "delete", dc.router_namespace)  # takes the uplink veth and its host route along
+            if link_exists(dc.uplink_device):
+                sh("ip", "link", "delete", dc.uplink_device)
+        for rule in self._nat_rules():
+            table, chain, *spec = rule[1], rule[2], *rule[3:]
+            while sh("iptables", "-t", table, "-C", chain, *spec, check=False).returncode == 0:
+                sh("iptables", "-t", table, "-D", chain, *spec)
+        if has_service_address():
+            sh("ip", "addr", "del", f"{SERVICE_ADDRESS}/32", "dev", "lo")
+
+    # -- inspection -----------------------------------------------------------------------------------------------
+
+    def leftovers(self) -> list[str]:
+        """What of this network still exists on the machine (empty after `down`)."""
+        found = [f"namespace {ns}" for ns in sorted(namespaces()) if ns.startswith("pds")]
+        found += [f"address {SERVICE_ADDRESS}"] if has_service_address() else []
+        found += [f"device {dc.uplink_device}" for dc in self.topology.datacenters if link_exists(dc.uplink_device)]
+        found += [f"WAN link {link.a}<->{link.b}" for link in self.topology.links if self.link_pid(link) is not None]
+        rules = sh("iptables-save", check=False).stdout
+        found += ["iptables rules"] if NAT_COMMENT in rules else []
+        return found
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap it when it is our own child (a test that ran `up` itself)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,152 @@
+"""The local environment's shape, derived from the `local` stacks: datacenters, their nodes and addresses, links.
+
+Nothing here touches the machine; `network.py` builds what this describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from pathlib import Path
+
+from pdstack.model import DatacenterRole, Environment, PoolRole
+from pdstack.stackfile import StackFile
+from pdstack.validate import validate
+
+LOCAL_SUPERNET = IPv4Network("10.210.0.0/16")
+SERVICE_ADDRESS = IPv4Address("10.210.255.1")  # the host as every node sees it: registry, package proxy
+UPLINK_NET = IPv4Network("10.211.0.0/24")  # host <-> datacenter router, a /30 each
+WAN_NET = IPv4Network("10.212.0.0/24")  # datacenter router <-> datacenter router, a /30 per link
+FIRST_NODE_HOST = 10  # node i of a datacenter gets the network's address .10 + i
+PREFIX = "pds"
+
+
+def short(kind: str, name: str) -> str:
+    """A network device or namespace name of at most 15 bytes, stable for a given (kind, name)."""
+    full = f"{PREFIX}{kind}-{name}"
+    if len(full) <= 15:
+        return full
+    return f"{PREFIX}{kind}-{hashlib.sha256(name.encode()).hexdigest()[: 15 - len(PREFIX) - len(kind) - 1]}"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    datacenter: str
+    role: PoolRole
+    pool: str
+    address: IPv4Interface
+
+    @property
+    def namespace(self) -> str:
+        return f"{PREFIX}n-{self.name}"
+
+
+@dataclass(frozen=True)
+class Datacenter:
+    name: str
+    role: DatacenterRole
+    network: IPv4Network
+    index: int
+    nodes: tuple[Node, ...]
+
+    @property
+    def router_namespace(self) -> str:
+        return f"{PREFIX}r-{self.name}"
+
+    @property
+    def gateway(self) -> IPv4Interface:
+        return IPv4Interface(f"{self.network.network_address + 1}/{self.network.prefixlen}")
+
+    @property
+    def uplink_host(self) -> IPv4Interface:
+        return IPv4Interface(f"{UPLINK_NET.network_address + 4 * self.index + 1}/30")
+
+    @property
+    def uplink_router(self) -> IPv4Interface:
+        return IPv4Interface(f"{UPLINK_NET.network_address + 4 * self.index + 2}/30")
+
+    @property
+    def uplink_device(self) -> str:
+        return short("u", self.name)
+
+
+@dataclass(frozen=True)
+class Link:
+    a: str
+    b: str
+    rate_mbit: float
+    rtt_ms: float
+    loss_pct: float
+    index: int
+
+    def addresses(self) -> tuple[IPv4Interface, IPv4Interface]:
+        base = WAN_NET.network_address + 4 * self.index
+        return IPv4Interface(f"{base + 1}/30"), IPv4Interface(f"{base + 2}/30")
+
+    def device_towards(self, peer: str) -> str:
+        return short("w", peer)
+
+
+@dataclass(frozen=True)
+class Topology:
+    datacenters: tuple[Datacenter, ...]
+    links: tuple[Link, ...]
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(node for dc in self.datacenters for node in dc.nodes)
+
+    def datacenter(self, name: str) -> Datacenter:
+        return next(dc for dc in self.datacenters if dc.name == name)
+
+    def nodes_with_role(self, role: PoolRole) -> list[Node]:
+        return [node for node in self.nodes if node.role is role]
+
+
+class TopologyError(ValueError):
+    pass
+
+
+def load_topology(stacks_dir: Path) -> Topology:
+    """The local environment of `stacks_dir`, validated first: an invalid stack never reaches the machine."""
+    report = validate([stacks_dir])
+    if not report.valid:
+        raise TopologyError("the stacks are not valid:\n" + "\n".join(map(str, report.problems)))
+    local = report.environments().get(Environment.LOCAL)
+    if not local:
+        raise TopologyError(f"no `local` environment stacks in {stacks_dir}")
+    return topology_of(local)
+
+
+def topology_of(stacks: list[StackFile]) -> Topology:
+    ordered = sorted(stacks, key=lambda s: s.config.datacenter.name)
+    datacenters: list[Datacenter] = []
+    for index, stack in enumerate(ordered):
+        dc = stack.config.datacenter
+        if not dc.cidr.subnet_of(LOCAL_SUPERNET):
+            raise TopologyError(f"{stack.path}: pdstack:datacenter.cidr: local datacenters live in {LOCAL_SUPERNET}")
+        nodes: list[Node] = []
+        for pool in dc.pools:
+            for i in range(1, pool.desired_size + 1):
+                address = dc.cidr.network_address + FIRST_NODE_HOST + len(nodes)
+                nodes.append(
+                    Node(
+                        f"{dc.name}-{pool.name}-{i}",
+                        dc.name,
+                        pool.role,
+                        pool.name,
+                        IPv4Interface(f"{address}/{dc.cidr.prefixlen}"),
+                    )
+                )
+        datacenters.append(Datacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes)))
+    links: dict[frozenset[str], Link] = {}
+    for stack in ordered:
+        here = stack.config.datacenter.name
+        for spec in stack.config.datacenter.links:
+            key = frozenset((here, spec.peer))
+            if key not in links:
+                a, b = sorted(key)
+                links[key] = Link(a, b, spec.bandwidth_gbps * 1000, spec.rtt_ms, spec.loss_pct, len(links))
+    return Topology(tuple(datacenters), tuple(links.values()))
