@@ -45,11 +45,11 @@ def synthetic_layers(mib: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
-async def serve(key_file: str, host: str, mib: int) -> None:
+async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None) -> None:
     """Run inside the prefill namespace: hold one blob and serve it until killed."""
     store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600)
     stored = store.put(REQUEST_ID, synthetic_layers(mib), KVMeta(REQUEST_ID, 4096, "bench"))
-    server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT)
+    server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion)
     await server.start()
     print(stored.checksum, flush=True)
     await asyncio.Event().wait()
@@ -108,6 +108,8 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         with LinkProcess(prefill, decode, spec):
             serve_argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", str(prefill.address.ip),
                           "--mib", str(args.mib)]  # fmt: skip
+            if args.tcp_congestion:
+                serve_argv += ["--tcp-congestion", args.tcp_congestion]
             server = subprocess.Popen(in_ns(ns_prefill, serve_argv), stdout=subprocess.PIPE, text=True)
             assert server.stdout is not None
             checksum = server.stdout.readline().strip()
@@ -126,6 +128,7 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         delete_namespace(ns_prefill)
         delete_namespace(ns_decode)
     return {"link": {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "queue_bytes": spec.queue_limit_bytes},
+            "kv_tcp_congestion": args.tcp_congestion or "system default",
             "kv_mib": args.mib, "layers": LAYERS, "repeats": args.repeats, "iperf3_seconds": args.iperf_seconds,
             "rows": rows}  # fmt: skip
 
@@ -146,13 +149,15 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iperf-seconds", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--key-file")
     parser.add_argument("--host")
     parser.add_argument("--checksum")
     parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--tcp-congestion", default=None, help="the KV server's congestion control (default: system)")
     args = parser.parse_args()
     if args.mode == "serve":
-        asyncio.run(serve(args.key_file, args.host, args.mib))
+        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion))
     elif args.mode == "pull":
         asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats))
     else:
@@ -160,11 +165,14 @@ def main() -> None:
             key_file = Path(folder) / "kv.key"
             key_file.write_text(secrets.token_hex(32))
             key_file.chmod(0o600)
+            load_before = os.getloadavg()[0]
             report = run_benchmark(args, str(key_file))
+        # Python moves the KV and the link, so other work on the machine lowers KV goodput more than iperf3's.
+        report["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
         report["command"] = shlex.join([Path(sys.executable).name, *sys.argv])
         report["machine"] = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
         print_table(report)
 
 

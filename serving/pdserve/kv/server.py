@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import time
 
@@ -44,6 +45,7 @@ class KVServer:
         io_timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
         metrics: KVMetrics | None = None,
+        tcp_congestion: str | None = None,
     ) -> None:
         self.store = store
         self._key = key
@@ -53,6 +55,7 @@ class KVServer:
         self._io_timeout = io_timeout_s
         self._idle_timeout = idle_timeout_s
         self._metrics = metrics if metrics is not None else default_metrics()
+        self._tcp_congestion = tcp_congestion
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
@@ -64,6 +67,18 @@ class KVServer:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=self._ssl)
+        if self._tcp_congestion is not None:
+            self._set_congestion_control(self._tcp_congestion)
+
+    def _set_congestion_control(self, name: str) -> None:
+        """Pick the sender's TCP congestion control; accepted connections inherit it from the listener (Linux)."""
+        assert self._server is not None
+        for listener in self._server.sockets:
+            try:
+                listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+            except OSError as error:
+                self._server.close()
+                raise ValueError(f"tcp_congestion: the kernel refuses {name!r} ({error.strerror})") from error
 
     async def close(self) -> None:
         if self._server is not None:

@@ -6,8 +6,9 @@ import secrets
 from pathlib import Path
 
 import pytest
-from pdserve.kv import KVMetrics, SecretKey
 from prometheus_client import CollectorRegistry
+
+from pdserve.kv import KVMetrics, SecretKey
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from pdserve.kv import KVMeta, KVServer, Layer, LeaseStore, SecretKey
 
 

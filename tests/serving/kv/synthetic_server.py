@@ -9,8 +9,9 @@ import asyncio
 import sys
 
 from kvtestlib import make_layers, meta_for
-from pdserve.kv import KVMetrics, KVServer, LeaseStore, SecretKey
 from prometheus_client import CollectorRegistry
+
+from pdserve.kv import KVMetrics, KVServer, LeaseStore, SecretKey
 
 
 async def main(key_file: str, request_id: str, mib: int) -> None:

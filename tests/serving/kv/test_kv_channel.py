@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvtestlib import make_layers, meta_for, proxy_to, running_server
+
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.protocol import FrameType, encode_header
 
@@ -259,3 +260,12 @@ def test_key_file_errors_name_the_file_and_never_show_the_key(tmp_path: Path):
     good = tmp_path / "good.key"
     good.write_text(secret)
     assert secret not in repr(SecretKey.from_file(good))
+
+
+def test_unknown_congestion_control_is_refused_by_name(key: SecretKey, metrics: KVMetrics):
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="tcp_congestion: the kernel refuses 'no-such-cc'"):
+            async with running_server(small_store(metrics), key, tcp_congestion="no-such-cc"):
+                pass
+
+    asyncio.run(scenario())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvtestlib import make_layers, meta_for, running_server
+
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 
 
