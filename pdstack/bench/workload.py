@@ -72,8 +72,8 @@ def make_prompts(workload: str, count: int, seed: int) -> list[Prompt]:
         kind, lengths = _length_range(workload, rng)
         words = int(rng.integers(lengths.low, lengths.high + 1))
         picked = rng.choice(len(WORDS), size=words)
-        # a distinct opening per request keeps servers with prefix caching from reusing earlier prompts
-        body = " ".join(WORDS[i] for i in picked[1:])
+        # a distinct two-word opening per request keeps servers with prefix caching from reusing earlier prompts
+        body = " ".join(WORDS[i] for i in picked[2:])
         text = f"Request {index}: {body}"
         prompts.append(Prompt(text=text, words=words, kind=kind))
     return prompts

@@ -1,0 +1,76 @@
+"""Reading a server's latency histograms and placing a run's percentiles in their buckets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from pdstack.bench.promhist import E2E_HINTS, TTFT_HINTS, compare, find_histogram, parse_histograms
+
+BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0)
+
+
+def page(observations: dict[str, list[float]], labelled: bool = False) -> str:
+    """A real /metrics page, rendered by prometheus_client from the given observations."""
+    registry = CollectorRegistry()
+    for name, values in observations.items():
+        if labelled:
+            histogram = Histogram(name, "test", ["model"], buckets=BUCKETS, registry=registry)
+            for i, value in enumerate(values):
+                histogram.labels(f"m{i % 2}").observe(value)
+        else:
+            plain = Histogram(name, "test", buckets=BUCKETS, registry=registry)
+            for value in values:
+                plain.observe(value)
+    return generate_latest(registry).decode()
+
+
+def test_buckets_are_read_and_summed_over_labels() -> None:
+    values = [0.005, 0.02, 0.03, 0.2, 0.7, 3.0]
+    histograms = parse_histograms(page({"srv_time_to_first_token_seconds": values}, labelled=True))
+    hist = histograms["srv_time_to_first_token_seconds"]
+    assert hist.buckets == ((0.01, 1), (0.05, 3), (0.1, 3), (0.5, 4), (1.0, 5), (math.inf, 6))
+    assert hist.count == 6
+
+
+def test_the_difference_of_two_scrapes_holds_only_the_run() -> None:
+    before = parse_histograms(page({"lat_seconds": [0.02] * 5}))["lat_seconds"]
+    after = parse_histograms(page({"lat_seconds": [0.02] * 5 + [0.3] * 4}))["lat_seconds"]
+    run = after.minus(before)
+    assert run.count == 4
+    assert run.quantile_bucket(50) == (0.1, 0.5)
+
+
+def test_quantile_bucket_holds_the_nearest_rank_observation() -> None:
+    values = [0.005] * 50 + [0.07] * 40 + [0.8] * 10
+    hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
+    assert hist.quantile_bucket(50) == (0.0, 0.01)
+    assert hist.quantile_bucket(90) == (0.05, 0.1)
+    assert hist.quantile_bucket(99) == (0.5, 1.0)
+    assert parse_histograms(page({"x_seconds": [5.0]}))["x_seconds"].quantile_bucket(99) == (1.0, math.inf)
+
+
+def test_compare_agrees_when_bench_values_are_the_observed_ones_and_not_when_shifted() -> None:
+    values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.9]
+    hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
+    assert all(check.agrees for check in compare(hist, values, (50, 90, 99)))
+    slower = [v * 3 for v in values]
+    assert not all(check.agrees for check in compare(hist, slower, (50, 90, 99)))
+
+
+def test_latency_histograms_are_found_by_name() -> None:
+    names = {"pdserve_time_to_first_token_seconds": [0.1], "pdserve_request_duration_seconds": [0.2],
+             "pdserve_step_duration_seconds": [0.01], "vllm:e2e_request_latency_seconds": [0.3]}
+    histograms = parse_histograms(page({n.replace(":", "_"): v for n, v in names.items()}))
+    assert find_histogram(histograms, None, TTFT_HINTS) == "pdserve_time_to_first_token_seconds"
+    assert find_histogram(histograms, None, E2E_HINTS) == "pdserve_request_duration_seconds"
+    assert find_histogram(histograms, "pdserve_step_duration_seconds", E2E_HINTS) == "pdserve_step_duration_seconds"
+    assert find_histogram(histograms, "missing_seconds", E2E_HINTS) is None
+
+
+def test_an_empty_histogram_has_no_quantile() -> None:
+    hist = parse_histograms(page({"lat_seconds": []}))["lat_seconds"]
+    with pytest.raises(ValueError, match="no observations"):
+        hist.quantile_bucket(50)
