@@ -9,7 +9,7 @@ from pdstack.bench.client import HTTP_5XX, OVERLOAD, TIMEOUT, RequestResult
 from pdstack.bench.stats import SLO, nearest_rank, percentile, summarize
 
 
-def ok(index: int, start: float, ttft: float, e2e: float, tokens: int, prompt_tokens: int = 10) -> RequestResult:
+def ok(index: int, start: float, *, ttft: float, e2e: float, tokens: int, prompt_tokens: int = 10) -> RequestResult:
     return RequestResult(index, scheduled_s=start, start_s=start, prompt_kind="short", ttft_s=ttft, e2e_s=e2e,
                          prompt_tokens=prompt_tokens, completion_tokens=tokens, content_chunks=tokens)
 

@@ -33,5 +33,5 @@ def test_prompts_are_distinct_from_their_first_words() -> None:
 
 
 def test_unknown_workload_is_refused_by_name() -> None:
-    with pytest.raises(WorkloadError, match="^workload: unknown 'huge'"):
+    with pytest.raises(WorkloadError, match=r"^workload: unknown 'huge'"):
         make_prompts("huge", 1, seed=0)
