@@ -1,0 +1,29 @@
+"""pdserve gateway: OpenAI-compatible entry point; auth, per-tenant limits, validation, prefill -> decode orchestration.
+
+Run it with `pdserve gateway --scheduler-url URL --api-keys-file FILE` (or `python -m pdserve.gateway`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from pdserve.scheduler.jsonlog import configure
+from pdserve.scheduler.settings import load_settings
+
+from .app import create_app
+from .auth import KeysFileError
+from .settings import GatewaySettings
+
+
+def main(argv: Sequence[str]) -> None:
+    settings = load_settings(GatewaySettings, argv, prog="pdserve gateway")
+    configure("gateway", settings.log_level)
+    try:
+        app = create_app(settings)
+    except KeysFileError as exc:
+        sys.exit(f"pdserve gateway: {exc}")
+    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, log_config=None,
+                timeout_graceful_shutdown=30)

@@ -1,0 +1,5 @@
+import sys
+
+from . import main
+
+main(sys.argv[1:])

@@ -1,0 +1,55 @@
+"""Prometheus metrics of the gateway, on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BYTES_BUCKETS = tuple(float(4**k) * 1024 for k in range(1, 12))
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_gateway_requests", "Requests by endpoint, HTTP status, tenant and version",
+                                ["endpoint", "status", "tenant", "version"], registry=r)
+        self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds",
+                              "Request arrival to first streamed token", ["version"], buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_gateway_inter_token_latency_seconds", "Gap between streamed events",
+                             ["version"], buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_gateway_request_duration_seconds", "Request arrival to last byte",
+                             ["endpoint", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pdserve_gateway_prefill_duration_seconds", "Duration of remote prefill calls",
+                                 ["version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rate_limited = Counter("pdserve_gateway_rate_limited", "Requests refused by a rate limit",
+                                    ["tenant", "limit"], registry=r)
+        self.auth_failures = Counter("pdserve_gateway_auth_failures", "Requests without a valid API key",
+                                     registry=r)
+        self.invalid = Counter("pdserve_gateway_invalid_requests", "Requests refused by validation, by field",
+                               ["field"], registry=r)
+        self.routing = Counter("pdserve_gateway_routing_decisions", "Instances chosen, by role, instance and reason",
+                               ["role", "instance", "version", "reason"], registry=r)
+        self.upstream_errors = Counter("pdserve_gateway_upstream_errors", "Failed upstream calls by role and cause",
+                                       ["role", "cause"], registry=r)
+        self.retries = Counter("pdserve_gateway_retries", "Upstream calls retried on another instance", ["role"],
+                               registry=r)
+        self.stream_errors = Counter("pdserve_gateway_stream_errors",
+                                     "Streams ended with an error event after the first token", ["cause"], registry=r)
+        self.client_disconnects = Counter("pdserve_gateway_client_disconnects",
+                                          "Requests whose client went away before the end", registry=r)
+        self.kv_bytes = Histogram("pdserve_gateway_kv_transfer_bytes", "KV bytes moved per request, as decode reports",
+                                  buckets=BYTES_BUCKETS, registry=r)
+        self.kv_seconds = Histogram("pdserve_gateway_kv_transfer_seconds",
+                                    "KV transfer time per request, as decode reports", buckets=LATENCY_BUCKETS,
+                                    registry=r)
+        self.kv_source = Counter("pdserve_gateway_kv_sources",
+                                 "Where decode got each request KV: remote, recompute, local", ["source"],
+                                 registry=r)
+        self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in progress", registry=r)
+        self.table_generation = Gauge("pdserve_gateway_routing_table_generation",
+                                      "Generation of the routing table in use", registry=r)
+        self.table_errors = Counter("pdserve_gateway_routing_table_poll_errors", "Failed routing-table polls",
+                                    registry=r)

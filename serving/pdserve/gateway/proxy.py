@@ -1,0 +1,312 @@
+"""The prefill -> decode flow of vLLM's disaggregated-serving proxy, with timeouts and one retry per stage.
+
+prefill: the request with max_tokens=1, stream=false, no stream_options/min_tokens, and kv_transfer_params asking for
+remote decode; it answers kv_transfer_params naming where the KV waits. decode: the original request plus those params.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from pdserve.scheduler.protocol import RoutedInstance
+
+from .metrics import GatewayMetrics
+from .routing import NoRouteError, Plan, Router, alternative_decode
+from .settings import GatewaySettings
+from .streaming import DONE, encode, error_event, kv_stats, sse_data
+from .validation import ValidRequest
+
+log = logging.getLogger(__name__)
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+SUSPEND_SECONDS = 5.0
+SUSPENDING_CAUSES = frozenset({"connect_error", "connection_lost", "stream_truncated", "timeout"})
+
+
+class UpstreamError(Exception):
+    """An upstream call failed. `retriable` failures may be tried on another instance; others go to the client."""
+
+    def __init__(self, role: str, cause: str, message: str, *, status: int = 502, retriable: bool = True,
+                 body: bytes | None = None) -> None:
+        super().__init__(f"{role}: {message}")
+        self.role, self.cause, self.status, self.retriable, self.body = role, cause, status, retriable, body
+
+
+@dataclass
+class Context:
+    """One client request as it moves through the gateway; its fields end up in the request's log line."""
+
+    request_id: str
+    tenant: str
+    request: ValidRequest
+    started: float = field(default_factory=time.perf_counter)
+    version: str = ""
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    route: str = ""
+    retries: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.timings[name] = round(time.perf_counter() - self.started, 6)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    request = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    request.update(max_tokens=1, stream=False, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None})
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    return request
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    return body if kv_params is None else {**body, "kv_transfer_params": kv_params}
+
+
+def status_error(role: str, response: httpx.Response, body: bytes) -> UpstreamError:
+    status = response.status_code
+    if status in (429, 503) or status >= 500:
+        return UpstreamError(role, f"http_{status}", f"answered HTTP {status}", status=502 if status >= 500 else status,
+                             body=body)
+    return UpstreamError(role, f"http_{status}", f"refused the request (HTTP {status})", status=status,
+                         retriable=False, body=body)
+
+
+@dataclass
+class Stream:
+    """An open decode stream whose first event has arrived (so the request is committed to this instance)."""
+
+    response: httpx.Response
+    events: AsyncIterator[str]
+    first: str
+    exits: contextlib.ExitStack
+
+
+class PDProxy:
+    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient, router: Router,
+                 metrics: GatewayMetrics) -> None:
+        self.settings, self.client, self.router, self.metrics = settings, client, router, metrics
+
+    def plan(self, ctx: Context, exclude: frozenset[str] = frozenset()) -> Plan:
+        try:
+            plan = self.router.plan(ctx.request.prompt_tokens, self.settings.offload_threshold_tokens,
+                                    exclude | self.router.suspended_ids())
+        except NoRouteError as exc:
+            raise UpstreamError("routing", "no_route", str(exc), status=503, retriable=False) from None
+        ctx.version, ctx.route = plan.version, plan.reason
+        ctx.decode_id = plan.decode.instance_id
+        ctx.prefill_id = plan.prefill.instance_id if plan.prefill else None
+        return plan
+
+    async def prefill(self, ctx: Context, plan: Plan) -> tuple[Plan, dict[str, Any] | None]:
+        """Run remote prefill if the plan has one; a failure is retried once on another instance."""
+        tried: set[str] = set()
+        for attempt in (1, 2):
+            if plan.prefill is None:
+                return plan, None
+            try:
+                params = await self._call_prefill(ctx, plan.prefill)
+                self._count_route(plan)
+                return plan, params
+            except UpstreamError as exc:
+                self._failed(plan.prefill, exc)
+                if attempt == 2 or not exc.retriable:
+                    raise
+                tried.add(plan.prefill.instance_id)
+                self.metrics.retries.labels("prefill").inc()
+                ctx.retries += 1
+                plan = self.plan(ctx, frozenset(tried))
+        raise AssertionError("unreachable")
+
+    async def decode_json(self, ctx: Context, plan: Plan, kv_params: dict[str, Any] | None) -> httpx.Response:
+        """Non-streaming decode; a failure is retried once on a compatible instance."""
+        decode = plan.decode
+        for attempt in (1, 2):
+            try:
+                response = await self._call_decode_json(ctx, decode, kv_params)
+                self.metrics.routing.labels("decode", decode.instance_id, ctx.version, ctx.route).inc()
+                return response
+            except UpstreamError as exc:
+                decode = self._retry_target(ctx, decode, exc, attempt)
+        raise AssertionError("unreachable")
+
+    async def open_stream(self, ctx: Context, plan: Plan, kv_params: dict[str, Any] | None) -> Stream:
+        """Streaming decode up to its first event; failing before that, it is retried once on another instance."""
+        decode = plan.decode
+        for attempt in (1, 2):
+            try:
+                stream = await self._open_stream(ctx, decode, kv_params)
+                self.metrics.routing.labels("decode", decode.instance_id, ctx.version, ctx.route).inc()
+                return stream
+            except UpstreamError as exc:
+                decode = self._retry_target(ctx, decode, exc, attempt)
+        raise AssertionError("unreachable")
+
+    async def relay(self, ctx: Context, stream: Stream) -> AsyncIterator[bytes]:
+        """Pass decode's events to the client; if decode breaks off, send an error event and end the stream."""
+        version = ctx.version
+        last = time.perf_counter()
+        self.metrics.ttft.labels(version).observe(last - ctx.started)
+        ctx.mark("first_token")
+        self._observe_kv(stream.first)
+        try:
+            yield encode(stream.first)
+            if stream.first == DONE:
+                return
+            while True:
+                data = await self._next_event(stream)
+                if data is None:
+                    raise UpstreamError("decode", "stream_truncated", "decode ended the stream without [DONE]")
+                now = time.perf_counter()
+                self.metrics.itl.labels(version).observe(now - last)
+                last = now
+                self._observe_kv(data)
+                yield encode(data)
+                if data == DONE:
+                    return
+        except UpstreamError as exc:
+            self.metrics.upstream_errors.labels("decode", exc.cause).inc()
+            self.metrics.stream_errors.labels(exc.cause).inc()
+            ctx.timings["stream_error"] = 1.0
+            log.warning("decode stream broken", extra={"fields": {
+                "request_id": ctx.request_id, "decode": ctx.decode_id, "cause": exc.cause}})
+            yield error_event(f"decode failed mid-stream: {exc.cause}", "upstream_error", ctx.request_id)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.response.aclose()
+            stream.exits.close()
+
+    async def _next_event(self, stream: Stream) -> str | None:
+        try:
+            return await asyncio.wait_for(anext(stream.events), self.settings.inter_token_timeout)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise UpstreamError("decode", "timeout", "no event within inter_token_timeout") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError("decode", "connection_lost", type(exc).__name__) from None
+
+    def _retry_target(self, ctx: Context, failed: RoutedInstance, exc: UpstreamError, attempt: int) -> RoutedInstance:
+        self._failed(failed, exc)
+        if attempt == 2 or not exc.retriable:
+            raise exc
+        exclude = frozenset({failed.instance_id}) | self.router.suspended_ids()
+        other = alternative_decode(self.router, failed, exclude)
+        if other is None:
+            raise exc
+        self.metrics.retries.labels("decode").inc()
+        ctx.retries += 1
+        ctx.decode_id = other.instance_id
+        return other
+
+    def _failed(self, instance: RoutedInstance, exc: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(exc.role, exc.cause).inc()
+        if exc.cause in SUSPENDING_CAUSES or (exc.cause.startswith("http_5") and exc.cause != "http_503"):
+            self.router.suspend(instance.instance_id, SUSPEND_SECONDS)
+        log.warning("upstream failed", extra={"fields": {
+            "role": exc.role, "instance": instance.instance_id, "cause": exc.cause}})
+
+    def _count_route(self, plan: Plan) -> None:
+        if plan.prefill is not None:
+            self.metrics.routing.labels("prefill", plan.prefill.instance_id, plan.version, plan.reason).inc()
+
+    def _headers(self, ctx: Context) -> dict[str, str]:
+        return {"X-Request-Id": ctx.request_id}
+
+    async def _call_prefill(self, ctx: Context, prefill: RoutedInstance) -> dict[str, Any]:
+        url = prefill.info.url + PATHS[ctx.request.endpoint]
+        timeout = httpx.Timeout(self.settings.prefill_timeout, connect=self.settings.connect_timeout)
+        started = time.perf_counter()
+        ctx.prefill_id = prefill.instance_id
+        with self.router.dispatched(prefill, ctx.request.prompt_tokens):
+            response = await self._post("prefill", url, prefill_body(ctx.request.body), ctx, timeout)
+        self.metrics.prefill.labels(ctx.version).observe(time.perf_counter() - started)
+        ctx.mark("prefill_done")
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        missing = [name for name in REQUIRED_KV_FIELDS if not isinstance(params, dict) or params.get(name) is None]
+        if missing:
+            raise UpstreamError("prefill", "bad_response", f"kv_transfer_params lacks {', '.join(missing)}")
+        result: dict[str, Any] = params  # type: ignore[assignment]
+        return result
+
+    async def _call_decode_json(self, ctx: Context, decode: RoutedInstance,
+                                kv_params: dict[str, Any] | None) -> httpx.Response:
+        url = decode.info.url + PATHS[ctx.request.endpoint]
+        timeout = httpx.Timeout(self.settings.decode_timeout, connect=self.settings.connect_timeout)
+        with self.router.dispatched(decode):
+            response = await self._post("decode", url, decode_body(ctx.request.body, kv_params), ctx, timeout)
+        self._observe_kv(response.text)
+        return response
+
+    async def _post(self, role: str, url: str, body: dict[str, Any], ctx: Context,
+                    timeout: httpx.Timeout) -> httpx.Response:
+        try:
+            response = await self.client.post(url, json=body, headers=self._headers(ctx), timeout=timeout)
+        except httpx.TimeoutException:
+            raise UpstreamError(role, "timeout", "timed out", status=504) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(role, "connect_error", type(exc).__name__) from None
+        if response.status_code != 200:
+            raise status_error(role, response, response.content)
+        return response
+
+    async def _open_stream(self, ctx: Context, decode: RoutedInstance, kv_params: dict[str, Any] | None) -> Stream:
+        exits = contextlib.ExitStack()
+        exits.enter_context(self.router.dispatched(decode))
+        url = decode.info.url + PATHS[ctx.request.endpoint]
+        timeout = httpx.Timeout(None, connect=self.settings.connect_timeout)
+        request = self.client.build_request("POST", url, json=decode_body(ctx.request.body, kv_params),
+                                            headers=self._headers(ctx), timeout=timeout)
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(self.settings.first_token_timeout):
+                response = await self.client.send(request, stream=True)
+                if response.status_code != 200:
+                    raise status_error("decode", response, await response.aread())
+                events = sse_data(response)
+                first = await anext(events)
+            return Stream(response, events, first, exits)
+        except BaseException as exc:
+            if response is not None:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            exits.close()
+            raise _as_upstream_error(exc) from None
+
+    def _observe_kv(self, data: str) -> None:
+        stats = kv_stats(data)
+        if stats is None:
+            return
+        if isinstance(stats.get("bytes"), int | float):
+            self.metrics.kv_bytes.observe(stats["bytes"])
+        if isinstance(stats.get("seconds"), int | float):
+            self.metrics.kv_seconds.observe(stats["seconds"])
+        if stats.get("source") in ("remote", "recompute", "local"):
+            self.metrics.kv_source.labels(stats["source"]).inc()
+
+
+def _as_upstream_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, UpstreamError | asyncio.CancelledError):
+        return exc
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return UpstreamError("decode", "timeout", "no first event within first_token_timeout", status=504)
+    if isinstance(exc, StopAsyncIteration):
+        return UpstreamError("decode", "stream_truncated", "decode closed the stream before any event")
+    if isinstance(exc, httpx.HTTPError):
+        return UpstreamError("decode", "connect_error", type(exc).__name__)
+    return exc

@@ -1,0 +1,36 @@
+"""Gateway settings: every field is a flag (`--api-keys-file`) and an env variable (`PDSERVE_API_KEYS_FILE`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class GatewaySettings(BaseModel):
+    """pdserve gateway: OpenAI-compatible entry point running the prefill -> decode flow."""
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    scheduler_url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="scheduler base URL")
+    api_keys_file: Path = Field(description="JSON/YAML file: tenant -> API keys (sha256:<hex> or plaintext)")
+    routing_poll_interval: float = Field(0.5, gt=0, description="seconds between routing-table polls")
+    offload_threshold_tokens: int = Field(
+        256, ge=0, description="prompts with fewer tokens skip remote prefill and are prefilled on decode")
+    tokenizer_file: Path | None = Field(
+        None, description="tokenizer.json for exact prompt token counts; without it, count UTF-8 bytes / 4")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body accepted")
+    max_prompt_tokens: int = Field(32_768, ge=1, description="longest prompt accepted, in tokens")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens set on requests that give none")
+    requests_per_second: float = Field(10.0, gt=0, description="default per-tenant request rate")
+    request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
+    tokens_per_minute: int = Field(200_000, ge=1, description="default per-tenant prompt+completion token budget")
+    connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
+    prefill_timeout: float = Field(60.0, gt=0, description="seconds a prefill call may take")
+    first_token_timeout: float = Field(60.0, gt=0, description="seconds until decode's first event")
+    inter_token_timeout: float = Field(30.0, gt=0, description="seconds allowed between streamed events")
+    decode_timeout: float = Field(600.0, gt=0, description="seconds a non-streaming decode call may take")
+    max_connections: int = Field(512, ge=1, description="upstream connection pool size")
+    log_level: str = Field("info", description="debug | info | warning | error")
+    log_prompts: bool = Field(False, description="log prompt text (debugging only; never on in production)")
