@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine import EngineError
+from pdserve.engine import EngineError, TokenOutput
 from pdserve.kv import KVTransferError
 from pdserve.server.batching import CapacityError
 from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, GenerationService
@@ -87,7 +87,7 @@ class OpenAIEndpoints:
                 parsed = completion_req
         except Exception as error:
             return as_error_response(error)
-        formatter = _Formatter(chat, self.model_name, request_id)
+        formatter = _Formatter(chat, self.model_name, request_id, parsed.return_token_ids)
         if parsed.stream:
             return StreamingResponse(_sse(generation, formatter, parsed.include_usage), media_type="text/event-stream")
         try:
@@ -114,8 +114,9 @@ async def _json_body(request: Request) -> Any:
 class _Formatter:
     """Builds OpenAI response objects for one request."""
 
-    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str, return_token_ids: bool = False) -> None:
         self.chat = chat
+        self.return_token_ids = return_token_ids
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
@@ -137,12 +138,17 @@ class _Formatter:
             choice = {"index": 0, "text": generation.text, "logprobs": None,
                       "finish_reason": generation.finish_reason}
             body = self._envelope("text_completion")
+        if self.return_token_ids:
+            choice["prompt_token_ids"] = list(generation.sequence.prompt_ids)
+            choice["token_ids"] = list(generation.sequence.state.token_ids)
         body["choices"] = [choice]
         body["usage"] = self.usage(generation)
         body["kv_transfer_params"] = generation.kv_transfer_params()
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, output: TokenOutput | None, first: bool = False) -> dict[str, Any]:
+        text = output.text if output is not None else None
+        finish_reason = output.finish_reason if output is not None else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -152,6 +158,8 @@ class _Formatter:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             body = self._envelope("text_completion")
+        if self.return_token_ids and output is not None:
+            choice["token_ids"] = [output.token_id]
         body["choices"] = [choice]
         return body
 
@@ -172,12 +180,10 @@ async def _sse(generation: Generation, formatter: _Formatter, include_usage: boo
     An error after the stream began is sent as an error event (the status line has already gone out)."""
     try:
         if formatter.chat:
-            yield _event(formatter.chunk(None, None, first=True))
+            yield _event(formatter.chunk(None, first=True))
         async for output in generation.outputs():
-            if output.finished:
-                yield _event(formatter.chunk(output.text, output.finish_reason))
-            elif output.text:
-                yield _event(formatter.chunk(output.text, None))
+            if output.finished or output.text or formatter.return_token_ids:
+                yield _event(formatter.chunk(output))
         if include_usage:
             yield _event(formatter.usage_chunk(generation))
     except Exception as error:

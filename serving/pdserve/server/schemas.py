@@ -68,6 +68,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     min_tokens: int | None = Field(None, ge=0)
     logprobs: Any = None
+    return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the choices
     kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("n")

@@ -1,0 +1,138 @@
+"""Real pdserve server processes on loopback for the tests: start, wait until ready, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    role: str
+    model: Path
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        command = [sys.executable, "-m", "pdserve.cli", self.role, "--model", str(self.model),
+                   "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env})
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.role} server exited with {self.process.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health/ready", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.role} server not ready after {timeout} s: {self.log_tail()}")
+
+    def ready_info(self) -> dict[str, object]:
+        return dict(httpx.get(f"{self.url}/health/ready").json())
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup, as a crashed server would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics").text
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start_all(servers: Sequence[ServerProcess]) -> list[ServerProcess]:
+    """Start in parallel (model loads overlap), then wait for each."""
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+    except Exception:
+        for server in servers:
+            server.stop()
+        raise
+    return list(servers)
+
+
+def metric_value(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """The value of one sample in Prometheus text format (0.0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric != name:
+            continue
+        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if item) if label_text else {}
+        found = {k: v.strip('"') for k, v in found.items()}
+        if all(found.get(k) == v for k, v in (labels or {}).items()):
+            return float(value)
+    return 0.0
+
+
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill(url: str, body: dict[str, object], endpoint: str = "/v1/completions") -> dict[str, object]:
+    """What vLLM's proxy sends prefill: the request with max_tokens=1, no streaming, the six KV fields."""
+    request = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    request.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    response = httpx.post(url + endpoint, json=request, timeout=60)
+    response.raise_for_status()
+    params = response.json()["kv_transfer_params"]
+    assert params is not None, "prefill answered without kv_transfer_params"
+    return dict(params)
