@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, LinkKind, PoolRole
+from pdstack.plan import link_problems
 from pdstack.stackfile import Problem, StackFile, StackFileError, load_stack_file, stack_name_of
 
 POOL_ROLES_BY_DATACENTER = {
@@ -154,6 +155,7 @@ def check_environment(stacks: list[StackFile], complete: bool = True) -> list[Pr
     problems += _check_links(stacks, by_name, complete)
     if complete:
         problems += _check_roles(where, stacks)
+        problems += link_problems(stacks)
     return problems
 
 

@@ -180,7 +180,8 @@ def _rewrite(tmp_path: Path, env: str, edit: dict[str, dict[str, object]]) -> Pa
 
 
 def test_link_problems_name_the_link_and_both_figures_when_overloaded(tmp_path: Path) -> None:
-    root = _rewrite(tmp_path, "prod", {"link": {"bandwidth_gbps": 50, "loss_pct": 0.0}})
+    dense = {"link": {"bandwidth_gbps": 50, "loss_pct": 0.0}, "model": {"name": "llama-3.1-70b-instruct"}}
+    root = _rewrite(tmp_path, "prod", dense)
     problems = link_problems(_env("prod", root))
     assert len(problems) == 1
     p = problems[0]
@@ -224,7 +225,8 @@ def test_plan_command_from_stacks_and_bad_input() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["plan", "--env", "prod", "--stacks-dir", str(STACKS), "--json"])
     data = json.loads(result.stdout)
-    assert data["model"]["name"] == "Llama-3-70B" and data["link"]["streams"] == 8
+    assert data["model"]["name"] == "Qwen3-Next-80B-A3B" and data["link"]["streams"] == 8
+    assert result.exit_code == 0, "the prod example is a viable split"
     assert data["link_checks"][0]["link"] == "prefill-us-east-1 -> decode-us-west-2"
     bad = runner.invoke(app, ["plan", "--env", "prod", "--stacks-dir", str(STACKS), "--prefill", "p9.huge"])
     assert bad.exit_code == 2 and "unknown instance type 'p9.huge'" in bad.output
