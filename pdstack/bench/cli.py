@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -75,7 +76,8 @@ def bench_command(  # typer builds one option per parameter
     except (BenchError, EndpointError, WorkloadError, PeakError) as exc:
         typer.echo(f"bench: {exc}", err=True)
         raise typer.Exit(2) from exc
-    Console().print(table(report))
+    # a pipe or file gets the whole table unwrapped; a terminal gets its own width
+    Console(width=None if sys.stdout.isatty() else 200).print(table(report))
     for line in server_lines(report):
         typer.echo(line)
     if json_path is not None:

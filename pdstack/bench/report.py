@@ -110,6 +110,7 @@ def server_lines(report: BenchReport) -> list[str]:
             verdict = "agrees" if check.agrees else "DISAGREES"
             lines.append(
                 f"{run.label}: {check.metric} p{check.q}: bench {check.bench_s * 1000:.1f} ms, "
-                f"server bucket ({lower * 1000:g}, {upper * 1000:g}] ms: {verdict}"
+                f"server bucket ({lower * 1000:g}, {upper * 1000:g}] ms, mean offset {check.offset_s * 1000:.1f} ms: "
+                f"{verdict}"
             )
     return lines

@@ -52,12 +52,36 @@ def test_quantile_bucket_holds_the_nearest_rank_observation() -> None:
     assert parse_histograms(page({"x_seconds": [5.0]}))["x_seconds"].quantile_bucket(99) == (1.0, math.inf)
 
 
-def test_compare_agrees_when_bench_values_are_the_observed_ones_and_not_when_shifted() -> None:
-    values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.9]
+def test_the_sum_gives_the_servers_mean() -> None:
+    hist = parse_histograms(page({"lat_seconds": [0.1, 0.2, 0.6]}, labelled=True))["lat_seconds"]
+    assert hist.mean == pytest.approx(0.3)
+
+
+def test_compare_agrees_when_bench_values_are_the_observed_ones() -> None:
+    values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.99]
     hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
-    assert all(check.agrees for check in compare(hist, values, (50, 90, 99)))
-    slower = [v * 3 for v in values]
-    assert not all(check.agrees for check in compare(hist, slower, (50, 90, 99)))
+    checks = compare(hist, values, (50, 90, 99))
+    assert [c.offset_s for c in checks] == pytest.approx([0.0] * 3)
+    assert all(check.agrees for check in checks)
+
+
+def test_a_client_side_delay_is_allowed_as_the_measured_mean_offset() -> None:
+    values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.99]
+    hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
+    seen_by_client = [v + 0.02 for v in values]  # p99 (0.99) crosses the 1.0 s bucket bound
+    checks = compare(hist, seen_by_client, (50, 90, 99))
+    assert checks[0].offset_s == pytest.approx(0.02)
+    assert all(check.agrees for check in checks)
+
+
+def test_a_distribution_of_another_shape_disagrees() -> None:
+    values = [0.02] * 50 + [0.07] * 40 + [0.3] * 10
+    hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
+    # same mean, so no offset to hide behind, but the tail sits elsewhere
+    other = [0.068] * 100
+    checks = {c.q: c for c in compare(hist, other, (50, 90, 99))}
+    assert checks[50].offset_s == pytest.approx(0.0, abs=1e-9)
+    assert not checks[50].agrees and not checks[99].agrees
 
 
 def test_latency_histograms_are_found_by_name() -> None:
