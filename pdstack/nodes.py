@@ -1,0 +1,173 @@
+"""Node containers: fresh Debian 12 hosts made of podman containers, for role tests and the local stack.
+
+No public image registry is reachable from these machines, so the base image is built from Debian packages with
+`debootstrap --variant=minbase` and imported into podman; a node image adds systemd (as PID 1, so services such as
+chrony really run), python3 for Ansible and nothing else a role is expected to install. Both builds are skipped when
+the image already exists, since debootstrap is the slow step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BASE_IMAGE = "localhost/pdstack-debian12-base:latest"
+NODE_IMAGE = "localhost/pdstack-node:latest"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+SUITE = "bookworm"
+
+# What a freshly provisioned Debian 12 cloud node has: an init system, python3 for Ansible and the basic tools.
+# Everything the baseline roles configure (chrony, podman, mdadm, ...) is left out on purpose.
+NODE_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "python3",
+    "python3-apt",
+    "iproute2",
+    "procps",
+    "kmod",
+    "udev",
+    "util-linux",
+    "ca-certificates",
+)
+
+NODE_CONTAINERFILE = """\
+FROM {base}
+ENV DEBIAN_FRONTEND=noninteractive container=podman
+RUN printf 'deb {mirror} {suite} main\\ndeb {mirror} {suite}-updates main\\n' > /etc/apt/sources.list \\
+ && apt-get update -qq \\
+ && apt-get install -y -qq --no-install-recommends {packages} \\
+ && apt-get clean && rm -rf /var/lib/apt/lists/* \\
+ && touch -d 2000-01-01 /var/lib/apt/lists
+# The package lists are dropped (and dated old so a role's cache_valid_time refreshes them), as on a cloud image.
+# Units that make no sense in a container and only slow the boot down.
+RUN systemctl mask systemd-udevd.service systemd-udevd-kernel.socket systemd-udevd-control.socket \\
+    getty.target console-getty.service systemd-logind.service
+STOPSIGNAL SIGRTMIN+3
+CMD ["/sbin/init"]
+"""
+
+
+class NodeError(RuntimeError):
+    """A node container or image operation failed; the message carries the command's output."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node container: its name (also its hostname) and extra podman run arguments."""
+
+    name: str
+    image: str = NODE_IMAGE
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def volume(self) -> str:
+        """The named volume holding the node's /var/lib/containers (podman-in-podman needs a real filesystem)."""
+        return f"{self.name}-containers"
+
+
+def _run(args: Sequence[str], *, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    result = subprocess.run(list(args), input=stdin, capture_output=True, check=False)
+    if check and result.returncode != 0:
+        output = (result.stdout + result.stderr).decode(errors="replace").strip()
+        raise NodeError(f"{' '.join(args)} failed with exit {result.returncode}: {output[-2000:]}")
+    return result
+
+
+def host_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
+    """The Debian mirror the host's apt uses, so debootstrap and the node image reach the same (reachable) one."""
+    candidates = [sources_dir / "sources.list", *sorted((sources_dir / "sources.list.d").glob("*"))]
+    for path in candidates:
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            words = line.split()
+            uris = [w for w in words if w.startswith(("http://", "https://"))]
+            if line.lstrip().startswith(("URIs:", "deb ")) and uris and uris[0].rstrip("/").endswith("/debian"):
+                return uris[0].rstrip("/")
+    return DEFAULT_MIRROR
+
+
+def image_exists(image: str) -> bool:
+    return _run(["podman", "image", "exists", image], check=False).returncode == 0
+
+
+def build_base_image(image: str = BASE_IMAGE, mirror: str | None = None) -> str:
+    """Debootstrap a minimal Debian 12 root and import it as `image`; skipped when the image exists."""
+    if image_exists(image):
+        return image
+    if shutil.which("debootstrap") is None:
+        raise NodeError("debootstrap is not installed; run scripts/host-setup.sh first")
+    with tempfile.TemporaryDirectory(prefix="pdstack-rootfs-") as root:
+        _run(["debootstrap", "--variant=minbase", SUITE, root, mirror or host_mirror()])
+        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+        assert tar.stdout is not None
+        imported = subprocess.run(["podman", "import", "-", image], stdin=tar.stdout, capture_output=True, check=False)
+        tar.stdout.close()
+        if tar.wait() != 0 or imported.returncode != 0:
+            raise NodeError(f"importing {root} as {image} failed: {imported.stderr.decode(errors='replace')}")
+    return image
+
+
+def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: str | None = None) -> str:
+    """Build the node image (systemd, python3) on top of the base image; both are skipped when they exist."""
+    if image_exists(image):
+        return image
+    build_base_image(base, mirror)
+    containerfile = NODE_CONTAINERFILE.format(
+        base=base, mirror=mirror or host_mirror(), suite=SUITE, packages=" ".join(NODE_PACKAGES)
+    )
+    with tempfile.TemporaryDirectory(prefix="pdstack-node-build-") as context:
+        (Path(context) / "Containerfile").write_text(containerfile)
+        _run(["podman", "build", "--network", "host", "-t", image, context])
+    return image
+
+
+def create_node(spec: NodeSpec) -> str:
+    """Start a privileged node container running systemd as PID 1; returns its name."""
+    remove_node(spec.name)
+    _run(
+        [
+            "podman", "run", "-d",
+            "--name", spec.name,
+            "--hostname", spec.name,
+            "--privileged",
+            "--systemd=always",
+            "--volume", f"{spec.volume}:/var/lib/containers",
+            *spec.extra_args,
+            spec.image,
+        ]
+    )  # fmt: skip
+    wait_for_systemd(spec.name)
+    return spec.name
+
+
+def wait_for_systemd(name: str, attempts: int = 60) -> None:
+    """Block until systemd inside the node finished booting (running or degraded)."""
+    for _ in range(attempts):
+        state = _run(["podman", "exec", name, "systemctl", "is-system-running"], check=False)
+        if state.stdout.decode().strip() in {"running", "degraded"}:
+            return
+        _run(["sleep", "1"])
+    raise NodeError(f"systemd in node {name} did not finish booting")
+
+
+def node_exists(name: str) -> bool:
+    return _run(["podman", "container", "exists", name], check=False).returncode == 0
+
+
+def remove_node(name: str) -> None:
+    """Remove the node container and its containers volume if they exist."""
+    if node_exists(name):
+        _run(["podman", "rm", "-f", "-t", "5", name])
+    _run(["podman", "volume", "rm", "-f", f"{name}-containers"], check=False)
+
+
+def exec_in_node(name: str, command: Sequence[str]) -> str:
+    """Run a command in the node and return its standard output."""
+    return _run(["podman", "exec", name, *command]).stdout.decode()
