@@ -1,0 +1,69 @@
+"""The Ansible inventory of the local environment, rendered from the local stacks.
+
+Groups mirror the aws_ec2 inventory's keyed groups (by role and by datacenter), so the same playbooks run on both.
+The rendered file is committed (inventories/local/hosts.yml) so readers see it; a test keeps it equal to this.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdstack.local.registry import PORT as REGISTRY_PORT
+from pdstack.local.topology import SERVICE_ADDRESS, Topology
+from pdstack.model import PoolRole
+
+HEADER = "# Rendered by `pdstack local inventory` from stacks/Pulumi.local-*.yaml; do not edit by hand.\n"
+
+
+def render_inventory(topology: Topology) -> str:
+    return HEADER + yaml.safe_dump(inventory(topology), sort_keys=False, default_flow_style=False)
+
+
+def inventory(topology: Topology) -> dict[str, Any]:
+    hosts = {
+        node.name: {
+            "ansible_host": node.name,
+            "pdstack_address": str(node.address.ip),
+            "pdstack_datacenter": node.datacenter,
+            "pdstack_role": str(node.role),
+            "pdstack_pool": node.pool,
+        }
+        for node in topology.nodes
+    }
+    children: dict[str, Any] = {
+        str(role): {"hosts": {n.name: None for n in topology.nodes_with_role(role)}} for role in PoolRole
+    }
+    for dc in topology.datacenters:
+        widest = max((link for link in topology.links if dc.name in (link.a, link.b)),
+                     key=lambda link: link.rate_mbit * link.rtt_ms, default=None)
+        group_vars: dict[str, Any] = {}
+        if widest is not None:  # size socket buffers for the longest fat pipe this datacenter's nodes use
+            group_vars = {"kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
+                          "kernel_tuning_link_rtt_ms": widest.rtt_ms}
+        children[f"dc_{dc.name}"] = {"hosts": {n.name: None for n in dc.nodes}, "vars": group_vars}
+    return {
+        "all": {
+            "vars": {
+                "ansible_connection": "containers.podman.podman",
+                "pdstack_environment": "local",
+                "pdstack_registry": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}",
+                "container_runtime_registries": [
+                    {"location": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}", "insecure": True},
+                ],
+            },
+            "children": {"nodes": {"hosts": hosts, "children": children}},
+        }
+    }
+
+
+def write_inventory(topology: Topology, path: Path) -> bool:
+    """Write the inventory if it differs; True when the file changed."""
+    text = render_inventory(topology)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return True
