@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.engine import ChatTemplateError, Engine, KVCache, TokenOutput
 from pdserve.kv import StoredKV
+from pdserve.server import faults
 from pdserve.server.batching import Admission, BatchScheduler, Sequence
 from pdserve.server.kvlink import DecodeImporter, KVLoadFailure, PrefillExporter, kv_memory_per_request
 from pdserve.server.metrics import ServerMetrics
@@ -150,7 +151,7 @@ class GenerationService:
         except BaseException:
             self.admission.release(reserved)
             raise
-        state = self.engine.new_request(prompt_ids, request.sampling_params(max_tokens))
+        state = self.engine.new_request(prompt_ids, faults.sampling(self.settings, request.sampling_params(max_tokens)))
         state.max_total_tokens = self.max_model_len
         sequence = Sequence(request_id, prompt_ids, state, cache)
         generation = Generation(request_id, sequence, reserved, self, recomputed=recomputed)

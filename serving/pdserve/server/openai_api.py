@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine import EngineError, TokenOutput
 from pdserve.kv import KVTransferError
+from pdserve.server import faults
 from pdserve.server.batching import CapacityError
 from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, GenerationService
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
@@ -71,6 +72,7 @@ class OpenAIEndpoints:
         try:
             body = await _json_body(request)
             service = self.service
+            await faults.before_request(service.settings)
             if chat:
                 chat_req = parse_request(ChatCompletionRequest, body)
                 self._check_model(chat_req.model)

@@ -58,6 +58,9 @@ class ServerSettings(BaseModel):
     version: str = Field(importlib.metadata.version("pdserve"), description="release reported to the scheduler")
     heartbeat_seconds: float = Field(5.0, gt=0)
     log_level: str = "info"
+    fault_error_rate: float = Field(0.0, ge=0, le=1, description="fault injection: share of requests failed with 500")
+    fault_delay_ms: float = Field(0.0, ge=0, description="fault injection: delay added before every request")
+    fault_perturb_output: bool = Field(False, description="fault injection: sample hot instead of the requested way")
 
     @model_validator(mode="after")
     def _check_role_needs(self) -> ServerSettings:
