@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint typecheck test test-unit clean
+.PHONY: venv host lint typecheck test test-unit up down clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,15 @@ test: lint typecheck
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit
+
+host:
+	bash scripts/host-setup.sh
+
+up: venv host
+	$(VENV)/bin/pdstack local up
+
+down: venv
+	$(VENV)/bin/pdstack local down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,65 @@
+"""`pdstack local ...`: the local two-datacenter environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdstack.local.env import LocalEnv
+from pdstack.local.inventory import render_inventory
+
+local_app = typer.Typer(help="Run all of pdstack on this machine: two emulated datacenters and a control plane.",
+                        no_args_is_help=True)
+
+ProjectOption = Annotated[Path, typer.Option("--project", help="the pdstack project folder (holds Pulumi.yaml)")]
+
+
+def _env(project: Path) -> LocalEnv:
+    if not (project / "Pulumi.yaml").is_file():
+        typer.echo(f"{project} is not a pdstack project (no Pulumi.yaml)", err=True)
+        raise typer.Exit(2)
+    return LocalEnv(project.resolve())
+
+
+@local_app.command("up")
+def up_command(project: ProjectOption = Path()) -> None:
+    """Bring the local environment up (idempotent) and print where it answers."""
+    status = _env(project).up(say=lambda line: typer.echo(f"== {line}", err=True))
+    typer.echo(f"gateway:    {status['gateway_url']}")
+    typer.echo(f"API key:    in {status['api_key_file']}")
+    typer.echo(f"Prometheus: {status['prometheus_url']}")
+
+
+@local_app.command("down")
+def down_command(project: ProjectOption = Path()) -> None:
+    """Remove every container, namespace, link and rule the local environment made."""
+    env = _env(project)
+    env.down(say=lambda line: typer.echo(f"== {line}", err=True))
+    leftovers = env.status()["leftovers"]
+    if leftovers:
+        typer.echo(f"left behind: {', '.join(leftovers)}", err=True)
+        raise typer.Exit(1)
+
+
+@local_app.command("status")
+def status_command(project: ProjectOption = Path(),
+                   as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+    """Gateway URL, API key file, Prometheus URL and nodes by datacenter."""
+    status = _env(project).status()
+    if as_json:
+        typer.echo(json.dumps(status, indent=2))
+        return
+    typer.echo(f"gateway: {status['gateway_url']}  API key file: {status['api_key_file']}  "
+               f"Prometheus: {status['prometheus_url']}")
+    for dc, members in status["nodes"].items():
+        listed = ", ".join(f"{n['name']} ({n['address']}, {'up' if n['running'] else 'down'})" for n in members)
+        typer.echo(f"{dc}: {listed}")
+
+
+@local_app.command("inventory")
+def inventory_command(project: ProjectOption = Path()) -> None:
+    """Print the Ansible inventory the local stacks render to (committed as inventories/local/hosts.yml)."""
+    typer.echo(render_inventory(_env(project).topology()), nl=False)
