@@ -7,7 +7,8 @@ from functools import lru_cache
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+# Goodput in bytes/s (Prometheus base units; Gbit/s = value * 8 / 1e9), buckets from 0.01 to 100 Gbit/s.
+GBPS_BUCKETS = tuple(gbit * 1e9 / 8 for gbit in (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0))
 
 
 class KVMetrics:
@@ -23,11 +24,13 @@ class KVMetrics:
             buckets=SECONDS_BUCKETS, registry=reg,
         )
         self.gbps = Histogram(
-            "pdserve_kv_transfer_gigabits_per_second", "Goodput of whole KV transfers", ["role"],
+            "pdserve_kv_transfer_goodput_bytes_per_second", "Goodput of whole KV transfers (bytes/s)", ["role"],
             buckets=GBPS_BUCKETS, registry=reg,
         )
         self.last_gbps = Gauge(
-            "pdserve_kv_transfer_last_gigabits_per_second", "Goodput of the latest KV transfer", ["role"], registry=reg
+            "pdserve_kv_transfer_last_goodput_bytes_per_second", "Goodput of the latest KV transfer (bytes/s)",
+            ["role"],
+            registry=reg,
         )
         self.failures = Counter(
             "pdserve_kv_transfer_failures", "Failed KV transfers by cause", ["role", "cause"], registry=reg
@@ -44,9 +47,9 @@ class KVMetrics:
     def observe_transfer(self, role: str, nbytes: int, seconds: float) -> None:
         self.bytes.labels(role).inc(nbytes)
         self.seconds.labels(role).observe(seconds)
-        gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
-        self.gbps.labels(role).observe(gbps)
-        self.last_gbps.labels(role).set(gbps)
+        goodput = nbytes / seconds if seconds > 0 else 0.0
+        self.gbps.labels(role).observe(goodput)
+        self.last_gbps.labels(role).set(goodput)
 
     def observe_failure(self, role: str, cause: str) -> None:
         self.failures.labels(role, cause).inc()
