@@ -77,6 +77,7 @@ async def load_service(state: ServerState) -> None:
 
 def create_app(settings: ServerSettings, registry: CollectorRegistry | None = None) -> Starlette:
     metrics = ServerMetrics(registry if registry is not None else CollectorRegistry())
+    metrics.build.labels(settings.version, settings.role.value).set(1)
     state = ServerState(settings, metrics)
     endpoints = OpenAIEndpoints(lambda: state.service, settings.model_name)
 

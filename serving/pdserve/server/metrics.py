@@ -60,3 +60,7 @@ class ServerMetrics:
         self.ready = Gauge(
             "pdserve_ready", "1 once the model is loaded and the server takes requests", registry=registry
         )
+        self.build = Gauge(
+            "pdserve_build_info", "Release and role of this server (always 1; join on instance)",
+            ["version", "role"], registry=registry,
+        )
