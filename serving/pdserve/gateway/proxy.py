@@ -179,6 +179,8 @@ class PDProxy:
         except UpstreamError as exc:
             self.metrics.upstream_errors.labels("decode", exc.cause).inc()
             self.metrics.stream_errors.labels(exc.cause).inc()
+            if ctx.decode_id is not None:
+                self.router.suspend(ctx.decode_id, SUSPEND_SECONDS)
             ctx.timings["stream_error"] = 1.0
             log.warning("decode stream broken", extra={"fields": {
                 "request_id": ctx.request_id, "decode": ctx.decode_id, "cause": exc.cause}})

@@ -29,6 +29,8 @@ class Service:
     module: str
     args: list[str]
     log_path: Path
+    role: list[str] = field(default_factory=list)
+    """arguments before the flags, e.g. ["decode"] for `python -m pdserve.cli decode ...`"""
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
@@ -37,12 +39,18 @@ class Service:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, ready_path: str = "/health/live", timeout: float = 30.0) -> Service:
+    def start(self, ready_path: str = "/health/live", timeout: float = 60.0) -> Service:
+        return self.launch().wait(ready_path, timeout)
+
+    def launch(self) -> Service:
+        command = [sys.executable, "-m", self.module, *self.role, "--host", "127.0.0.1", "--port", str(self.port),
+                   *self.args]
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(self.port), *self.args],
-                stdout=log, stderr=log, env={**os.environ, **self.env},
-            )
+            self.process = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, **self.env})
+        return self
+
+    def wait(self, ready_path: str = "/health/live", timeout: float = 60.0) -> Service:
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
