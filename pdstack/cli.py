@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from pdstack.bench.cli import bench_command
+from pdstack.canary.command import canary_app
 from pdstack.local.cli import local_app
 from pdstack.plan.command import plan_command
 from pdstack.validate import validate
@@ -31,6 +32,7 @@ def project_stacks_dir(start: Path | None = None) -> Path:
 
 app.command("plan")(plan_command)
 app.command("bench")(bench_command)
+app.add_typer(canary_app, name="canary")
 app.add_typer(local_app, name="local")
 
 

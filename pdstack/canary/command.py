@@ -1,0 +1,112 @@
+"""`pdstack canary judge|golden`: the checks deploy.yml runs at every canary step.
+
+Exit codes: 0 pass, 1 fail (the report names the metric, both values and the threshold), 2 bad input,
+3 inconclusive (too few requests: wait and judge again).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdstack.canary.golden import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPTS,
+    GoldenError,
+    GoldenFile,
+    compare,
+    generate,
+    load_golden,
+)
+from pdstack.canary.judge import Outcome, judge
+from pdstack.canary.prom import DEFAULT_POINTS, Prometheus, PrometheusError, observe
+from pdstack.model import Canary
+from pdstack.stackfile import StackFileError, load_stack_file
+
+EXIT = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.INCONCLUSIVE: 3}
+canary_app = typer.Typer(help="Canary analysis: judge a canary from Prometheus, compare golden outputs.",
+                         no_args_is_help=True)
+
+
+def canary_policy(stacks_dir: Path, env: str) -> Canary:
+    """The `pdstack:canary` section of the environment's stacks (the defaults when none has one)."""
+    paths = sorted(stacks_dir.glob(f"Pulumi.{env}-*.yaml"))
+    if not paths:
+        raise typer.BadParameter(f"no Pulumi.{env}-*.yaml in {stacks_dir}", param_hint="--env")
+    for path in paths:
+        try:
+            config = load_stack_file(path).config
+        except StackFileError as exc:
+            raise typer.BadParameter(f"{path}: " + "; ".join(map(str, exc.problems)), param_hint="--stack-dir") from exc
+        if config.canary is not None:
+            return config.canary
+    return Canary()
+
+
+@canary_app.command("judge")
+def judge_command(  # typer builds one option per parameter
+    *,
+    prometheus: Annotated[str, typer.Option(help="Prometheus base URL, e.g. http://10.210.0.10:9090")],
+    canary: Annotated[str, typer.Option(help="canary version (the gateway's `version` label)")],
+    baseline: Annotated[str, typer.Option(help="baseline version")],
+    stack_dir: Annotated[Path, typer.Option(help="stacks folder holding the canary policy")] = Path("stacks"),
+    env: Annotated[str, typer.Option(help="environment whose pdstack:canary policy applies")] = "local",
+    window: Annotated[int | None, typer.Option(help="analysis window in seconds (default: the policy's interval)")]
+    = None,
+    end: Annotated[float | None, typer.Option(help="window end, Unix seconds (default: now)")] = None,
+    points: Annotated[int, typer.Option(help="latency samples per version across the window")] = DEFAULT_POINTS,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable verdict")] = False,
+) -> None:
+    """Compare canary with baseline over the window; exit 0 pass, 1 fail, 3 inconclusive."""
+    policy = canary_policy(stack_dir, env)
+    window_s = window if window is not None else int(policy.interval_s)
+    try:
+        seen_canary = observe(Prometheus(prometheus), canary, window_s, end, points)
+        seen_baseline = observe(Prometheus(prometheus), baseline, window_s, end, points)
+    except (PrometheusError, ValueError) as exc:
+        typer.echo(f"canary judge: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    verdict = judge(seen_canary, seen_baseline, policy.thresholds, policy.min_samples)
+    if as_json:
+        typer.echo(json.dumps({**verdict.as_json(), "canary": canary, "baseline": baseline, "window_s": window_s}))
+    else:
+        typer.echo(f"{verdict.outcome.upper()}: canary {canary} vs baseline {baseline} over {window_s} s")
+        typer.echo(verdict.report())
+    raise typer.Exit(EXIT[verdict.outcome])
+
+
+@canary_app.command("golden")
+def golden_command(  # typer builds one option per parameter
+    *,
+    canary: Annotated[str, typer.Option(help="base URL of a canary server (or gateway)")],
+    baseline: Annotated[str | None, typer.Option(help="base URL of a baseline server to compare with")] = None,
+    golden: Annotated[Path | None, typer.Option(help="golden file: prompts, max_tokens, and maybe outputs")] = None,
+    record: Annotated[Path | None, typer.Option(help="write the canary's outputs as a golden file and exit")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="file holding the API key (for a gateway)")] = None,
+    model: Annotated[str | None, typer.Option(help="model name to request")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
+) -> None:
+    """Greedy outputs of golden prompts: canary vs baseline, or vs the golden file's outputs. Exit 0 same, 1 not."""
+    try:
+        spec = load_golden(golden) if golden else GoldenFile(DEFAULT_MAX_TOKENS, list(DEFAULT_PROMPTS))
+        api_key = api_key_file.read_text().strip() if api_key_file else None
+        outputs = generate(canary, spec.prompts, spec.max_tokens, api_key, model)
+        if record is not None:
+            GoldenFile(spec.max_tokens, spec.prompts, outputs).dump(record)
+            typer.echo(f"recorded {len(outputs)} golden outputs to {record}")
+            raise typer.Exit(0)
+        if baseline is not None:
+            expected = generate(baseline, spec.prompts, spec.max_tokens, api_key, model)
+        elif spec.outputs is not None:
+            expected = spec.outputs
+        else:
+            raise GoldenError("give --baseline, or a --golden file with outputs (a release that changes the model)")
+        result = compare(outputs, expected)
+    except (GoldenError, OSError) as exc:
+        typer.echo(f"canary golden: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps(result.as_json()) if as_json else result.report())
+    raise typer.Exit(0 if result.passed else 1)
