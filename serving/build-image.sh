@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build the pdserve runtime image: the debootstrap Debian 12 base (pdstack.nodes, skipped when present), a wheelhouse
+# of pdserve and its pinned dependencies built on the host, then `podman build` of serving/Containerfile.
+# Usage: serving/build-image.sh [IMAGE]   (default localhost/pdserve:latest; PYTHON overrides the interpreter)
+set -euo pipefail
+
+IMAGE=${1:-localhost/pdserve:latest}
+HERE=$(cd "$(dirname "$0")" && pwd)
+PYTHON=${PYTHON:-$HERE/../.venv/bin/python}
+CONTEXT=$(mktemp -d /tmp/pdserve-image-XXXXXX)
+trap 'rm -rf "$CONTEXT"' EXIT
+
+BASE=$("$PYTHON" -c 'from pdstack.nodes import build_base_image; print(build_base_image())')
+MIRROR=$("$PYTHON" -c 'from pdstack.nodes import host_mirror; print(host_mirror())')
+"$PYTHON" -m pip wheel --quiet --wheel-dir "$CONTEXT/wheels" "$HERE"
+cp "$HERE/Containerfile" "$CONTEXT/Containerfile"
+podman build --format docker --network host --build-arg "BASE_IMAGE=$BASE" --build-arg "DEBIAN_MIRROR=$MIRROR" \
+    -t "$IMAGE" "$CONTEXT"
