@@ -152,19 +152,25 @@ class BatchScheduler:
         return sum(s.pending_prompt for s in self._active)
 
     def plan(self) -> StepPlan:
+        """This step's batch: every decoding sequence, then prompt chunks within the token budget, shortest
+        remaining prompt first; the oldest waiting prompt always gets a chunk, so short ones cannot starve it."""
         self._active = [s for s in self._active if not (s.aborted or s.state.finished)]
         decodes = [s for s in self._active if s.decoding]
         budget = max(self.prefill_token_budget - len(decodes), MIN_PREFILL_TOKENS)
-        waiting = sorted((s for s in self._active if not s.decoding), key=lambda s: (length_bucket(s.pending_prompt),
-                                                                                     s.order))
-        prefills: list[tuple[Sequence, int]] = []
-        for sequence in waiting:
+        waiting = [s for s in self._active if not s.decoding]
+        if not waiting:
+            return StepPlan(decodes, [])
+        oldest = min(waiting, key=lambda s: s.order)
+        chunks = {oldest: min(oldest.pending_prompt, MIN_PREFILL_TOKENS)}
+        budget -= chunks[oldest]
+        for sequence in sorted(waiting, key=lambda s: (length_bucket(s.pending_prompt), s.order)):
             if budget <= 0:
                 break
-            chunk = min(sequence.pending_prompt, budget)
-            prefills.append((sequence, chunk))
-            budget -= chunk
-        return StepPlan(decodes, prefills)
+            extra = min(sequence.pending_prompt - chunks.get(sequence, 0), budget)
+            if extra > 0:
+                chunks[sequence] = chunks.get(sequence, 0) + extra
+                budget -= extra
+        return StepPlan(decodes, list(chunks.items()))
 
     async def _run(self) -> None:
         while True:
