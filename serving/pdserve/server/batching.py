@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from pdserve.engine import Engine, KVCache, RequestState, TokenOutput
 from pdserve.server.metrics import ServerMetrics
 
@@ -205,10 +203,10 @@ class BatchScheduler:
                     events.append((sequence, error))
                     continue
             decodes.append(sequence)
-        batch = [([s.next_decode_input()], s.cache) for s in decodes]
+        batch: list[tuple[list[int], KVCache]] = [([s.next_decode_input()], s.cache) for s in decodes]
         for sequence, length in plan.prefills:
             start = sequence.cache.position
-            batch.append((np.asarray(sequence.prompt_ids[start : start + length]), sequence.cache))
+            batch.append((sequence.prompt_ids[start : start + length], sequence.cache))
         if not batch:
             return events
         logits = self.engine.forward(batch)

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pdserve.engine import ChatTemplateError, Engine, KVCache, TokenOutput
 from pdserve.kv import StoredKV
@@ -106,7 +106,7 @@ class GenerationService:
         if isinstance(prompt, str):
             ids = self.engine.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+            ids = [int(t) for t in cast(list[int], prompt)]  # the schema unwrapped a one-prompt batch
             vocab = self.engine.config.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
