@@ -4,7 +4,7 @@
 # Idempotent: a second run installs nothing and rewrites nothing that is already right.
 set -euo pipefail
 
-PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs)
+PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs openssh-client)
 CONTAINERS_CONF=/etc/containers/containers.conf
 
 missing_packages() {
