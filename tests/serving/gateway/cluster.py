@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..scheduler.services import Service, start_scheduler
 
+# One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
+HTTP = httpx.Client(timeout=60)
 KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", "budget": "sk-budget-0123456789"}
 
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import KEYS, Cluster, metric, wait_for
+from .cluster import HTTP, KEYS, Cluster, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 LONG_STREAM = {"model": "dense", "prompt": "Hi", "max_tokens": 3000, "stream": True, "ignore_eos": True}
@@ -41,7 +41,7 @@ def client(url: str) -> openai.OpenAI:
 
 def complete(url: str, **body: object) -> int:
     payload = {"model": "dense", "prompt": PROMPT, "max_tokens": 4} | body
-    return httpx.post(f"{url}/v1/completions", json=payload, headers=AUTH, timeout=60).status_code
+    return HTTP.post(f"{url}/v1/completions", json=payload, headers=AUTH).status_code
 
 
 def decoding(cluster: Cluster) -> str:

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import KEYS, Cluster, metric
+from .cluster import HTTP, KEYS, Cluster, metric
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 SHORT_PROMPT = "Hi"
@@ -48,7 +48,7 @@ def gateway_url(cluster: Cluster) -> str:
 
 def complete(url: str, key: str = KEYS["acme"], **body: Any) -> httpx.Response:
     payload = {"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0} | body
-    return httpx.post(f"{url}/v1/completions", json=payload, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return HTTP.post(f"{url}/v1/completions", json=payload, headers={"Authorization": f"Bearer {key}"})
 
 
 def test_requests_without_a_valid_key_get_401(gateway_url: str, cluster: Cluster) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from scipy.stats import binomtest
 
-from .cluster import KEYS, Cluster, metric
+from .cluster import HTTP, KEYS, Cluster, metric
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
@@ -39,8 +39,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mode
 
 
 def complete(url: str) -> int:
+    """A completion through the gateway at `url`; the first gateway sends every prompt to remote prefill."""
     body = {"model": "dense", "prompt": PROMPT, "max_tokens": 1}
-    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code
+    return HTTP.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code
 
 
 def set_weights(cluster: Cluster, weights: dict[str, float]) -> None:
@@ -66,8 +67,13 @@ def test_versions_are_never_mixed_in_a_pair(cluster: Cluster) -> None:
 
 
 def test_weights_90_10_split_the_traffic(cluster: Cluster) -> None:
-    url = cluster.gateways[0].url
+    # Versions are chosen before the offload decision, so a gateway that prefills everything on decode splits
+    # traffic the same way, and many requests are cheap.
+    gateway = cluster.start_gateway("--offload-threshold-tokens", "100000", "--requests-per-second", "1000")
+    cluster.wait_routable(gateway, 4)
+    url = gateway.url
     set_weights(cluster, {"v1": 90, "v2": 10})
+    cluster.sync(gateway)
     before = {name: cluster.served(name) for name in ("da", "db")}
     total = 300
     with ThreadPoolExecutor(4) as pool:
