@@ -1,0 +1,148 @@
+"""The gateway's decision logic in isolation: routing choices, token buckets, keys files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pdserve.gateway.auth import KeysFileError, KeyStore
+from pdserve.gateway.ratelimit import RateLimiter, TenantLimits
+from pdserve.gateway.routing import NoRouteError, Router
+from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad, RoutedInstance, RoutingTable
+
+
+def routed(instance_id: str, role: str, version: str = "v1", fingerprint: str = "fp1", **load: int) -> RoutedInstance:
+    info = InstanceInfo(instance_id=instance_id, role=role, version=version, kv_fingerprint=fingerprint,  # type: ignore[arg-type]
+                        url=f"http://{instance_id}:1")
+    return RoutedInstance(instance_id=instance_id, state="ready", info=info,
+                          load=InstanceLoad(max_concurrency=10, **load))
+
+
+def router(*instances: RoutedInstance, weights: dict[str, float] | None = None) -> Router:
+    return Router(rng=random.Random(7), table=RoutingTable(generation=1, weights=weights or {},
+                                                           instances=list(instances)))
+
+
+def test_only_fingerprint_compatible_pairs() -> None:
+    r = router(routed("p-old", "prefill", fingerprint="fp-old"), routed("p-new", "prefill", fingerprint="fp-new"),
+               routed("d-new", "decode", fingerprint="fp-new"))
+    for _ in range(50):
+        plan = r.plan(prompt_tokens=100, offload_threshold=10)
+        assert plan.prefill is not None and plan.prefill.instance_id == "p-new"
+
+
+def test_no_compatible_prefill_means_decode_prefills_itself() -> None:
+    r = router(routed("p", "prefill", fingerprint="other"), routed("d", "decode"))
+    plan = r.plan(prompt_tokens=100, offload_threshold=10)
+    assert plan.prefill is None and plan.reason == "no_prefill_available"
+
+
+def test_short_prompts_are_offloaded() -> None:
+    r = router(routed("p", "prefill"), routed("d", "decode"))
+    assert r.plan(prompt_tokens=9, offload_threshold=10).prefill is None
+    assert r.plan(prompt_tokens=10, offload_threshold=10).prefill is not None
+
+
+def test_power_of_two_prefers_the_less_loaded() -> None:
+    r = router(routed("d-busy", "decode", active_requests=9), routed("d-idle", "decode", active_requests=1),
+               routed("p-busy", "prefill", outstanding_prompt_tokens=5000), routed("p-idle", "prefill"))
+    plans = [r.plan(prompt_tokens=100, offload_threshold=10) for _ in range(20)]
+    assert {p.decode.instance_id for p in plans} == {"d-idle"}
+    assert {p.prefill.instance_id for p in plans if p.prefill} == {"p-idle"}
+
+
+def test_decode_kv_memory_counts_as_load() -> None:
+    r = router(routed("d-full", "decode", kv_used_bytes=95, kv_capacity_bytes=100),
+               routed("d-roomy", "decode", active_requests=5, kv_used_bytes=10, kv_capacity_bytes=100))
+    assert r.plan(prompt_tokens=1, offload_threshold=10).decode.instance_id == "d-roomy"
+
+
+def test_in_flight_requests_spread_a_burst() -> None:
+    r = router(routed("d1", "decode"), routed("d2", "decode"))
+    first = r.plan(prompt_tokens=1, offload_threshold=10).decode
+    with r.dispatched(first):
+        assert r.plan(prompt_tokens=1, offload_threshold=10).decode.instance_id != first.instance_id
+
+
+def test_prefill_length_buckets() -> None:
+    short = routed("p-short", "prefill")
+    short.info.max_prompt_tokens = 1000
+    long = routed("p-long", "prefill", outstanding_prompt_tokens=99999)
+    long.info.min_prompt_tokens = 1001
+    r = router(short, long, routed("d", "decode"))
+    assert r.plan(prompt_tokens=5000, offload_threshold=10).prefill.instance_id == "p-long"  # type: ignore[union-attr]
+    assert r.plan(prompt_tokens=50, offload_threshold=10).prefill.instance_id == "p-short"  # type: ignore[union-attr]
+
+
+def test_unweighted_versions_get_no_traffic_once_weights_are_set() -> None:
+    instances = (routed("d1", "decode", version="v1"), routed("d2", "decode", version="v2"))
+    unweighted, weighted = router(*instances), router(*instances, weights={"v2": 1})
+    assert {unweighted.plan(1, 10).version for _ in range(40)} == {"v1", "v2"}
+    assert {weighted.plan(1, 10).version for _ in range(40)} == {"v2"}
+    with pytest.raises(NoRouteError, match="traffic weight"):
+        router(*instances, weights={"v3": 1}).plan(1, 10)
+    with pytest.raises(NoRouteError, match="no ready decode"):
+        router(routed("p", "prefill")).plan(1, 10)
+
+
+def test_suspended_instances_are_skipped() -> None:
+    r = router(routed("d1", "decode"), routed("d2", "decode"))
+    r.suspend("d1", 60)
+    assert r.suspended_ids() == {"d1"}
+
+
+def test_token_buckets_refuse_then_refill() -> None:
+    now = [0.0]
+    limiter = RateLimiter(TenantLimits(requests_per_second=2, request_burst=2, tokens_per_minute=600), {},
+                          clock=lambda: now[0])
+    assert limiter.check("t", 10).allowed and limiter.check("t", 10).allowed
+    refused = limiter.check("t", 10)
+    assert not refused.allowed and refused.limit == "requests" and refused.retry_after == 1
+    now[0] += 0.5
+    assert limiter.check("t", 10).allowed
+    now[0] += 10
+    assert limiter.check("t", 500).allowed
+    starved = limiter.check("t", 200)
+    assert not starved.allowed and starved.limit == "tokens"
+    assert starved.retry_after == 10  # 100 tokens left, 200 asked, refilled at 600/min = 10 tokens/s
+    assert limiter.check("other-tenant", 200).allowed
+
+
+def test_tenant_overrides_default_limits(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"a": ["key-a"], "b": {"keys": ["key-b"], "requests_per_second": 1,
+                                                      "request_burst": 1}}))
+    keys = KeyStore.from_file(path)
+    limiter = RateLimiter(TenantLimits(requests_per_second=100, request_burst=100, tokens_per_minute=10**6),
+                          keys.limits, clock=lambda: 0.0)
+    assert limiter.check("b", 1).allowed and not limiter.check("b", 1).allowed
+    assert all(limiter.check("a", 1).allowed for _ in range(50))
+
+
+def test_keys_file_digests_and_plaintext(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    digest = hashlib.sha256(b"secret-one").hexdigest()
+    path.write_text(f"acme:\n  - sha256:{digest}\n  - plain-two\n")
+    keys = KeyStore.from_file(path)
+    assert keys.tenant_for("Bearer secret-one") == "acme"
+    assert keys.tenant_for("Bearer plain-two") == "acme"
+    assert keys.tenant_for(f"Bearer sha256:{digest}") is None, "a digest is not itself a key"
+    assert keys.tenant_for("Bearer nope") is None and keys.tenant_for(None) is None
+    assert keys.tenant_for("Basic secret-one") is None
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"acme": []}', "tenant 'acme': keys"),
+    ('{"acme": {"keys": ["k"], "requests_per_second": -1}}', "tenant 'acme': requests_per_second"),
+    ("[]", "mapping tenant -> keys"),
+])
+def test_bad_keys_files_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    with pytest.raises(KeysFileError, match=message.replace("(", r"\(")):
+        KeyStore.from_file(path)
