@@ -110,3 +110,12 @@ def golden_command(  # typer builds one option per parameter
         raise typer.Exit(2) from exc
     typer.echo(json.dumps(result.as_json()) if as_json else result.report())
     raise typer.Exit(0 if result.passed else 1)
+
+
+@canary_app.command("policy")
+def policy_command(
+    stack_dir: Annotated[Path, typer.Option(help="stacks folder")] = Path("stacks"),
+    env: Annotated[str, typer.Option(help="environment")] = "local",
+) -> None:
+    """Print the environment's canary policy (steps, interval, minimum samples, thresholds) as JSON."""
+    typer.echo(canary_policy(stack_dir, env).model_dump_json())
