@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ttft_pd_vs_colocated.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as scratch:
         work = Path(scratch)
         model = make_test_checkpoint("dense", work / "model", overrides=BENCH_MODEL)
@@ -169,7 +170,8 @@ def main() -> None:
                 process.wait(30)
     result = {
         "benchmark": "pdserve TTFT PD vs colocated; decode tokens/s vs concurrency",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
         "model": {"kind": "dense (llama, GQA)", **BENCH_MODEL},
         "link": "loopback (KV channel over 127.0.0.1, 4 streams, HMAC auth, no TLS)",
         "ttft": ttft,

@@ -6,7 +6,9 @@ plane, each a module exposing main(argv)). `pdserve ROLE --help` lists a role's 
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,8 +17,21 @@ CONTROL_ROLES = ("gateway", "scheduler")
 USAGE = f"usage: pdserve ROLE [options]   (ROLE: {' | '.join(SERVER_ROLES + CONTROL_ROLES)}; pdserve ROLE --help)"
 
 
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_blas_threads(argv: Sequence[str]) -> None:
+    """Set the BLAS thread count before numpy loads (it reads it once). Variables already set are left alone."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--blas-threads", default=os.environ.get("PDSERVE_BLAS_THREADS", "1"))
+    threads = pre.parse_known_args(list(argv))[0].blas_threads
+    for variable in BLAS_THREAD_VARIABLES:
+        os.environ.setdefault(variable, str(threads))
+
+
 def run_server(role: str, argv: Sequence[str]) -> None:
-    import uvicorn  # noqa: PLC0415  (the control-plane roles do not need it loaded)
+    limit_blas_threads(argv)
+    import uvicorn  # noqa: PLC0415  (imported after the BLAS thread limit is set)
 
     from pdserve.server import create_app  # noqa: PLC0415
     from pdserve.server.logs import configure  # noqa: PLC0415

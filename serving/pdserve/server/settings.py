@@ -57,6 +57,8 @@ class ServerSettings(BaseModel):
     scheduler_url: str | None = Field(None, description="register and heartbeat with this pdserve scheduler")
     version: str = Field(importlib.metadata.version("pdserve"), description="release reported to the scheduler")
     heartbeat_seconds: float = Field(5.0, gt=0)
+    blas_threads: int = Field(1, ge=1, description="BLAS threads per process (1: the engine step, KV hashing and "
+                              "HTTP share few cores; spinning BLAS threads starve them)")
     log_level: str = "info"
     fault_error_rate: float = Field(0.0, ge=0, le=1, description="fault injection: share of requests failed with 500")
     fault_delay_ms: float = Field(0.0, ge=0, description="fault injection: delay added before every request")
