@@ -1,0 +1,150 @@
+"""What one stack knows about its environment: its own typed config, and the other datacenters' stack files.
+
+A stack's own settings come from Pulumi config (`pdstack:*`), validated into the same pydantic model
+`pdstack validate` uses. The rest of the environment (peer regions and CIDRs, which links exist, the serving
+ports the control plane fixes) comes from the sibling stack files in the project's `stacks/` folder: configuration
+is known before anything is deployed. Cloud identifiers (VPC, route tables, keys) come from StackReferences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulumi
+from pydantic import ValidationError
+
+from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, Link, Ports, StackConfig
+from pdstack.validate import validate
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "pdstack"
+SETTINGS_NAMESPACE = "pdstack-infra"
+OBJECT_KEYS = ("datacenter", "serving", "canary", "secrets", "capacity")
+
+# Stacks go up in this order: secrets and the KMS key live in the control plane, prefill sides exist before
+# decode sides, and each link is built by its later end, which finds the earlier one by StackReference.
+DEPLOY_RANK = {DatacenterRole.CONTROL: 0, DatacenterRole.PREFILL: 1, DatacenterRole.MIXED: 2, DatacenterRole.DECODE: 3}
+
+
+class ConfigError(pulumi.RunError):
+    """The stack's configuration cannot be deployed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class InfraSettings:
+    """Deployment knobs that are not part of the serving model (Pulumi config namespace `pdstack-infra`)."""
+
+    kubernetes_version: str = "1.33"
+    availability_zones: list[str] | None = None
+    eks_public_access_cidrs: list[str] = field(default_factory=list)
+    lustre_capacity_gib: int = 0
+    ssh_key_name: str | None = None
+    release: str = "0.1.0"
+
+
+@dataclass(frozen=True)
+class EnvironmentView:
+    this: StackConfig
+    datacenters: dict[str, StackConfig]
+    settings: InfraSettings
+
+    @property
+    def env(self) -> str:
+        return str(self.this.environment)
+
+    @property
+    def name(self) -> str:
+        return self.this.datacenter.name
+
+    @property
+    def control(self) -> StackConfig:
+        return next(c for c in self.datacenters.values() if c.datacenter.role is DatacenterRole.CONTROL)
+
+    @property
+    def ports(self) -> Ports:
+        serving = self.control.serving
+        assert serving is not None  # the model requires it on the control stack
+        return serving.ports
+
+    def stack_of(self, dc: str) -> str:
+        return f"{self.env}-{dc}"
+
+    def links(self) -> dict[str, Link]:
+        """Every link touching this datacenter, whichever side declares it, keyed by the peer's name."""
+        found = {link.peer: link for link in self.this.datacenter.links}
+        for name, cfg in self.datacenters.items():
+            for link in cfg.datacenter.links:
+                if link.peer == self.name and name not in found:
+                    found[name] = link.model_copy(update={"peer": name})
+        return dict(sorted(found.items()))
+
+    def builds_link_to(self, peer: str) -> bool:
+        """The later end of a link in deploy order builds it (both ends' routes), so its peer already exists."""
+        return deploy_key(self.this) > deploy_key(self.datacenters[peer])
+
+    def linked_with_role(self, *roles: DatacenterRole) -> list[StackConfig]:
+        return [self.datacenters[p] for p in self.links() if self.datacenters[p].datacenter.role in roles]
+
+
+def deploy_key(cfg: StackConfig) -> tuple[int, str]:
+    return DEPLOY_RANK[cfg.datacenter.role], cfg.datacenter.name
+
+
+def load() -> EnvironmentView:
+    this = own_config()
+    if this.datacenter.region == LOCAL_REGION or this.environment is Environment.LOCAL:
+        raise ConfigError(
+            f"stack {pulumi.get_stack()}: the local environment is not deployed by Pulumi; "
+            "it runs on this machine through Ansible (`make up`)"
+        )
+    expected = f"{this.environment}-{this.datacenter.name}"
+    if pulumi.get_stack() != expected:
+        raise ConfigError(f"stack {pulumi.get_stack()!r} holds datacenter {expected!r}; name the stack {expected!r}")
+    return EnvironmentView(this=this, datacenters=sibling_configs(this), settings=infra_settings())
+
+
+def own_config() -> StackConfig:
+    config = pulumi.Config(NAMESPACE)
+    raw: dict[str, Any] = {"environment": config.require("environment")}
+    for key in OBJECT_KEYS:
+        value = config.get_object(key)
+        if value is not None:
+            raw[key] = value
+    try:
+        return StackConfig.model_validate_json(json.dumps(raw))
+    except ValidationError as exc:
+        lines = [f"{NAMESPACE}:{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid stack configuration:\n" + "\n".join(lines)) from None
+
+
+def sibling_configs(this: StackConfig, stacks_dir: Path | None = None) -> dict[str, StackConfig]:
+    """The environment's stack files, checked as `pdstack validate` checks them; this stack's own config wins."""
+    folder = stacks_dir or PROJECT_ROOT / "stacks"
+    paths = sorted(folder.glob(f"Pulumi.{this.environment}-*.yaml"))
+    report = validate(paths)
+    if not report.valid:
+        raise ConfigError("environment stack files are invalid:\n" + "\n".join(map(str, sorted(report.problems))))
+    configs = {s.config.datacenter.name: s.config for s in report.stacks}
+    configs[this.datacenter.name] = this
+    return configs
+
+
+def infra_settings() -> InfraSettings:
+    config = pulumi.Config(SETTINGS_NAMESPACE)
+    zones = config.get_object("availability_zones")
+    cidrs = config.get_object("eks_public_access_cidrs") or []
+    if zones is not None and (not isinstance(zones, list) or len(zones) != 2):
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:availability_zones: give exactly two zone names, got {zones!r}")
+    if not isinstance(cidrs, list) or "0.0.0.0/0" in cidrs:
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:eks_public_access_cidrs: a list of CIDRs, never 0.0.0.0/0")
+    return InfraSettings(
+        kubernetes_version=config.get("kubernetes_version") or InfraSettings.kubernetes_version,
+        availability_zones=[str(z) for z in zones] if zones is not None else None,
+        eks_public_access_cidrs=[str(c) for c in cidrs],
+        lustre_capacity_gib=config.get_int("lustre_capacity_gib") or 0,
+        ssh_key_name=config.get("ssh_key_name"),
+        release=config.get("release") or InfraSettings.release,
+    )

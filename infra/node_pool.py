@@ -1,0 +1,214 @@
+"""A GPU node pool: launch template on the NVIDIA GPU AMI, IMDSv2, encrypted volumes, EFA interfaces in a
+cluster placement group when the instance type has them, an Auto Scaling group, and a least-privilege role."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+
+from pdstack.model import NodePool
+
+# AWS Deep Learning Base AMI (Ubuntu 22.04): NVIDIA driver, CUDA, EFA installer and NCCL preinstalled.
+# Its public SSM parameter always names the current image; Ansible then pins the driver branch it verifies.
+GPU_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+ROOT_DEVICE, DATA_DEVICE = "/dev/sda1", "/dev/sdb"
+ROOT_VOLUME_GIB = 200
+
+# Network cards carrying EFA per instance type (EC2 User Guide, "Network cards"); one EFA interface per card
+# reaches the type's full bandwidth. Types not listed get one.
+EFA_NETWORK_CARDS = {
+    "p4d.24xlarge": 4,
+    "p4de.24xlarge": 4,
+    "p5.48xlarge": 32,
+    "p5e.48xlarge": 32,
+    "p5en.48xlarge": 16,
+    "p6-b200.48xlarge": 8,
+    "g6e.24xlarge": 2,
+    "g6e.48xlarge": 4,
+}
+
+
+def network_interfaces(
+    efa: bool, instance_type: str, security_group_id: pulumi.Input[str]
+) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
+    """Card 0 carries the primary ENA+EFA interface; further cards carry EFA-only interfaces (no IP address)."""
+    if not efa:
+        return [
+            aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                device_index=0, security_groups=[security_group_id], associate_public_ip_address="false",
+                delete_on_termination="true",
+            )
+        ]
+    return [
+        aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+            device_index=0 if card == 0 else 1,
+            network_card_index=card,
+            interface_type="efa" if card == 0 else "efa-only",
+            security_groups=[security_group_id],
+            associate_public_ip_address="false",
+            delete_on_termination="true",
+        )
+        for card in range(EFA_NETWORK_CARDS.get(instance_type, 1))
+    ]
+
+
+@dataclass(frozen=True)
+class GpuNodePoolArgs:
+    pool: NodePool
+    efa: bool
+    subnet_ids: Sequence[pulumi.Input[str]]  # one per zone; a cluster placement group uses the first only
+    security_group_id: pulumi.Input[str]
+    volume_key_arn: pulumi.Input[str]
+    readable_secret_arns: Sequence[pulumi.Input[str]]
+    secrets_key_arn: pulumi.Input[str]
+    secrets_region: str
+    model_bucket_arn: pulumi.Input[str]
+    repository_arns: Sequence[pulumi.Input[str]]
+    instance_tags: Mapping[str, str]
+    ssh_key_name: str | None = None
+
+
+class GpuNodePool(pulumi.ComponentResource):
+    group: aws.autoscaling.Group
+    launch_template: aws.ec2.LaunchTemplate
+    placement_group: aws.ec2.PlacementGroup | None = None
+
+    def __init__(self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("pdstack:nodes:GpuNodePool", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        tags = dict(args.instance_tags)
+        profile = self._instance_profile(name, args, child)
+        strategy = "cluster" if args.efa else args.pool.placement.value  # EFA is only worth it packed together
+        if strategy != "none":
+            self.placement_group = aws.ec2.PlacementGroup(
+                f"{name}-placement",
+                strategy=strategy,
+                tags=tags,
+                opts=child,
+            )
+        ami = aws.ssm.get_parameter_output(name=GPU_AMI_PARAMETER, opts=pulumi.InvokeOutputOptions(parent=self))
+        self.launch_template = aws.ec2.LaunchTemplate(
+            f"{name}-template",
+            image_id=ami.value,
+            instance_type=args.pool.instance_type,
+            key_name=args.ssh_key_name,
+            iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=profile.arn),
+            ebs_optimized="true",
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled",
+                http_tokens="required",  # IMDSv2 only
+                http_put_response_hop_limit=1,  # containers cannot reach the node's credentials
+                instance_metadata_tags="enabled",  # nodes learn their pdstack:* tags locally
+            ),
+            block_device_mappings=[
+                _volume(device, size, args.volume_key_arn)
+                for device, size in ((ROOT_DEVICE, ROOT_VOLUME_GIB), (DATA_DEVICE, args.pool.data_volume_gib))
+                if size > 0
+            ],
+            network_interfaces=network_interfaces(args.efa, args.pool.instance_type, args.security_group_id),
+            placement=aws.ec2.LaunchTemplatePlacementArgs(group_name=self.placement_group.name)
+            if self.placement_group
+            else None,
+            tag_specifications=[
+                aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=tags)
+                for kind in ("instance", "volume", "network-interface")
+            ],
+            update_default_version=True,
+            tags=tags,
+            opts=child,
+        )
+        single_zone = strategy == "cluster"  # a cluster placement group lives in one zone
+        self.group = aws.autoscaling.Group(
+            f"{name}-group",
+            min_size=args.pool.min_size,
+            desired_capacity=args.pool.desired_size,
+            max_size=args.pool.max_size,
+            vpc_zone_identifiers=list(args.subnet_ids[:1] if single_zone else args.subnet_ids),
+            launch_template=aws.autoscaling.GroupLaunchTemplateArgs(
+                id=self.launch_template.id, version=self.launch_template.latest_version.apply(str)
+            ),
+            health_check_type="EC2",
+            health_check_grace_period=900,  # driver load and weight download before the node counts as unhealthy
+            # GPU capacity is scarce: never wait for it during `pulumi up`; the ASG keeps trying.
+            wait_for_capacity_timeout="0",
+            tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
+            opts=child,
+        )
+        self.register_outputs({"group_name": self.group.name, "launch_template_id": self.launch_template.id})
+
+    def _instance_profile(
+        self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions
+    ) -> aws.iam.InstanceProfile:
+        role = aws.iam.Role(
+            f"{name}-node",
+            assume_role_policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}
+                    ],
+                }
+            ),
+            tags=dict(args.instance_tags),
+            opts=opts,
+        )
+        aws.iam.RolePolicyAttachment(
+            f"{name}-ssm", role=role.name,
+            policy_arn="arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore", opts=opts,
+        )
+        aws.iam.RolePolicy(
+            f"{name}-node",
+            role=role.id,
+            policy=pulumi.Output.all(
+                secrets=list(args.readable_secret_arns),
+                secrets_key=args.secrets_key_arn,
+                bucket=args.model_bucket_arn,
+                volume_key=args.volume_key_arn,
+                repositories=list(args.repository_arns),
+            ).apply(lambda a: node_policy(a, args.secrets_region)),
+            opts=opts,
+        )
+        return aws.iam.InstanceProfile(f"{name}-node", role=role.name, tags=dict(args.instance_tags), opts=opts)
+
+
+def node_policy(arns: dict[str, Any], secrets_region: str) -> str:
+    """Read this environment's node secrets, pull its images, read its model bucket: nothing else."""
+    statements = [
+        {"Sid": "ReadNodeSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue",
+         "Resource": arns["secrets"]},
+        {
+            "Sid": "DecryptSecrets",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": arns["secrets_key"],
+            "Condition": {"StringEquals": {"kms:ViaService": f"secretsmanager.{secrets_region}.amazonaws.com"}},
+        },
+        {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"},
+        {"Sid": "PullImages", "Effect": "Allow", "Action": ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
+         "ecr:BatchCheckLayerAvailability"], "Resource": arns["repositories"]},
+        {"Sid": "ListModels", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": arns["bucket"]},
+        {"Sid": "ReadModels", "Effect": "Allow", "Action": "s3:GetObject", "Resource": f"{arns['bucket']}/*"},
+        {"Sid": "DecryptModels", "Effect": "Allow", "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+         "Resource": arns["volume_key"]},
+    ]
+    return json.dumps({"Version": "2012-10-17", "Statement": statements})
+
+
+def _volume(device: str, size_gib: int, key_arn: pulumi.Input[str]) -> aws.ec2.LaunchTemplateBlockDeviceMappingArgs:
+    return aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+        device_name=device,
+        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+            volume_size=size_gib,
+            volume_type="gp3",
+            iops=16000,  # gp3's ceiling: weights load from here after the first download
+            throughput=1000,
+            encrypted="true",
+            kms_key_id=key_arn,
+            delete_on_termination="true",
+        ),
+    )

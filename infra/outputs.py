@@ -1,0 +1,30 @@
+"""Names of the stack outputs one stack exports and another reads through a StackReference: the contract."""
+
+from __future__ import annotations
+
+REGION = "region"
+ACCOUNT_ID = "account_id"
+CIDR = "cidr"
+VPC_ID = "vpc_id"
+PRIVATE_ROUTE_TABLE_IDS = "private_route_table_ids"
+TRANSIT_GATEWAY_ID = "transit_gateway_id"
+TRANSIT_GATEWAY_ROUTE_TABLE_ID = "transit_gateway_route_table_id"
+
+# Exported by the control-plane stack only.
+ENV_KEY_ARN = "env_key_arn"
+SECRET_ARNS = "secret_arns"  # noqa: S105 (an output name)
+SECRET_VALUES = "secret_values"  # noqa: S105 (an output name)
+REPOSITORY_ARNS = "repository_arns"
+REPOSITORY_URLS = "repository_urls"
+CLUSTER_NAME = "cluster_name"
+
+# Exported by datacenter stacks only.
+MODEL_BUCKET = "model_bucket"
+NODE_POOLS = "node_pools"
+DATA_KEY_ARN = "data_key_arn"
+
+# What a stack reads from a peer it links to, and from the control plane.
+PEER_NETWORK = (
+    REGION, ACCOUNT_ID, CIDR, VPC_ID, PRIVATE_ROUTE_TABLE_IDS, TRANSIT_GATEWAY_ID, TRANSIT_GATEWAY_ROUTE_TABLE_ID,
+)
+CONTROL_FOR_DATACENTERS = (ENV_KEY_ARN, SECRET_ARNS, REPOSITORY_ARNS)

@@ -1,0 +1,305 @@
+"""The control plane's Kubernetes workloads: gateway and scheduler Deployments (separate liveness and readiness
+probes, resource requests, PodDisruptionBudgets, an autoscaler for the gateway), internal NLB Services open only to
+the environment's networks, default-deny NetworkPolicies, Secrets from the secret store, and Prometheus."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from infra.control_plane import PROMETHEUS_SERVICE_ACCOUNT
+from pdstack.model import Ports
+
+PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
+PROMETHEUS_RETENTION = "15d"
+PROMETHEUS_VOLUME_GIB = 100
+CONFIG_DIR = "/etc/pdstack"
+SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
+NLB_ANNOTATIONS = {
+    "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
+    "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
+    "service.beta.kubernetes.io/aws-load-balancer-cross-zone-load-balancing-enabled": "true",
+}
+RESTRICTED_CONTAINER = {
+    "allow_privilege_escalation": False,
+    "read_only_root_filesystem": True,
+    "run_as_non_root": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccomp_profile": {"type": "RuntimeDefault"},
+}
+
+
+@dataclass(frozen=True)
+class ControlWorkloadsArgs:
+    env: str
+    namespace: str
+    images: Mapping[str, pulumi.Input[str]]  # gateway, scheduler: full image references
+    ports: Ports
+    config_files: Mapping[str, str]  # file name -> content, mounted read-only at CONFIG_DIR
+    secret_values: Mapping[str, pulumi.Input[str]]  # secret Outputs
+    client_cidrs: Sequence[str]  # who may call the gateway: the environment's networks
+    datacenter_cidrs: Sequence[str]  # who heartbeats to the scheduler: the serving datacenters
+    cluster_cidr: str  # the control VPC: NLB health checks come from it
+    prometheus_config: Mapping[str, Any]
+    volume_key_arn: pulumi.Input[str]
+    gateway_replicas: int
+    gateway_max_replicas: int
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    name: str
+    port: int
+    replicas: int
+    cpu: str
+    memory: str
+    env: Mapping[str, str]
+    secret_env: Mapping[str, str]  # variable -> key of the pdstack Secret
+
+
+def probes(port: str) -> dict[str, Any]:
+    """Liveness asks "is the process wedged" (slow to fire, restarts); readiness asks "may it take traffic now"
+    (fast, removes it from the Service while the scheduler or a dependency is away)."""
+    return {
+        "liveness_probe": {"http_get": {"path": "/livez", "port": port}, "initial_delay_seconds": 10,
+                           "period_seconds": 10, "timeout_seconds": 2, "failure_threshold": 6},
+        "readiness_probe": {"http_get": {"path": "/readyz", "port": port}, "period_seconds": 5,
+                            "timeout_seconds": 2, "failure_threshold": 2},
+    }
+
+
+class ControlWorkloads(pulumi.ComponentResource):
+    def __init__(self, name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("pdstack:control:ControlWorkloads", name, None, opts)
+        self.args = args
+        self.opts = pulumi.ResourceOptions(parent=self)
+        ns = args.namespace
+        k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata={"name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                             "pdstack/env": args.env}},
+            opts=self.opts,
+        )
+        k8s.core.v1.Secret(
+            f"{name}-secrets", metadata={"name": SECRET_NAME, "namespace": ns}, type="Opaque",
+            string_data=dict(args.secret_values), opts=self.opts,
+        )
+        k8s.core.v1.ConfigMap(
+            f"{name}-config", metadata={"name": "pdstack-config", "namespace": ns},
+            data=dict(args.config_files), opts=self.opts,
+        )
+        scheduler_url = f"http://scheduler.{ns}.svc.cluster.local:{args.ports.scheduler}"
+        gateway = AppSpec(
+            "gateway", args.ports.gateway, args.gateway_replicas, "1", "1Gi",
+            env={"PDSTACK_CONFIG_DIR": CONFIG_DIR, "PDSTACK_SCHEDULER_URL": scheduler_url},
+            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys", "PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token"},
+        )
+        # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
+        # each see half the heartbeats behind the load balancer.
+        scheduler = AppSpec(
+            "scheduler", args.ports.scheduler, 1, "500m", "512Mi",
+            env={"PDSTACK_CONFIG_DIR": CONFIG_DIR},
+            secret_env={"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token", "PDSTACK_KV_KEY": "kv-channel-key"},
+        )
+        for app in (gateway, scheduler):
+            self._deployment(name, app, recreate=app is scheduler)
+            k8s.policy.v1.PodDisruptionBudget(
+                f"{name}-{app.name}",
+                metadata={"name": app.name, "namespace": ns},
+                spec={"max_unavailable": 1, "selector": {"match_labels": {"app": app.name}}},
+                opts=self.opts,
+            )
+        k8s.autoscaling.v2.HorizontalPodAutoscaler(
+            f"{name}-gateway",
+            metadata={"name": "gateway", "namespace": ns},
+            spec={
+                "scale_target_ref": {"api_version": "apps/v1", "kind": "Deployment", "name": "gateway"},
+                "min_replicas": args.gateway_replicas,
+                "max_replicas": args.gateway_max_replicas,
+                "metrics": [{"type": "Resource", "resource": {"name": "cpu",
+                                                              "target": {"type": "Utilization",
+                                                                         "average_utilization": 70}}}],
+            },
+            opts=self.opts,
+        )
+        self._load_balancer(name, gateway, sources=[*args.client_cidrs])
+        self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
+        self._network_policies(name)
+        self._prometheus(name)
+        self.register_outputs({})
+
+    def _deployment(self, name: str, app: AppSpec, recreate: bool) -> None:
+        labels = {"app": app.name, "pdstack/env": self.args.env}
+        env: list[Any] = [{"name": k, "value": v} for k, v in app.env.items()]
+        env += [{"name": k, "value_from": {"secret_key_ref": {"name": SECRET_NAME, "key": key}}}
+                for k, key in app.secret_env.items()]
+        k8s.apps.v1.Deployment(
+            f"{name}-{app.name}",
+            metadata={"name": app.name, "namespace": self.args.namespace, "labels": labels},
+            spec={
+                "replicas": app.replicas,
+                "selector": {"match_labels": {"app": app.name}},
+                "strategy": {"type": "Recreate"} if recreate else
+                {"type": "RollingUpdate", "rolling_update": {"max_unavailable": 0, "max_surge": 1}},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "security_context": {"run_as_non_root": True, "run_as_user": 10001,
+                                             "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "topology_spread_constraints": [{"max_skew": 1, "topology_key": "topology.kubernetes.io/zone",
+                                                         "when_unsatisfiable": "ScheduleAnyway",
+                                                         "label_selector": {"match_labels": {"app": app.name}}}],
+                        "termination_grace_period_seconds": 60,  # let streams in flight finish
+                        "containers": [{
+                            "name": app.name,
+                            "image": self.args.images[app.name],
+                            "ports": [{"name": "http", "container_port": app.port}],
+                            "env": env,
+                            "resources": {"requests": {"cpu": app.cpu, "memory": app.memory},
+                                          "limits": {"memory": app.memory}},
+                            "volume_mounts": [{"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
+                                              {"name": "tmp", "mount_path": "/tmp"}],  # noqa: S108 (a private emptyDir)
+                            "security_context": RESTRICTED_CONTAINER,
+                            **probes("http"),
+                        }],
+                        "volumes": [{"name": "config", "config_map": {"name": "pdstack-config"}},
+                                    {"name": "tmp", "empty_dir": {}}],
+                    },
+                },
+            },
+            opts=self.opts,
+        )
+
+    def _load_balancer(self, name: str, app: AppSpec, sources: list[str]) -> None:
+        k8s.core.v1.Service(
+            f"{name}-{app.name}",
+            metadata={"name": app.name, "namespace": self.args.namespace, "annotations": NLB_ANNOTATIONS},
+            spec={
+                "type": "LoadBalancer",
+                "external_traffic_policy": "Local",  # keeps the client address for rate limits and logs
+                "load_balancer_source_ranges": sorted(set(sources)),
+                "selector": {"app": app.name},
+                "ports": [{"name": "http", "port": app.port, "target_port": "http", "protocol": "TCP"}],
+            },
+            opts=self.opts,
+        )
+
+    def _network_policies(self, name: str) -> None:
+        a, ns = self.args, self.args.namespace
+
+        def policy(suffix: str, selector: dict[str, Any], ingress: list[Any]) -> None:
+            k8s.networking.v1.NetworkPolicy(
+                f"{name}-{suffix}",
+                metadata={"name": suffix, "namespace": ns},
+                spec={"pod_selector": selector, "policy_types": ["Ingress"], "ingress": ingress},
+                opts=self.opts,
+            )
+
+        def blocks(cidrs: Sequence[str]) -> list[Any]:
+            return [{"ip_block": {"cidr": c}} for c in sorted({*cidrs, a.cluster_cidr})]
+
+        policy("default-deny-ingress", {}, [])
+        policy("gateway", {"match_labels": {"app": "gateway"}},
+               [{"from": blocks(a.client_cidrs), "ports": [{"port": a.ports.gateway, "protocol": "TCP"}]}])
+        policy("scheduler", {"match_labels": {"app": "scheduler"}}, [
+            {"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}},
+                      {"pod_selector": {"match_labels": {"app": "prometheus"}}}, *blocks(a.datacenter_cidrs)],
+             "ports": [{"port": a.ports.scheduler, "protocol": "TCP"}]},
+        ])
+        policy("gateway-metrics", {"match_labels": {"app": "gateway"}}, [
+            {"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
+             "ports": [{"port": a.ports.gateway, "protocol": "TCP"}]},
+        ])
+        policy("prometheus", {"match_labels": {"app": "prometheus"}},
+               [{"from": [{"pod_selector": {}}], "ports": [{"port": a.ports.prometheus, "protocol": "TCP"}]}])
+
+    def _prometheus(self, name: str) -> None:
+        a, ns = self.args, self.args.namespace
+        labels = {"app": "prometheus"}
+        k8s.core.v1.ServiceAccount(
+            f"{name}-prometheus", metadata={"name": PROMETHEUS_SERVICE_ACCOUNT, "namespace": ns}, opts=self.opts
+        )
+        k8s.rbac.v1.Role(
+            f"{name}-prometheus",
+            metadata={"name": "prometheus", "namespace": ns},
+            rules=[{"api_groups": [""], "resources": ["services", "endpoints", "pods"],
+                    "verbs": ["get", "list", "watch"]}],
+            opts=self.opts,
+        )
+        k8s.rbac.v1.RoleBinding(
+            f"{name}-prometheus",
+            metadata={"name": "prometheus", "namespace": ns},
+            role_ref={"api_group": "rbac.authorization.k8s.io", "kind": "Role", "name": "prometheus"},
+            subjects=[{"kind": "ServiceAccount", "name": PROMETHEUS_SERVICE_ACCOUNT, "namespace": ns}],
+            opts=self.opts,
+        )
+        k8s.core.v1.ConfigMap(
+            f"{name}-prometheus", metadata={"name": "prometheus", "namespace": ns},
+            data={"prometheus.yml": yaml.safe_dump(dict(a.prometheus_config), sort_keys=False)}, opts=self.opts,
+        )
+        k8s.storage.v1.StorageClass(
+            f"{name}-gp3",
+            metadata={"name": f"pdstack-{a.env}-gp3"},
+            provisioner="ebs.csi.aws.com",
+            parameters=pulumi.Output.from_input(a.volume_key_arn).apply(
+                lambda arn: {"type": "gp3", "encrypted": "true", "kmsKeyId": arn}
+            ),
+            volume_binding_mode="WaitForFirstConsumer",
+            allow_volume_expansion=True,
+            reclaim_policy="Retain",
+            opts=self.opts,
+        )
+        port = a.ports.prometheus
+        k8s.apps.v1.StatefulSet(
+            f"{name}-prometheus",
+            metadata={"name": "prometheus", "namespace": ns, "labels": labels},
+            spec={
+                "service_name": "prometheus",
+                "replicas": 1,
+                "selector": {"match_labels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "service_account_name": PROMETHEUS_SERVICE_ACCOUNT,
+                        "security_context": {"run_as_non_root": True, "run_as_user": 65534, "fs_group": 65534,
+                                             "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "containers": [{
+                            "name": "prometheus",
+                            "image": PROMETHEUS_IMAGE,
+                            "args": ["--config.file=/etc/prometheus/prometheus.yml",
+                                     "--storage.tsdb.path=/prometheus",
+                                     f"--storage.tsdb.retention.time={PROMETHEUS_RETENTION}",
+                                     f"--web.listen-address=:{port}"],
+                            "ports": [{"name": "http", "container_port": port}],
+                            "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+                            "liveness_probe": {"http_get": {"path": "/-/healthy", "port": "http"},
+                                               "period_seconds": 15, "failure_threshold": 6},
+                            "readiness_probe": {"http_get": {"path": "/-/ready", "port": "http"},
+                                                "period_seconds": 5, "failure_threshold": 3},
+                            "volume_mounts": [{"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
+                                              {"name": "data", "mount_path": "/prometheus"}],
+                            "security_context": RESTRICTED_CONTAINER,
+                        }],
+                        "volumes": [{"name": "config", "config_map": {"name": "prometheus"}}],
+                    },
+                },
+                "volume_claim_templates": [{
+                    "metadata": {"name": "data"},
+                    "spec": {"access_modes": ["ReadWriteOnce"], "storage_class_name": f"pdstack-{a.env}-gp3",
+                             "resources": {"requests": {"storage": f"{PROMETHEUS_VOLUME_GIB}Gi"}}},
+                }],
+            },
+            opts=self.opts,
+        )
+        k8s.core.v1.Service(
+            f"{name}-prometheus",
+            metadata={"name": "prometheus", "namespace": ns},
+            spec={"type": "ClusterIP", "selector": labels,
+                  "ports": [{"name": "http", "port": port, "target_port": "http", "protocol": "TCP"}]},
+            opts=self.opts,
+        )

@@ -1,0 +1,303 @@
+"""`pdstack synth`: run the Pulumi program of one stack under mocks, offline, and list what it would create.
+
+The program in infra/ runs in-process against a mock engine: no Pulumi CLI, no cloud, no credentials. Each
+resource registration is recorded (type, name, parent, inputs as the engine receives them); invokes (caller
+identity, availability zones, the GPU AMI parameter) and StackReferences get answers derived from the
+environment's stack files. The policy pack's rules (policy/rules.py) then judge the recorded graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
+from pdstack.stackfile import StackFile, load_stack_file
+
+PROJECT = "pdstack"
+ORGANIZATION = "organization"
+MOCK_ACCOUNT = "123456789012"
+MOCK_AMI = "ami-0a1b2c3d4e5f60718"
+SECRET_MARK = "[secret]"
+SECRET_SIG = "4dabf18193072939515e22adb298388d"  # Pulumi's wire marker of a secret value
+
+
+@dataclass(frozen=True)
+class Resource:
+    urn: str
+    type: str
+    name: str
+    parent: str
+    inputs: dict[str, Any]
+    secret_inputs: frozenset[str]  # top-level input names that arrived as secrets
+
+    def prop(self, path: str, default: Any = None) -> Any:
+        value: Any = self.inputs
+        for part in path.split("."):
+            if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+                value = value[int(part)]
+            elif isinstance(value, dict) and part in value:
+                value = value[part]
+            else:
+                return default
+        return value
+
+
+@dataclass
+class Synthesis:
+    stack: str
+    resources: list[Resource] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    secret_outputs: set[str] = field(default_factory=set)
+    violations: list[Any] = field(default_factory=list)  # policy/rules.py Violation
+    skipped: str | None = None  # why nothing was synthesised (the local environment)
+
+    def of_type(self, type_: str) -> list[Resource]:
+        return [r for r in self.resources if r.type == type_]
+
+    def children_of(self, resource: Resource) -> list[Resource]:
+        return [r for r in self.resources if r.parent == resource.urn]
+
+
+class SynthError(Exception):
+    """The program refused the stack (bad config) or failed; the message says why."""
+
+
+def project_root_of(stacks_dir: Path) -> Path:
+    return stacks_dir.resolve().parent
+
+
+def stack_path(stacks_dir: Path, name: str) -> Path:
+    path = stacks_dir / f"Pulumi.{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in stacks_dir.glob("Pulumi.*.yaml"))
+        raise SynthError(f"no stack {name!r} in {stacks_dir} (known: {', '.join(known)})")
+    return path
+
+
+def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Synthesis:
+    """Run the program for the stack file at `path`; `config_overrides` replace keys of its `config:` block."""
+    stack = load_stack_file(path)
+    root = project_root_of(path.parent)
+    result = Synthesis(stack=stack.stack_name)
+    if stack.config.datacenter.region == LOCAL_REGION:
+        result.skipped = "the local environment is deployed by Ansible on this machine, not by Pulumi"
+        return result
+    config = {**stack.pulumi_config, **(config_overrides or {})}
+    environment = _environment(path.parent, stack)
+    recorder = _run(root, stack, config, environment, result)
+    result.resources = recorder
+    rules = load_rules(root)
+    result.violations = rules.evaluate(
+        [rules.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
+        rules.PolicyConfig(kv_port=_kv_port(environment)),
+    )
+    return result
+
+
+@cache
+def load_rules(root: Path) -> ModuleType:
+    """policy/rules.py, the rules the policy pack registers: imported by path, it is not a package of ours."""
+    path = root / "policy" / "rules.py"
+    spec = importlib.util.spec_from_file_location("pdstack_policy_rules", path)
+    if spec is None or spec.loader is None:
+        raise SynthError(f"cannot load policy rules from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class body runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
+    configs = {}
+    for path in sorted(stacks_dir.glob(f"Pulumi.{stack.config.environment}-*.yaml")):
+        cfg = load_stack_file(path).config
+        configs[cfg.datacenter.name] = cfg
+    configs[stack.config.datacenter.name] = stack.config
+    return configs
+
+
+def _kv_port(environment: dict[str, StackConfig]) -> int:
+    for cfg in environment.values():
+        if cfg.serving is not None:
+            return cfg.serving.ports.kv
+    return 8400
+
+
+def _config_strings(config: dict[str, Any]) -> dict[str, str]:
+    """Pulumi hands config to programs as strings; structured values travel as JSON."""
+    return {key: value if isinstance(value, str) else json.dumps(value, default=str) for key, value in config.items()}
+
+
+def _run(
+    root: Path, stack: StackFile, config: dict[str, Any], environment: dict[str, StackConfig], result: Synthesis
+) -> list[Resource]:
+    import pulumi
+    from pulumi.runtime import settings
+    from pulumi.runtime.config import set_all_config
+
+    mocks = _mocks_class()(stack.config.datacenter.region, environment)
+    monitor = _monitor_class()(mocks)
+    settings.ROOT.set(None)  # a fresh root stack resource per run: outputs of an earlier run must not leak
+    pulumi.runtime.set_mocks(
+        mocks, project=PROJECT, stack=stack.stack_name, preview=False, monitor=monitor, organization=ORGANIZATION
+    )
+    set_all_config(_config_strings(config))
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from infra.program import main
+
+    @pulumi.runtime.test  # type: ignore[untyped-decorator]
+    def run() -> None:
+        main()
+
+    try:
+        run()
+    except pulumi.RunError as exc:
+        raise SynthError(f"{stack.stack_name}: {exc}") from None
+    root_resource = settings.get_root_resource()
+    exported = getattr(root_resource, "outputs", {}) or {}
+    from pulumi.runtime.sync_await import _sync_await
+
+    for key, value in exported.items():
+        out = pulumi.Output.from_input(value)
+        result.outputs[key] = _sync_await(out.future())
+        if _sync_await(out.is_secret()):
+            result.secret_outputs.add(key)
+    return monitor.recorded
+
+
+def _unwrap(value: Any) -> tuple[Any, bool]:
+    """Strip Pulumi's secret wrappers from a deserialized value; report whether any were present."""
+    if isinstance(value, dict):
+        if value.get(SECRET_SIG) == "1b47061264138c4ac30d75fd1eb44270":
+            return _unwrap(value.get("value"))[0], True
+        pairs = {k: _unwrap(v) for k, v in value.items()}
+        return {k: v for k, (v, _) in pairs.items()}, any(s for _, s in pairs.values())
+    if isinstance(value, list):
+        items = [_unwrap(v) for v in value]
+        return [v for v, _ in items], any(s for _, s in items)
+    return value, False
+
+
+@cache
+def _monitor_class() -> type:
+    from pulumi.runtime import rpc
+    from pulumi.runtime.mocks import MockMonitor
+
+    class RecordingMonitor(MockMonitor):  # type: ignore[misc]
+        """The mock monitor, also keeping each registration's parent and raw inputs (secrets marked)."""
+
+        def __init__(self, mocks: Any) -> None:
+            super().__init__(mocks)
+            self.recorded: list[Resource] = []
+
+        def RegisterResource(self, request: Any) -> Any:  # noqa: N802 (the gRPC method name)
+            response = super().RegisterResource(request)
+            if request.type != "pulumi:pulumi:Stack":
+                raw = rpc.deserialize_properties(request.object, keep_internal=False)
+                inputs, secret = {}, set()
+                for key, value in raw.items():
+                    inputs[key], is_secret = _unwrap(value)
+                    if is_secret:
+                        secret.add(key)
+                self.recorded.append(
+                    Resource(response.urn, request.type, request.name, request.parent, inputs, frozenset(secret))
+                )
+            return response
+
+    return RecordingMonitor
+
+
+@cache
+def _mocks_class() -> type:
+    import pulumi
+
+    class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]
+        """Answers the engine would give: ids and computed properties, invokes, peer stack outputs."""
+
+        def __init__(self, region: str, environment: dict[str, StackConfig]) -> None:
+            self.region, self.environment = region, environment
+
+        def new_resource(self, args: Any) -> tuple[str, dict[str, Any]]:
+            inputs, _ = _unwrap(dict(args.inputs))
+            state = {**inputs, **_computed(args.typ, args.name, inputs, self.region, self.environment)}
+            return f"{args.name}-id", state
+
+        def call(self, args: Any) -> tuple[dict[str, Any], list[Any]]:
+            token = args.token
+            if token == "aws:index/getCallerIdentity:getCallerIdentity":
+                arn = f"arn:aws:iam::{MOCK_ACCOUNT}:user/ci"
+                return {"accountId": MOCK_ACCOUNT, "arn": arn, "userId": "AIDAMOCK", "id": MOCK_ACCOUNT}, []
+            if token == "aws:index/getAvailabilityZones:getAvailabilityZones":
+                names = [f"{self.region}{z}" for z in "abc"]
+                return {"names": names, "zoneIds": [f"use-az{i}" for i in range(3)], "id": self.region}, []
+            if token == "aws:ssm/getParameter:getParameter":
+                return {"name": args.args["name"], "value": MOCK_AMI, "type": "String", "id": args.args["name"]}, []
+            raise SynthError(f"the mock engine has no answer for invoke {token}")
+
+    return GraphMocks
+
+
+def _computed(
+    type_: str, name: str, inputs: dict[str, Any], region: str, environment: dict[str, StackConfig]
+) -> dict[str, Any]:
+    digest = hashlib.sha256(f"{type_}/{name}".encode()).hexdigest()
+    service = type_.split(":")[1].split("/")[0] if ":" in type_ else "mock"
+    common = {"arn": f"arn:aws:{service}:{region}:{MOCK_ACCOUNT}:{name}", "name": inputs.get("name", name)}
+    if type_ == "pulumi:pulumi:StackReference":
+        return {"outputs": peer_outputs(str(inputs["name"]), environment)}
+    if type_ == "aws:s3/bucket:Bucket":
+        bucket = inputs.get("bucket", name)
+        return {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}"}
+    if type_ == "aws:eks/cluster:Cluster":
+        endpoint = f"https://{digest[:32].upper()}.gr7.{region}.eks.amazonaws.com"
+        return {**common, "endpoint": endpoint, "certificateAuthority": {"data": "bW9jay1jYQ=="}}
+    if type_ == "aws:ecr/repository:Repository":
+        return {**common, "repositoryUrl": f"{MOCK_ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{common['name']}"}
+    if type_ == "aws:kms/key:Key":
+        return {**common, "keyId": digest[:36]}
+    if type_ == "aws:ec2/launchTemplate:LaunchTemplate":
+        return {**common, "latestVersion": 1}
+    if type_ == "random:index/randomPassword:RandomPassword":
+        return {"result": f"mock-{digest[:40]}"}  # a stand-in, not a secret: mocks never see real values
+    return common
+
+
+def peer_outputs(qualified_stack: str, environment: dict[str, StackConfig]) -> dict[str, Any]:
+    """What a deployed peer stack would export (infra/outputs.py names), derived from its stack file."""
+    stack = qualified_stack.rsplit("/", 1)[-1]
+    cfg = next((c for c in environment.values() if f"{c.environment}-{c.datacenter.name}" == stack), None)
+    if cfg is None:
+        raise SynthError(f"StackReference to {qualified_stack}: no such stack in the environment")
+    dc = cfg.datacenter
+    ids = hashlib.sha256(stack.encode()).hexdigest()
+    values: dict[str, Any] = {
+        "region": dc.region,
+        "account_id": MOCK_ACCOUNT,
+        "cidr": str(dc.cidr),
+        "vpc_id": f"vpc-{ids[:17]}",
+        "private_route_table_ids": [f"rtb-{ids[i : i + 17]}" for i in (17, 34)],
+        "transit_gateway_id": f"tgw-{ids[:17]}",
+        "transit_gateway_route_table_id": f"tgw-rtb-{ids[17:34]}",
+        "data_key_arn": f"arn:aws:kms:{dc.region}:{MOCK_ACCOUNT}:key/{ids[:36]}",
+    }
+    if dc.role is DatacenterRole.CONTROL:
+        env = cfg.environment
+        values["env_key_arn"] = f"arn:aws:kms:{dc.region}:{MOCK_ACCOUNT}:key/{ids[28:64]}"
+        values["secret_arns"] = {
+            s.name: f"arn:aws:secretsmanager:{dc.region}:{MOCK_ACCOUNT}:secret:pdstack/{env}/{s.name}-AbCdEf"
+            for s in cfg.secret_specs
+        }
+        values["repository_arns"] = {
+            image: f"arn:aws:ecr:{dc.region}:{MOCK_ACCOUNT}:repository/pdstack-{env}/{image}"
+            for image in ("gateway", "scheduler", "prefill", "decode")
+        }
+    return values
