@@ -1,0 +1,121 @@
+"""The serving roles and playbooks without nodes: ansible-lint's production profile, bad variables refused with a
+message naming them, and model verification against a manifest on real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import ANSIBLE_PLAYBOOK, REPO
+
+ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
+DIGEST_IMAGE = "10.210.255.1:5000/pdstack/pdserve@sha256:" + "ab" * 32
+
+
+def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, object]) -> tuple[int, str]:
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump([{"name": "test", "hosts": "localhost", "connection": "local",
+                                         "gather_facts": False, "tasks": tasks}]))
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables),
+         "-e", "ansible_python_interpreter=/usr/bin/python3"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+             "HOME": str(tmp_path)},
+    )  # fmt: skip
+    return result.returncode, " ".join((result.stdout + result.stderr).split())
+
+
+def include(role: str, tasks_from: str = "main") -> list[dict[str, object]]:
+    return [{"name": "role", "ansible.builtin.include_role": {"name": role, "tasks_from": tasks_from}}]
+
+
+def test_ansible_lint_production_profile(tmp_path: Path) -> None:
+    targets = ["roles/pdserve", "roles/model_artifacts", "roles/prometheus", "playbooks/serving.yml",
+               "playbooks/deploy.yml", "playbooks/rollback.yml"]
+    result = subprocess.run(
+        [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("role", "variables", "message"), [
+    ("pdserve", {"pdserve_component": "router"}, "pdserve_component must be one of"),
+    ("pdserve", {"pdserve_component": "decode", "pdserve_restart_policy": "sometimes"},
+     "pdserve_restart_policy must be one of"),
+    ("pdserve", {"pdserve_component": "decode", "pdserve_kv_load_failure_policy": "guess"},
+     "pdserve_kv_load_failure_policy must be one of"),
+    ("prometheus", {"prometheus_port": "nine"}, "prometheus_port"),
+    ("model_artifacts", {}, "missing required arguments: model_artifacts_source"),
+])
+def test_bad_variables_are_refused_naming_them(tmp_path: Path, role: str, variables: dict[str, object],
+                                               message: str) -> None:
+    code, output = play(tmp_path, include(role), variables)
+    assert code != 0
+    assert message in output, output[-3000:]
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"pdserve_image": "10.210.255.1:5000/pdstack/pdserve:latest", "pdserve_version": "r1"},
+     "pdserve_image must be an image by digest"),
+    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "release 1"}, "got 'release 1'"),
+    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1"}, "needs pdserve_kv_key_file"),
+])
+def test_release_and_secret_checks_name_the_problem(tmp_path: Path, variables: dict[str, object],
+                                                    message: str) -> None:
+    code, output = play(tmp_path, include("pdserve"), {"pdserve_component": "decode", **variables})
+    assert code != 0
+    assert message in output, output[-3000:]
+
+
+def test_prometheus_needs_an_image_by_digest(tmp_path: Path) -> None:
+    code, output = play(tmp_path, include("prometheus"), {"prometheus_image": "localhost/prometheus:latest"})
+    assert code != 0 and "prometheus_image must be an image by digest" in output
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    source = tmp_path / "model"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text('{"model_type": "llama"}')
+    (source / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (source / "sub" / "tokenizer.json").write_text("{}")
+    sums = subprocess.run(["sha256sum", "config.json", "model.safetensors", "sub/tokenizer.json"], cwd=source,
+                          capture_output=True, text=True, check=True).stdout
+    (source / "SHA256SUMS").write_text(sums)
+    return source
+
+
+def test_model_is_copied_and_verified_then_a_changed_file_is_named(tmp_path: Path, model: Path) -> None:
+    dest = tmp_path / "node" / "models" / "tiny"
+    code, output = play(tmp_path, include("model_artifacts"),
+                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(dest)})
+    assert code == 0, output[-3000:]
+    assert (dest / "sub" / "tokenizer.json").read_text() == "{}"
+    assert "3 files match the manifest" in output
+    (dest / "model.safetensors").write_bytes(b"tampered")
+    (dest / "sub" / "tokenizer.json").unlink()
+    verify = {"model_artifacts_dest": str(dest), "model_artifacts_node_manifest": str(dest / "SHA256SUMS")}
+    code, output = play(tmp_path, include("model_artifacts", "verify"), verify)
+    assert code != 0
+    assert "2 file(s)" in output and "model.safetensors: sha256" in output and "sub/tokenizer.json: missing" in output
+
+
+def test_a_malformed_manifest_line_is_named(tmp_path: Path, model: Path) -> None:
+    (model / "SHA256SUMS").write_text("not-a-hash  config.json\n")
+    code, output = play(tmp_path, include("model_artifacts"),
+                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")})
+    assert code != 0 and "line 'not-a-hash config.json' is not" in output.replace("  ", " ")
+
+
+def test_a_manifest_path_leaving_the_model_folder_is_refused(tmp_path: Path, model: Path) -> None:
+    (model / "SHA256SUMS").write_text("ab" * 32 + "  ../../etc/passwd\n")
+    code, output = play(tmp_path, include("model_artifacts"),
+                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")})
+    assert code != 0 and "../../etc/passwd" in output
