@@ -55,7 +55,8 @@ def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> 
 class Cluster:
     tmp: Path
     kv_key_file: Path
-    missed_heartbeats: int = 5
+    missed_heartbeats: int = 50
+    """At 0.2 s heartbeats: dead after 10 s of silence, so a busy machine does not flap instances."""
     scheduler: Service | None = None
     admin_token: str = ""
     servers: dict[str, Service] = field(default_factory=dict)

@@ -18,7 +18,8 @@ from .services import Service, start_scheduler
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[tuple[Service, str]]:
-    service, token = start_scheduler(tmp_path)
+    """A scheduler that declares instances dead only after 30 s of silence, so a loaded machine cannot flake."""
+    service, token = start_scheduler(tmp_path, heartbeat_interval=10.0)
     yield service, token
     service.stop()
 
@@ -45,15 +46,22 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-def test_states_starting_ready_draining_dead(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
+def test_states_starting_ready_draining_dead(tmp_path: Path) -> None:
+    service, _ = start_scheduler(tmp_path, heartbeat_interval=0.5, missed=4)  # dead after 2 s of silence
+    try:
+        check_state_machine(service.url)
+    finally:
+        service.stop()
+
+
+def check_state_machine(url: str) -> None:
     assert httpx.post(f"{url}/v1/instances", json=instance("d1")).status_code == 201
     assert states(url) == {"d1": "starting"}
     assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}}).json()["state"] == "starting"
     assert beat(url, "d1").json()["state"] == "ready"
     assert httpx.post(f"{url}/v1/instances/d1/drain").json()["state"] == "draining"
     assert beat(url, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
-    wait_for(lambda: states(url) == {"d1": "dead"})  # heartbeats stopped: 3 x 0.2 s missed
+    wait_for(lambda: states(url) == {"d1": "dead"})  # heartbeats stopped
 
 
 def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: tuple[Service, str]) -> None:
