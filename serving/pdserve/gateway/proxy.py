@@ -240,11 +240,12 @@ class PDProxy:
             params = response.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
-        missing = [name for name in REQUIRED_KV_FIELDS if not isinstance(params, dict) or params.get(name) is None]
+        if not isinstance(params, dict):
+            raise UpstreamError("prefill", "bad_response", "answer has no kv_transfer_params")
+        missing = [name for name in REQUIRED_KV_FIELDS if params.get(name) is None]
         if missing:
             raise UpstreamError("prefill", "bad_response", f"kv_transfer_params lacks {', '.join(missing)}")
-        result: dict[str, Any] = params  # type: ignore[assignment]
-        return result
+        return params
 
     async def _call_decode_json(self, ctx: Context, decode: RoutedInstance,
                                 kv_params: dict[str, Any] | None) -> httpx.Response:
