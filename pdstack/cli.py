@@ -65,3 +65,23 @@ def validate_command(
         for problem in sorted(report.problems):
             typer.echo(str(problem))
     raise typer.Exit(0 if report.valid else 1)
+
+
+@app.command("synth")
+def synth_command(
+    stacks: Annotated[
+        list[str] | None, typer.Option("--stack", help="stack name, e.g. prod-control; repeatable (default: all)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable resource graph and verdicts")] = False,
+) -> None:
+    """Run the Pulumi program under mocks, offline: list the resources a stack would create and the policy
+    verdicts on them. Exit 1 on a violation."""
+    from pdstack.synth import SynthError, run_command  # noqa: PLC0415 (pulumi is heavy: load it only here)
+
+    try:
+        text, status = run_command(project_stacks_dir(), stacks or [], as_json)
+    except SynthError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    typer.echo(text)
+    raise typer.Exit(status)

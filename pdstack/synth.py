@@ -18,15 +18,22 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pulumi
+from pulumi.runtime import rpc, settings
+from pulumi.runtime.config import set_all_config
+from pulumi.runtime.mocks import MockMonitor
+from pulumi.runtime.sync_await import _sync_await
+
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
-from pdstack.stackfile import StackFile, load_stack_file
+from pdstack.stackfile import StackFile, StackFileError, load_stack_file
 
 PROJECT = "pdstack"
 ORGANIZATION = "organization"
 MOCK_ACCOUNT = "123456789012"
 MOCK_AMI = "ami-0a1b2c3d4e5f60718"
-SECRET_MARK = "[secret]"
-SECRET_SIG = "4dabf18193072939515e22adb298388d"  # Pulumi's wire marker of a secret value
+REDACTED = "[secret]"
+SECRET_SIG = "4dabf18193072939515e22adb298388d"  # noqa: S105 (Pulumi's wire marker of a secret, not one)
+SECRET_VALUE_SIG = "1b47061264138c4ac30d75fd1eb44270"  # noqa: S105 (likewise)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Synthesis:
     secret_outputs: set[str] = field(default_factory=set)
     violations: list[Any] = field(default_factory=list)  # policy/rules.py Violation
     skipped: str | None = None  # why nothing was synthesised (the local environment)
+    policies_checked: int = 0
 
     def of_type(self, type_: str) -> list[Resource]:
         return [r for r in self.resources if r.type == type_]
@@ -99,6 +107,7 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
         [rules.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
         rules.PolicyConfig(kv_port=_kv_port(environment)),
     )
+    result.policies_checked = len(rules.POLICY_NAMES)
     return result
 
 
@@ -139,12 +148,8 @@ def _config_strings(config: dict[str, Any]) -> dict[str, str]:
 def _run(
     root: Path, stack: StackFile, config: dict[str, Any], environment: dict[str, StackConfig], result: Synthesis
 ) -> list[Resource]:
-    import pulumi
-    from pulumi.runtime import settings
-    from pulumi.runtime.config import set_all_config
-
-    mocks = _mocks_class()(stack.config.datacenter.region, environment)
-    monitor = _monitor_class()(mocks)
+    mocks = GraphMocks(stack.config.datacenter.region, environment)
+    monitor = RecordingMonitor(mocks)
     settings.ROOT.set(None)  # a fresh root stack resource per run: outputs of an earlier run must not leak
     pulumi.runtime.set_mocks(
         mocks, project=PROJECT, stack=stack.stack_name, preview=False, monitor=monitor, organization=ORGANIZATION
@@ -152,7 +157,7 @@ def _run(
     set_all_config(_config_strings(config))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from infra.program import main
+    from infra.program import main  # noqa: PLC0415 (importable only once the project root is on sys.path)
 
     @pulumi.runtime.test  # type: ignore[untyped-decorator]
     def run() -> None:
@@ -164,8 +169,6 @@ def _run(
         raise SynthError(f"{stack.stack_name}: {exc}") from None
     root_resource = settings.get_root_resource()
     exported = getattr(root_resource, "outputs", {}) or {}
-    from pulumi.runtime.sync_await import _sync_await
-
     for key, value in exported.items():
         out = pulumi.Output.from_input(value)
         result.outputs[key] = _sync_await(out.future())
@@ -177,80 +180,75 @@ def _run(
 def _unwrap(value: Any) -> tuple[Any, bool]:
     """Strip Pulumi's secret wrappers from a deserialized value; report whether any were present."""
     if isinstance(value, dict):
-        if value.get(SECRET_SIG) == "1b47061264138c4ac30d75fd1eb44270":
+        if value.get(SECRET_SIG) == SECRET_VALUE_SIG:
             return _unwrap(value.get("value"))[0], True
         pairs = {k: _unwrap(v) for k, v in value.items()}
         return {k: v for k, (v, _) in pairs.items()}, any(s for _, s in pairs.values())
     if isinstance(value, list):
         items = [_unwrap(v) for v in value]
         return [v for v, _ in items], any(s for _, s in items)
+    if isinstance(value, float) and value.is_integer():
+        return int(value), False  # the wire carries every number as a double
     return value, False
 
 
-@cache
-def _monitor_class() -> type:
-    from pulumi.runtime import rpc
-    from pulumi.runtime.mocks import MockMonitor
+class RecordingMonitor(MockMonitor):  # type: ignore[misc]
+    """The mock monitor, also keeping each registration's parent and raw inputs (secrets marked)."""
 
-    class RecordingMonitor(MockMonitor):  # type: ignore[misc]
-        """The mock monitor, also keeping each registration's parent and raw inputs (secrets marked)."""
+    def __init__(self, mocks: GraphMocks) -> None:
+        super().__init__(mocks)
+        self.recorded: list[Resource] = []
 
-        def __init__(self, mocks: Any) -> None:
-            super().__init__(mocks)
-            self.recorded: list[Resource] = []
+    def RegisterResource(self, request: Any) -> Any:  # the gRPC method name
+        response = super().RegisterResource(request)
+        if request.type != "pulumi:pulumi:Stack":
+            self._record(response.urn, request, request.object)
+        return response
 
-        def RegisterResource(self, request: Any) -> Any:  # noqa: N802 (the gRPC method name)
-            response = super().RegisterResource(request)
-            if request.type != "pulumi:pulumi:Stack":
-                raw = rpc.deserialize_properties(request.object, keep_internal=False)
-                inputs, secret = {}, set()
-                for key, value in raw.items():
-                    inputs[key], is_secret = _unwrap(value)
-                    if is_secret:
-                        secret.add(key)
-                self.recorded.append(
-                    Resource(response.urn, request.type, request.name, request.parent, inputs, frozenset(secret))
-                )
-            return response
+    def ReadResource(self, request: Any) -> Any:  # StackReferences are read, not registered
+        response = super().ReadResource(request)
+        self._record(response.urn, request, request.properties)
+        return response
 
-    return RecordingMonitor
-
-
-@cache
-def _mocks_class() -> type:
-    import pulumi
-
-    class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]
-        """Answers the engine would give: ids and computed properties, invokes, peer stack outputs."""
-
-        def __init__(self, region: str, environment: dict[str, StackConfig]) -> None:
-            self.region, self.environment = region, environment
-
-        def new_resource(self, args: Any) -> tuple[str, dict[str, Any]]:
-            inputs, _ = _unwrap(dict(args.inputs))
-            state = {**inputs, **_computed(args.typ, args.name, inputs, self.region, self.environment)}
-            return f"{args.name}-id", state
-
-        def call(self, args: Any) -> tuple[dict[str, Any], list[Any]]:
-            token = args.token
-            if token == "aws:index/getCallerIdentity:getCallerIdentity":
-                arn = f"arn:aws:iam::{MOCK_ACCOUNT}:user/ci"
-                return {"accountId": MOCK_ACCOUNT, "arn": arn, "userId": "AIDAMOCK", "id": MOCK_ACCOUNT}, []
-            if token == "aws:index/getAvailabilityZones:getAvailabilityZones":
-                names = [f"{self.region}{z}" for z in "abc"]
-                return {"names": names, "zoneIds": [f"use-az{i}" for i in range(3)], "id": self.region}, []
-            if token == "aws:ssm/getParameter:getParameter":
-                return {"name": args.args["name"], "value": MOCK_AMI, "type": "String", "id": args.args["name"]}, []
-            raise SynthError(f"the mock engine has no answer for invoke {token}")
-
-    return GraphMocks
+    def _record(self, urn: str, request: Any, properties: Any) -> None:
+        raw = rpc.deserialize_properties(properties, keep_internal=False)
+        inputs, secret = {}, set()
+        for key, value in raw.items():
+            inputs[key], is_secret = _unwrap(value)
+            if is_secret:
+                secret.add(key)
+        self.recorded.append(Resource(urn, request.type, request.name, request.parent, inputs, frozenset(secret)))
 
 
-def _computed(
+class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]
+    """Answers the engine would give: ids and computed properties, invokes, peer stack outputs."""
+
+    def __init__(self, region: str, environment: dict[str, StackConfig]) -> None:
+        self.region, self.environment = region, environment
+
+    def new_resource(self, args: Any) -> tuple[str, dict[str, Any]]:
+        inputs, _ = _unwrap(dict(args.inputs))
+        state = {**inputs, **_computed(args.typ, args.name, inputs, self.region, self.environment)}
+        return f"{args.name}-id", state
+
+    def call(self, args: Any) -> tuple[dict[str, Any], list[Any]]:
+        function = args.token
+        if function == "aws:index/getCallerIdentity:getCallerIdentity":
+            arn = f"arn:aws:iam::{MOCK_ACCOUNT}:user/ci"
+            return {"accountId": MOCK_ACCOUNT, "arn": arn, "userId": "AIDAMOCK", "id": MOCK_ACCOUNT}, []
+        if function == "aws:index/getAvailabilityZones:getAvailabilityZones":
+            names = [f"{self.region}{z}" for z in "abc"]
+            return {"names": names, "zoneIds": [f"use-az{i}" for i in range(3)], "id": self.region}, []
+        if function == "aws:ssm/getParameter:getParameter":
+            return {"name": args.args["name"], "value": MOCK_AMI, "type": "String", "id": args.args["name"]}, []
+        raise SynthError(f"the mock engine has no answer for invoke {function}")
+
+
+def _computed(  # noqa: PLR0911 (one answer per resource type whose computed outputs the program reads)
     type_: str, name: str, inputs: dict[str, Any], region: str, environment: dict[str, StackConfig]
 ) -> dict[str, Any]:
     digest = hashlib.sha256(f"{type_}/{name}".encode()).hexdigest()
-    service = type_.split(":")[1].split("/")[0] if ":" in type_ else "mock"
+    service = type_.split(":")[1].split("/", 1)[0] if ":" in type_ else "mock"
     common = {"arn": f"arn:aws:{service}:{region}:{MOCK_ACCOUNT}:{name}", "name": inputs.get("name", name)}
     if type_ == "pulumi:pulumi:StackReference":
         return {"outputs": peer_outputs(str(inputs["name"]), environment)}
@@ -301,3 +299,94 @@ def peer_outputs(qualified_stack: str, environment: dict[str, StackConfig]) -> d
             for image in ("gateway", "scheduler", "prefill", "decode")
         }
     return values
+
+
+# --- reporting: what `pdstack synth` prints ------------------------------------------------------------------------
+
+KEY_PROPS = {
+    "aws:ec2/vpc:Vpc": ("cidrBlock",),
+    "aws:ec2/subnet:Subnet": ("cidrBlock", "tags.pdstack:tier"),
+    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": (
+        "tags.pdstack:purpose", "ipProtocol", "fromPort", "toPort", "cidrIpv4",
+    ),
+    "aws:ec2/launchTemplate:LaunchTemplate": ("instanceType", "metadataOptions.httpTokens", "placement.groupName"),
+    "aws:autoscaling/group:Group": ("minSize", "desiredCapacity", "maxSize"),
+    "aws:ec2/placementGroup:PlacementGroup": ("strategy",),
+    "aws:s3/bucket:Bucket": ("bucket",),
+    "aws:kms/key:Key": ("enableKeyRotation",),
+    "aws:secretsmanager/secret:Secret": ("name",),
+    "aws:ec2/vpcPeeringConnection:VpcPeeringConnection": ("peerRegion",),
+    "aws:ec2transitgateway/peeringAttachment:PeeringAttachment": ("peerRegion",),
+    "aws:ec2/route:Route": ("destinationCidrBlock", "region"),
+    "aws:eks/cluster:Cluster": ("name", "version", "vpcConfig.endpointPublicAccess"),
+    "aws:eks/nodeGroup:NodeGroup": ("instanceTypes", "scalingConfig"),
+    "kubernetes:apps/v1:Deployment": ("metadata.name", "spec.replicas"),
+    "kubernetes:core/v1:Service": ("metadata.name", "spec.type", "spec.loadBalancerSourceRanges"),
+}
+
+
+def key_properties(resource: Resource) -> dict[str, Any]:
+    found = {}
+    for path in KEY_PROPS.get(resource.type, ()):
+        if path.startswith("tags."):  # tag keys hold a colon and no dots: look them up whole
+            value = (resource.inputs.get("tags") or {}).get(path.removeprefix("tags."))
+        else:
+            value = resource.prop(path)
+        if value is not None:
+            found[path] = value
+    if resource.type == "aws:ec2/launchTemplate:LaunchTemplate":
+        kinds = [i.get("interfaceType") for i in resource.inputs.get("networkInterfaces", [])]
+        found["efaInterfaces"] = sum(k in ("efa", "efa-only") for k in kinds)
+    return found
+
+
+def _redacted(value: Any, secret: bool) -> Any:
+    return REDACTED if secret else value
+
+
+def as_json(result: Synthesis) -> dict[str, Any]:
+    return {
+        "stack": result.stack,
+        "skipped": result.skipped,
+        "resources": [
+            {"type": r.type, "name": r.name, "parent": r.parent, "key": key_properties(r),
+             "inputs": {k: _redacted(v, k in r.secret_inputs) for k, v in r.inputs.items()}}
+            for r in result.resources
+        ],
+        "outputs": {k: _redacted(v, k in result.secret_outputs) for k, v in result.outputs.items()},
+        "violations": [{"policy": v.policy, "resource": v.resource, "type": v.type, "message": v.message}
+                       for v in result.violations],
+    }
+
+
+def as_text(result: Synthesis) -> str:
+    if result.skipped:
+        return f"{result.stack}: nothing to synthesise: {result.skipped}"
+    lines = [f"{result.stack}: {len(result.resources)} resources"]
+    for r in result.resources:
+        key = ", ".join(f"{k}={v}" for k, v in key_properties(r).items())
+        lines.append(f"  {r.type:<70} {r.name}" + (f"  [{key}]" if key else ""))
+    secret = ", ".join(sorted(result.secret_outputs)) or "none"
+    lines.append(f"  outputs: {', '.join(sorted(result.outputs))} (secret: {secret})")
+    if result.violations:
+        lines += [f"  VIOLATION {v}" for v in result.violations]
+    else:
+        lines.append(f"  policies: all {result.policies_checked} passed")
+    return "\n".join(lines)
+
+
+def run_command(stacks_dir: Path, names: list[str], json_output: bool) -> tuple[str, int]:
+    """Synthesise the named stacks (all of stacks_dir when none); exit status 1 on any violation or refusal."""
+    paths = [stack_path(stacks_dir, n) for n in names] if names else sorted(stacks_dir.glob("Pulumi.*.yaml"))
+    results, errors = [], []
+    for path in paths:
+        try:
+            results.append(synthesize(path))
+        except (SynthError, StackFileError) as exc:
+            errors.append(str(exc))
+    failed = bool(errors) or any(r.violations for r in results)
+    if json_output:
+        text = json.dumps({"stacks": [as_json(r) for r in results], "errors": errors}, indent=2, default=str)
+    else:
+        text = "\n".join([*(as_text(r) for r in results), *(f"error: {e}" for e in errors)])
+    return text, 1 if failed else 0

@@ -111,8 +111,11 @@ def _ingress_cidrs(type_: str, props: dict[str, Any]) -> list[str]:
     if type_ == SECURITY_GROUP_RULE and props.get("type") == "ingress":
         return [*props.get("cidrBlocks", []), *props.get("ipv6CidrBlocks", [])]
     if type_ == SECURITY_GROUP:
-        return [c for rule in props.get("ingress", []) or [] for c in
-                [*rule.get("cidrBlocks", []), *rule.get("ipv6CidrBlocks", [])]]
+        return [
+            c
+            for rule in props.get("ingress", []) or []
+            for c in [*rule.get("cidrBlocks", []), *rule.get("ipv6CidrBlocks", [])]
+        ]
     return []
 
 
@@ -124,7 +127,7 @@ def check_no_open_ingress(type_: str, props: dict[str, Any], config: PolicyConfi
             problems.append("a LoadBalancer Service needs loadBalancerSourceRanges, none of them 0.0.0.0/0")
         annotations = _get(props, "metadata.annotations") or {}
         if annotations.get("service.beta.kubernetes.io/aws-load-balancer-internal") != "true":
-            problems.append("a LoadBalancer Service must be internal (aws-load-balancer-internal: \"true\")")
+            problems.append('a LoadBalancer Service must be internal (aws-load-balancer-internal: "true")')
     if type_ == EKS_CLUSTER and _is_true(_get(props, "vpcConfig.endpointPublicAccess")):
         cidrs = _get(props, "vpcConfig.publicAccessCidrs") or []
         if not cidrs or any(_is_open(c) for c in cidrs):
@@ -139,7 +142,8 @@ def _covers(props: dict[str, Any], port: int) -> bool:
     if str(props.get("ipProtocol", props.get("protocol"))) in ("-1", "all"):
         return True
     low, high = props.get("fromPort"), props.get("toPort")
-    return isinstance(low, int) and isinstance(high, int) and low <= port <= high
+    # Numbers reach policies as JSON numbers: 8400 or 8400.0.
+    return isinstance(low, int | float) and isinstance(high, int | float) and low <= port <= high
 
 
 def check_kv_port_peers_only(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
@@ -159,7 +163,9 @@ def check_kv_port_peers_only(type_: str, props: dict[str, Any], config: PolicyCo
             elif net.prefixlen < KV_WIDEST_PREFIX:
                 problems.append(f"the KV port is open to {cidr}, wider than a datacenter (/{KV_WIDEST_PREFIX})")
     elif type_ in (SECURITY_GROUP, SECURITY_GROUP_RULE):
-        rules = props.get("ingress", []) if type_ == SECURITY_GROUP else [props] if props.get("type") == "ingress" else []
+        rules = (
+            props.get("ingress", []) if type_ == SECURITY_GROUP else [props] if props.get("type") == "ingress" else []
+        )
         if any(_covers(r, config.kv_port) and (r.get("cidrBlocks") or r.get("ipv6CidrBlocks")) for r in rules):
             problems.append("the KV port may only be opened by a tagged SecurityGroupIngressRule per peer network")
     return problems
@@ -186,17 +192,29 @@ def check_encryption_at_rest(type_: str, props: dict[str, Any], config: PolicyCo
     checks: dict[str, tuple[bool, str]] = {
         "aws:ebs/volume:Volume": (_is_true(props.get("encrypted")), "the volume is not encrypted"),
         "aws:kms/key:Key": (_is_true(props.get("enableKeyRotation")), "the KMS key does not rotate"),
-        "aws:secretsmanager/secret:Secret": (bool(props.get("kmsKeyId")), "the secret is not under the environment's KMS key"),
-        "aws:fsx/lustreFileSystem:LustreFileSystem": (bool(props.get("kmsKeyId")), "the file system is not under a KMS key"),
-        EKS_CLUSTER: ("secrets" in (_get(props, "encryptionConfig.resources") or []),
-                      "Kubernetes Secrets are not envelope-encrypted with KMS"),
+        "aws:secretsmanager/secret:Secret": (
+            bool(props.get("kmsKeyId")),
+            "the secret is not under the environment's KMS key",
+        ),
+        "aws:fsx/lustreFileSystem:LustreFileSystem": (
+            bool(props.get("kmsKeyId")),
+            "the file system is not under a KMS key",
+        ),
+        EKS_CLUSTER: (
+            "secrets" in (_get(props, "encryptionConfig.resources") or []),
+            "Kubernetes Secrets are not envelope-encrypted with KMS",
+        ),
         "aws:ecr/repository:Repository": (
             any(c.get("encryptionType") == "KMS" for c in props.get("encryptionConfigurations", []) or []),
-            "images are not encrypted with KMS"),
+            "images are not encrypted with KMS",
+        ),
         BUCKET_ENCRYPTION: (
-            all(str(_get(r, "applyServerSideEncryptionByDefault.sseAlgorithm", "")).startswith("aws:kms")
-                for r in props.get("rules", []) or [{}]),
-            "the bucket's default encryption is not SSE-KMS"),
+            all(
+                str(_get(r, "applyServerSideEncryptionByDefault.sseAlgorithm", "")).startswith("aws:kms")
+                for r in props.get("rules", []) or [{}]
+            ),
+            "the bucket's default encryption is not SSE-KMS",
+        ),
     }
     if type_ == "kubernetes:storage.k8s.io/v1:StorageClass" and props.get("provisioner") == "ebs.csi.aws.com":
         checks[type_] = (_is_true(_get(props, "parameters.encrypted")), "volumes of this class are not encrypted")
@@ -245,7 +263,9 @@ def _uses_efa(template: PolicyResource) -> bool:
 def check_efa_cluster_placement(
     resources: list[PolicyResource], config: PolicyConfig
 ) -> list[tuple[PolicyResource, str]]:
-    strategies = {r.props.get("name") or r.name: r.props.get("strategy") for r in resources if r.type == PLACEMENT_GROUP}
+    strategies = {
+        r.props.get("name") or r.name: r.props.get("strategy") for r in resources if r.type == PLACEMENT_GROUP
+    }
     problems = []
     for template in (r for r in resources if r.type == LAUNCH_TEMPLATE and _uses_efa(r)):
         group = _get(template.props, "placement.groupName")
@@ -288,7 +308,9 @@ def check_probes(type_: str, props: dict[str, Any], config: PolicyConfig) -> lis
         if not liveness or not readiness:
             problems.append(f"container {name} needs both a liveness and a readiness probe")
         elif liveness == readiness:
-            problems.append(f"container {name} uses one probe for liveness and readiness; they answer different questions")
+            problems.append(
+                f"container {name} uses one probe for liveness and readiness; they answer different questions"
+            )
         requests = _get(container, "resources.requests") or {}
         if not requests.get("cpu") or not requests.get("memory"):
             problems.append(f"container {name} has no cpu and memory requests")
@@ -296,23 +318,40 @@ def check_probes(type_: str, props: dict[str, Any], config: PolicyConfig) -> lis
 
 
 RESOURCE_RULES = (
-    ResourceRule("no-open-ingress", "Nothing admits 0.0.0.0/0: security groups, load balancers, API endpoints.",
-                 check_no_open_ingress),
-    ResourceRule("kv-port-peers-only", "The KV channel port admits only peer datacenters' private networks.",
-                 check_kv_port_peers_only),
-    ResourceRule("encryption-at-rest", "Volumes, buckets, secrets, images, file systems and keys are KMS-encrypted.",
-                 check_encryption_at_rest),
+    ResourceRule(
+        "no-open-ingress",
+        "Nothing admits 0.0.0.0/0: security groups, load balancers, API endpoints.",
+        check_no_open_ingress,
+    ),
+    ResourceRule(
+        "kv-port-peers-only",
+        "The KV channel port admits only peer datacenters' private networks.",
+        check_kv_port_peers_only,
+    ),
+    ResourceRule(
+        "encryption-at-rest",
+        "Volumes, buckets, secrets, images, file systems and keys are KMS-encrypted.",
+        check_encryption_at_rest,
+    ),
     ResourceRule("imdsv2-required", "Instances require IMDSv2 session tokens.", check_imdsv2),
-    ResourceRule("instance-tags", "Every instance carries pdstack:env, pdstack:dc, pdstack:role and pdstack:pool.",
-                 check_instance_tags),
-    ResourceRule("probes-distinct", "Workloads have distinct liveness and readiness probes and resource requests.",
-                 check_probes),
+    ResourceRule(
+        "instance-tags",
+        "Every instance carries pdstack:env, pdstack:dc, pdstack:role and pdstack:pool.",
+        check_instance_tags,
+    ),
+    ResourceRule(
+        "probes-distinct", "Workloads have distinct liveness and readiness probes and resource requests.", check_probes
+    ),
 )
 STACK_RULES = (
-    StackRule("s3-buckets-protected", "Buckets are SSE-KMS encrypted, versioned and never public.",
-              check_buckets_protected),
-    StackRule("efa-cluster-placement", "EFA launch templates place instances in a cluster placement group.",
-              check_efa_cluster_placement),
+    StackRule(
+        "s3-buckets-protected", "Buckets are SSE-KMS encrypted, versioned and never public.", check_buckets_protected
+    ),
+    StackRule(
+        "efa-cluster-placement",
+        "EFA launch templates place instances in a cluster placement group.",
+        check_efa_cluster_placement,
+    ),
 )
 POLICY_NAMES = tuple(r.name for r in RESOURCE_RULES) + tuple(r.name for r in STACK_RULES)
 
@@ -328,6 +367,8 @@ def evaluate(resources: Iterable[PolicyResource], config: PolicyConfig | None = 
         for message in rule.check(r.type, r.props, config)
     ]
     found += [
-        Violation(rule.name, r.name, r.type, message) for rule in STACK_RULES for r, message in rule.check(graph, config)
+        Violation(rule.name, r.name, r.type, message)
+        for rule in STACK_RULES
+        for r, message in rule.check(graph, config)
     ]
     return found

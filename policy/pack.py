@@ -1,0 +1,54 @@
+"""The pulumi-policy registrations of policy/rules.py: every rule mandatory, the KV port configurable."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import rules
+from pulumi_policy import (
+    EnforcementLevel,
+    Policy,
+    PolicyConfigSchema,
+    ReportViolation,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
+
+PACK_NAME = "pdstack"
+CONFIG_SCHEMA = PolicyConfigSchema(
+    properties={"kvPort": {"type": "integer", "default": 8400, "description": "the environment's KV channel port"}}
+)
+
+
+def _config(raw: Mapping[str, Any]) -> rules.PolicyConfig:
+    return rules.PolicyConfig(kv_port=int(raw.get("kvPort", rules.PolicyConfig.kv_port)))
+
+
+def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:
+    def validate(args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
+        for message in rule.check(args.resource_type, dict(args.props), _config(args.get_config())):
+            report_violation(message, None)
+
+    return ResourceValidationPolicy(
+        name=rule.name, description=rule.description, validate=validate,
+        enforcement_level=EnforcementLevel.MANDATORY, config_schema=CONFIG_SCHEMA,
+    )
+
+
+def stack_policy(rule: rules.StackRule) -> StackValidationPolicy:
+    def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
+        graph = [rules.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props)) for r in args.resources]
+        for resource, message in rule.check(graph, _config(args.get_config())):
+            report_violation(message, resource.urn)
+
+    return StackValidationPolicy(
+        name=rule.name, description=rule.description, validate=validate,
+        enforcement_level=EnforcementLevel.MANDATORY, config_schema=CONFIG_SCHEMA,
+    )
+
+
+def policies() -> list[Policy]:
+    return [*map(resource_policy, rules.RESOURCE_RULES), *map(stack_policy, rules.STACK_RULES)]

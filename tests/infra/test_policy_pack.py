@@ -1,0 +1,168 @@
+"""The policy pack's registered policies, run through pulumi-policy's own argument types on the mocked resource
+graphs: silent on the example stacks, and each one catches the edit it exists for."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pulumi_policy import (
+    EnforcementLevel,
+    PolicyCustomTimeouts,
+    PolicyResource,
+    PolicyResourceOptions,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
+
+from pdstack.synth import Resource, Synthesis
+
+from .conftest import ROOT
+
+PROD = ("prod-control", "prod-prefill-us-east-1", "prod-decode-us-west-2")
+
+
+@pytest.fixture(scope="module")
+def pack() -> list[Any]:
+    sys.path.insert(0, str(ROOT / "policy"))  # as the pack's __main__.py does
+    try:
+        return importlib.import_module("pack").policies()
+    finally:
+        sys.path.remove(str(ROOT / "policy"))
+
+
+def _options() -> PolicyResourceOptions:
+    timeouts = PolicyCustomTimeouts(0, 0, 0)
+    return PolicyResourceOptions(
+        protect=False, ignore_changes=[], delete_before_replace=None, aliases=[], custom_timeouts=timeouts,
+        additional_secret_outputs=[],
+    )
+
+
+def run_pack(pack: list[Any], resources: list[Resource], kv_port: int = 8400) -> list[tuple[str, str]]:
+    """Every (policy, message) the pack reports, as the Pulumi engine would call it during a preview."""
+    found: list[tuple[str, str]] = []
+    config = {"kvPort": kv_port}
+    for policy in pack:
+        def report(message: str, urn: str | None = None, name: str = policy.name) -> None:
+            found.append((name, message))
+
+        if isinstance(policy, ResourceValidationPolicy):
+            for r in resources:
+                args = ResourceValidationArgs(r.type, r.inputs, r.urn, r.name, _options(), None, config)
+                policy.validate(args, report)
+        else:
+            assert isinstance(policy, StackValidationPolicy)
+            graph = [PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, None, [], {})
+                     for r in resources]
+            policy.validate(StackValidationArgs(graph, config), report)
+    return found
+
+
+def test_the_pack_registers_every_rule_as_mandatory(pack: list[Any], rules: Any) -> None:
+    assert [p.name for p in pack] == list(rules.POLICY_NAMES)
+    assert {p.enforcement_level for p in pack} == {EnforcementLevel.MANDATORY}
+
+
+@pytest.mark.parametrize("name", PROD)
+def test_the_pack_passes_the_prod_graphs(pack: list[Any], graphs: dict[str, Synthesis], name: str) -> None:
+    assert run_pack(pack, graphs[name].resources) == []
+
+
+def _edit(graph: Synthesis, type_: str, change: Callable[[dict[str, Any]], None], only: str = "") -> list[Resource]:
+    """A copy of the graph with `change` applied to the first resource of `type_` (whose name contains `only`)."""
+    edited, done = [], False
+    for r in graph.resources:
+        if not done and r.type == type_ and only in r.name:
+            inputs = copy.deepcopy(r.inputs)
+            change(inputs)
+            r = Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs)
+            done = True
+        edited.append(r)
+    assert done, f"no {type_} {only!r} to edit"
+    return edited
+
+
+INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(inputs: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        target: Any = inputs
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        target[leaf] = value
+
+    return change
+
+
+EDITS = [
+    ("kv port open to the world", INGRESS, _set("cidrIpv4", "0.0.0.0/0"), "-kv-",
+     {"no-open-ingress", "kv-port-peers-only"}),
+    ("kv port open to all of 10/8", INGRESS, _set("cidrIpv4", "10.0.0.0/8"), "-kv-", {"kv-port-peers-only"}),
+    ("ssh widened to cover the kv port", INGRESS, _set("toPort", 65535), "-ssh-", {"kv-port-peers-only"}),
+    ("root volume unencrypted", TEMPLATE, _set("blockDeviceMappings.0.ebs.encrypted", "false"), "",
+     {"encryption-at-rest"}),
+    ("IMDSv1 allowed", TEMPLATE, _set("metadataOptions.httpTokens", "optional"), "", {"imdsv2-required"}),
+    ("EFA without cluster placement", "aws:ec2/placementGroup:PlacementGroup", _set("strategy", "spread"), "",
+     {"efa-cluster-placement"}),
+    ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
+    ("bucket versioning suspended", "aws:s3/bucketVersioning:BucketVersioning",
+     _set("versioningConfiguration.status", "Suspended"), "", {"s3-buckets-protected"}),
+    ("bucket encryption dropped to SSE-S3", "aws:s3/bucketServerSideEncryptionConfiguration:"
+     "BucketServerSideEncryptionConfiguration", _set("rules.0.applyServerSideEncryptionByDefault.sseAlgorithm",
+                                                     "AES256"), "", {"encryption-at-rest"}),
+    ("key rotation off", "aws:kms/key:Key", _set("enableKeyRotation", False), "", {"encryption-at-rest"}),
+]
+
+
+@pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), EDITS, ids=[e[0] for e in EDITS])
+def test_the_pack_and_the_rules_catch_each_edit(
+    pack: list[Any], rules: Any, graphs: dict[str, Synthesis], what: str, type_: str,
+    change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
+) -> None:
+    edited = _edit(graphs["prod-prefill-us-east-1"], type_, change, only)
+    assert {policy for policy, _ in run_pack(pack, edited)} == expected
+    direct = rules.evaluate([rules.PolicyResource(r.type, r.name, r.urn, r.inputs) for r in edited])
+    assert {v.policy for v in direct} == expected
+
+
+CONTROL_EDITS = [
+    ("gateway load balancer open to the world", "kubernetes:core/v1:Service",
+     _set("spec.loadBalancerSourceRanges", ["0.0.0.0/0"]), "gateway", {"no-open-ingress"}),
+    ("gateway load balancer made public", "kubernetes:core/v1:Service",
+     lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-internal"), "gateway",
+     {"no-open-ingress"}),
+    ("readiness probe copied from liveness", "kubernetes:apps/v1:Deployment",
+     lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+         readinessProbe=i["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]), "gateway",
+     {"probes-distinct"}),
+    ("EKS API opened publicly", "aws:eks/cluster:Cluster", _set("vpcConfig.endpointPublicAccess", True), "",
+     {"no-open-ingress"}),
+    ("secret without the environment key", "aws:secretsmanager/secret:Secret", lambda i: i.pop("kmsKeyId"), "",
+     {"encryption-at-rest"}),
+]
+
+
+@pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), CONTROL_EDITS,
+                         ids=[e[0] for e in CONTROL_EDITS])
+def test_the_pack_catches_control_plane_edits(
+    pack: list[Any], graphs: dict[str, Synthesis], what: str, type_: str,
+    change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
+) -> None:
+    edited = _edit(graphs["prod-control"], type_, change, only)
+    assert {policy for policy, _ in run_pack(pack, edited)} == expected
+
+
+def test_the_kv_port_comes_from_the_pack_config(pack: list[Any], graphs: dict[str, Synthesis]) -> None:
+    # The SSH rule covers port 22: with the KV port configured as 22 the pack must object to it.
+    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=22)
+    assert {p for p, _ in found} == {"kv-port-peers-only"}
