@@ -82,9 +82,10 @@ def _edit(graph: Synthesis, type_: str, change: Callable[[dict[str, Any]], None]
         if not done and r.type == type_ and only in r.name:
             inputs = copy.deepcopy(r.inputs)
             change(inputs)
-            r = Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs)
+            edited.append(Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs))
             done = True
-        edited.append(r)
+        else:
+            edited.append(r)
     assert done, f"no {type_} {only!r} to edit"
     return edited
 
@@ -125,7 +126,7 @@ EDITS = [
 
 
 @pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), EDITS, ids=[e[0] for e in EDITS])
-def test_the_pack_and_the_rules_catch_each_edit(
+def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parameters)
     pack: list[Any], rules: Any, graphs: dict[str, Synthesis], what: str, type_: str,
     change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
 ) -> None:
@@ -154,7 +155,7 @@ CONTROL_EDITS = [
 
 @pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), CONTROL_EDITS,
                          ids=[e[0] for e in CONTROL_EDITS])
-def test_the_pack_catches_control_plane_edits(
+def test_the_pack_catches_control_plane_edits(  # noqa: PLR0917 (pytest parameters)
     pack: list[Any], graphs: dict[str, Synthesis], what: str, type_: str,
     change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
 ) -> None:

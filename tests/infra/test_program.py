@@ -4,13 +4,15 @@ secrets kept secret, links built both ways by the later stack."""
 
 from __future__ import annotations
 
+import json
 from ipaddress import ip_network
 
 import pytest
+import yaml
 
 from infra import outputs
 from pdstack.model import DatacenterRole
-from pdstack.synth import Synthesis, SynthError, synthesize
+from pdstack.synth import SynthError, Synthesis, synthesize
 
 from .conftest import CLOUD_STACKS, STACKS, stack_config
 
@@ -46,7 +48,7 @@ def test_no_ingress_from_the_internet(graphs: dict[str, Synthesis], name: str) -
 def _kv_rules(graph: Synthesis, kv_port: int) -> list:
     return [
         r for r in graph.of_type(INGRESS)
-        if r.inputs.get("ipProtocol") == "-1" and "cidrIpv4" in r.inputs
+        if (r.inputs.get("ipProtocol") == "-1" and "cidrIpv4" in r.inputs)
         or r.inputs.get("fromPort", -1) <= kv_port <= r.inputs.get("toPort", -1)
     ]
 
@@ -115,11 +117,11 @@ def test_instances_require_imdsv2_and_carry_the_inventory_tags(graphs: dict[str,
     for template in graphs[name].of_type(LAUNCH_TEMPLATE):
         assert template.inputs["metadataOptions"]["httpTokens"] == "required"
         instance = next(s for s in template.inputs["tagSpecifications"] if s["resourceType"] == "instance")
-        assert INSTANCE_TAGS <= set(instance["tags"])
+        assert set(instance["tags"]) >= INSTANCE_TAGS
         assert instance["tags"]["pdstack:dc"] == stack_config(name).datacenter.name
     for group in graphs[name].of_type("aws:autoscaling/group:Group"):
         propagated = {t["key"] for t in group.inputs["tags"] if t["propagateAtLaunch"]}
-        assert INSTANCE_TAGS <= propagated
+        assert propagated >= INSTANCE_TAGS
 
 
 @pytest.mark.parametrize("name", CLOUD_STACKS)
@@ -225,8 +227,6 @@ def test_exports_cover_what_stack_references_read(graphs: dict[str, Synthesis]) 
 
 
 def test_nodes_may_read_only_the_kv_key_secret(graphs: dict[str, Synthesis]) -> None:
-    import json
-
     policy = next(p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy")
                   if p.name.endswith("-node"))
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
@@ -237,8 +237,6 @@ def test_nodes_may_read_only_the_kv_key_secret(graphs: dict[str, Synthesis]) -> 
 
 
 def test_prometheus_scrapes_every_datacenters_nodes(graphs: dict[str, Synthesis]) -> None:
-    import yaml
-
     config_map = next(c for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
                       if c.inputs["metadata"]["name"] == "prometheus")
     jobs = {j["job_name"]: j for j in yaml.safe_load(config_map.inputs["data"]["prometheus.yml"])["scrape_configs"]}
