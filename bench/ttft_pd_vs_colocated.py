@@ -124,31 +124,41 @@ async def decode_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return tokens
 
 
-async def measure_decode(urls: dict[str, str], rng: np.random.Generator, vocab: int) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+async def decode_round(client: httpx.AsyncClient, urls: dict[str, str], clients: int, rng: np.random.Generator,
+                       vocab: int) -> tuple[int, float]:
+    """One measurement: `clients` requests prefilled remotely, then decoded concurrently; (tokens, decode seconds)."""
+    bodies = [{"prompt": rng.integers(3, vocab, size=DECODE_PROMPT_TOKENS).tolist(), "temperature": 0,
+               "max_tokens": DECODE_NEW_TOKENS, "ignore_eos": True} for _ in range(clients)]
+    params = await asyncio.gather(*(prefill(client, urls["prefill"], b) for b in bodies))
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(decode_stream(client, urls["decode"], {**b, "kv_transfer_params": p})
+                                    for b, p in zip(bodies, params, strict=True)))
+    return sum(counts), time.perf_counter() - started
+
+
+async def measure_decode(urls: dict[str, str], rounds: int, rng: np.random.Generator,
+                         vocab: int) -> list[dict[str, Any]]:
+    """Rounds interleave the concurrency levels, so a change in the machine's load hits every level alike."""
+    samples: dict[int, list[float]] = {clients: [] for clients in CONCURRENCY}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        for clients in CONCURRENCY:
-            bodies = [{"prompt": rng.integers(3, vocab, size=DECODE_PROMPT_TOKENS).tolist(), "temperature": 0,
-                       "max_tokens": DECODE_NEW_TOKENS, "ignore_eos": True} for _ in range(clients)]
-            params = await asyncio.gather(*(prefill(client, urls["prefill"], b) for b in bodies))
-            started = time.perf_counter()
-            counts = await asyncio.gather(*(decode_stream(client, urls["decode"], {**b, "kv_transfer_params": p})
-                                            for b, p in zip(bodies, params, strict=True)))
-            seconds = time.perf_counter() - started
-            row = {"concurrent_requests": clients, "tokens": sum(counts), "seconds": seconds,
-                   "tokens_per_second": sum(counts) / seconds}
-            rows.append(row)
-        for row in rows:
-            row["ratio_to_1"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
-            print(f"decode {row['concurrent_requests']:>2} clients: {row['tokens_per_second']:8.1f} tokens/s, "
-                  f"x{row['ratio_to_1']:.2f} of 1 client", flush=True)
+        for _ in range(rounds):
+            for clients in CONCURRENCY:
+                tokens, seconds = await decode_round(client, urls, clients, rng, vocab)
+                assert tokens == clients * DECODE_NEW_TOKENS
+                samples[clients].append(tokens / seconds)
+    rows = [{"concurrent_requests": clients, "tokens_per_second": statistics.median(rates),
+             "tokens_per_second_all_rounds": rates} for clients, rates in samples.items()]
+    for row in rows:
+        row["ratio_to_1"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
+        print(f"decode {row['concurrent_requests']:>2} clients: {row['tokens_per_second']:8.1f} tokens/s, "
+              f"x{row['ratio_to_1']:.2f} of 1 client", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is reported)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ttft_pd_vs_colocated.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -163,7 +173,7 @@ def main() -> None:
         urls = {role: url for role, (_, url) in servers.items()}
         try:
             ttft = asyncio.run(measure_ttft(urls, args.repeats, rng, vocab))
-            decode = asyncio.run(measure_decode(urls, rng, vocab))
+            decode = asyncio.run(measure_decode(urls, args.repeats, rng, vocab))
         finally:
             for process, _ in servers.values():
                 process.send_signal(signal.SIGTERM)
