@@ -6,7 +6,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -41,8 +41,8 @@ def as_error_response(error: BaseException) -> JSONResponse:
 
 
 class OpenAIEndpoints:
-    def __init__(self, service_ref: Any, model_name: str) -> None:
-        self._ref = service_ref  # a callable returning the GenerationService, or None while the model loads
+    def __init__(self, service_ref: Callable[[], GenerationService | None], model_name: str) -> None:
+        self._ref = service_ref  # None while the model loads
         self.model_name = model_name
 
     @property
