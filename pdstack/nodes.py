@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,13 +150,13 @@ def create_node(spec: NodeSpec) -> str:
     return spec.name
 
 
-def wait_for_systemd(name: str, attempts: int = 60) -> None:
+def wait_for_systemd(name: str, attempts: int = 120) -> None:
     """Block until systemd inside the node finished booting (running or degraded)."""
     for _ in range(attempts):
         state = _run(["podman", "exec", name, "systemctl", "is-system-running"], check=False)
         if state.stdout.decode().strip() in {"running", "degraded"}:
             return
-        _run(["sleep", "1"])
+        time.sleep(1)
     raise NodeError(f"systemd in node {name} did not finish booting")
 
 

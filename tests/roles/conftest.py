@@ -94,7 +94,8 @@ def run_playbook(inventory: Path, playbook: Path, *args: str) -> Run:
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
         capture_output=True, text=True, cwd=REPO, check=False,
         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-             "ANSIBLE_NOCOLOR": "1", "HOME": str(inventory.parent)},
+             "ANSIBLE_NOCOLOR": "1", "HOME": str(inventory.parent),
+             "ANSIBLE_CALLBACKS_ENABLED": "ansible.posix.profile_tasks"},
     )  # fmt: skip
     return Run(result.returncode, result.stdout + result.stderr)
 
@@ -136,7 +137,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         hosts[NODE_A]["storage_nvme_devices"] = [disk]
         inventory = write_inventory(workdir, key, hosts)
         first = run_playbook(inventory, PLAYBOOK)
+        (workdir / "first_run.log").write_text(first.output)
         second = run_playbook(inventory, PLAYBOOK) if first.returncode == 0 else first
+        (workdir / "second_run.log").write_text(second.output)
         yield Cluster(inventory, workdir, first, second, disk)
     finally:
         for name in (NODE_A, NODE_B):

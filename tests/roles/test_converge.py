@@ -49,13 +49,14 @@ def test_chrony_runs_with_the_configured_sources(cluster: Cluster) -> None:
     assert "makestep 1.0 3" in conf and "maxdistance 3.0" in conf
     assert "169.254.169.123" not in conf  # AWS time sync only when time_sync_aws is set
     # A container shares its host's clock: chronyd must only measure (-x), never step the host.
-    assert " -x" in node.process.get(comm="chronyd").args
+    daemons = node.process.filter(comm="chronyd")
+    assert daemons and all(" -x" in daemon.args for daemon in daemons)
     assert "127.0.0.1" in node.check_output("chronyc -n sources")
 
 
 def test_timezone_is_utc(cluster: Cluster) -> None:
     node = host(NODE_B)
-    assert node.file("/etc/localtime").linked_to.endswith("zoneinfo/UTC")
+    assert node.check_output("readlink -f /etc/localtime").endswith("/UTC")
     assert node.check_output("date +%Z") == "UTC"
 
 
