@@ -36,12 +36,16 @@ MODEL_NAME = "pdstack-tiny"
 NODE_VARS: dict[str, Any] = {
     "ansible_connection": "containers.podman.podman",
     "ansible_python_interpreter": "/usr/bin/python3",
+    "ansible_become": False,  # the podman connection is root already; the nodes have no sudo
     "pdstack_environment": "local",
     "container_runtime_oci_runtime": "runc",
     "container_runtime_cgroup_manager": "cgroupfs",
     "container_runtime_events_logger": "file",
     "container_runtime_default_ulimits": ["nofile=20000:20000", "nproc=4096:4096"],
     "container_runtime_nvidia_cdi": False,
+    # Nested podman on this cgroup v1/hybrid host: runc cannot mount the cgroup filesystem itself.
+    "pdserve_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
+    "prometheus_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
 }
 RUNTIME_PLAY = [{"name": "Container runtime", "hosts": "all", "gather_facts": True,
                  "roles": ["container_runtime"]}]
