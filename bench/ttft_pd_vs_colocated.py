@@ -94,11 +94,11 @@ async def pd_ttft(client: httpx.AsyncClient, prefill_url: str, decode_url: str, 
     return after_prefill + await first_token_seconds(client, decode_url, {**body, "kv_transfer_params": params})
 
 
-async def measure_ttft(urls: dict[str, str], repeats: int, rng: np.random.Generator,
+async def measure_ttft(urls: dict[str, str], lengths: list[int], repeats: int, rng: np.random.Generator,
                        vocab: int) -> list[dict[str, Any]]:
     rows = []
-    async with httpx.AsyncClient(timeout=600) as client:
-        for length in PROMPT_LENGTHS:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        for length in lengths:
             colocated, disaggregated = [], []
             for _ in range(repeats):
                 body = {"prompt": rng.integers(3, vocab, size=length).tolist(), "max_tokens": 4, "temperature": 0}
@@ -159,6 +159,7 @@ async def measure_decode(urls: dict[str, str], rounds: int, rng: np.random.Gener
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is reported)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(PROMPT_LENGTHS), help="prompt lengths for TTFT")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ttft_pd_vs_colocated.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -172,7 +173,7 @@ def main() -> None:
         servers = {role: start_server(role, model, key, work) for role in ("colocated", "prefill", "decode")}
         urls = {role: url for role, (_, url) in servers.items()}
         try:
-            ttft = asyncio.run(measure_ttft(urls, args.repeats, rng, vocab))
+            ttft = asyncio.run(measure_ttft(urls, args.lengths, args.repeats, rng, vocab))
             decode = asyncio.run(measure_decode(urls, args.repeats, rng, vocab))
         finally:
             for process, _ in servers.values():
