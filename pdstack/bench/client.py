@@ -32,7 +32,8 @@ class RequestResult:
     scheduled_s: float
     start_s: float
     prompt_kind: str
-    ttft_s: float | None = None
+    first_event_s: float | None = None  # first stream event of any kind (often a role-only chunk)
+    ttft_s: float | None = None  # first event carrying generated text
     e2e_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -130,6 +131,8 @@ async def _consume_stream(response: httpx.Response, result: RequestResult, start
             done = True
             break
         chunk = _parse_event(data)
+        if result.first_event_s is None:
+            result.first_event_s = time.perf_counter() - started
         if chunk_text(chunk):
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -16,11 +17,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pdstack.bench.client import RequestResult
 from pdstack.bench.endpoint import APIS, Endpoint, fetch_models, normalise_base_url, pick_model, read_api_key
 from pdstack.bench.peak import Peak, ProbeStep, measure_peak
-from pdstack.bench.promhist import E2E_HINTS, TTFT_HINTS, Histogram, compare, find_histogram, scrape
+from pdstack.bench.promhist import Histogram, check_run, scrape
 from pdstack.bench.report import BenchReport, RunRecord
 from pdstack.bench.runner import LoadSettings, run_open_loop
 from pdstack.bench.schedule import poisson_arrivals
-from pdstack.bench.stats import QUANTILES, SLO, summarize
+from pdstack.bench.stats import SLO, summarize
 from pdstack.bench.workload import make_prompts
 
 PROBE_PROMPTS = 512
@@ -96,24 +97,13 @@ def _server_snapshot(options: BenchOptions) -> dict[str, Histogram] | None:
 
 
 def _server_checks(options: BenchOptions, before: dict[str, Histogram] | None, run: RunRecord) -> None:
-    """Set the run's TTFT and e2e percentiles beside the server's histogram buckets for the same requests."""
+    """Set the run's percentiles beside the server's histogram buckets for the same requests."""
     if before is None or options.metrics_url is None:
         return
-    after = scrape(options.metrics_url)
-    ok = [r for r in run.results if r.ok]
-    wanted = ((options.ttft_metric, TTFT_HINTS, [r.ttft_s for r in ok if r.ttft_s is not None]),
-              (options.e2e_metric, E2E_HINTS, [r.e2e_s for r in ok if r.e2e_s is not None]))
-    notes = []
-    for name, hints, values in wanted:
-        found = find_histogram(after, name, hints)
-        if found is None:
-            notes.append(f"no histogram {name or 'matching ' + '/'.join(hints)} at {options.metrics_url}")
-            continue
-        delta = after[found].minus(before.get(found))
-        if delta.count != len(values):
-            notes.append(f"{found} counted {delta.count:g} requests during the run, bench answered {len(values)}")
-        if values and delta.count > 0:
-            run.server_checks += compare(delta, values, QUANTILES)
+    step_s = run.summary.tpot.p[50] if run.summary.tpot.count else 0.0
+    run.server_checks, notes = check_run(
+        scrape(options.metrics_url), before, run.results, (options.ttft_metric, options.e2e_metric), step_s
+    )
     run.server_note = "; ".join(notes) or None
 
 
@@ -145,6 +135,7 @@ def planned_rates(options: BenchOptions, peak: Peak | None) -> list[tuple[str, f
 def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> BenchReport:
     options.check()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    load_at_start = os.getloadavg()[0]
     endpoint, models = connect(options)
     settings = LoadSettings(options.max_tokens, options.ignore_eos, options.timeout_s, options.max_in_flight)
     peak = None
@@ -181,6 +172,9 @@ def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> B
         },
         peak=peak,
         runs=runs,
+        # a shared or busy load-generating host skews every latency; the record says how busy it was
+        host={"cpus": os.cpu_count(), "load_average_1m_at_start": load_at_start,
+              "load_average_1m_at_end": os.getloadavg()[0]},
     )
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 
-from pdstack.bench.stats import nearest_rank
+from pdstack.bench.client import RequestResult
+from pdstack.bench.stats import QUANTILES, nearest_rank
 
 _BUCKET = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
 _SUM = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_sum(?:\{[^}]*\})?\s+(?P<value>\S+)')
@@ -99,43 +100,91 @@ def find_histogram(histograms: dict[str, Histogram], wanted: str | None, hints: 
 class QuantileCheck:
     """One percentile as the run measured it (nearest rank) and the server's histogram bucket holding it.
 
-    The client sees each answer a little later than the server records it (HTTP, parsing, loopback); `offset_s`,
-    the difference of the two means over the same requests, widens the bucket by that much on both sides.
+    The client sees each event after the server records it: loopback transport, plus up to one engine step when the
+    server's event loop is busy stepping. `allowance_s` (the run's median TPOT plus a few milliseconds) widens the
+    bucket's upper bound by that much. The lower bound is strict: a client cannot see a token before it exists.
     """
 
     metric: str
+    measure: str  # what the bench compared: "ttft", "first_event" or "e2e"
     q: int
     bench_s: float
     bucket: tuple[float, float]
-    offset_s: float
+    allowance_s: float
+    mean_offset_s: float | None
 
     @property
     def agrees(self) -> bool:
         lower, upper = self.bucket
-        return lower - self.offset_s <= self.bench_s <= upper + self.offset_s
+        return lower <= self.bench_s <= upper + self.allowance_s
 
     def as_json(self) -> dict[str, Any]:
         lower, upper = self.bucket
         return {
             "metric": self.metric,
+            "measure": self.measure,
             "q": self.q,
             "bench_s": self.bench_s,
             "server_bucket_s": [lower, None if math.isinf(upper) else upper],
-            "offset_s": self.offset_s,
+            "allowance_s": self.allowance_s,
+            "mean_offset_s": self.mean_offset_s,
             "agrees": self.agrees,
         }
 
 
-def mean_offset(metric: Histogram, bench_values: Sequence[float]) -> float:
-    """|bench mean - server mean| over the same requests (0 when either side has none)."""
+def mean_offset(metric: Histogram, bench_values: Sequence[float]) -> float | None:
+    """Bench mean minus server mean over the same requests (None when either side has none)."""
     if metric.mean is None or not bench_values:
-        return 0.0
-    return abs(sum(bench_values) / len(bench_values) - metric.mean)
+        return None
+    return sum(bench_values) / len(bench_values) - metric.mean
 
 
-def compare(metric: Histogram, bench_values: Sequence[float], quantiles: Sequence[int]) -> list[QuantileCheck]:
+def compare(
+    metric: Histogram, measure: str, bench_values: Sequence[float], quantiles: Sequence[int], allowance_s: float
+) -> list[QuantileCheck]:
     offset = mean_offset(metric, bench_values)
     return [
-        QuantileCheck(metric.name, q, nearest_rank(bench_values, q), metric.quantile_bucket(q), offset)
+        QuantileCheck(metric.name, measure, q, nearest_rank(bench_values, q), metric.quantile_bucket(q), allowance_s,
+                      offset)
         for q in quantiles
     ]
+
+
+TRANSPORT_ALLOWANCE_S = 0.005  # loopback or LAN: HTTP framing and parsing on both ends
+
+
+def check_run(
+    after: dict[str, Histogram],
+    before: dict[str, Histogram],
+    results: Sequence[RequestResult],
+    names: tuple[str | None, str | None],
+    step_s: float,
+) -> tuple[list[QuantileCheck], list[str]]:
+    """The run's TTFT, first-event and e2e percentiles beside the server histograms' change over the run.
+
+    `names` are the TTFT and e2e histogram names (None: found by name); `step_s` is one engine step as the client saw
+    it (the run's median TPOT). Returns the checks and notes on what could not be compared.
+    """
+    ok = [r for r in results if r.ok]
+    ttft_name, e2e_name = names
+    wanted = (
+        (ttft_name, TTFT_HINTS, {"ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
+                                  "first_event": [r.first_event_s for r in ok if r.first_event_s is not None]}),
+        (e2e_name, E2E_HINTS, {"e2e": [r.e2e_s for r in ok if r.e2e_s is not None]}),
+    )
+    checks: list[QuantileCheck] = []
+    notes: list[str] = []
+    for name, hints, measures in wanted:
+        found = find_histogram(after, name, hints)
+        if found is None:
+            notes.append(f"no histogram {name or 'matching ' + '/'.join(hints)} on the server's metrics page")
+            continue
+        delta = after[found].minus(before.get(found))
+        if delta.count != len(ok):
+            notes.append(f"{found} counted {delta.count:g} requests during the run, the bench had {len(ok)} answered")
+        if delta.count <= 0:
+            continue
+        for measure, values in measures.items():
+            if values:
+                checks += compare(delta, measure, values, QUANTILES, step_s + TRANSPORT_ALLOWANCE_S)
+    return checks, notes

@@ -46,6 +46,7 @@ class BenchReport:
     workload: dict[str, Any]
     peak: Peak | None
     runs: list[RunRecord]
+    host: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -53,6 +54,7 @@ class BenchReport:
             "started_at": self.started_at,
             "endpoint": self.endpoint,
             "models": self.models,
+            "host": self.host,
             "workload": self.workload,
             "peak": self.peak.as_json() if self.peak else None,
             "runs": [r.as_json() for r in self.runs],
@@ -109,8 +111,8 @@ def server_lines(report: BenchReport) -> list[str]:
             lower, upper = check.bucket
             verdict = "agrees" if check.agrees else "DISAGREES"
             lines.append(
-                f"{run.label}: {check.metric} p{check.q}: bench {check.bench_s * 1000:.1f} ms, "
-                f"server bucket ({lower * 1000:g}, {upper * 1000:g}] ms, mean offset {check.offset_s * 1000:.1f} ms: "
-                f"{verdict}"
+                f"{run.label}: {check.metric} p{check.q} vs bench {check.measure} {check.bench_s * 1000:.1f} ms: "
+                f"server bucket ({lower * 1000:g}, {upper * 1000:g}] ms (+{check.allowance_s * 1000:.1f} ms "
+                f"allowance): {verdict}"
             )
     return lines

@@ -7,7 +7,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from pdstack.bench.promhist import E2E_HINTS, TTFT_HINTS, compare, find_histogram, parse_histograms
+from pdstack.bench.client import RequestResult
+from pdstack.bench.promhist import E2E_HINTS, TTFT_HINTS, check_run, compare, find_histogram, parse_histograms
 
 BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0)
 
@@ -60,27 +61,33 @@ def test_the_sum_gives_the_servers_mean() -> None:
 def test_compare_agrees_when_bench_values_are_the_observed_ones() -> None:
     values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.99]
     hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
-    checks = compare(hist, values, (50, 90, 99))
-    assert [c.offset_s for c in checks] == pytest.approx([0.0] * 3)
+    checks = compare(hist, "ttft", values, (50, 90, 99), allowance_s=0.0)
+    assert [c.mean_offset_s for c in checks] == pytest.approx([0.0] * 3)
     assert all(check.agrees for check in checks)
 
 
-def test_a_client_side_delay_is_allowed_as_the_measured_mean_offset() -> None:
+def test_a_client_side_delay_within_the_allowance_agrees_and_beyond_it_does_not() -> None:
     values = [0.004, 0.02, 0.03, 0.04, 0.06, 0.2, 0.3, 0.6, 0.7, 0.99]
     hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
     seen_by_client = [v + 0.02 for v in values]  # p99 (0.99) crosses the 1.0 s bucket bound
-    checks = compare(hist, seen_by_client, (50, 90, 99))
-    assert checks[0].offset_s == pytest.approx(0.02)
+    checks = compare(hist, "ttft", seen_by_client, (50, 90, 99), allowance_s=0.025)
+    assert checks[0].mean_offset_s == pytest.approx(0.02)
     assert all(check.agrees for check in checks)
+    assert not compare(hist, "ttft", seen_by_client, (99,), allowance_s=0.005)[0].agrees
 
 
-def test_a_distribution_of_another_shape_disagrees() -> None:
+def test_a_client_cannot_see_a_token_before_the_server_made_it() -> None:
+    values = [0.2] * 10
+    hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
+    assert not compare(hist, "ttft", [0.09] * 10, (50,), allowance_s=1.0)[0].agrees
+
+
+def test_a_distribution_of_another_shape_disagrees_even_with_the_same_mean() -> None:
     values = [0.02] * 50 + [0.07] * 40 + [0.3] * 10
     hist = parse_histograms(page({"lat_seconds": values}))["lat_seconds"]
-    # same mean, so no offset to hide behind, but the tail sits elsewhere
     other = [0.068] * 100
-    checks = {c.q: c for c in compare(hist, other, (50, 90, 99))}
-    assert checks[50].offset_s == pytest.approx(0.0, abs=1e-9)
+    checks = {c.q: c for c in compare(hist, "e2e", other, (50, 90, 99), allowance_s=0.005)}
+    assert checks[50].mean_offset_s == pytest.approx(0.0, abs=1e-9)
     assert not checks[50].agrees and not checks[99].agrees
 
 
@@ -98,3 +105,27 @@ def test_an_empty_histogram_has_no_quantile() -> None:
     hist = parse_histograms(page({"lat_seconds": []}))["lat_seconds"]
     with pytest.raises(ValueError, match="no observations"):
         hist.quantile_bucket(50)
+
+
+def answered(ttft: float, e2e: float, first_event: float) -> RequestResult:
+    return RequestResult(0, 0.0, 0.0, "short", first_event_s=first_event, ttft_s=ttft, e2e_s=e2e, completion_tokens=8)
+
+
+def test_check_run_compares_the_run_only_and_names_what_it_could_not_compare() -> None:
+    before = parse_histograms(page({"srv_time_to_first_token_seconds": [9.0] * 3,
+                                    "srv_request_duration_seconds": [9.0] * 3}))
+    run = [answered(0.03, 0.3, 0.002), answered(0.04, 0.4, 0.003)]
+    after = parse_histograms(page({"srv_time_to_first_token_seconds": [9.0] * 3 + [0.03, 0.04],
+                                   "srv_request_duration_seconds": [9.0] * 3 + [0.3, 0.4]}))
+    checks, notes = check_run(after, before, run, (None, None), step_s=0.01)
+    assert notes == []
+    verdicts = {(c.measure, c.q): c.agrees for c in checks}
+    assert verdicts[("ttft", 50)] and verdicts[("ttft", 99)] and verdicts[("e2e", 99)]
+    # the first event came long before the first token: a TTFT histogram does not describe it
+    assert not verdicts[("first_event", 50)]
+    assert all(c.allowance_s == pytest.approx(0.015) for c in checks)
+
+    only_ttft = parse_histograms(page({"srv_time_to_first_token_seconds": [0.03]}))
+    checks, notes = check_run(only_ttft, {}, run, (None, None), step_s=0.0)
+    assert any("no histogram matching" in note for note in notes)
+    assert any("counted 1 requests during the run, the bench had 2 answered" in note for note in notes)

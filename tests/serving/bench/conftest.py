@@ -44,19 +44,24 @@ def one_at_a_time(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     yield from _serve(bench_model, tmp_path_factory.mktemp("bench-logs") / "single.log", "--max-num-seqs", "1")
 
 
+def bench_process(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m pdstack bench --url URL ARGS...`, as a user would run it."""
+    command = [sys.executable, "-m", "pdstack", "bench", "--url", url, *args]
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="session")
 def run_bench(tmp_path_factory: pytest.TempPathFactory) -> BenchRunner:
-    """run_bench(server, *args): run `python -m pdstack bench` as a user would and return its JSON results."""
+    """run_bench(url, *args): run `pdstack bench` to success and return its JSON results (plus its stdout)."""
     out_dir = tmp_path_factory.mktemp("bench-results")
     made = 0
 
-    def run(server: ServerProcess, *args: str) -> dict[str, Any]:
+    def run(url: str, *args: str) -> dict[str, Any]:
         nonlocal made
         made += 1
         path = out_dir / f"run-{made}.json"
-        command = [sys.executable, "-m", "pdstack", "bench", "--url", server.url, "--json", str(path), *args]
-        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        done = bench_process(url, "--json", str(path), *args)
+        assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
         results: dict[str, Any] = json.loads(path.read_text())
         results["stdout"] = done.stdout
         return results

@@ -20,7 +20,7 @@ LOW_RATE = ["--rate", "0.5", "--requests", "16", "--workload", "short", "--max-t
 def twin_runs(colocated: ServerProcess, run_bench: BenchRunner) -> tuple[dict[str, Any], dict[str, Any]]:
     """The same command twice: same seed, same rate, same endpoint."""
     metrics = ["--metrics-url", f"{colocated.url}/metrics"]
-    return run_bench(colocated, *LOW_RATE, *metrics), run_bench(colocated, *LOW_RATE, *metrics)
+    return run_bench(colocated.url, *LOW_RATE, *metrics), run_bench(colocated.url, *LOW_RATE, *metrics)
 
 
 def latencies(results: dict[str, Any], key: str) -> list[float]:
@@ -58,22 +58,39 @@ def test_two_runs_give_consistent_percentiles(twin_runs: tuple[dict[str, Any], d
         assert abs(np.percentile(first, q) - np.percentile(second, q)) <= spread, (q, first, second)
 
 
+def server_checks(results: dict[str, Any], metric: str, measure: str) -> list[dict[str, Any]]:
+    checks = results["runs"][0]["server_histograms"]["checks"]
+    return [c for c in checks if c["metric"] == metric and c["measure"] == measure]
+
+
 def test_ttft_percentiles_fall_in_the_servers_histogram_buckets(
     twin_runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
     for results in twin_runs:
-        histograms = results["runs"][0]["server_histograms"]
-        ttft = [c for c in histograms["checks"] if c["metric"] == "pdserve_time_to_first_token_seconds"]
-        assert [c["q"] for c in ttft] == [50, 90, 99], histograms
+        ttft = server_checks(results, "pdserve_time_to_first_token_seconds", "ttft")
+        assert [c["q"] for c in ttft] == [50, 90, 99], results["runs"][0]["server_histograms"]
         assert all(c["agrees"] for c in ttft), ttft
-        # the client sees the first token after the server made it, by a small share of the TTFT
-        mean_ttft = results["runs"][0]["ttft_s"]["mean"]
-        assert ttft[0]["offset_s"] < 0.25 * mean_ttft, (ttft[0], mean_ttft)
-        assert "agrees" in results["stdout"]
+        # over the same requests the client's mean is later than the server's: it cannot see a token earlier
+        assert ttft[0]["mean_offset_s"] >= 0
+        assert "pdserve_time_to_first_token_seconds p50 vs bench ttft" in results["stdout"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pdserve bug: the server defines pdserve_request_duration_seconds but never observes it "
+    "(pdserve/server/batching.py observes only ttft and inter_token), so it counts no requests",
+)
+def test_e2e_percentiles_fall_in_the_servers_histogram_buckets(
+    twin_runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    e2e = server_checks(twin_runs[0], "pdserve_request_duration_seconds", "e2e")
+    assert [c["q"] for c in e2e] == [50, 90, 99], twin_runs[0]["runs"][0]["server_histograms"]
+    assert all(c["agrees"] for c in e2e), e2e
 
 
 def test_a_server_at_capacity_is_counted_as_429(one_at_a_time: ServerProcess, run_bench: BenchRunner) -> None:
-    results = run_bench(one_at_a_time, "--rate", "40", "--requests", "8", "--workload", "short", "--max-tokens", "16")
+    results = run_bench(one_at_a_time.url, "--rate", "40", "--requests", "8", "--workload", "short",
+                        "--max-tokens", "16")
     run = results["runs"][0]
     assert set(run["errors"]) == {"http_429"}, run["errors"]
     assert run["completed"] >= 1
@@ -83,7 +100,8 @@ def test_a_server_at_capacity_is_counted_as_429(one_at_a_time: ServerProcess, ru
 
 
 def test_a_request_the_server_refuses_is_counted_as_4xx(colocated: ServerProcess, run_bench: BenchRunner) -> None:
-    results = run_bench(colocated, "--rate", "20", "--requests", "4", "--workload", "short", "--max-tokens", "100000")
+    results = run_bench(colocated.url, "--rate", "20", "--requests", "4", "--workload", "short",
+                        "--max-tokens", "100000")
     run = results["runs"][0]
     assert run["errors"] == {"http_4xx": 4}
     assert run["goodput_rps"] == 0.0
