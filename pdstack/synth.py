@@ -157,7 +157,8 @@ def _run(
     set_all_config(_config_strings(config))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from infra.program import main  # noqa: PLC0415 (importable only once the project root is on sys.path)
+    # Imported by name, once the project root is on sys.path; mypy checks infra/ on its own (slow SDK types).
+    main = importlib.import_module("infra.program").main
 
     @pulumi.runtime.test  # type: ignore[untyped-decorator]
     def run() -> None:
