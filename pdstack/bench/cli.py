@@ -51,6 +51,7 @@ def bench_command(  # typer builds one option per parameter
     slo_tpot_ms: Annotated[float, typer.Option(help="TPOT objective for goodput")] = 100.0,
     probe_seconds: Annotated[float, typer.Option(help="seconds per concurrency step of the peak probe")] = 10.0,
     probe_max_concurrency: Annotated[int, typer.Option(help="highest concurrency the peak probe tries")] = 64,
+    warmup: Annotated[int, typer.Option(help="unmeasured requests sent one by one before measuring")] = 1,
     metrics_url: Annotated[
         str | None, typer.Option(help="the server's Prometheus /metrics, to compare percentiles with its histograms")
     ] = None,
@@ -66,7 +67,7 @@ def bench_command(  # typer builds one option per parameter
         ignore_eos=ignore_eos, rates=_floats(rate, "--rate"), peak_shares=_floats(peak_shares, "--peak-shares"),
         requests=requests, max_duration_s=max_duration, seed=seed, max_in_flight=max_in_flight, timeout_s=timeout,
         slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000), probe_seconds=probe_seconds,
-        probe_max_concurrency=probe_max_concurrency, metrics_url=metrics_url, ttft_metric=ttft_metric,
+        probe_max_concurrency=probe_max_concurrency, warmup=warmup, metrics_url=metrics_url, ttft_metric=ttft_metric,
         e2e_metric=e2e_metric,
     )
     if plot is not None:

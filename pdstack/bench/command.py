@@ -19,9 +19,9 @@ from pdstack.bench.endpoint import APIS, Endpoint, fetch_models, normalise_base_
 from pdstack.bench.peak import Peak, ProbeStep, measure_peak
 from pdstack.bench.promhist import Histogram, check_run, scrape
 from pdstack.bench.report import BenchReport, RunRecord
-from pdstack.bench.runner import LoadSettings, run_open_loop
+from pdstack.bench.runner import LagMonitor, LoadSettings, run_open_loop, warm_up
 from pdstack.bench.schedule import poisson_arrivals
-from pdstack.bench.stats import SLO, summarize
+from pdstack.bench.stats import SLO, Distribution, summarize
 from pdstack.bench.workload import make_prompts
 
 PROBE_PROMPTS = 512
@@ -50,6 +50,7 @@ class BenchOptions:
     slo: SLO
     probe_seconds: float
     probe_max_concurrency: int
+    warmup: int
     metrics_url: str | None
     ttft_metric: str | None
     e2e_metric: str | None
@@ -74,6 +75,8 @@ class BenchOptions:
                               ("slo-tpot-ms", self.slo.tpot_s)):
             if not seconds > 0:
                 problems.append(f"{name}: must be positive, got {seconds:g}")
+        if self.warmup < 0:
+            problems.append(f"warmup: must be 0 or more, got {self.warmup}")
         if problems:
             raise BenchError("; ".join(problems))
 
@@ -100,7 +103,9 @@ def _server_checks(options: BenchOptions, before: dict[str, Histogram] | None, r
     """Set the run's percentiles beside the server's histogram buckets for the same requests."""
     if before is None or options.metrics_url is None:
         return
+    # one engine step (median TPOT) plus how late the client's own loop ran (p99 lag)
     step_s = run.summary.tpot.p[50] if run.summary.tpot.count else 0.0
+    step_s += run.client_lag.p[99] if run.client_lag.count else 0.0
     run.server_checks, notes = check_run(
         scrape(options.metrics_url), before, run.results, (options.ttft_metric, options.e2e_metric), step_s
     )
@@ -120,8 +125,9 @@ def run_once(
         def advance(_: RequestResult) -> None:
             progress.advance(task)
 
-        results = asyncio.run(run_open_loop(endpoint, prompts, arrivals, settings, advance))
-    record = RunRecord(label, summarize(results, options.slo, rate), results)
+        lag = LagMonitor()
+        results = asyncio.run(run_open_loop(endpoint, prompts, arrivals, settings, on_done=advance, lag=lag))
+    record = RunRecord(label, summarize(results, options.slo, rate), results, Distribution.of(lag.lags))
     _server_checks(options, before, record)
     return record
 
@@ -138,6 +144,11 @@ def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> B
     load_at_start = os.getloadavg()[0]
     endpoint, models = connect(options)
     settings = LoadSettings(options.max_tokens, options.ignore_eos, options.timeout_s, options.max_in_flight)
+    if options.warmup:
+        warm_prompts = make_prompts(options.workload, options.warmup, options.seed + 2)
+        warm = asyncio.run(warm_up(endpoint, warm_prompts, settings))
+        for failed in (r for r in warm if not r.ok):
+            console.print(f"warm-up request failed: {failed.error}: {failed.detail}")
     peak = None
     if options.peak_shares:
         probe_prompts = make_prompts(options.workload, PROBE_PROMPTS, options.seed + 1)
@@ -166,6 +177,7 @@ def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> B
             "max_tokens": options.max_tokens,
             "ignore_eos": options.ignore_eos,
             "seed": options.seed,
+            "warmup_requests": options.warmup,
             "max_in_flight": options.max_in_flight,
             "timeout_s": options.timeout_s,
             "arrivals": "poisson",

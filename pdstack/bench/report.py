@@ -22,6 +22,7 @@ class RunRecord:
     label: str
     summary: Summary
     results: list[RequestResult]
+    client_lag: Distribution = field(default_factory=lambda: Distribution.of([]))
     server_checks: list[QuantileCheck] = field(default_factory=list)
     server_note: str | None = None
 
@@ -29,6 +30,7 @@ class RunRecord:
         return {
             "label": self.label,
             **self.summary.as_json(),
+            "client_loop_lag_s": self.client_lag.as_json(),
             "server_histograms": {
                 "note": self.server_note,
                 "checks": [c.as_json() for c in self.server_checks],

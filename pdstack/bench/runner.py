@@ -26,6 +26,41 @@ class LoadSettings:
     max_in_flight: int
 
 
+class LagMonitor:
+    """How late the load generator's own event loop runs: a ticker that asks to wake every `tick_s` and records how
+    much later it woke. A busy client host delays every timestamp by about this much."""
+
+    def __init__(self, tick_s: float = 0.01) -> None:
+        self.tick_s = tick_s
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(self.tick_s)
+            self.lags.append(max(0.0, time.perf_counter() - asked - self.tick_s))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._tick())
+
+    def stop(self) -> list[float]:
+        if self._task is not None:
+            self._task.cancel()
+        return self.lags
+
+
+async def warm_up(endpoint: Endpoint, prompts: Sequence[Prompt], settings: LoadSettings) -> list[RequestResult]:
+    """Requests sent one by one before measuring, so first-use costs (imports, lazy server set-up) stay out."""
+    results = []
+    async with _client(endpoint, settings) as client:
+        for index, prompt in enumerate(prompts):
+            body = request_body(endpoint, prompt.text, settings.max_tokens, settings.ignore_eos)
+            result = RequestResult(index, 0.0, 0.0, prompt.kind)
+            results.append(await send_request(client, endpoint, body, result, settings.timeout_s))
+    return results
+
+
 def _client(endpoint: Endpoint, settings: LoadSettings) -> httpx.AsyncClient:
     # The pool is as large as the in-flight cap, so requests never queue silently inside the client.
     limits = httpx.Limits(max_connections=settings.max_in_flight, max_keepalive_connections=settings.max_in_flight)
@@ -38,7 +73,9 @@ async def run_open_loop(
     prompts: Sequence[Prompt],
     arrivals: Sequence[float],
     settings: LoadSettings,
+    *,
     on_done: OnDone | None = None,
+    lag: LagMonitor | None = None,
 ) -> list[RequestResult]:
     """Launch request i at arrivals[i] seconds from the start, whatever is still in flight.
 
@@ -56,6 +93,8 @@ async def run_open_loop(
             on_done(task.result())
 
     async with _client(endpoint, settings) as client:
+        if lag is not None:
+            lag.start()
         t0 = time.perf_counter()
         for index, (at, prompt) in enumerate(zip(arrivals, prompts, strict=False)):
             delay = t0 + at - time.perf_counter()
@@ -74,6 +113,8 @@ async def run_open_loop(
             task.add_done_callback(finished)
         if tasks:
             await asyncio.gather(*tasks)
+        if lag is not None:
+            lag.stop()
     return results
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -44,7 +45,7 @@ def test_arrivals_go_out_while_earlier_requests_are_unanswered(monkeypatch: pyte
         monkeypatch.setattr(runner, "_client", mocked)
         settings = LoadSettings(max_tokens=4, ignore_eos=False, timeout_s=10.0, max_in_flight=cap)
         arrivals = [0.01 * i for i in range(count)]
-        return await run_open_loop(ENDPOINT, make_prompts("short", count, seed=0), arrivals, settings, on_done)
+        return await run_open_loop(ENDPOINT, make_prompts("short", count, seed=0), arrivals, settings, on_done=on_done)
 
     results = asyncio.run(run())
     assert [r.index for r in results] == list(range(count))
@@ -59,3 +60,18 @@ def test_more_arrivals_than_prompts_is_refused() -> None:
     settings = LoadSettings(max_tokens=4, ignore_eos=False, timeout_s=1.0, max_in_flight=1)
     with pytest.raises(ValueError, match="3 arrivals but only 1 prompts"):
         asyncio.run(run_open_loop(ENDPOINT, make_prompts("short", 1, 0), [0.1, 0.2, 0.3], settings))
+
+
+def test_the_lag_monitor_sees_a_blocked_event_loop() -> None:
+    async def run() -> list[float]:
+        monitor = runner.LagMonitor(tick_s=0.005)
+        monitor.start()
+        await asyncio.sleep(0.02)
+        time.sleep(0.2)  # the loop is blocked: every timestamp the client takes now is late
+        await asyncio.sleep(0.02)
+        return monitor.stop()
+
+    lags = asyncio.run(run())
+    # a blocked loop shows as one lag about as long as the block; compared with the block itself, not a clock budget
+    assert max(lags) >= 0.2 * 0.9
+    assert sorted(lags)[len(lags) // 2] < max(lags) / 2
