@@ -26,8 +26,9 @@ def write_plot(report: BenchReport, path: Path) -> None:
     figure, axes = pyplot.subplots(1, 3, figsize=(15, 4.5))
     for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"), ("TTFT", "TPOT", "end to end"), strict=True):
         for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
-            values = [getattr(r.summary, metric).p[q] * 1000 for r in runs]
-            ax.plot(load, values, style, label=f"p{q}")
+            points = [(x, getattr(r.summary, metric).p.get(q)) for x, r in zip(load, runs, strict=True)]
+            shown = [(x, y * 1000) for x, y in points if y is not None]  # e.g. no TPOT when max_tokens is 1
+            ax.plot([x for x, _ in shown], [y for _, y in shown], style, label=f"p{q}")
         ax.set_title(f"{title} latency")
         ax.set_xlabel("offered load (req/s)")
         ax.set_ylabel("ms")
