@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, Gen
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
 
 log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -93,16 +95,35 @@ class OpenAIEndpoints:
         if parsed.stream:
             return StreamingResponse(_sse(generation, formatter, parsed.include_usage), media_type="text/event-stream")
         try:
-            async for _ in generation.outputs():
-                pass
+            finished = await _collect_unless_disconnected(request, generation)
         except Exception as error:
             return as_error_response(error)
+        if not finished:
+            return error_response(499, "client closed the request", "client_closed")
         return JSONResponse(formatter.full(generation))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise RequestError(f"model: {model!r} is not served here (this server serves {self.model_name!r})",
                                param="model", status=404, kind="model_not_found")
+
+
+async def _drain(generation: Generation) -> None:
+    async for _ in generation.outputs():
+        pass
+
+
+async def _collect_unless_disconnected(request: Request, generation: Generation) -> bool:
+    """Run a non-streaming request to its end; stop generating (False) if the client goes away first."""
+    collecting = asyncio.ensure_future(_drain(generation))
+    while not collecting.done():
+        await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
+        if not collecting.done() and await request.is_disconnected():
+            collecting.cancel()
+            generation.close()
+            return False
+    collecting.result()
+    return True
 
 
 async def _json_body(request: Request) -> Any:

@@ -170,6 +170,22 @@ def test_concurrency_limit_answers_429_and_frees_on_disconnect(dense: Deployment
         pytest.fail("the slot of a disconnected client was never freed")
 
 
+def test_non_streaming_request_is_cancelled_when_the_client_leaves(make_checkpoint: Callable[..., Path],
+                                                                   spawn: Callable[..., ServerProcess]) -> None:
+    long_context = make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
+    single = spawn("colocated", long_context, "--max-num-seqs", "1")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(single.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True})
+    for _ in range(100):  # without cancellation the slot stays taken for all 8000 tokens
+        answer = post(single.url, {"prompt": PROMPT, "max_tokens": 2})
+        if answer.status_code == 200:
+            break
+        threading.Event().wait(0.1)
+    assert answer.status_code == 200
+    assert metric_value(single.metrics(), "pdserve_generation_tokens_total") < 8000
+
+
 def test_kv_memory_limit_answers_503(dense: Deployment, spawn: Callable[..., ServerProcess]) -> None:
     small = spawn("colocated", dense.model, "--kv-memory-bytes", "50000")
     assert post(small.url, {"prompt": PROMPT, "max_tokens": 4}).status_code == 200
