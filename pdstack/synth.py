@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -160,12 +161,10 @@ def _run(
     # Imported by name, once the project root is on sys.path; mypy checks infra/ on its own (slow SDK types).
     main = importlib.import_module("infra.program").main
 
-    @pulumi.runtime.test  # type: ignore[untyped-decorator]
-    def run() -> None:
-        main()
-
+    # The SDK's own test runner: runs the program, then waits for every registration and output to settle.
+    as_test: Callable[[Callable[[], None]], Callable[[], None]] = pulumi.runtime.test
     try:
-        run()
+        as_test(main)()
     except pulumi.RunError as exc:
         raise SynthError(f"{stack.stack_name}: {exc}") from None
     root_resource = settings.get_root_resource()
