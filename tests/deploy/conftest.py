@@ -46,6 +46,8 @@ NODE_VARS: dict[str, Any] = {
     # Nested podman on this cgroup v1/hybrid host: runc cannot mount the cgroup filesystem itself.
     "pdserve_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
     "prometheus_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
+    # Prompts of 8+ tokens take the prefill -> KV channel -> decode path (the local stack uses 32).
+    "pdserve_env": {"PDSERVE_OFFLOAD_THRESHOLD_TOKENS": "8"},
 }
 RUNTIME_PLAY = [{"name": "Container runtime", "hosts": "all", "gather_facts": True,
                  "roles": ["container_runtime"]}]

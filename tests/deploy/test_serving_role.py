@@ -34,6 +34,8 @@ def test_install_serves_requests_through_gateway_prefill_and_decode(installed: S
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"]
     assert {("prefill", "r1"), ("decode", "r1")} <= versions_ready(installed)
+    routed = httpx.get(f"{installed.gateway()}/metrics", timeout=10).text
+    assert 'reason="remote_prefill"' in routed  # the KV crossed from node A's prefill to node B's decode
 
 
 def test_images_are_pulled_by_digest_and_the_release_is_recorded(installed: Serving) -> None:
