@@ -8,6 +8,7 @@ computed here and exported under a lease (prefill with `do_remote_decode`), or p
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class Generation:
     exported: dict[str, StoredKV] = field(default_factory=dict)
     recomputed: bool = False
     closed: bool = False
+    kv_transfer_stats: dict[str, Any] | None = None  # decode only: where the prompt's KV came from, bytes, seconds
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,15 +148,18 @@ class GenerationService:
             self.importer.check_params(params, len(prompt_ids))
         reserved = kv_memory_per_request(self.engine, len(prompt_ids) + max_tokens)
         self.admission.reserve(reserved)
+        started = time.perf_counter()
         try:
             cache, recomputed = await self._initial_cache(request, len(prompt_ids), request_id)
         except BaseException:
             self.admission.release(reserved)
             raise
+        kv_stats = self._kv_transfer_stats(remote_prefill, recomputed, cache, time.perf_counter() - started)
         state = self.engine.new_request(prompt_ids, faults.sampling(self.settings, request.sampling_params(max_tokens)))
         state.max_total_tokens = self.max_model_len
         sequence = Sequence(request_id, prompt_ids, state, cache)
-        generation = Generation(request_id, sequence, reserved, self, recomputed=recomputed)
+        generation = Generation(request_id, sequence, reserved, self, recomputed=recomputed,
+                                kv_transfer_stats=kv_stats)
         if remote_decode:
             assert self.exporter is not None
             generation.remote_request_id = f"{self.settings.engine_id}-{uuid.uuid4().hex}"
@@ -177,6 +182,17 @@ class GenerationService:
         if remote_prefill and self.importer is None:
             raise RequestError(f"kv_transfer_params.do_remote_prefill: this {role} server does not import KV "
                                "(send it to a decode server)", param="kv_transfer_params.do_remote_prefill")
+
+    def _kv_transfer_stats(self, remote_prefill: bool, recomputed: bool, cache: KVCache,
+                           seconds: float) -> dict[str, Any] | None:
+        """What decode tells the gateway about this request's KV (relayed to the gateway's metrics)."""
+        if self.importer is None:
+            return None
+        if not remote_prefill:
+            return {"source": "local", "bytes": 0, "seconds": 0.0}
+        if recomputed:
+            return {"source": "recompute", "bytes": 0, "seconds": round(seconds, 6)}
+        return {"source": "remote", "bytes": cache.nbytes(), "seconds": round(seconds, 6)}
 
     async def _initial_cache(self, request: _GenerationRequest, prompt_tokens: int,
                              request_id: str) -> tuple[KVCache, bool]:

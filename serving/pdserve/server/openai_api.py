@@ -92,6 +92,7 @@ class OpenAIEndpoints:
         except Exception as error:
             return as_error_response(error)
         formatter = _Formatter(chat, self.model_name, request_id, parsed.return_token_ids)
+        formatter.kv_transfer_stats = generation.kv_transfer_stats
         if parsed.stream:
             return StreamingResponse(_sse(generation, formatter, parsed.include_usage), media_type="text/event-stream")
         try:
@@ -143,6 +144,7 @@ class _Formatter:
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
+        self.kv_transfer_stats: dict[str, Any] | None = None
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -167,6 +169,8 @@ class _Formatter:
         body["choices"] = [choice]
         body["usage"] = self.usage(generation)
         body["kv_transfer_params"] = generation.kv_transfer_params()
+        if generation.kv_transfer_stats is not None:
+            body["kv_transfer_stats"] = generation.kv_transfer_stats
         return body
 
     def chunk(self, output: TokenOutput | None, first: bool = False) -> dict[str, Any]:
@@ -184,6 +188,8 @@ class _Formatter:
         if self.return_token_ids and output is not None:
             choice["token_ids"] = [output.token_id]
         body["choices"] = [choice]
+        if finish_reason is not None and self.kv_transfer_stats is not None:
+            body["kv_transfer_stats"] = self.kv_transfer_stats  # on the last chunk, for the gateway's metrics
         return body
 
     def usage_chunk(self, generation: Generation) -> dict[str, Any]:

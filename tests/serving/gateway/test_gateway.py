@@ -146,6 +146,27 @@ def test_short_prompts_skip_remote_prefill(gateway_url: str, cluster: Cluster) -
     assert prefill_count() == before + 1, "a long prompt must go through remote prefill"
 
 
+def test_kv_transfer_figures_relayed_from_decode(gateway_url: str) -> None:
+    def kv_metrics() -> dict[str, float]:
+        text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+        wanted = ("pdserve_gateway_kv_transfer_bytes_sum", "pdserve_gateway_kv_transfer_bytes_count",
+                  'pdserve_gateway_kv_sources_total{source="remote"}',
+                  'pdserve_gateway_kv_sources_total{source="local"}')
+        found = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(wanted)}
+        return {name: found.get(name, 0.0) for name in wanted}
+
+    before = kv_metrics()
+    assert complete(gateway_url, prompt=LONG_PROMPT, max_tokens=2).status_code == 200  # remote prefill
+    assert complete(gateway_url, prompt=SHORT_PROMPT, max_tokens=2).status_code == 200  # prefilled on decode
+    after = kv_metrics()
+    assert after["pdserve_gateway_kv_transfer_bytes_sum"] > before["pdserve_gateway_kv_transfer_bytes_sum"]
+    assert after['pdserve_gateway_kv_sources_total{source="remote"}'] == (
+        before['pdserve_gateway_kv_sources_total{source="remote"}'] + 1)
+    assert after['pdserve_gateway_kv_sources_total{source="local"}'] == (
+        before['pdserve_gateway_kv_sources_total{source="local"}'] + 1)
+
+
 def test_instances_share_the_load(gateway_url: str, cluster: Cluster) -> None:
     before = {name: cluster.served(name) for name in cluster.servers}
     with ThreadPoolExecutor(4) as pool:

@@ -102,3 +102,18 @@ def test_chunked_prefill_gives_the_same_tokens(dense: Deployment, spawn: Any) ->
     reference = completion(dense.colocated.url, body)
     assert len(reference["prompt_token_ids"]) > 3 * 16
     assert completion(chunked.url, body)["token_ids"] == reference["token_ids"]
+
+
+def test_decode_reports_where_the_kv_came_from(dense: Deployment) -> None:
+    """The gateway relays these figures into its KV metrics: bytes and seconds of the pull, or a local prefill."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    params = prefill(dense.prefill.url, body)
+    remote = httpx.post(dense.decode.url + "/v1/completions", json={**body, "kv_transfer_params": params},
+                        timeout=120).json()["kv_transfer_stats"]
+    assert remote["source"] == "remote" and remote["bytes"] > 0 and remote["seconds"] > 0
+    local = httpx.post(dense.decode.url + "/v1/completions", json=body, timeout=120).json()["kv_transfer_stats"]
+    assert local == {"source": "local", "bytes": 0, "seconds": 0.0}
+    streamed = httpx.post(dense.decode.url + "/v1/completions", json={**body, "stream": True}, timeout=120).text
+    assert '"kv_transfer_stats": {"source": "local"' in streamed
+    colocated = httpx.post(dense.colocated.url + "/v1/completions", json=body, timeout=120).json()
+    assert "kv_transfer_stats" not in colocated
