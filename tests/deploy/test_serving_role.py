@@ -11,6 +11,9 @@ import pytest
 
 from tests.deploy.conftest import MODEL_NAME, NODE_A, NODE_B, Serving
 
+# Each ansible-playbook run converges two nodes over `podman exec`; on a loaded 2-core host one run can take minutes.
+pytestmark = pytest.mark.timeout(1800)
+
 
 def instances(serving: Serving) -> list[dict[str, object]]:
     found: list[dict[str, object]] = httpx.get(f"{serving.scheduler()}/v1/instances", timeout=5).json()["instances"]
