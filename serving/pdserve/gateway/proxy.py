@@ -22,7 +22,7 @@ from pdserve.scheduler.protocol import RoutedInstance
 from .metrics import GatewayMetrics
 from .routing import NoRouteError, Plan, Router, alternative_decode
 from .settings import GatewaySettings
-from .streaming import DONE, encode, error_event, kv_stats, sse_data
+from .streaming import DONE, carries_token, encode, error_event, kv_stats, sse_data
 from .validation import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -157,10 +157,22 @@ class PDProxy:
     async def relay(self, ctx: Context, stream: Stream) -> AsyncIterator[bytes]:
         """Pass decode's events to the client; if decode breaks off, send an error event and end the stream."""
         version = ctx.version
-        last = time.perf_counter()
-        self.metrics.ttft.labels(version).observe(last - ctx.started)
-        ctx.mark("first_token")
-        self._observe_kv(stream.first)
+        last: float | None = None  # when the previous token-carrying event arrived
+
+        def observe(data: str) -> None:
+            nonlocal last
+            self._observe_kv(data)
+            if not carries_token(data):  # a chat stream opens with a role-only chunk: no token yet
+                return
+            now = time.perf_counter()
+            if last is None:
+                self.metrics.ttft.labels(version).observe(now - ctx.started)
+                ctx.mark("first_token")
+            else:
+                self.metrics.itl.labels(version).observe(now - last)
+            last = now
+
+        observe(stream.first)
         try:
             yield encode(stream.first)
             if stream.first == DONE:
@@ -169,10 +181,7 @@ class PDProxy:
                 data = await self._next_event(stream)
                 if data is None:
                     raise UpstreamError("decode", "stream_truncated", "decode ended the stream without [DONE]")
-                now = time.perf_counter()
-                self.metrics.itl.labels(version).observe(now - last)
-                last = now
-                self._observe_kv(data)
+                observe(data)
                 yield encode(data)
                 if data == DONE:
                     return

@@ -36,6 +36,21 @@ def error_event(message: str, error_type: str, request_id: str) -> bytes:
     return encode(json.dumps(payload)) + encode(DONE)
 
 
+def carries_token(data: str) -> bool:
+    """Whether a decode event holds generated text (or ends a choice): what TTFT and inter-token latency time."""
+    if data == DONE:
+        return False
+    try:
+        choices = json.loads(data).get("choices") or []
+    except (ValueError, AttributeError):
+        return False
+    for choice in choices:
+        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if text or choice.get("finish_reason"):
+            return True
+    return False
+
+
 def kv_stats(data: str) -> dict[str, Any] | None:
     """The `kv_transfer_stats` decode attaches to a chunk or body, if this one carries them."""
     if '"kv_transfer_stats"' not in data:

@@ -224,6 +224,8 @@ class BatchScheduler:
             self.metrics.inter_token.observe(now - sequence.last_token_at)
         sequence.last_token_at = now
         self.metrics.generation_tokens.inc()
+        if sequence.state.finished:
+            self.metrics.e2e.observe(now - sequence.arrived_at)
 
     def _observe_step(self, plan: StepPlan, seconds: float) -> None:
         self.metrics.step_batch.observe(len(plan.decodes) + len(plan.prefills))

@@ -115,12 +115,6 @@ def test_percentiles_fall_in_the_gateways_histogram_buckets(
     assert all(c["agrees"] for c in checks if c["q"] in (50, 90)), checks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: pdserve_gateway_time_to_first_token_seconds is observed at decode's first SSE event; on "
-    "/v1/chat/completions pdserve sends a role-only chunk before generating, so the histogram holds time to that "
-    "chunk (bench's first_event), not to the first token (pdserve/gateway/proxy.py relay, server/openai_api.py _sse)",
-)
 def test_chat_ttft_falls_in_the_gateways_ttft_buckets(gateway: Gateway, run_bench: BenchRunner) -> None:
     results = run_bench(gateway.url, *LOW_RATE, "--api", "chat", "--api-key-file",
                         str(gateway.api_key_file), "--metrics-url", gateway.metrics_url)

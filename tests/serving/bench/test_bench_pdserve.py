@@ -76,11 +76,6 @@ def test_ttft_percentiles_fall_in_the_servers_histogram_buckets(
         assert "pdserve_time_to_first_token_seconds p50 vs bench ttft" in results["stdout"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pdserve bug: the server defines pdserve_request_duration_seconds but never observes it "
-    "(pdserve/server/batching.py observes only ttft and inter_token), so it counts no requests",
-)
 def test_e2e_percentiles_fall_in_the_servers_histogram_buckets(
     twin_runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
