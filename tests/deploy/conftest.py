@@ -31,6 +31,7 @@ ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
 NODE_A, NODE_B = "pdstack-serve-a", "pdstack-serve-b"
 MODEL_NAME = "pdstack-tiny"
+LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 
 # What the node containers need from the container_runtime role on this host (see DESIGN.md).
 NODE_VARS: dict[str, Any] = {
@@ -90,7 +91,8 @@ class Serving:
         return nodes.exec_in_node(name, list(command))
 
     def record(self, name: str, component: str) -> dict[str, Any]:
-        record: dict[str, Any] = json.loads(self.node(name, "cat", f"/var/lib/pdstack/pdserve/{component}.release.json"))
+        text = self.node(name, "cat", f"/var/lib/pdstack/pdserve/{component}.release.json")
+        record: dict[str, Any] = json.loads(text)
         return record
 
     def gateway(self) -> str:
@@ -99,7 +101,7 @@ class Serving:
     def scheduler(self) -> str:
         return f"http://{self.address[NODE_A]}:8200"
 
-    def complete(self, prompt: str = "Hello from the canary test", max_tokens: int = 8) -> httpx.Response:
+    def complete(self, prompt: str = LONG_PROMPT, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(f"{self.gateway()}/v1/completions", timeout=60,
                           headers={"Authorization": f"Bearer {self.secrets.api_key.read_text().strip()}"},
                           json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
