@@ -7,6 +7,7 @@ both recaps for the tests to assert on.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -23,8 +24,9 @@ from pdstack import nodes
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "baseline.yml"
 ANSIBLE_PLAYBOOK = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ansible-playbook")
-NODE_A = "pdstack-role-a"
-NODE_B = "pdstack-role-b"
+# Unique per test process: two test sessions on one machine (a developer's and CI's) must not share nodes.
+NODE_A = f"pdstack-role-a-{os.getpid()}"
+NODE_B = f"pdstack-role-b-{os.getpid()}"
 DISK_BYTES = 512 * 1024 * 1024
 RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
                    r"\s+failed=(?P<failed>\d+)", re.MULTILINE)
