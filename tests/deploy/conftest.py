@@ -29,7 +29,7 @@ from tests.serving.server.serverproc import free_port
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
-NODE_A, NODE_B = "pdstack-serve-a", "pdstack-serve-b"
+NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
 MODEL_NAME = "pdstack-tiny"
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 

@@ -27,6 +27,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         "twin": ServerProcess("colocated", model, log_path=root / "twin.log"),
         "perturbed": ServerProcess("colocated", model, env={"PDSERVE_FAULT_PERTURB_OUTPUT": "true"},
                                    log_path=root / "perturbed.log"),
+        "failing": ServerProcess("colocated", model, env={"PDSERVE_FAULT_ERROR_RATE": "1"},
+                                 log_path=root / "failing.log"),
     }
     start_all(list(procs.values()))
     yield procs
@@ -86,6 +88,11 @@ def test_bad_golden_files_name_the_field(tmp_path: Path, text: str, message: str
     path.write_text(text)
     with pytest.raises(GoldenError, match=message):
         load_golden(path)
+
+
+def test_a_failing_canary_is_an_error_naming_the_status(servers: dict[str, ServerProcess]) -> None:
+    code, output = golden("--canary", servers["failing"].url, "--baseline", servers["baseline"].url)
+    assert code == 2 and "HTTP 500" in output and "injected fault" in output
 
 
 def test_unreachable_endpoint_is_a_clear_error() -> None:
