@@ -38,9 +38,10 @@ class LinkSpec:
     @property
     def mathis_gbps_per_stream(self) -> float | None:
         """The TCP ceiling of one connection, or None when loss or RTT is zero (no ceiling from the formula)."""
-        if self.loss_pct == 0 or self.rtt_ms == 0:
+        probability = self.loss_pct / 100  # a subnormal loss_pct underflows to 0 here: no ceiling either
+        if probability == 0 or self.rtt_ms == 0:
             return None
-        return self.mss_bytes * 8 / (self.rtt_ms / 1e3) * MATHIS_C / math.sqrt(self.loss_pct / 100) / 1e9
+        return self.mss_bytes * 8 / (self.rtt_ms / 1e3) * MATHIS_C / math.sqrt(probability) / 1e9
 
     @property
     def effective_gbps(self) -> float:

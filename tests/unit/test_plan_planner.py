@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -79,6 +79,7 @@ def test_less_bandwidth_never_makes_the_split_more_viable(rtt: float, bw: float,
 
 @settings(max_examples=25, deadline=None)
 @given(rtt=st.floats(0.1, 300), bw=bandwidths, loss=st.floats(0, 0.5), more=st.floats(1e-4, 0.5))
+@example(rtt=1.0, bw=1.0, loss=5e-324, more=0.5)  # a subnormal loss once divided by zero
 def test_more_loss_never_makes_the_split_more_viable(rtt: float, bw: float, loss: float, more: float) -> None:
     clean = make_plan(inputs(link=LinkSpec(bw, rtt, loss, 8)))
     lossy = make_plan(inputs(link=LinkSpec(bw, rtt, loss + more, 8)))
