@@ -128,10 +128,23 @@ def test_decode_killed_mid_stream_gives_a_clean_error(cluster: Cluster) -> None:
     assert metric(httpx.get(f"{url}/metrics").text, "pdserve_gateway_stream_errors_total") == 1
 
 
-def test_decode_failing_before_first_token_is_retried(cluster: Cluster) -> None:
-    """A fresh gateway has not seen the dead decode fail yet: it must retry the requests it sends there."""
+def test_decode_failing_before_first_token_is_retried(cluster: Cluster, model_long: Path) -> None:
+    """A fresh gateway has not seen a dead decode fail yet: it must retry the requests it sends there.
+
+    The victim is a decode killed while idle, so its last heartbeat shows no load and power-of-two choices keeps
+    picking it as often as the live decode (one killed mid-stream reports a running request and is rarely chosen).
+    """
+    cluster.launch_server("d3", "decode", model_long)
+    cluster.wait_servers()
+    port = f":{cluster.servers['d3'].port}"
+    assert cluster.scheduler is not None
+    wait_for(lambda: any(entry["info"]["url"].endswith(port) and entry["state"] == "ready" for entry in
+                         httpx.get(f"{cluster.scheduler.url}/v1/instances").json()["instances"]),
+             what="d3 registered and ready")
+    cluster.sync(cluster.gateways[0])
+    cluster.servers["d3"].kill()
     gateway = cluster.start_gateway("--offload-threshold-tokens", "8")
-    cluster.wait_routable(gateway, 4)  # the killed prefill and decode are still listed
+    cluster.sync(gateway)
     statuses = [complete(gateway.url, stream=stream) for stream in (False, True) * 10]
     assert statuses == [200] * 20
     text = httpx.get(f"{gateway.url}/metrics").text
