@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -148,11 +150,11 @@ def build_datacenter(
                 subnet_ids=[s.id for s in network.service_subnets],
                 security_group_id=security.group.id,
                 volume_key_arn=key.key.arn,
-                readable_secret_arns=[secret_arns.apply(lambda arns, n=n: str(arns[n])) for n in NODE_SECRETS],
+                readable_secret_arns=[secret_arns.apply(_item(n)) for n in NODE_SECRETS],
                 secrets_key_arn=control.require_output(outputs.ENV_KEY_ARN),
                 secrets_region=view.control.datacenter.region,
                 model_bucket_arn=storage.bucket.arn,
-                repository_arns=[repositories.apply(lambda r, i=i: str(r[i])) for i in ("prefill", "decode")],
+                repository_arns=[repositories.apply(_item(i)) for i in ("prefill", "decode")],
                 instance_tags=pool_tags(view.env, dc.name, str(pool.role), pool.name),
                 ssh_key_name=view.settings.ssh_key_name,
             ),
@@ -235,3 +237,8 @@ def _qualified(stack: str) -> str:
 def _has_efa(catalog: Catalog, instance_type: str) -> bool:
     inst = catalog.instance(instance_type)
     return inst is not None and inst.efa
+
+
+def _item(key: str) -> Callable[[Any], str]:
+    """`output.apply(_item(k))`: one entry of a mapping output, as a string."""
+    return lambda values: str(values[key])

@@ -138,7 +138,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         env: list[Any] = [{"name": k, "value": v} for k, v in app.env.items()]
         env += [{"name": k, "value_from": {"secret_key_ref": {"name": SECRET_NAME, "key": key}}}
                 for k, key in app.secret_env.items()]
-        k8s.apps.v1.Deployment(
+        k8s.apps.v1.Deployment(  # type: ignore[call-overload]  # dict args: schema-checked in tests
             f"{name}-{app.name}",
             metadata={"name": app.name, "namespace": self.args.namespace, "labels": labels},
             spec={
@@ -193,7 +193,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         a, ns = self.args, self.args.namespace
 
         def policy(suffix: str, selector: dict[str, Any], ingress: list[Any]) -> None:
-            k8s.networking.v1.NetworkPolicy(
+            k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # dict args: schema-checked in tests
                 f"{name}-{suffix}",
                 metadata={"name": suffix, "namespace": ns},
                 spec={"pod_selector": selector, "policy_types": ["Ingress"], "ingress": ingress},
@@ -255,7 +255,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
         port = a.ports.prometheus
-        k8s.apps.v1.StatefulSet(
+        k8s.apps.v1.StatefulSet(  # type: ignore[call-overload]  # dict args: schema-checked in tests
             f"{name}-prometheus",
             metadata={"name": "prometheus", "namespace": ns, "labels": labels},
             spec={
