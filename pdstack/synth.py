@@ -307,7 +307,11 @@ KEY_PROPS = {
     "aws:ec2/vpc:Vpc": ("cidrBlock",),
     "aws:ec2/subnet:Subnet": ("cidrBlock", "tags.pdstack:tier"),
     "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": (
-        "tags.pdstack:purpose", "ipProtocol", "fromPort", "toPort", "cidrIpv4",
+        "tags.pdstack:purpose",
+        "ipProtocol",
+        "fromPort",
+        "toPort",
+        "cidrIpv4",
     ),
     "aws:ec2/launchTemplate:LaunchTemplate": ("instanceType", "metadataOptions.httpTokens", "placement.groupName"),
     "aws:autoscaling/group:Group": ("minSize", "desiredCapacity", "maxSize"),
@@ -349,13 +353,20 @@ def as_json(result: Synthesis) -> dict[str, Any]:
         "stack": result.stack,
         "skipped": result.skipped,
         "resources": [
-            {"type": r.type, "name": r.name, "parent": r.parent, "key": key_properties(r),
-             "inputs": {k: _redacted(v, k in r.secret_inputs) for k, v in r.inputs.items()}}
+            {
+                "type": r.type,
+                "name": r.name,
+                "parent": r.parent,
+                "key": key_properties(r),
+                "inputs": {k: _redacted(v, k in r.secret_inputs) for k, v in r.inputs.items()},
+            }
             for r in result.resources
         ],
         "outputs": {k: _redacted(v, k in result.secret_outputs) for k, v in result.outputs.items()},
-        "violations": [{"policy": v.policy, "resource": v.resource, "type": v.type, "message": v.message}
-                       for v in result.violations],
+        "violations": [
+            {"policy": v.policy, "resource": v.resource, "type": v.type, "message": v.message}
+            for v in result.violations
+        ],
     }
 
 

@@ -63,11 +63,26 @@ def bench_command(  # typer builds one option per parameter
     """Open-loop (Poisson) streaming load against an OpenAI-compatible endpoint: TTFT, TPOT, e2e, goodput, errors."""
     console = Console(stderr=True)
     options = BenchOptions(
-        url=url, model=model, api=api, api_key_file=api_key_file, workload=workload, max_tokens=max_tokens,
-        ignore_eos=ignore_eos, rates=_floats(rate, "--rate"), peak_shares=_floats(peak_shares, "--peak-shares"),
-        requests=requests, max_duration_s=max_duration, seed=seed, max_in_flight=max_in_flight, timeout_s=timeout,
-        slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000), probe_seconds=probe_seconds,
-        probe_max_concurrency=probe_max_concurrency, warmup=warmup, metrics_url=metrics_url, ttft_metric=ttft_metric,
+        url=url,
+        model=model,
+        api=api,
+        api_key_file=api_key_file,
+        workload=workload,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        rates=_floats(rate, "--rate"),
+        peak_shares=_floats(peak_shares, "--peak-shares"),
+        requests=requests,
+        max_duration_s=max_duration,
+        seed=seed,
+        max_in_flight=max_in_flight,
+        timeout_s=timeout,
+        slo=SLO(slo_ttft_ms / 1000, slo_tpot_ms / 1000),
+        probe_seconds=probe_seconds,
+        probe_max_concurrency=probe_max_concurrency,
+        warmup=warmup,
+        metrics_url=metrics_url,
+        ttft_metric=ttft_metric,
         e2e_metric=e2e_metric,
     )
     if plot is not None:

@@ -158,9 +158,7 @@ async def send_request(
     started = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream(
-                "POST", endpoint.request_path, json=body, headers=endpoint.headers()
-            ) as response:
+            async with client.stream("POST", endpoint.request_path, json=body, headers=endpoint.headers()) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     detail = f"HTTP {response.status_code}: {text[:200]}"

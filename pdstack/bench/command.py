@@ -65,14 +65,22 @@ class BenchOptions:
             problems.append("rate/peak-shares: give --rate or --peak-shares")
         problems += [f"rate: must be positive, got {r:g}" for r in self.rates if not r > 0]
         problems += [f"peak-shares: {s:g} is not within (0, 100] percent" for s in self.peak_shares if not 0 < s <= 100]
-        counts = (("requests", self.requests), ("max-tokens", self.max_tokens),
-                  ("max-in-flight", self.max_in_flight), ("probe-max-concurrency", self.probe_max_concurrency))
+        counts = (
+            ("requests", self.requests),
+            ("max-tokens", self.max_tokens),
+            ("max-in-flight", self.max_in_flight),
+            ("probe-max-concurrency", self.probe_max_concurrency),
+        )
         for name, value in counts:
             if value < 1:
                 problems.append(f"{name}: must be at least 1, got {value}")
-        for name, seconds in (("max-duration", self.max_duration_s), ("timeout", self.timeout_s),
-                              ("probe-seconds", self.probe_seconds), ("slo-ttft-ms", self.slo.ttft_s),
-                              ("slo-tpot-ms", self.slo.tpot_s)):
+        for name, seconds in (
+            ("max-duration", self.max_duration_s),
+            ("timeout", self.timeout_s),
+            ("probe-seconds", self.probe_seconds),
+            ("slo-ttft-ms", self.slo.ttft_s),
+            ("slo-tpot-ms", self.slo.tpot_s),
+        ):
             if not seconds > 0:
                 problems.append(f"{name}: must be positive, got {seconds:g}")
         if self.warmup < 0:
@@ -90,8 +98,12 @@ def connect(options: BenchOptions) -> tuple[Endpoint, dict[str, object]]:
 
 def _progress(console: Console) -> Progress:
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
     )
 
 
@@ -113,8 +125,7 @@ def _server_checks(options: BenchOptions, before: dict[str, Histogram] | None, r
 
 
 def run_once(
-    *,
-    options: BenchOptions, endpoint: Endpoint, settings: LoadSettings, label: str, rate: float, console: Console
+    *, options: BenchOptions, endpoint: Endpoint, settings: LoadSettings, label: str, rate: float, console: Console
 ) -> RunRecord:
     arrivals = poisson_arrivals(rate, options.requests, options.seed, options.max_duration_s)
     prompts = make_prompts(options.workload, len(arrivals), options.seed)
@@ -154,12 +165,18 @@ def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> B
         probe_prompts = make_prompts(options.workload, PROBE_PROMPTS, options.seed + 1)
 
         def show(step: ProbeStep) -> None:
-            console.print(f"peak probe: concurrency {step.concurrency}: {step.throughput_rps:.2f} req/s, "
-                          f"{step.errors} errors of {step.requests}")
+            console.print(
+                f"peak probe: concurrency {step.concurrency}: {step.throughput_rps:.2f} req/s, "
+                f"{step.errors} errors of {step.requests}"
+            )
 
         peak = measure_peak(
-            endpoint, probe_prompts, settings,
-            step_seconds=options.probe_seconds, max_concurrency=options.probe_max_concurrency, on_step=show,
+            endpoint,
+            probe_prompts,
+            settings,
+            step_seconds=options.probe_seconds,
+            max_concurrency=options.probe_max_concurrency,
+            on_step=show,
         )
     runs = [
         run_once(options=options, endpoint=endpoint, settings=settings, label=label, rate=rate, console=console)
@@ -185,8 +202,11 @@ def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> B
         peak=peak,
         runs=runs,
         # a shared or busy load-generating host skews every latency; the record says how busy it was
-        host={"cpus": os.cpu_count(), "load_average_1m_at_start": load_at_start,
-              "load_average_1m_at_end": os.getloadavg()[0]},
+        host={
+            "cpus": os.cpu_count(),
+            "load_average_1m_at_start": load_at_start,
+            "load_average_1m_at_end": os.getloadavg()[0],
+        },
     )
 
 

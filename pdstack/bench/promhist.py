@@ -13,8 +13,8 @@ import httpx
 from pdstack.bench.client import RequestResult
 from pdstack.bench.stats import QUANTILES, nearest_rank
 
-_BUCKET = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
-_SUM = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_sum(?:\{[^}]*\})?\s+(?P<value>\S+)')
+_BUCKET = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
+_SUM = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_sum(?:\{[^}]*\})?\s+(?P<value>\S+)")
 _LE = re.compile(r'le="(?P<le>[^"]+)"')
 
 # name fragments that identify the two latencies in common servers (pdserve, vLLM, Dynamo, SGLang)
@@ -144,8 +144,9 @@ def compare(
 ) -> list[QuantileCheck]:
     offset = mean_offset(metric, bench_values)
     return [
-        QuantileCheck(metric.name, measure, q, nearest_rank(bench_values, q), metric.quantile_bucket(q), allowance_s,
-                      offset)
+        QuantileCheck(
+            metric.name, measure, q, nearest_rank(bench_values, q), metric.quantile_bucket(q), allowance_s, offset
+        )
         for q in quantiles
     ]
 
@@ -168,8 +169,14 @@ def check_run(
     ok = [r for r in results if r.ok]
     ttft_name, e2e_name = names
     wanted = (
-        (ttft_name, TTFT_HINTS, {"ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
-                                  "first_event": [r.first_event_s for r in ok if r.first_event_s is not None]}),
+        (
+            ttft_name,
+            TTFT_HINTS,
+            {
+                "ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
+                "first_event": [r.first_event_s for r in ok if r.first_event_s is not None],
+            },
+        ),
         (e2e_name, E2E_HINTS, {"e2e": [r.e2e_s for r in ok if r.e2e_s is not None]}),
     )
     checks: list[QuantileCheck] = []

@@ -83,8 +83,18 @@ def table(report: BenchReport) -> Table:
     if report.peak is not None:
         title += f"; peak {report.peak.rate_rps:.2f} req/s at concurrency {report.peak.concurrency}"
     out = Table(title=title)
-    for header in ("load", "offered req/s", "answered req/s", "ok/sent", f"TTFT ms {quantiles}",
-                   f"TPOT ms {quantiles}", f"E2E ms {quantiles}", "out tok/s", "goodput req/s (SLO met)", "errors"):
+    for header in (
+        "load",
+        "offered req/s",
+        "answered req/s",
+        "ok/sent",
+        f"TTFT ms {quantiles}",
+        f"TPOT ms {quantiles}",
+        f"E2E ms {quantiles}",
+        "out tok/s",
+        "goodput req/s (SLO met)",
+        "errors",
+    ):
         out.add_column(header, justify="left" if header in ("load", "errors") else "right")
     for run in report.runs:
         s = run.summary

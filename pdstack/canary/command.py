@@ -27,8 +27,9 @@ from pdstack.model import Canary
 from pdstack.stackfile import StackFileError, load_stack_file
 
 EXIT = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.INCONCLUSIVE: 3}
-canary_app = typer.Typer(help="Canary analysis: judge a canary from Prometheus, compare golden outputs.",
-                         no_args_is_help=True)
+canary_app = typer.Typer(
+    help="Canary analysis: judge a canary from Prometheus, compare golden outputs.", no_args_is_help=True
+)
 
 
 def canary_policy(stacks_dir: Path, env: str) -> Canary:
@@ -54,8 +55,9 @@ def judge_command(  # typer builds one option per parameter
     baseline: Annotated[str, typer.Option(help="baseline version")],
     stack_dir: Annotated[Path, typer.Option(help="stacks folder holding the canary policy")] = Path("stacks"),
     env: Annotated[str, typer.Option(help="environment whose pdstack:canary policy applies")] = "local",
-    window: Annotated[int | None, typer.Option(help="analysis window in seconds (default: the policy's interval)")]
-    = None,
+    window: Annotated[
+        int | None, typer.Option(help="analysis window in seconds (default: the policy's interval)")
+    ] = None,
     end: Annotated[float | None, typer.Option(help="window end, Unix seconds (default: now)")] = None,
     points: Annotated[int, typer.Option(help="latency samples per version across the window")] = DEFAULT_POINTS,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable verdict")] = False,

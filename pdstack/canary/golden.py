@@ -48,8 +48,10 @@ class Comparison:
     def line(self) -> str:
         if self.same:
             return f"SAME {self.prompt!r}"
-        return (f"DIFFERENT {self.prompt!r} from token {self.first_difference}: "
-                f"canary {self.canary_text!r} vs expected {self.expected_text!r}")
+        return (
+            f"DIFFERENT {self.prompt!r} from token {self.first_difference}: "
+            f"canary {self.canary_text!r} vs expected {self.expected_text!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -62,20 +64,37 @@ class GoldenReport:
 
     def report(self) -> str:
         different = sum(not c.same for c in self.comparisons)
-        summary = (f"{'PASS' if self.passed else 'FAIL'} golden_outputs: {different} of {len(self.comparisons)} "
-                   "prompts differ, threshold 0")
+        summary = (
+            f"{'PASS' if self.passed else 'FAIL'} golden_outputs: {different} of {len(self.comparisons)} "
+            "prompts differ, threshold 0"
+        )
         return "\n".join([summary, *(c.line() for c in self.comparisons)])
 
     def as_json(self) -> dict[str, object]:
-        return {"outcome": "pass" if self.passed else "fail", "comparisons": [asdict(c) for c in self.comparisons],
-                "report": self.report()}
+        return {
+            "outcome": "pass" if self.passed else "fail",
+            "comparisons": [asdict(c) for c in self.comparisons],
+            "report": self.report(),
+        }
 
 
-def complete(url: str, prompt: str, max_tokens: int, *, api_key: str | None = None, model: str | None = None,
-             timeout_s: float = 60.0) -> Output:
+def complete(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    api_key: str | None = None,
+    model: str | None = None,
+    timeout_s: float = 60.0,
+) -> Output:
     """One greedy completion with its token ids (pdserve's and vLLM's `return_token_ids`)."""
-    body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": False,
-                               "return_token_ids": True}
+    body: dict[str, object] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": False,
+        "return_token_ids": True,
+    }
     if model is not None:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -92,8 +111,9 @@ def complete(url: str, prompt: str, max_tokens: int, *, api_key: str | None = No
     return Output(prompt, [int(t) for t in token_ids], str(choice.get("text", "")))
 
 
-def generate(url: str, prompts: Sequence[str], max_tokens: int, api_key: str | None = None,
-             model: str | None = None) -> list[Output]:
+def generate(
+    url: str, prompts: Sequence[str], max_tokens: int, api_key: str | None = None, model: str | None = None
+) -> list[Output]:
     return [complete(url, prompt, max_tokens, api_key=api_key, model=model) for prompt in prompts]
 
 
@@ -104,8 +124,15 @@ def compare(canary: Sequence[Output], expected: Sequence[Output]) -> GoldenRepor
         want = by_prompt.get(out.prompt)
         if want is None:
             raise GoldenError(f"prompt {out.prompt!r} has no expected output")
-        comparisons.append(Comparison(out.prompt, out.token_ids == want.token_ids,
-                                      _first_difference(out.token_ids, want.token_ids), out.text, want.text))
+        comparisons.append(
+            Comparison(
+                out.prompt,
+                out.token_ids == want.token_ids,
+                _first_difference(out.token_ids, want.token_ids),
+                out.text,
+                want.text,
+            )
+        )
     return GoldenReport(comparisons)
 
 
@@ -148,8 +175,10 @@ def load_golden(path: Path) -> GoldenFile:
     outputs = None
     if "outputs" in document:
         try:
-            outputs = [Output(str(o["prompt"]), [int(t) for t in o["token_ids"]], str(o.get("text", "")))
-                       for o in document["outputs"]]
+            outputs = [
+                Output(str(o["prompt"]), [int(t) for t in o["token_ids"]], str(o.get("text", "")))
+                for o in document["outputs"]
+            ]
         except (KeyError, TypeError, ValueError) as exc:
             raise GoldenError(f"{path}: outputs: each needs prompt and token_ids ({exc})") from exc
         missing = set(prompts) - {o.prompt for o in outputs}

@@ -38,8 +38,10 @@ class Check:
         def fmt(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.4g}"
 
-        return (f"{self.outcome.upper()} {self.metric}: canary {fmt(self.canary)} vs baseline {fmt(self.baseline)}, "
-                f"threshold {self.threshold}" + (f" ({self.detail})" if self.detail else ""))
+        return (
+            f"{self.outcome.upper()} {self.metric}: canary {fmt(self.canary)} vs baseline {fmt(self.baseline)}, "
+            f"threshold {self.threshold}" + (f" ({self.detail})" if self.detail else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,37 @@ class Verdict:
 
 def judge(canary: Observations, baseline: Observations, thresholds: CanaryThresholds, min_samples: int) -> Verdict:
     if canary.requests < min_samples or baseline.requests < min_samples:
-        check = Check("sample_size", Outcome.INCONCLUSIVE, canary.requests, baseline.requests, f">= {min_samples}",
-                      "too few requests to judge")
+        check = Check(
+            "sample_size",
+            Outcome.INCONCLUSIVE,
+            canary.requests,
+            baseline.requests,
+            f">= {min_samples}",
+            "too few requests to judge",
+        )
         return Verdict(Outcome.INCONCLUSIVE, [check])
     checks = [
         _success_rate(canary, baseline, thresholds.success_rate_min_pct),
         _kv_failures(canary, baseline, thresholds.kv_transfer_failures_max),
-        _latency("ttft_p95_seconds", canary.ttft_p95_s, baseline.ttft_p95_s, thresholds.ttft_p95_max_ratio,
-                 thresholds.confidence),
-        _latency("itl_p95_seconds", canary.itl_p95_s, baseline.itl_p95_s, thresholds.itl_p95_max_ratio,
-                 thresholds.confidence),
+        _latency(
+            "ttft_p95_seconds",
+            canary.ttft_p95_s,
+            baseline.ttft_p95_s,
+            thresholds.ttft_p95_max_ratio,
+            thresholds.confidence,
+        ),
+        _latency(
+            "itl_p95_seconds", canary.itl_p95_s, baseline.itl_p95_s, thresholds.itl_p95_max_ratio, thresholds.confidence
+        ),
     ]
     outcomes = {c.outcome for c in checks}
-    overall = (Outcome.FAIL if Outcome.FAIL in outcomes
-               else Outcome.INCONCLUSIVE if Outcome.INCONCLUSIVE in outcomes else Outcome.PASS)
+    overall = (
+        Outcome.FAIL
+        if Outcome.FAIL in outcomes
+        else Outcome.INCONCLUSIVE
+        if Outcome.INCONCLUSIVE in outcomes
+        else Outcome.PASS
+    )
     return Verdict(overall, checks)
 
 
@@ -93,17 +112,29 @@ def _success_rate(canary: Observations, baseline: Observations, min_pct: float) 
 
 def _kv_failures(canary: Observations, baseline: Observations, max_failures: int) -> Check:
     outcome = Outcome.PASS if canary.kv_transfer_failures <= max_failures else Outcome.FAIL
-    return Check("kv_transfer_failures", outcome, canary.kv_transfer_failures, baseline.kv_transfer_failures,
-                 f"<= {max_failures}")
+    return Check(
+        "kv_transfer_failures",
+        outcome,
+        canary.kv_transfer_failures,
+        baseline.kv_transfer_failures,
+        f"<= {max_failures}",
+    )
 
 
-def _latency(metric: str, canary: Sequence[float], baseline: Sequence[float], max_ratio: float,
-             confidence: float) -> Check:
+def _latency(
+    metric: str, canary: Sequence[float], baseline: Sequence[float], max_ratio: float, confidence: float
+) -> Check:
     values_c = np.asarray([v for v in canary if np.isfinite(v)], dtype=float)
     values_b = np.asarray([v for v in baseline if np.isfinite(v)], dtype=float)
     if len(values_c) < 3 or len(values_b) < 3:
-        return Check(metric, Outcome.INCONCLUSIVE, None, None, f"<= {max_ratio}x baseline",
-                     f"{len(values_c)} canary and {len(values_b)} baseline points, need 3 each")
+        return Check(
+            metric,
+            Outcome.INCONCLUSIVE,
+            None,
+            None,
+            f"<= {max_ratio}x baseline",
+            f"{len(values_c)} canary and {len(values_b)} baseline points, need 3 each",
+        )
     p95_c, p95_b = float(np.percentile(values_c, 95)), float(np.percentile(values_b, 95))
     ratio = p95_c / p95_b if p95_b > 0 else float("inf")
     p_value = float(mannwhitneyu(values_c, values_b, alternative="greater").pvalue)

@@ -53,8 +53,9 @@ class Prometheus:
 
     def points(self, query: str, start: float, end: float, step: float) -> list[float]:
         """The values of a single-series range query (empty when there is no series)."""
-        series = self._get("/api/v1/query_range",
-                           {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:.3f}"})
+        series = self._get(
+            "/api/v1/query_range", {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:.3f}"}
+        )
         if len(series) > 1:
             raise PrometheusError(f"query {query!r}: expected one series, got {len(series)}")
         return [float(value) for _, value in series[0]["values"]] if series else []
@@ -72,15 +73,18 @@ def queries(version: str, window_s: int, rate_window_s: int) -> dict[str, str]:
     return {
         "requests": f"sum(increase(pdserve_gateway_requests_total{{{v}}}[{window_s}s]))",
         "successes": f'sum(increase(pdserve_gateway_requests_total{{{v},status!~"5.."}}[{window_s}s]))',
-        "kv_transfer_failures": (f"sum(increase(pdserve_kv_load_failures_total[{window_s}s])"
-                                 f" * on (instance) group_left () pdserve_build_info{{{v}}})"),
+        "kv_transfer_failures": (
+            f"sum(increase(pdserve_kv_load_failures_total[{window_s}s])"
+            f" * on (instance) group_left () pdserve_build_info{{{v}}})"
+        ),
         "ttft_p95_s": quantile.format(metric="pdserve_gateway_time_to_first_token_seconds", v=v, r=rate_window_s),
         "itl_p95_s": quantile.format(metric="pdserve_gateway_inter_token_latency_seconds", v=v, r=rate_window_s),
     }
 
 
-def observe(prom: Prometheus, version: str, window_s: int, end: float | None = None,
-            points: int = DEFAULT_POINTS) -> Observations:
+def observe(
+    prom: Prometheus, version: str, window_s: int, end: float | None = None, points: int = DEFAULT_POINTS
+) -> Observations:
     """Observations of `version` over the `window_s` seconds before `end` (default: now)."""
     if window_s <= 0:
         raise ValueError(f"window: must be > 0 seconds, got {window_s}")

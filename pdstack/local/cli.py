@@ -11,8 +11,9 @@ import typer
 from pdstack.local.env import LocalEnv
 from pdstack.local.inventory import render_inventory
 
-local_app = typer.Typer(help="Run all of pdstack on this machine: two emulated datacenters and a control plane.",
-                        no_args_is_help=True)
+local_app = typer.Typer(
+    help="Run all of pdstack on this machine: two emulated datacenters and a control plane.", no_args_is_help=True
+)
 
 ProjectOption = Annotated[Path, typer.Option("--project", help="the pdstack project folder (holds Pulumi.yaml)")]
 
@@ -45,15 +46,18 @@ def down_command(project: ProjectOption = Path()) -> None:
 
 
 @local_app.command("status")
-def status_command(project: ProjectOption = Path(),
-                   as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+def status_command(
+    project: ProjectOption = Path(), as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False
+) -> None:
     """Gateway URL, API key file, Prometheus URL and nodes by datacenter."""
     status = _env(project).status()
     if as_json:
         typer.echo(json.dumps(status, indent=2))
         return
-    typer.echo(f"gateway: {status['gateway_url']}  API key file: {status['api_key_file']}  "
-               f"Prometheus: {status['prometheus_url']}")
+    typer.echo(
+        f"gateway: {status['gateway_url']}  API key file: {status['api_key_file']}  "
+        f"Prometheus: {status['prometheus_url']}"
+    )
     for dc, members in status["nodes"].items():
         listed = ", ".join(f"{n['name']} ({n['address']}, {'up' if n['running'] else 'down'})" for n in members)
         typer.echo(f"{dc}: {listed}")

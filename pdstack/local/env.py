@@ -88,8 +88,13 @@ class LocalEnv:
         by_dc: dict[str, list[dict[str, Any]]] = {}
         for node in topology.nodes:
             by_dc.setdefault(node.datacenter, []).append(
-                {"name": node.name, "role": str(node.role), "address": str(node.address.ip),
-                 "running": nodes.node_exists(node.name)})
+                {
+                    "name": node.name,
+                    "role": str(node.role),
+                    "address": str(node.address.ip),
+                    "running": nodes.node_exists(node.name),
+                }
+            )
         return {
             "gateway_url": f"http://{gateway}:{GATEWAY_PORT}/v1",
             "api_key_file": str(self.secrets.api_key),
@@ -108,7 +113,7 @@ def ensure_node(node: Node) -> None:
 
 
 def _running(name: str) -> bool:
-    out = subprocess.run(["podman", "inspect", "--format", "{{.State.Running}}", name],
-                         capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        ["podman", "inspect", "--format", "{{.State.Running}}", name], capture_output=True, text=True, check=False
+    ).stdout
     return out.strip() == "true"
-

@@ -37,12 +37,17 @@ def inventory(topology: Topology) -> dict[str, Any]:
         str(role): {"hosts": {n.name: None for n in topology.nodes_with_role(role)}} for role in PoolRole
     }
     for dc in topology.datacenters:
-        widest = max((link for link in topology.links if dc.name in (link.a, link.b)),
-                     key=lambda link: link.rate_mbit * link.rtt_ms, default=None)
+        widest = max(
+            (link for link in topology.links if dc.name in (link.a, link.b)),
+            key=lambda link: link.rate_mbit * link.rtt_ms,
+            default=None,
+        )
         group_vars: dict[str, Any] = {}
         if widest is not None:  # size socket buffers for the longest fat pipe this datacenter's nodes use
-            group_vars = {"kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
-                          "kernel_tuning_link_rtt_ms": widest.rtt_ms}
+            group_vars = {
+                "kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
+                "kernel_tuning_link_rtt_ms": widest.rtt_ms,
+            }
         children[f"dc_{dc.name}"] = {"hosts": {n.name: None for n in dc.nodes}, "vars": group_vars}
     return {
         "all": {

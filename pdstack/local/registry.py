@@ -77,8 +77,9 @@ class Registry:
         config = self.state_dir / "registry.yml"
         config.write_text(CONFIG.format(root=root, address=self.address, port=self.port))
         with (self.state_dir / "registry.log").open("a") as log:
-            process = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                ["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._pid_file.write_text(str(process.pid))
         deadline = time.monotonic() + 20
         while not self.healthy():
@@ -99,8 +100,12 @@ class Registry:
         """Push a local image; return its reference by digest (`host:port/repo@sha256:...`)."""
         target = f"{self.endpoint}/{repository}:{tag}"
         digest_file = self.state_dir / f"{repository.replace('/', '_')}.digest"
-        result = subprocess.run(["podman", "push", "--tls-verify=false", "--digestfile", str(digest_file),
-                                 local_image, target], capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            ["podman", "push", "--tls-verify=false", "--digestfile", str(digest_file), local_image, target],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if result.returncode != 0:
             raise RegistryError(f"pushing {local_image} to {target} failed: {result.stderr.strip()[-1000:]}")
         return f"{self.endpoint}/{repository}@{digest_file.read_text().strip()}"
