@@ -16,17 +16,21 @@ from ..scheduler.services import Service, start_scheduler
 
 # One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
 HTTP = httpx.Client(timeout=60)
-KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", "budget": "sk-budget-0123456789"}
+KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", "budget": "sk-budget-0123456789",
+        "bulk": "sk-bulk-0123456789abcdef"}
 
 
 def write_keys_file(path: Path) -> Path:
-    """acme by sha256 digest with default limits; slow (1 request/s, burst 2) and budget (300 tokens/min)."""
+    """acme by sha256 digest with default limits; slow (1 request/s, burst 2), budget (300 tokens/min), and bulk
+    (limits far above what a load test sends, so load tests measure routing, not the rate limiter)."""
     digest = "sha256:" + hashlib.sha256(KEYS["acme"].encode()).hexdigest()
     document = {
         "acme": [digest],
         "slow": {"keys": [KEYS["slow"]], "requests_per_second": 1, "request_burst": 2},
         "budget": {"keys": ["sha256:" + hashlib.sha256(KEYS["budget"].encode()).hexdigest()],
                    "tokens_per_minute": 300},
+        "bulk": {"keys": [KEYS["bulk"]], "requests_per_second": 1000, "request_burst": 1000,
+                 "tokens_per_minute": 10_000_000},
     }
     path.write_text(json.dumps(document))
     return path

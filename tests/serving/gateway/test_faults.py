@@ -18,7 +18,7 @@ from .cluster import HTTP, KEYS, Cluster, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 LONG_STREAM = {"model": "dense", "prompt": "Hi", "max_tokens": 3000, "stream": True, "ignore_eos": True}
-AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
+AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mode
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["acme"], max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["bulk"], max_retries=0, timeout=60)
 
 
 def complete(url: str, **body: object) -> int:
@@ -134,10 +134,14 @@ def test_decode_failing_before_first_token_is_retried(cluster: Cluster, model_lo
     The victim is a decode killed while idle, so its last heartbeat shows no load and power-of-two choices keeps
     picking it as often as the live decode (one killed mid-stream reports a running request and is rarely chosen).
     """
+    assert cluster.scheduler is not None
+    for name in ("d1", "d2"):  # forget the decode the previous test killed, so one retry always finds a live decode
+        process = cluster.servers[name].process
+        if process is not None and process.poll() is not None:
+            httpx.delete(f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(name)}")
     cluster.launch_server("d3", "decode", model_long)
     cluster.wait_servers()
     port = f":{cluster.servers['d3'].port}"
-    assert cluster.scheduler is not None
     wait_for(lambda: any(entry["info"]["url"].endswith(port) and entry["state"] == "ready" for entry in
                          httpx.get(f"{cluster.scheduler.url}/v1/instances").json()["instances"]),
              what="d3 registered and ready")
