@@ -8,8 +8,14 @@ waiting for the serialiser exceeds the queue limit (by default one bandwidth-del
 bottleneck. Where the kernel has netem, `tc qdisc add dev DEV root netem delay .. loss .. rate ..` on a veth pair is
 the simpler choice; this forwarder is the fallback design that works everywhere TUN does.
 
+Like `tc qdisc change ... netem`, a running link can be reshaped: with `--control-file PATH`, the forwarder re-reads
+PATH on SIGHUP (a JSON object with any of rate_mbit, rtt_ms, loss_pct; the rest stay as they are) and applies it to
+the packets that arrive from then on, keeping its TUN devices and the packets in flight. It publishes the spec in force
+in PATH.state (pid, reload count, spec, and the error when a file was rejected: a bad file never changes the spec).
+`change_link` does all of that for a caller and returns once the forwarder confirms the new spec.
+
 CLI:
-    python -m pdstack.wanlink run --ns-a A --ns-b B --rate-mbit 1000 --rtt-ms 20 --loss-pct 0
+    python -m pdstack.wanlink run --ns-a A --ns-b B --rate-mbit 1000 --rtt-ms 20 --loss-pct 0 [--control-file PATH]
     python -m pdstack.wanlink netns-add NAME | netns-del NAME
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import random
 import selectors
@@ -30,7 +37,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Interface, IPv4Network
+from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -38,6 +47,7 @@ IFF_NO_PI = 0x1000
 TUN_MTU = 65000
 READ_BYTES = 65536
 DEFAULT_SUBNET = "10.203.0.0/24"
+CONTROL_FIELDS = ("rate_mbit", "rtt_ms", "loss_pct")  # what a control file may change
 
 
 @dataclass(frozen=True)
@@ -50,10 +60,10 @@ class LinkSpec:
     queue_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.rate_mbit > 0:
-            raise ValueError(f"rate_mbit: must be positive, got {self.rate_mbit}")
-        if self.rtt_ms < 0:
-            raise ValueError(f"rtt_ms: must be zero or more, got {self.rtt_ms}")
+        if not 0 < self.rate_mbit < math.inf:
+            raise ValueError(f"rate_mbit: must be a positive number, got {self.rate_mbit}")
+        if not 0 <= self.rtt_ms < math.inf:
+            raise ValueError(f"rtt_ms: must be a number, zero or more, got {self.rtt_ms}")
         if not 0 <= self.loss_pct < 100:
             raise ValueError(f"loss_pct: must be in [0, 100), got {self.loss_pct}")
         if self.queue_bytes is not None and self.queue_bytes < TUN_MTU:
@@ -73,6 +83,9 @@ class LinkSpec:
             return self.queue_bytes
         bdp = int(self.bytes_per_second * self.rtt_ms / 1000)
         return max(bdp, 2 * TUN_MTU)
+
+    def describe(self) -> str:
+        return f"rate {self.rate_mbit:g} Mbit/s, RTT {self.rtt_ms:g} ms, loss {self.loss_pct:g} %"
 
 
 @dataclass
@@ -123,20 +136,50 @@ class Forwarder:
         rng = random.Random(seed)  # noqa: S311 -- emulated packet loss, not cryptography
         self._fds = (fd_a, fd_b)
         self.directions = (LinkDirection(spec, rng), LinkDirection(spec, rng))
-        # Delay is the same for every packet of a direction, so delivery order equals arrival order: a FIFO suffices.
+        # Packets leave in arrival order (the delay is the same for all of them, and set_spec keeps the order after a
+        # change), so a FIFO per direction suffices.
         self._in_flight: tuple[deque[tuple[float, bytes]], deque[tuple[float, bytes]]] = (deque(), deque())
         self._stopping = False
+        self._reload_requested = False
+
+    @property
+    def spec(self) -> LinkSpec:
+        return self.directions[0].spec
+
+    def set_spec(self, spec: LinkSpec) -> None:
+        """Shape the packets that arrive from now on by `spec`. Packets in flight keep their delivery times, and no
+        packet overtakes an older one: after a delay cut, new packets leave as soon as the older ones are out."""
+        for direction in self.directions:
+            direction.spec = spec
 
     def stop(self) -> None:
         self._stopping = True
 
-    def run(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def request_reload(self) -> None:
+        self._reload_requested = True
+
+    def run(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        wake_fd: int | None = None,
+        on_reload: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Forward until stop(). A byte on `wake_fd` (the signal wakeup pipe) ends a wait early, so a stop or a
+        reload requested from a signal handler is acted on at once; `on_reload` runs between packets, never inside."""
         with selectors.DefaultSelector() as selector:
             for index, fd in enumerate(self._fds):
                 selector.register(fd, selectors.EVENT_READ, index)
+            if wake_fd is not None:
+                selector.register(wake_fd, selectors.EVENT_READ, None)
             while not self._stopping:
                 for key, _events in selector.select(self._wait_s(clock())):
-                    self._receive(key.data, clock)
+                    if key.data is None:
+                        _drain(key.fd)
+                    else:
+                        self._receive(key.data, clock)
+                if self._reload_requested:
+                    self._reload_requested = False
+                    on_reload()
                 self._deliver_due(clock())
 
     def _wait_s(self, now: float) -> float:
@@ -162,6 +205,144 @@ class Forwarder:
                     os.write(target, packet)
                 except OSError:
                     self.directions[source].stats.dropped_queue += 1  # the receiving kernel refused it
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+# -- run-time changes ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """What a running forwarder publishes: its pid, how many reloads it has done, the spec in force, and why the last
+    control file was rejected (None when it was applied)."""
+
+    pid: int
+    reloads: int
+    spec: LinkSpec
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"pid": self.pid, "reloads": self.reloads, "spec": asdict(self.spec), "error": self.error})
+
+    @classmethod
+    def from_json(cls, text: str) -> LinkState:
+        fields = json.loads(text)
+        return cls(fields["pid"], fields["reloads"], LinkSpec(**fields["spec"]), fields["error"])
+
+
+def state_path(control_file: Path) -> Path:
+    return control_file.with_name(control_file.name + ".state")
+
+
+def changed_spec(spec: LinkSpec, changes: object) -> LinkSpec:
+    """`spec` with a control file's `changes` applied and checked by LinkSpec; a ValueError names what is wrong."""
+    if not isinstance(changes, dict):
+        raise ValueError(f"expected a JSON object with some of {', '.join(CONTROL_FIELDS)}, got {changes!r}")
+    unknown = sorted(set(changes) - set(CONTROL_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} (a control file may set {', '.join(CONTROL_FIELDS)})")
+    for name, value in changes.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name}: must be a number, got {value!r}")
+    merged = {name: float(changes.get(name, getattr(spec, name))) for name in CONTROL_FIELDS}
+    return LinkSpec(merged["rate_mbit"], merged["rtt_ms"], merged["loss_pct"], spec.queue_bytes)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+class LinkControl:
+    """The forwarder's end of run-time changes: applies the control file on request and publishes the outcome."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reloads = 0
+
+    def publish(self, spec: LinkSpec, error: str | None = None) -> None:
+        try:
+            _write_atomically(state_path(self.path), LinkState(os.getpid(), self.reloads, spec, error).to_json())
+        except OSError as failure:  # the link goes on without its state file rather than stop
+            print(f"wanlink: cannot publish the link state: {failure}", file=sys.stderr, flush=True)
+
+    def reload(self, spec: LinkSpec) -> LinkSpec:
+        """The spec the control file asks for; `spec` itself, with the reason on stderr, when the file is bad."""
+        self.reloads += 1
+        try:
+            new = changed_spec(spec, json.loads(self.path.read_text()))
+        except (OSError, ValueError, RecursionError) as error:  # a JSON syntax error is a ValueError
+            reason = f"control file {self.path}: {error}"
+            print(f"wanlink: {reason}; keeping {spec.describe()}", file=sys.stderr, flush=True)
+            self.publish(spec, reason)
+            return spec
+        print(f"wanlink: reload {self.reloads}: {new.describe()}", file=sys.stderr, flush=True)
+        self.publish(new)
+        return new
+
+
+def read_state(pid: int, control_file: Path) -> LinkState:
+    """The state forwarder `pid` published next to `control_file`; RuntimeError when it published none."""
+    try:
+        state = LinkState.from_json(state_path(control_file).read_text())
+    except FileNotFoundError:
+        state = None
+    if state is None or state.pid != pid:
+        raise RuntimeError(f"forwarder {pid} publishes no state in {state_path(control_file)}")
+    return state
+
+
+def reload_link(pid: int, control_file: Path, timeout_s: float = 10.0) -> LinkState:
+    """Send forwarder `pid` a SIGHUP and wait until it has published the outcome of that reload."""
+    before = read_state(pid, control_file).reloads
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = read_state(pid, control_file) if _alive(pid) else None
+        if state is None:
+            raise RuntimeError(f"forwarder {pid} exited")
+        if state.reloads > before:
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"forwarder {pid} did not confirm the reload within {timeout_s:g} s")
+        time.sleep(0.02)
+
+
+def change_link(pid: int, control_file: Path, changes: dict[str, float], timeout_s: float = 10.0) -> LinkSpec:
+    """Change the running forwarder `pid`'s spec (fields of CONTROL_FIELDS); returns the spec it confirms.
+
+    Values are checked before anything is sent: a ValueError names the bad field and the link stays as it was.
+    """
+    wanted = changed_spec(read_state(pid, control_file).spec, changes)
+    _write_atomically(control_file, json.dumps({name: getattr(wanted, name) for name in CONTROL_FIELDS}))
+    state = reload_link(pid, control_file, timeout_s)
+    if state.error is not None:
+        raise RuntimeError(f"forwarder {pid} kept {state.spec.describe()}: {state.error}")
+    if state.spec != wanted:
+        raise RuntimeError(
+            f"forwarder {pid} applied {state.spec.describe()}, not {wanted.describe()} (a concurrent change?)"
+        )
+    return state.spec
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+# -- namespaces and TUN devices -----------------------------------------------------------------------------------
 
 
 def run_ip(*args: str) -> None:
@@ -209,20 +390,49 @@ def attach(fd_name: str, endpoint: Endpoint) -> None:
         run_ip("-n", endpoint.namespace, "route", "replace", str(route), "dev", endpoint.device)
 
 
-def serve_link(a: Endpoint, b: Endpoint, spec: LinkSpec, ready: Callable[[], None], seed: int | None = None) -> None:
-    """Create both TUN devices, join them to their namespaces and forward until SIGTERM or SIGINT."""
+def serve_link(
+    a: Endpoint,
+    b: Endpoint,
+    spec: LinkSpec,
+    ready: Callable[[], None],
+    *,
+    seed: int | None = None,
+    control_file: Path | None = None,
+) -> None:
+    """Create both TUN devices, join them to their namespaces and forward until SIGTERM or SIGINT; on SIGHUP, apply
+    `control_file` (without one, SIGHUP is reported and ignored)."""
     staging = (f"wl{os.getpid()}a", f"wl{os.getpid()}b")
     fds = [open_tun(staging[0]), open_tun(staging[1])]
     forwarder = Forwarder(fds[0], fds[1], spec, seed)
-    previous = {sig: signal.signal(sig, lambda _s, _f: forwarder.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    control = LinkControl(control_file) if control_file is not None else None
+
+    def reload() -> None:
+        if control is None:
+            print("wanlink: SIGHUP ignored: started without --control-file", file=sys.stderr, flush=True)
+        else:
+            forwarder.set_spec(control.reload(forwarder.spec))
+
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    handlers: dict[signal.Signals, Callable[[int, Any], None]] = {
+        signal.SIGTERM: lambda _s, _f: forwarder.stop(),
+        signal.SIGINT: lambda _s, _f: forwarder.stop(),
+        signal.SIGHUP: lambda _s, _f: forwarder.request_reload(),
+    }
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    previous_wakeup = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
     try:
         attach(staging[0], a)
         attach(staging[1], b)
+        if control is not None:
+            control.publish(spec)
         ready()
-        forwarder.run()
+        forwarder.run(wake_fd=wake_read, on_reload=reload)
     finally:
         for fd in fds:
             os.close(fd)  # closing a non-persistent TUN removes the device, wherever it now lives
+        signal.set_wakeup_fd(previous_wakeup)
+        os.close(wake_read)
+        os.close(wake_write)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     names = ("a_to_b", "b_to_a")
@@ -233,11 +443,33 @@ def serve_link(a: Endpoint, b: Endpoint, spec: LinkSpec, ready: Callable[[], Non
 class LinkProcess:
     """The link running as a child process (`python -m pdstack.wanlink run ...`); a context manager."""
 
-    def __init__(self, a: Endpoint, b: Endpoint, spec: LinkSpec, seed: int | None = None) -> None:
-        self.a, self.b, self.spec = a, b, spec
-        self._argv = [sys.executable, "-m", "pdstack.wanlink", *link_arguments(a, b, spec, seed)]
+    def __init__(
+        self, a: Endpoint, b: Endpoint, spec: LinkSpec, seed: int | None = None, control_file: Path | None = None
+    ) -> None:
+        self.a, self.b, self.spec, self.control_file = a, b, spec, control_file
+        self._argv = [sys.executable, "-m", "pdstack.wanlink", *link_arguments(a, b, spec, seed, control_file)]
         self._process: subprocess.Popen[str] | None = None
         self.stats: dict[str, dict[str, int]] = {}
+        self.stderr = ""  # what the forwarder reported, once stopped
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the link is not running")
+        return self._process.pid
+
+    def state(self) -> LinkState:
+        """The spec in force as the forwarder publishes it (needs a control file)."""
+        return read_state(self.pid, self._control_file())
+
+    def change(self, timeout_s: float = 10.0, **changes: float) -> LinkSpec:
+        """Change the running link's rate_mbit, rtt_ms or loss_pct; returns the spec the forwarder confirms."""
+        return change_link(self.pid, self._control_file(), changes, timeout_s)
+
+    def _control_file(self) -> Path:
+        if self.control_file is None:
+            raise RuntimeError("the link was started without a control file")
+        return self.control_file
 
     def start(self, timeout_s: float = 10.0) -> None:
         self._process = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -258,6 +490,7 @@ class LinkProcess:
         except subprocess.TimeoutExpired:
             self._process.kill()
             _out, err = self._process.communicate()
+        self.stderr = err
         self.stats = _parse_stats(err)
         self._process = None
 
@@ -285,7 +518,9 @@ def _parse_stats(stderr: str) -> dict[str, dict[str, int]]:
     return {}
 
 
-def link_arguments(a: Endpoint, b: Endpoint, spec: LinkSpec, seed: int | None = None) -> list[str]:
+def link_arguments(
+    a: Endpoint, b: Endpoint, spec: LinkSpec, seed: int | None = None, control_file: Path | None = None
+) -> list[str]:
     argv = ["run", "--ns-a", a.namespace, "--ns-b", b.namespace, "--dev-a", a.device, "--dev-b", b.device,
             "--addr-a", str(a.address), "--addr-b", str(b.address), "--rate-mbit", str(spec.rate_mbit),
             "--rtt-ms", str(spec.rtt_ms), "--loss-pct", str(spec.loss_pct)]  # fmt: skip
@@ -296,6 +531,8 @@ def link_arguments(a: Endpoint, b: Endpoint, spec: LinkSpec, seed: int | None = 
         argv += ["--queue-bytes", str(spec.queue_bytes)]
     if seed is not None:
         argv += ["--seed", str(seed)]
+    if control_file is not None:
+        argv += ["--control-file", str(control_file)]
     return argv
 
 
@@ -326,6 +563,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--loss-pct", type=float, default=0.0)
     run.add_argument("--queue-bytes", type=int, default=None, help="default: one bandwidth-delay product")
     run.add_argument("--seed", type=int, default=None, help="seed for the loss generator")
+    run.add_argument(
+        "--control-file", type=Path, default=None, help="re-read on SIGHUP to change the link; state in PATH.state"
+    )
     for name in ("netns-add", "netns-del"):
         commands.add_parser(name, help=f"{name.split('-')[1]} a test namespace").add_argument("name")
     return parser
@@ -342,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec = LinkSpec(args.rate_mbit, args.rtt_ms, args.loss_pct, args.queue_bytes)
             a = Endpoint(args.ns_a, args.dev_a, args.addr_a, tuple(args.route_a))
             b = Endpoint(args.ns_b, args.dev_b, args.addr_b, tuple(args.route_b))
-            serve_link(a, b, spec, ready=lambda: print("ready", flush=True), seed=args.seed)
+            serve_link(
+                a, b, spec, ready=lambda: print("ready", flush=True), seed=args.seed, control_file=args.control_file
+            )
         except (ValueError, RuntimeError, OSError) as error:
             print(f"wanlink: {error}", file=sys.stderr)
             return 1
