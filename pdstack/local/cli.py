@@ -10,6 +10,7 @@ import typer
 
 from pdstack.local.env import LocalEnv
 from pdstack.local.inventory import render_inventory
+from pdstack.local.network import NetworkError
 
 local_app = typer.Typer(
     help="Run all of pdstack on this machine: two emulated datacenters and a control plane.", no_args_is_help=True
@@ -67,3 +68,36 @@ def status_command(
 def inventory_command(project: ProjectOption = Path()) -> None:
     """Print the Ansible inventory the local stacks render to (committed as inventories/local/hosts.yml)."""
     typer.echo(render_inventory(_env(project).topology()), nl=False)
+
+
+@local_app.command("link")
+def link_command(
+    a: Annotated[str, typer.Argument(metavar="A", help="a datacenter at one end of the link")],
+    b: Annotated[str, typer.Argument(metavar="B", help="the datacenter at the other end")],
+    *,
+    loss_pct: Annotated[float | None, typer.Option("--loss-pct", help="random loss, percent, in [0, 100)")] = None,
+    rtt_ms: Annotated[float | None, typer.Option("--rtt-ms", help="round-trip delay, ms")] = None,
+    rate_mbit: Annotated[float | None, typer.Option("--rate-mbit", help="rate, Mbit/s")] = None,
+    reset: Annotated[bool, typer.Option("--reset", help="back to the values the stacks declare")] = False,
+    project: ProjectOption = Path(),
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+) -> None:
+    """Change a running WAN link's loss, delay or rate (like `tc qdisc change ... netem`) and print its spec.
+
+    Connections across the link live on: the forwarder applies the change to the packets that arrive from then on.
+    Without options, only prints the spec in force.
+    """
+    env = _env(project)
+    try:
+        status = env.network(env.topology()).shape_link(
+            a, b, loss_pct=loss_pct, rtt_ms=rtt_ms, rate_mbit=rate_mbit, reset=reset
+        )
+    except (NetworkError, ValueError) as error:
+        typer.echo(f"pdstack local link: {error}", err=True)
+        raise typer.Exit(1) from error
+    if as_json:
+        typer.echo(json.dumps(status.as_dict(), indent=2))
+        return
+    typer.echo(f"{a}<->{b}: {status.spec.describe()}")
+    if status.spec != status.declared:
+        typer.echo(f"  declared: {status.declared.describe()} (--reset goes back)")

@@ -12,10 +12,35 @@ from typing import Any
 import yaml
 
 from pdstack.local.registry import PORT as REGISTRY_PORT
-from pdstack.local.topology import SERVICE_ADDRESS, Topology
+from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Topology
 from pdstack.model import PoolRole
 
 HEADER = "# Rendered by `pdstack local inventory` from stacks/Pulumi.local-*.yaml; do not edit by hand.\n"
+SSH_KEY = "{{ inventory_dir }}/../../.cache/local/ssh/id_ed25519"  # made by `pdstack local up`
+
+# Ansible reaches the nodes over SSH at their datacenter addresses, as it reaches cloud nodes.
+CONNECTION_VARS: dict[str, Any] = {
+    "ansible_user": "root",
+    "ansible_become": False,  # root already; the nodes have no sudo
+    "ansible_python_interpreter": "/usr/bin/python3",
+    "ansible_ssh_private_key_file": SSH_KEY,
+    "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
+    "ansible_ssh_pipelining": True,
+}
+# What differs from a cloud node because a local node is a container on this host: podman runs nested (runc with
+# cgroupfs, and the host's cgroup tree mounted in, as runc cannot mount it on a cgroup v1/hybrid host), and the
+# control node is the site's time server (no public NTP is reachable).
+NESTED_NODE_VARS: dict[str, Any] = {
+    "container_runtime_oci_runtime": "runc",
+    "container_runtime_cgroup_manager": "cgroupfs",
+    "container_runtime_events_logger": "file",
+    "container_runtime_default_ulimits": ["nofile=20000:20000", "nproc=4096:4096"],
+    "container_runtime_nvidia_cdi": False,
+    "pdserve_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
+    "prometheus_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
+    "numa_serving_nics": ["eth0"],
+    "time_sync_pools": [],
+}
 
 
 def render_inventory(topology: Topology) -> str:
@@ -25,7 +50,7 @@ def render_inventory(topology: Topology) -> str:
 def inventory(topology: Topology) -> dict[str, Any]:
     hosts = {
         node.name: {
-            "ansible_host": node.name,
+            "ansible_host": str(node.address.ip),
             "pdstack_address": str(node.address.ip),
             "pdstack_datacenter": node.datacenter,
             "pdstack_role": str(node.role),
@@ -35,6 +60,12 @@ def inventory(topology: Topology) -> dict[str, Any]:
     }
     children: dict[str, Any] = {
         str(role): {"hosts": {n.name: None for n in topology.nodes_with_role(role)}} for role in PoolRole
+    }
+    time_server = str(topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip)
+    children[str(PoolRole.CONTROL)]["vars"] = {
+        "time_sync_servers": [],
+        "time_sync_local_stratum": 10,
+        "time_sync_allow": [str(LOCAL_SUPERNET)],
     }
     for dc in topology.datacenters:
         widest = max(
@@ -52,7 +83,9 @@ def inventory(topology: Topology) -> dict[str, Any]:
     return {
         "all": {
             "vars": {
-                "ansible_connection": "containers.podman.podman",
+                **CONNECTION_VARS,
+                **NESTED_NODE_VARS,
+                "time_sync_servers": [time_server],
                 "pdstack_environment": "local",
                 "pdstack_registry": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}",
                 "container_runtime_registries": [

@@ -10,6 +10,10 @@ and an emulated WAN link (pdstack.wanlink) for every link the local stacks decla
 The host keeps one service address (SERVICE_ADDRESS) that every node reaches through its router: the image
 registry listens there. Nodes reach package mirrors through the host's NAT. Every step checks before it acts, so
 `up` twice changes nothing, and `down` removes exactly what `up` made.
+
+A running WAN link can be reshaped (`shape_link`, `pdstack local link`): its forwarder re-reads a control file on
+SIGHUP and confirms the spec in force, so live connections see a loss spike or a delay change as they would under
+`tc qdisc change ... netem`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Datacenter, Link, Node, Topology
-from pdstack.wanlink import Endpoint, LinkSpec, link_arguments
+from pdstack.wanlink import CONTROL_FIELDS, Endpoint, LinkSpec, change_link, link_arguments, read_state, state_path
 
 MTU = "65000"  # as the WAN's TUN devices: large segments keep the user-space forwarder's packet rate low
 NAT_COMMENT = "pdstack-local"
@@ -31,6 +36,43 @@ NAT_COMMENT = "pdstack-local"
 
 class NetworkError(RuntimeError):
     pass
+
+
+class UnknownLinkError(NetworkError):
+    pass
+
+
+def declared_spec(link: Link) -> LinkSpec:
+    """The link as the stacks declare it."""
+    return LinkSpec(rate_mbit=link.rate_mbit, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
+
+
+def link_name(link: Link) -> str:
+    return f"{link.a}<->{link.b}"
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    """A running WAN link: what the stacks declare, its forwarder, and the spec in force."""
+
+    link: Link
+    pid: int
+    spec: LinkSpec
+
+    @property
+    def declared(self) -> LinkSpec:
+        return declared_spec(self.link)
+
+    def as_dict(self) -> dict[str, object]:
+        def fields(spec: LinkSpec) -> dict[str, float]:
+            return {name: getattr(spec, name) for name in CONTROL_FIELDS}
+
+        return {
+            "link": link_name(self.link),
+            "pid": self.pid,
+            "spec": fields(self.spec),
+            "declared": fields(self.declared),
+        }
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -164,16 +206,16 @@ class LocalNetwork:
     def _pid_file(self, link: Link) -> Path:
         return self.state_dir / f"link-{link.a}-{link.b}.pid"
 
+    def _control_file(self, link: Link) -> Path:
+        return self.state_dir / f"link-{link.a}-{link.b}.json"
+
     def link_pid(self, link: Link) -> int | None:
+        """The pid of the link's running forwarder (None when the pid file names no running pdstack.wanlink)."""
         path = self._pid_file(link)
         if not path.is_file():
             return None
         pid = int(path.read_text())
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return pid
+        return pid if "pdstack.wanlink" in _command_line(pid) else None
 
     def _start_link(self, link: Link) -> None:
         if self.link_pid(link) is not None:
@@ -182,11 +224,18 @@ class LocalNetwork:
         addr_a, addr_b = link.addresses()
         end_a = Endpoint(a.router_namespace, link.device_towards(b.name), addr_a, (b.network,))
         end_b = Endpoint(b.router_namespace, link.device_towards(a.name), addr_b, (a.network,))
-        spec = LinkSpec(rate_mbit=link.rate_mbit, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
+        control = self._control_file(link)
+        control.unlink(missing_ok=True)
+        state_path(control).unlink(missing_ok=True)  # a dead forwarder's state must not pass for the new one's
         log = self.state_dir / f"link-{link.a}-{link.b}.log"
         with log.open("w") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "pdstack.wanlink", *link_arguments(end_a, end_b, spec)],
+                [
+                    sys.executable,
+                    "-m",
+                    "pdstack.wanlink",
+                    *link_arguments(end_a, end_b, declared_spec(link), control_file=control),
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -207,6 +256,8 @@ class LocalNetwork:
                 os.kill(pid, signal.SIGTERM)
                 _wait_gone(pid)
             self._pid_file(link).unlink(missing_ok=True)
+            self._control_file(link).unlink(missing_ok=True)
+            state_path(self._control_file(link)).unlink(missing_ok=True)
         present = namespaces()
         for dc in self.topology.datacenters:
             for node in dc.nodes:
@@ -223,6 +274,68 @@ class LocalNetwork:
         if has_service_address():
             sh("ip", "addr", "del", f"{SERVICE_ADDRESS}/32", "dev", "lo")
 
+    # -- changing a running link ------------------------------------------------------------------------------------
+
+    def find_link(self, a: str, b: str) -> Link:
+        """The link between datacenters `a` and `b` (either order); UnknownLinkError names it when there is none."""
+        for link in self.topology.links:
+            if {link.a, link.b} == {a, b}:
+                return link
+        known = ", ".join(link_name(link) for link in self.topology.links) or "none"
+        raise UnknownLinkError(f"no WAN link {a}<->{b} in the local stacks (links: {known})")
+
+    def link_status(self, a: str, b: str) -> LinkStatus:
+        """The running link's spec in force, as its forwarder publishes it."""
+        link = self.find_link(a, b)
+        pid = self._controllable_pid(link)
+        try:
+            return LinkStatus(link, pid, read_state(pid, self._control_file(link)).spec)
+        except RuntimeError as error:
+            raise NetworkError(f"WAN link {link_name(link)}: {error}") from error
+
+    def shape_link(
+        self,
+        a: str,
+        b: str,
+        *,
+        rate_mbit: float | None = None,
+        rtt_ms: float | None = None,
+        loss_pct: float | None = None,
+        reset: bool = False,
+        timeout_s: float = 10.0,
+    ) -> LinkStatus:
+        """Change the running link between `a` and `b`: each value given replaces the one in force (None keeps it);
+        `reset` first goes back to what the stacks declare. Returns once the forwarder confirms the new spec, without
+        restarting it: its TUN devices, the packets in flight and the connections across the link live on.
+
+        A value out of range raises ValueError naming it, and the link stays as it was."""
+        link = self.find_link(a, b)
+        pid = self._controllable_pid(link)
+        changes = {name: getattr(declared_spec(link), name) for name in CONTROL_FIELDS} if reset else {}
+        given = {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms, "loss_pct": loss_pct}
+        changes.update({name: value for name, value in given.items() if value is not None})
+        if not changes:
+            return self.link_status(a, b)
+        try:
+            spec = change_link(pid, self._control_file(link), changes, timeout_s)
+        except ValueError as error:
+            raise ValueError(f"WAN link {link_name(link)}: {error}") from error
+        except (RuntimeError, TimeoutError) as error:
+            raise NetworkError(f"WAN link {link_name(link)}: {error}") from error
+        return LinkStatus(link, pid, spec)
+
+    def _controllable_pid(self, link: Link) -> int:
+        pid = self.link_pid(link)
+        if pid is None:
+            raise NetworkError(f"WAN link {link_name(link)} is not running (`pdstack local up` starts it)")
+        # SIGHUP would end a forwarder that does not handle it: never send one to a forwarder without a control file.
+        if "--control-file" not in _command_line(pid):
+            raise NetworkError(
+                f"WAN link {link_name(link)}: its forwarder (pid {pid}) was started without --control-file by an "
+                "older pdstack and cannot be changed while it runs; `pdstack local down` and `up` restart it"
+            )
+        return pid
+
     # -- inspection -----------------------------------------------------------------------------------------------
 
     def leftovers(self) -> list[str]:
@@ -234,6 +347,14 @@ class LocalNetwork:
         rules = sh("iptables-save", check=False).stdout
         found += ["iptables rules"] if NAT_COMMENT in rules else []
         return found
+
+
+def _command_line(pid: int) -> list[str]:
+    """The arguments process `pid` runs with; empty when it does not exist or has exited (a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from pathlib import Path
 
-from pdstack.model import DatacenterRole, Environment, PoolRole
+from pdstack.model import DatacenterRole, Environment, PoolRole, Serving
 from pdstack.stackfile import StackFile
 from pdstack.validate import validate
 
@@ -93,6 +93,7 @@ class Link:
 class Topology:
     datacenters: tuple[Datacenter, ...]
     links: tuple[Link, ...]
+    serving: Serving
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -149,4 +150,7 @@ def topology_of(stacks: list[StackFile]) -> Topology:
             if key not in links:
                 a, b = sorted(key)
                 links[key] = Link(a, b, spec.bandwidth_gbps * 1000, spec.rtt_ms, spec.loss_pct, len(links))
-    return Topology(tuple(datacenters), tuple(links.values()))
+    serving = next((s.config.serving for s in ordered if s.config.serving is not None), None)
+    if serving is None:
+        raise TopologyError("no local stack has pdstack:serving (the control-plane stack holds it)")
+    return Topology(tuple(datacenters), tuple(links.values()), serving)

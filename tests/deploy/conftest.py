@@ -20,8 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.engine.testmodels import make_test_checkpoint
 from pdstack import nodes
+from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from tests.serving.server.serverproc import free_port
@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
 NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
-MODEL_NAME = "pdstack-tiny"
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 
 # What the node containers need from the container_runtime role on this host (see DESIGN.md).
@@ -123,14 +122,6 @@ def bridge_gateway() -> str:
     return str(info[0]["subnets"][0]["gateway"])
 
 
-def model_with_manifest(folder: Path) -> Path:
-    model = make_test_checkpoint("dense", folder / MODEL_NAME)
-    files = sorted(p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file())
-    manifest = subprocess.run(["sha256sum", *files], cwd=model, capture_output=True, text=True, check=True).stdout
-    (model / "SHA256SUMS").write_text(manifest)
-    return model
-
-
 def write_inventory(workdir: Path, registry: str, address: dict[str, str]) -> Path:
     host_vars = {name: {"ansible_host": name, "pdstack_address": address[name]} for name in (NODE_A, NODE_B)}
     inventory = {"all": {
@@ -169,7 +160,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         (workdir / "runtime.yml").write_text(yaml.safe_dump(RUNTIME_PLAY))
         runtime = run_playbook(inventory, workdir / "runtime.yml", workdir)
         assert runtime.returncode == 0, runtime.output[-4000:]
-        yield Serving(workdir, inventory, registry, image, model_with_manifest(workdir / "models"), secrets, address)
+        yield Serving(workdir, inventory, registry, image, ensure_model(workdir / "models"), secrets, address)
     finally:
         for name in started:
             nodes.remove_node(name)

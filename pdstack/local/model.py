@@ -1,0 +1,30 @@
+"""The model the local environment serves: the project's own seeded test checkpoint (a dense GQA Llama), with the
+SHA256SUMS manifest the model_artifacts role verifies on every node before a server starts."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from pdserve.engine.testmodels import make_test_checkpoint  # the serving package, installed beside pdstack
+
+MODEL_NAME = "pdstack-tiny"
+MANIFEST = "SHA256SUMS"
+
+
+def write_manifest(model: Path) -> Path:
+    """Write `sha256sum`-format lines for every file of the model folder (but the manifest itself)."""
+    files = sorted(p for p in model.rglob("*") if p.is_file() and p.name != MANIFEST)
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(model).as_posix()}\n" for p in files]
+    manifest = model / MANIFEST
+    manifest.write_text("".join(lines))
+    return manifest
+
+
+def ensure_model(folder: Path, name: str = MODEL_NAME) -> Path:
+    """The checkpoint folder `folder/name`, made (seeded, so the same bytes every time) unless it is complete."""
+    model = folder / name
+    if not (model / MANIFEST).is_file():
+        make_test_checkpoint("dense", model)
+        write_manifest(model)
+    return model

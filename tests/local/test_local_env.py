@@ -1,0 +1,265 @@
+"""End to end on the local environment, in the order an operator meets it: `pdstack local up` from the stacks, a
+completion across the emulated WAN, `up` again (nothing changes), a good canary promoted and bad ones rolled back
+under client load, a killed decode container, a loss spike on the WAN, and `down` leaving nothing behind.
+
+These tests own the machine's local environment (fixed names and addresses from stacks/Pulumi.local-*.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from pdstack import nodes
+from pdstack.bench.endpoint import Endpoint
+from pdstack.local.env import LocalEnv
+from pdstack.local.network import namespaces
+from pdstack.local.topology import Topology
+from pdstack.model import PoolRole
+from tests.local.load import LONG_PROMPT, ClientLoad
+
+REPO = Path(__file__).resolve().parents[2]
+PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
+RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+                   r"\s+failed=(?P<failed>\d+)", re.MULTILINE)
+LOAD_RATE = 5.0  # requests/s: what the local stack's canary policy (min_samples 10 at a 20 % step) is sized for
+
+pytestmark = pytest.mark.timeout(3600)
+
+
+def pdstack(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PDSTACK, *args], capture_output=True, text=True, cwd=REPO, check=False)
+
+
+@dataclass
+class Local:
+    env: LocalEnv
+    topology: Topology
+    up_output: str
+    status: dict[str, Any]
+
+    @property
+    def control(self) -> str:
+        return str(self.status["gateway_url"]).split("//")[1].split(":")[0]
+
+    def api_key(self) -> str:
+        return Path(self.status["api_key_file"]).read_text().strip()
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.status["gateway_url"], "completions", self.topology.serving.model.name, self.api_key())
+
+    def gateway_metrics(self) -> str:
+        return httpx.get(f"http://{self.control}:8000/metrics", timeout=10).text
+
+    def instances(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = httpx.get(f"http://{self.control}:8200/v1/instances", timeout=10).json()[
+            "instances"]
+        return found
+
+    def weights(self) -> dict[str, int]:
+        weights: dict[str, int] = httpx.get(f"http://{self.control}:8200/v1/admin/weights", timeout=10).json()[
+            "weights"]
+        return weights
+
+    def release(self) -> dict[str, Any]:
+        release: dict[str, Any] = json.loads(self.env.release_file.read_text())["pdstack_release"]
+        return release
+
+    def record(self, node: str, component: str) -> dict[str, Any]:
+        text = nodes.exec_in_node(node, ["cat", f"/var/lib/pdstack/pdserve/{component}.release.json"])
+        record: dict[str, Any] = json.loads(text)
+        return record
+
+    def servers(self) -> list[tuple[str, str]]:
+        """(node, component) of every prefill and decode server."""
+        return [(n.name, str(n.role)) for n in self.topology.nodes if str(n.role) in ("prefill", "decode")]
+
+    def deploy(self, version: str, config_version: str, **release: Any) -> subprocess.CompletedProcess[str]:
+        """Run playbooks/deploy.yml for a release of the current image with this version and config."""
+        path = self.env.state_dir / f"release-{version}.json"
+        path.write_text(json.dumps({"pdstack_release": {**self.release(), "version": version,
+                                                        "config_version": config_version, **release}}))
+        argv = [str(REPO / ".venv" / "bin" / "ansible-playbook"), "-i", str(self.env.inventory),
+                str(REPO / "playbooks" / "deploy.yml"), "-e", f"@{self.env.release_file}", "-e", f"@{path}"]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False,
+                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.env.state_dir),
+                                   "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def recap_changes(output: str) -> dict[str, int]:
+    found = {m["host"]: int(m["changed"]) for m in RECAP.finditer(output)}
+    assert found, output[-3000:]
+    return found
+
+
+def wan_bytes(local: Local, a: str, b: str) -> int:
+    """Bytes received by datacenter `b`'s router from its WAN link to `a` (the forwarder's TUN device)."""
+    dc_b = local.topology.datacenter(b)
+    link = next(lk for lk in local.topology.links if {lk.a, lk.b} == {a, b})
+    shown = subprocess.run(["ip", "-n", dc_b.router_namespace, "-s", "-j", "link", "show", link.device_towards(a)],
+                           capture_output=True, text=True, check=True).stdout
+    return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[Local]:
+    up = pdstack("local", "up")
+    assert up.returncode == 0, (up.stdout + up.stderr)[-6000:]
+    status = json.loads(pdstack("local", "status", "--json").stdout)
+    env = LocalEnv(REPO)
+    yield Local(env, env.topology(), up.stdout + up.stderr, status)
+
+
+def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> None:
+    assert f"gateway:    {local.status['gateway_url']}" in local.up_output
+    assert f"API key:    in {local.status['api_key_file']}" in local.up_output
+    assert f"Prometheus: {local.status['prometheus_url']}" in local.up_output
+    assert local.api_key() not in local.up_output  # where the key lives, never the key
+    by_dc = {dc: sorted(n["role"] for n in members) for dc, members in local.status["nodes"].items()}
+    assert by_dc == {"control": ["control"], "dc1": ["prefill", "prefill"], "dc2": ["decode", "decode"]}
+    assert all(n["running"] for members in local.status["nodes"].values() for n in members)
+
+
+def test_prometheus_scrapes_every_pdserve_component(local: Local) -> None:
+    query = f"{local.status['prometheus_url']}/api/v1/query"
+    deadline = time.monotonic() + 60
+    while True:
+        result = httpx.get(query, params={"query": 'up{job=~"pdserve-.*"}'}, timeout=10).json()["data"]["result"]
+        up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in result}
+        if (len(up) == 6 and set(up.values()) == {"1"}) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert len(up) == 6 and set(up.values()) == {"1"}, up  # scheduler, gateway, 2 prefill, 2 decode
+
+
+def test_a_completion_is_prefilled_in_dc1_and_decoded_in_dc2_across_the_wan(local: Local) -> None:
+    ready = [i for i in local.instances() if i["state"] == "ready"]
+    prefill_hosts = {i["info"]["url"].split("//")[1].split(":")[0] for i in ready if i["info"]["role"] == "prefill"}
+    decode_hosts = {i["info"]["url"].split("//")[1].split(":")[0] for i in ready if i["info"]["role"] == "decode"}
+    assert all(h.startswith("10.210.1.") for h in prefill_hosts) and len(prefill_hosts) == 2
+    assert all(h.startswith("10.210.2.") for h in decode_hosts) and len(decode_hosts) == 2
+
+    kv_before = metric_sum(local.gateway_metrics(), "pdserve_gateway_kv_transfer_bytes_sum")
+    wan_before = wan_bytes(local, "dc1", "dc2")
+    client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=60)
+    completion = client.completions.create(model=local.topology.serving.model.name, prompt=LONG_PROMPT,
+                                           max_tokens=8, temperature=0)
+    assert completion.choices[0].text
+    metrics = local.gateway_metrics()
+    kv_moved = metric_sum(metrics, "pdserve_gateway_kv_transfer_bytes_sum") - kv_before
+    assert kv_moved > 0, "decode reported no KV pulled for a prompt past the offload threshold"
+    assert wan_bytes(local, "dc1", "dc2") - wan_before >= kv_moved  # the KV crossed the dc1 -> dc2 WAN link
+    assert metric_sum(metrics, "pdserve_gateway_routing_decisions_total", role="prefill", reason="remote_prefill") > 0
+
+
+def test_up_again_changes_nothing(local: Local) -> None:
+    release = local.env.release_file.read_text()
+    again = pdstack("local", "up")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
+    changes = recap_changes(again.stdout + again.stderr)
+    assert set(changes) == {n.name for n in local.topology.nodes}
+    assert all(count == 0 for count in changes.values()), changes
+    assert local.env.release_file.read_text() == release  # same images by digest, same config
+
+
+def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        deployed = local.deploy("good-2", "2")
+    assert deployed.returncode == 0, deployed.stdout[-6000:]
+    assert "release good-2 promoted" in deployed.stdout
+    assert load.completed() > 50 and not load.failures(), load.failures()
+    for node, component in local.servers():
+        assert local.record(node, component)["current"]["version"] == "good-2", node
+    assert local.weights() == {"good-2": 100}
+
+
+@pytest.mark.parametrize(
+    ("version", "fault", "failing_check"),
+    [
+        ("slow-3", {"PDSERVE_FAULT_DELAY_MS": "600"}, "FAIL ttft_p95"),
+        ("wrong-4", {"PDSERVE_FAULT_PERTURB_OUTPUT": "true"}, "golden"),
+    ],
+)
+def test_a_bad_canary_is_rolled_back_and_the_report_names_the_check(
+    local: Local, version: str, fault: dict[str, str], failing_check: str
+) -> None:
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        deployed = local.deploy(version, version, env=fault)
+    output = deployed.stdout + deployed.stderr
+    assert deployed.returncode != 0
+    assert f"canary {version} rolled back" in output and failing_check in output, output[-6000:]
+    assert not load.failures(), load.failures()  # slowness and wrong text are what clients of the canary got
+    for node, component in local.servers():
+        assert local.record(node, component)["current"]["version"] == "good-2", node
+    assert local.weights().get(version, 0) == 0
+
+
+def test_a_killed_decode_container_is_restarted_and_requests_recover(local: Local) -> None:
+    node = local.topology.nodes_with_role(PoolRole.DECODE)[0].name
+    pid = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}}", "pdserve-decode"]).strip()
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        time.sleep(5)
+        nodes.exec_in_node(node, ["kill", "-KILL", pid])
+        killed_at = time.monotonic()
+        deadline = killed_at + 180
+        while time.monotonic() < deadline:
+            now = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}",
+                                            "pdserve-decode"]).split()
+            if now[0] not in ("0", pid) and now[1:] == ["healthy"]:
+                break
+            time.sleep(2)
+        else:
+            raise AssertionError("the decode container was not restarted and healthy within 180 s")
+        recovered_at = time.perf_counter()
+        time.sleep(15)
+    results = load.results
+    after = [r for r in results if r.start_s > recovered_at - load.started_at + 5]
+    assert after and all(r.ok for r in after), [r.detail for r in after if not r.ok]
+    # The gateway retries a failed decode on the other one; at most the streams cut off mid-way fail.
+    assert sum(not r.ok for r in results) <= 0.1 * len(results), load.failures()
+
+
+def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Local) -> None:
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE, timeout_s=45) as load:
+        time.sleep(5)
+        shaped = pdstack("local", "link", "dc1", "dc2", "--loss-pct", "30")
+        assert shaped.returncode == 0, shaped.stderr
+        time.sleep(15)
+        reset = pdstack("local", "link", "dc1", "dc2", "--reset")
+        assert reset.returncode == 0, reset.stderr
+        time.sleep(20)
+    # stop() asserted nothing hangs; each request either completed or failed with a cause the client can act on
+    for result in load.results:
+        assert result.ok or result.error in ("timeout", "http_5xx", "stream_error", "overload"), result.detail
+        assert result.e2e_s is None or result.e2e_s <= 45 + 1
+    last = [r for r in load.results if r.start_s >= load.results[-1].start_s - 10]
+    assert last and all(r.ok for r in last), [r.detail for r in last if not r.ok]
+
+
+def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:
+    down = pdstack("local", "down")
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not any(nodes.node_exists(n.name) for n in local.topology.nodes)
+    assert not [ns for ns in namespaces() if ns.startswith("pds")]
+    assert local.env.network(local.topology).leftovers() == []
+    assert "netem" not in subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=False).stdout
+    assert not local.env.registry().healthy()
