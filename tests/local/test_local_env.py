@@ -30,7 +30,7 @@ from tests.local.load import LONG_PROMPT, ClientLoad
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
-RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+RECAP = re.compile(r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
                    r"\s+failed=(?P<failed>\d+)", re.MULTILINE)
 LOAD_RATE = 5.0  # requests/s: what the local stack's canary policy (min_samples 10 at a 20 % step) is sized for
 
