@@ -35,6 +35,14 @@ class KVMetrics:
         self.failures = Counter(
             "pdserve_kv_transfer_failures", "Failed KV transfers by cause", ["role", "cause"], registry=reg
         )
+        self.connections = Counter(
+            "pdserve_kv_connections",
+            "Connections KV requests (pull streams, acks) ran on, by outcome: new (opened for the request), reused "
+            "(kept open from an earlier request), stale (receiver: a pooled connection the sender had closed, "
+            "replaced by a new one)",
+            ["role", "outcome"],
+            registry=reg,
+        )
         self.auth_refused = Counter(
             "pdserve_kv_auth_refused", "Connections refused for missing or wrong authentication", registry=reg
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -111,11 +112,19 @@ class KVServer:
             log.warning("kv: refused connection from %s: %s", peer, error.message)
             await self._send_error(writer, error)
             return
-        while True:
+        # One authenticated connection serves any number of requests, one after another, until the client closes
+        # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
+        for served in itertools.count():
             try:
                 frame = await read_frame(reader, self._idle_timeout)
-            except KVTransferError:
-                return  # the client closed or went idle between requests
+            except KVTransferError as error:
+                if error.cause in ("connection", "timeout"):
+                    return  # the client closed or went idle between requests
+                self._metrics.observe_failure("sender", error.cause)
+                log.info("kv: bad request frame from %s: %s", peer, error)
+                await self._send_error(writer, error)
+                return
+            self._metrics.connections.labels("sender", "reused" if served else "new").inc()
             try:
                 await self._dispatch(frame, reader, writer)
             except KVTransferError as error:
