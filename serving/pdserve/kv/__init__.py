@@ -2,7 +2,7 @@
 
 from pdserve.kv.auth import SecretKey
 from pdserve.kv.blob import KVBlob, KVMeta, Layer
-from pdserve.kv.client import ack, pull
+from pdserve.kv.client import KVConnectionPool, ack, pull
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.server import KVServer
@@ -10,6 +10,7 @@ from pdserve.kv.store import LeaseStore, StoredKV
 
 __all__ = [
     "KVBlob",
+    "KVConnectionPool",
     "KVMeta",
     "KVMetrics",
     "KVServer",

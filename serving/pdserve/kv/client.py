@@ -1,11 +1,18 @@
-"""The decode side of the KV channel: pull a blob over N parallel streams, verify it, then acknowledge it."""
+"""The decode side of the KV channel: pull a blob over N parallel streams, verify it, then acknowledge it.
+
+Pulls and acks can borrow authenticated connections from a KVConnectionPool, so a decode server that pulls from the
+same prefill server again skips the TCP and HMAC handshakes and finds TCP's window already open.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +23,7 @@ from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
     DATA_HEADER,
     Chunk,
+    Frame,
     FrameType,
     chunk_plan,
     expect,
@@ -161,6 +169,198 @@ class _Pull:
             raise KVTransferError("checksum", "the prefill server's manifest announces a different checksum")
 
 
+# Who a connection was authenticated with: address, TLS server name, key and TLS context (the last two by identity),
+# so a pooled connection is never handed to a caller with other credentials.
+PeerKey = tuple[str, int, str | None, auth.SecretKey, ssl.SSLContext | None]
+
+
+@dataclass(eq=False)
+class KVConnection:
+    """One authenticated connection to a KV server; `reused` is True when it came out of a pool's idle set."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    peer: PeerKey
+    reused: bool = False
+    idle_since: float = 0.0
+
+    @property
+    def closed_by_peer(self) -> bool:
+        """The peer closed or reset it (as far as this side has seen yet), or it was closed here."""
+        return self.reader.at_eof() or self.reader.exception() is not None or self.writer.is_closing()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def peer_key(connector: Connector, host: str, port: int) -> PeerKey:
+    return (host, port, connector.server_hostname if connector.ssl_context else None, connector.key,
+            connector.ssl_context)  # fmt: skip
+
+
+class KVConnectionPool:
+    """Idle authenticated connections to KV servers, kept for the next pull stream or ack to the same server.
+
+    A connection is either idle here or held by exactly one stream. It comes back only after its request ended
+    cleanly (END or ACK_OK read); after anything else it is closed. Idle connections are closed after
+    `idle_timeout_s`, which should stay below the server's idle timeout (KVServer's idle_timeout_s, 300 s by default)
+    so the client, not the server, usually ends them. At most `max_idle_per_peer` are kept per server.
+
+    `metrics` counts the connections this pool hands out: new, reused, or stale (a pooled connection the server had
+    closed, replaced by a fresh one).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_idle_per_peer: int = 16,
+        idle_timeout_s: float = 60.0,
+        metrics: KVMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_idle_per_peer < 1:
+            raise ValueError(f"max_idle_per_peer: must be at least 1, got {max_idle_per_peer}")
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s: must be positive, got {idle_timeout_s}")
+        self.max_idle_per_peer = max_idle_per_peer
+        self.idle_timeout_s = idle_timeout_s
+        self._metrics = metrics if metrics is not None else default_metrics()
+        self._clock = clock
+        self._idle: dict[PeerKey, list[KVConnection]] = {}
+        self._lent: set[KVConnection] = set()
+        self._closed = False
+
+    def __len__(self) -> int:
+        """Idle connections held, over all servers."""
+        return sum(len(idle) for idle in self._idle.values())
+
+    async def acquire(self, connector: Connector, host: str, port: int) -> KVConnection:
+        """The most recently returned idle connection to this server that is still open, or a new one."""
+        self._check_open()
+        self._expire()
+        idle = self._idle.get(peer_key(connector, host, port), [])
+        while idle:
+            connection = idle.pop()
+            if connection.closed_by_peer:
+                self._count("stale")
+                connection.close()
+                continue
+            connection.reused = True
+            self._lent.add(connection)
+            self._count("reused")
+            return connection
+        return await self._connect(connector, host, port)
+
+    async def replace_stale(self, stale: KVConnection, connector: Connector, host: str, port: int) -> KVConnection:
+        """A new connection in place of a pooled one the server had closed; its other idle ones go too."""
+        self.release(stale, reusable=False)
+        self._count("stale")
+        for connection in self._idle.pop(stale.peer, []):
+            connection.close()
+        self._check_open()
+        return await self._connect(connector, host, port)
+
+    def release(self, connection: KVConnection, *, reusable: bool) -> None:
+        """Take back a borrowed connection: kept if `reusable` (its request ended cleanly) and there is room."""
+        self._lent.discard(connection)
+        idle = self._idle.get(connection.peer, [])
+        if not reusable or self._closed or connection.closed_by_peer or len(idle) >= self.max_idle_per_peer:
+            connection.close()
+            return
+        connection.idle_since = self._clock()
+        self._idle[connection.peer] = [*idle, connection]
+        self._expire()
+
+    async def close(self) -> None:
+        """Close every connection, idle or borrowed (a borrowed one's request then fails); later acquires fail."""
+        self._closed = True
+        connections = [*self._lent, *(c for idle in self._idle.values() for c in idle)]
+        self._idle.clear()
+        self._lent.clear()
+        for connection in connections:
+            connection.close()
+        for connection in connections:
+            with contextlib.suppress(Exception):
+                await connection.writer.wait_closed()
+
+    async def _connect(self, connector: Connector, host: str, port: int) -> KVConnection:
+        reader, writer = await connector.connect(host, port)
+        connection = KVConnection(reader, writer, peer_key(connector, host, port))
+        if self._closed:  # closed while this connect was under way
+            connection.close()
+            self._check_open()
+        self._lent.add(connection)
+        self._count("new")
+        return connection
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError("connection", "the KV connection pool is closed")
+
+    def _expire(self) -> None:
+        """Close connections idle for longer than idle_timeout_s, for every server."""
+        oldest = self._clock() - self.idle_timeout_s
+        for peer, idle in list(self._idle.items()):
+            for connection in idle:
+                if connection.idle_since <= oldest:
+                    connection.close()
+            keep = [connection for connection in idle if connection.idle_since > oldest]
+            if keep:
+                self._idle[peer] = keep
+            else:
+                del self._idle[peer]
+
+    def _count(self, outcome: str) -> None:
+        self._metrics.connections.labels("receiver", outcome).inc()
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where one pull or ack goes and how: the server, how to connect, the pool if any, and the metrics."""
+
+    connector: Connector
+    host: str
+    port: int
+    pool: KVConnectionPool | None
+    metrics: KVMetrics
+
+    async def open(self) -> KVConnection:
+        if self.pool is not None:
+            return await self.pool.acquire(self.connector, self.host, self.port)
+        reader, writer = await self.connector.connect(self.host, self.port)
+        self.metrics.connections.labels("receiver", "new").inc()
+        return KVConnection(reader, writer, peer_key(self.connector, self.host, self.port))
+
+    def give_back(self, connection: KVConnection, *, clean: bool) -> None:
+        if self.pool is not None:
+            self.pool.release(connection, reusable=clean)
+        else:
+            connection.close()
+
+    async def request(self, frame_type: FrameType, body: dict[str, Any]) -> tuple[KVConnection, Frame]:
+        """Send one request and read the first frame of its reply, on a connection the caller then owns.
+
+        A pooled connection the server closed while it sat idle (idle timeout, restart) can look open until it is
+        used; it then fails with a lost connection before the first reply frame. The request is then sent once more
+        on a new connection. That is safe because nothing of the reply was used: a PULL changes nothing on the server
+        (the lease stays held until ACK), and a repeated ACK can at worst answer released=False for a lease the first
+        one freed.
+        """
+        connection = await self.open()
+        while True:
+            try:
+                write_json(connection.writer, frame_type, body)
+                return connection, await read_frame(connection.reader, self.connector.read_timeout_s)
+            except KVTransferError as error:
+                if self.pool is None or not connection.reused or error.cause != "connection":
+                    self.give_back(connection, clean=False)
+                    raise
+                connection = await self.pool.replace_stale(connection, self.connector, self.host, self.port)
+            except BaseException:
+                self.give_back(connection, clean=False)
+                raise
+
+
 async def pull(
     host: str,
     port: int,
@@ -177,8 +377,13 @@ async def pull(
     retries: int = 2,
     backoff_s: float = 0.2,
     metrics: KVMetrics | None = None,
+    pool: KVConnectionPool | None = None,
 ) -> KVBlob:
-    """Pull the KV of `request_id`, verify every frame and the whole blob, and return it (the lease stays held)."""
+    """Pull the KV of `request_id`, verify every frame and the whole blob, and return it (the lease stays held).
+
+    With a `pool`, each stream borrows a connection from it (the pool's metrics count those connections) and gives
+    it back after a clean END; without one, each stream opens and closes its own.
+    """
     if streams < 1:
         raise ValueError(f"streams: must be at least 1, got {streams}")
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s)
@@ -186,7 +391,7 @@ async def pull(
     state = _Pull(request_id, expected_checksum, expected_fingerprint, streams)
     started = time.perf_counter()
     try:
-        await _run_streams(connector, host, port, state)
+        await _run_streams(_Route(connector, host, port, pool, recorder), state)
         assert state.assembly is not None
         if await state.assembly.checksum() != expected_checksum:
             raise KVTransferError("checksum", "assembled KV does not match the checksum prefill announced")
@@ -198,10 +403,8 @@ async def pull(
     return blob
 
 
-async def _run_streams(connector: Connector, host: str, port: int, state: _Pull) -> None:
-    tasks = [
-        asyncio.create_task(_pull_stream(connector, host, port, state, index)) for index in range(state.streams)
-    ]
+async def _run_streams(route: _Route, state: _Pull) -> None:
+    tasks = [asyncio.create_task(_pull_stream(route, state, index)) for index in range(state.streams)]
     _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     for task in pending:
         task.cancel()
@@ -211,22 +414,24 @@ async def _run_streams(connector: Connector, host: str, port: int, state: _Pull)
         raise failed[0]  # type: ignore[misc]
 
 
-async def _pull_stream(connector: Connector, host: str, port: int, state: _Pull, index: int) -> None:
-    reader, writer = await connector.connect(host, port)
-    timeout = connector.read_timeout_s
+async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
+    request = {"request_id": state.request_id, "stream": index, "streams": state.streams}
+    connection, first = await route.request(FrameType.PULL, request)
+    timeout = route.connector.read_timeout_s
+    clean = False
     try:
-        write_json(writer, FrameType.PULL, {"request_id": state.request_id, "stream": index, "streams": state.streams})
-        assembly = state.assembly_for(expect(await read_frame(reader, timeout), FrameType.MANIFEST).payload)
+        assembly = state.assembly_for(expect(first, FrameType.MANIFEST).payload)
         max_payload = DATA_HEADER.size + assembly.manifest.chunk_bytes
         chunks = assembly.plan[index :: state.streams]
         for chunk in chunks:
-            frame = expect(await read_frame(reader, timeout, max_payload), FrameType.DATA)
+            frame = expect(await read_frame(connection.reader, timeout, max_payload), FrameType.DATA)
             assembly.place(frame.payload, chunk)
-        end = expect(await read_frame(reader, timeout), FrameType.END).json()
+        end = expect(await read_frame(connection.reader, timeout), FrameType.END).json()
         if end.get("chunks") != len(chunks):
             raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
+        clean = True
     finally:
-        writer.close()
+        route.give_back(connection, clean=clean)
 
 
 async def ack(
@@ -240,13 +445,17 @@ async def ack(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 10.0,
     retries: int = 2,
+    metrics: KVMetrics | None = None,
+    pool: KVConnectionPool | None = None,
 ) -> bool:
     """Tell prefill the KV arrived so it frees the lease; True if the server still held it."""
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries)
-    reader, writer = await connector.connect(host, port)
+    route = _Route(connector, host, port, pool, metrics if metrics is not None else default_metrics())
+    connection, reply = await route.request(FrameType.ACK, {"request_id": request_id})
+    clean = False
     try:
-        write_json(writer, FrameType.ACK, {"request_id": request_id})
-        reply = expect(await read_frame(reader, read_timeout_s), FrameType.ACK_OK).json()
-        return bool(reply.get("released"))
+        released = bool(expect(reply, FrameType.ACK_OK).json().get("released"))
+        clean = True
     finally:
-        writer.close()
+        route.give_back(connection, clean=clean)
+    return released
