@@ -15,7 +15,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.engine import Engine, EngineError, KVCache
-from pdserve.kv import KVMeta, KVServer, KVTransferError, LeaseStore, SecretKey, StoredKV, ack, pull
+from pdserve.kv import (
+    KVConnectionPool,
+    KVMeta,
+    KVServer,
+    KVTransferError,
+    LeaseStore,
+    SecretKey,
+    StoredKV,
+    ack,
+    pull,
+)
 from pdserve.kv.errors import Cause
 from pdserve.server.batching import ExportHook, Sequence
 from pdserve.server.metrics import ServerMetrics
@@ -24,6 +34,7 @@ from pdserve.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 TRANSFERRED_IDS_KEPT = 65536
+ACK_GRACE_SECONDS = 2.0
 
 
 def server_tls(settings: ServerSettings) -> ssl.SSLContext | None:
@@ -100,7 +111,11 @@ class KVLoadFailure(Exception):
 
 
 class DecodeImporter:
-    """Decode role: pulls and verifies remote KV, acknowledges it, and remembers what was transferred."""
+    """Decode role: pulls and verifies remote KV, acknowledges it, and remembers what was transferred.
+
+    Pulls and acks share one connection pool for the importer's lifetime, so repeated pulls from a prefill server
+    skip the connect and auth round trips; `close` ends it.
+    """
 
     def __init__(self, settings: ServerSettings, engine: Engine, key: SecretKey, metrics: ServerMetrics) -> None:
         self.settings = settings
@@ -110,6 +125,16 @@ class DecodeImporter:
         self._tls = client_tls(settings)
         self._transferred: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._acks: set[asyncio.Task[None]] = set()
+        # Room for the streams of a few concurrent pulls from one prefill server.
+        self.pool = KVConnectionPool(max_idle_per_peer=4 * settings.kv_streams, metrics=metrics.kv)
+
+    async def close(self) -> None:
+        """Give acks under way a moment to finish, then close the pool (an ack still running fails; the lease it
+        would have freed expires instead)."""
+        if self._acks:
+            await asyncio.wait(self._acks, timeout=ACK_GRACE_SECONDS)
+        await self.pool.close()
+        await asyncio.gather(*self._acks, return_exceptions=True)
 
     def check_params(self, params: KVTransferParams, prompt_tokens: int) -> tuple[str, str]:
         missing = params.missing_remote_fields()
@@ -140,7 +165,7 @@ class DecodeImporter:
                 streams=self.settings.kv_streams, expected_fingerprint=self.engine.fingerprint,
                 ssl_context=self._tls, server_hostname=self.settings.kv_tls_server_name,
                 connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv,
+                read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv, pool=self.pool,
             )
         except KVTransferError as error:
             raise KVLoadFailure(error.cause, error.message) from error
@@ -160,7 +185,8 @@ class DecodeImporter:
                 await ack(host, port, request_id, key=self.key, ssl_context=self._tls,
                           server_hostname=self.settings.kv_tls_server_name,
                           connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                          read_timeout_s=self.settings.kv_read_timeout_seconds)
+                          read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv,
+                          pool=self.pool)
             except KVTransferError as error:  # the lease then simply expires
                 log.warning("kv ack failed", extra={"kv_request_id": request_id, "cause": error.cause})
 
