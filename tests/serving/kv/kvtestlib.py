@@ -40,7 +40,8 @@ async def running_server(store: LeaseStore, key: SecretKey, **options: object) -
 
 @dataclass
 class ByteProxy:
-    """A loopback TCP proxy that can flip one server-to-client byte, throttle, and report how much it forwarded."""
+    """A loopback TCP proxy that can flip one server-to-client byte, throttle, report how much it forwarded, and
+    drop the connections it holds the next time their client uses them."""
 
     upstream_port: int
     corrupt_at: int | None = None
@@ -50,6 +51,8 @@ class ByteProxy:
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     on_forward: Callable[[int], None] | None = None
+    _clients: set[asyncio.StreamWriter] = field(default_factory=set)
+    _doomed: set[asyncio.StreamWriter] = field(default_factory=set)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -62,24 +65,33 @@ class ByteProxy:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def sever_when_used(self) -> None:
+        """The connections open now are closed, their request unforwarded, as soon as their client sends anything:
+        a server that went away while a pooled connection sat idle, which the client notices only when it uses it."""
+        self._doomed.update(self._clients)
+
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
             client_writer.close()
             return
+        self._clients.add(client_writer)
         pumps = [
-            asyncio.create_task(self._pump(client_reader, up_writer, downstream=False)),
-            asyncio.create_task(self._pump(up_reader, client_writer, downstream=True)),
+            asyncio.create_task(self._pump(client_reader, up_writer, downstream=False, client=client_writer)),
+            asyncio.create_task(self._pump(up_reader, client_writer, downstream=True, client=client_writer)),
         ]
         self._tasks.update(pumps)
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for task in pumps:
             task.cancel()
+        self._clients.discard(client_writer)
         client_writer.close()
         up_writer.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool, client: asyncio.StreamWriter
+    ) -> None:
         while data := await reader.read(16384):
             if downstream:
                 data = self._maybe_corrupt(data)
@@ -88,6 +100,8 @@ class ByteProxy:
                     self.on_forward(self.forwarded)
                 if self.bytes_per_second:
                     await asyncio.sleep(len(data) / self.bytes_per_second)
+            elif client in self._doomed:
+                return  # the connection ends here; the client's bytes never reach the server
             writer.write(data)
             await writer.drain()
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 from kvtestlib import make_layers, meta_for, running_server
+from prometheus_client import CollectorRegistry
 
-from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
+from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,39 @@ def test_tls_round_trip_and_untrusted_certificate_refused(
             assert raised.value.cause == "auth"
 
     asyncio.run(scenario())
+
+
+def test_tls_connections_are_reused_and_replaced_after_a_server_restart(
+    certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
+):
+    cert, private_key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, private_key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=8192, metrics=metrics)
+    layers = make_layers(4, (32, 128), "float16")
+    stored = store.put("tls-2", layers, meta_for("tls-2"))
+    client_metrics = KVMetrics(CollectorRegistry())
+
+    async def scenario() -> None:
+        pool = KVConnectionPool(metrics=client_metrics)
+        options = {"key": key, "streams": 2, "ssl_context": trusting, "server_hostname": "localhost", "retries": 0,
+                   "pool": pool, "metrics": client_metrics}  # fmt: skip
+        async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
+            port = server.port
+            for _ in range(2):
+                await pull("127.0.0.1", port, "tls-2", stored.checksum, **options)  # type: ignore[arg-type]
+            assert connections(client_metrics, "reused") == 2
+        async with running_server(store, key, ssl_context=server_tls, port=port, metrics=metrics):
+            blob = await pull("127.0.0.1", port, "tls-2", stored.checksum, **options)  # type: ignore[arg-type]
+            assert [k.tobytes() + v.tobytes() for k, v in blob.layers] == [k.tobytes() + v.tobytes() for k, v in layers]
+        await pool.close()
+
+    asyncio.run(scenario())
+    assert connections(client_metrics, "new") == 4
+    assert client_metrics.bytes.labels("receiver")._value.get() == 3 * stored.nbytes
+
+
+def connections(metrics: KVMetrics, outcome: str) -> float:
+    value: float = metrics.connections.labels("receiver", outcome)._value.get()
+    return value
