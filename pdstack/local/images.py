@@ -48,6 +48,7 @@ def build_runtime_image(project: Path) -> str:
     image = f"localhost/pdserve:src-{source_hash(project, ['serving'])}"
     if not nodes.image_exists(image):
         _run(["bash", str(project / "serving" / "build-image.sh"), image])
+        remove_older_builds(image)
     return image
 
 
@@ -59,7 +60,18 @@ def build_prometheus_image(project: Path) -> str:
         base = nodes.build_base_image()
         _run(["podman", "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
               "--build-arg", f"DEBIAN_MIRROR={nodes.host_mirror()}", "-t", image, str(context)])  # fmt: skip
+        remove_older_builds(image)
     return image
+
+
+def remove_older_builds(image: str) -> None:
+    """Untag the earlier `src-*` builds of the image's repository (the registry keeps what was deployed)."""
+    repository = image.rsplit(":", 1)[0]
+    listed = subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", repository],
+                            capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
+    older = [tag for tag in listed if tag != image and tag.startswith(f"{repository}:src-")]
+    if older:
+        subprocess.run(["podman", "rmi", *older], capture_output=True, check=False)
 
 
 def build_and_push(project: Path, registry: Registry) -> Images:

@@ -83,16 +83,20 @@ def inventory(topology: Topology) -> dict[str, Any]:
     return {
         "all": {
             "vars": {
-                **CONNECTION_VARS,
-                **NESTED_NODE_VARS,
-                "time_sync_servers": [time_server],
                 "pdstack_environment": "local",
                 "pdstack_registry": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}",
                 "container_runtime_registries": [
                     {"location": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}", "insecure": True},
                 ],
             },
-            "children": {"nodes": {"hosts": hosts, "children": children}},
+            "children": {
+                "nodes": {
+                    # on `nodes`, not `all`: the playbooks' controller plays (implicit localhost) stay local
+                    "vars": {**CONNECTION_VARS, **NESTED_NODE_VARS, "time_sync_servers": [time_server]},
+                    "hosts": hosts,
+                    "children": children,
+                }
+            },
         }
     }
 
