@@ -2,9 +2,18 @@
 
 Creates two network namespaces (prefill, decode) joined by pdstack.wanlink, serves one KV blob from a KV server in the
 prefill namespace and pulls it from the decode namespace with 1, 2, 4 and 8 streams; runs iperf3 (prefill -> decode)
-with the same stream counts. Writes bench/results/kv_channel.json and prints a table. Needs root, iperf3 and ip.
+with the same stream counts. For each stream count one decode process pulls through one connection pool, as a decode
+server does: the first pull is cold (it opens and authenticates its connections, and TCP starts from its initial
+window), the `--repeats` after it are warm (they reuse those connections). The warm median is the headline; the cold
+pull is reported beside it. Writes bench/results/kv_channel.json and prints a table. Needs root, iperf3 and ip.
 
     .venv/bin/python bench/kv_channel.py [--rate-mbit 1000] [--rtt-ms 20] [--mib 256] [--repeats 3]
+        [--tcp-congestion cubic] [--gap-seconds 0] [--chunk-bytes 1048576] [--stream-counts 1,2,4,8]
+        [--sysctl NAME=VALUE ...] [--output PATH]
+
+--sysctl sets namespaced sysctls in both namespaces (for instance what roles/kernel_tuning sets on real nodes:
+net.ipv4.tcp_slow_start_after_idle=0, larger tcp_rmem/tcp_wmem maxima); by default the namespaces keep the kernel's
+defaults, as in earlier runs.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
-from pdserve.kv import KVMeta, KVServer, LeaseStore, SecretKey, pull
+from pdserve.kv import KVConnectionPool, KVMeta, KVMetrics, KVServer, LeaseStore, SecretKey, pull
+from pdserve.kv.store import DEFAULT_CHUNK_BYTES
 from pdstack.wanlink import LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace
 
 RESULTS = Path(__file__).parent / "results" / "kv_channel.json"
@@ -45,9 +56,9 @@ def synthetic_layers(mib: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
-async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None) -> None:
+async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None, chunk_bytes: int) -> None:
     """Run inside the prefill namespace: hold one blob and serve it until killed."""
-    store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600)
+    store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600, chunk_bytes=chunk_bytes)
     stored = store.put(REQUEST_ID, synthetic_layers(mib), KVMeta(REQUEST_ID, 4096, "bench"))
     server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion)
     await server.start()
@@ -55,17 +66,28 @@ async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None) 
     await asyncio.Event().wait()
 
 
-async def pull_repeatedly(key_file: str, host: str, checksum: str, streams: int, repeats: int) -> None:
-    """Run inside the decode namespace: pull the blob `repeats` times and print the seconds of each pull."""
+async def pull_repeatedly(  # noqa: PLR0917
+    key_file: str, host: str, checksum: str, streams: int, repeats: int, gap_s: float
+) -> None:
+    """Run inside the decode namespace: pull the blob once cold and `repeats` times warm through one pool, `gap_s`
+    apart (requests do not arrive back to back), and print the seconds of each pull and the pool's connections."""
     key = SecretKey.from_file(key_file)
+    metrics = KVMetrics(CollectorRegistry())
+    pool = KVConnectionPool(metrics=metrics)
     seconds, nbytes = [], 0
-    for _ in range(repeats):
+    for attempt in range(1 + repeats):
+        if attempt:
+            await asyncio.sleep(gap_s)
         started = time.perf_counter()
-        blob = await pull(host, KV_PORT, REQUEST_ID, checksum, key=key, streams=streams, read_timeout_s=30)
+        blob = await pull(host, KV_PORT, REQUEST_ID, checksum, key=key, streams=streams, read_timeout_s=30,
+                          metrics=metrics, pool=pool)  # fmt: skip
         seconds.append(time.perf_counter() - started)
         nbytes = blob.nbytes
         del blob
-    print(json.dumps({"seconds": seconds, "bytes": nbytes}), flush=True)
+    await pool.close()
+    counts = {outcome: int(metrics.connections.labels("receiver", outcome)._value.get())
+              for outcome in ("new", "reused", "stale")}  # fmt: skip
+    print(json.dumps({"seconds": seconds, "bytes": nbytes, "connections": counts}), flush=True)
 
 
 def in_ns(namespace: str, argv: list[str]) -> list[str]:
@@ -85,14 +107,20 @@ def iperf3_mbit(ns_server: str, ns_client: str, server_ip: str, streams: int, se
 
 
 def kv_pulls(
-    ns_client: str, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int
+    ns_client: str, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float
 ) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "pull", "--key-file", key_file, "--host", server_ip,
-            "--checksum", checksum, "--streams", str(streams), "--repeats", str(repeats)]  # fmt: skip
+    argv = [sys.executable, __file__, "pull", "--key-file", key_file, "--host", server_ip, "--checksum", checksum,
+            "--streams", str(streams), "--repeats", str(repeats), "--gap-seconds", str(gap_s)]  # fmt: skip
     result = json.loads(subprocess.run(in_ns(ns_client, argv), capture_output=True, text=True, check=True).stdout)
-    mbit = [result["bytes"] * 8 / s / 1e6 for s in result["seconds"]]
-    return {"bytes": result["bytes"], "seconds": result["seconds"], "mbit_median": statistics.median(mbit),
-            "mbit_best": max(mbit)}  # fmt: skip
+    cold, *warm = result["seconds"]
+    warm_mbit = [result["bytes"] * 8 / s / 1e6 for s in warm]
+    return {"bytes": result["bytes"], "cold_seconds": cold, "warm_seconds": warm,
+            "cold_mbit": result["bytes"] * 8 / cold / 1e6, "warm_mbit_median": statistics.median(warm_mbit),
+            "warm_mbit_best": max(warm_mbit), "connections": result["connections"]}  # fmt: skip
+
+
+def set_sysctl(namespace: str, name: str, value: str) -> None:
+    subprocess.run(in_ns(namespace, ["sysctl", "-qw", f"{name}={value}"]), check=True)
 
 
 def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
@@ -105,22 +133,26 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
     create_namespace(ns_decode)
     server = None
     try:
+        for namespace in (ns_prefill, ns_decode):
+            for name, value in args.sysctl:
+                set_sysctl(namespace, name, value)
         with LinkProcess(prefill, decode, spec):
             serve_argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", str(prefill.address.ip),
-                          "--mib", str(args.mib)]  # fmt: skip
+                          "--mib", str(args.mib), "--chunk-bytes", str(args.chunk_bytes)]  # fmt: skip
             if args.tcp_congestion:
                 serve_argv += ["--tcp-congestion", args.tcp_congestion]
             server = subprocess.Popen(in_ns(ns_prefill, serve_argv), stdout=subprocess.PIPE, text=True)
             assert server.stdout is not None
             checksum = server.stdout.readline().strip()
-            for streams in STREAM_COUNTS:
+            for streams in args.stream_counts:
                 iperf = iperf3_mbit(ns_prefill, ns_decode, str(prefill.address.ip), streams, args.iperf_seconds)
-                kv = kv_pulls(
-                    ns_decode, key_file, str(prefill.address.ip), checksum, streams=streams, repeats=args.repeats
-                )
+                kv = kv_pulls(ns_decode, key_file, str(prefill.address.ip), checksum, streams=streams,
+                              repeats=args.repeats, gap_s=args.gap_seconds)  # fmt: skip
                 rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
-                             "kv_share_of_link": kv["mbit_median"] / args.rate_mbit,
-                             "kv_share_of_iperf3": kv["mbit_median"] / iperf})  # fmt: skip
+                             "kv_share_of_link": kv["warm_mbit_median"] / args.rate_mbit,
+                             "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
+                             "cold_share_of_link": kv["cold_mbit"] / args.rate_mbit,
+                             "cold_share_of_iperf3": kv["cold_mbit"] / iperf})  # fmt: skip
     finally:
         if server is not None:
             server.kill()
@@ -129,16 +161,31 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         delete_namespace(ns_decode)
     return {"link": {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "queue_bytes": spec.queue_limit_bytes},
             "kv_tcp_congestion": args.tcp_congestion or "system default",
-            "kv_mib": args.mib, "layers": LAYERS, "repeats": args.repeats, "iperf3_seconds": args.iperf_seconds,
-            "rows": rows}  # fmt: skip
+            "kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes,
+            "namespace_sysctls": dict(args.sysctl), "warm_repeats": args.repeats,
+            "gap_seconds": args.gap_seconds,
+            "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"KV {report['kv_mib']} MiB over {report['link']['rate_mbit']:g} Mbit/s, {report['link']['rtt_ms']:g} ms RTT")
-    print(f"{'streams':>7} {'iperf3 Mbit/s':>14} {'KV Mbit/s (median)':>19} {'KV/link':>8} {'KV/iperf3':>10}")
+    link = report["link"]
+    print(f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT; warm = median of "
+          f"{report['warm_repeats']} pulls on reused connections, cold = the first pull")  # fmt: skip
+    print(f"{'streams':>7} {'iperf3 Mbit/s':>14} {'warm Mbit/s':>12} {'warm/link':>10} {'warm/iperf3':>12} "
+          f"{'cold Mbit/s':>12} {'cold/link':>10} {'cold/iperf3':>12}")  # fmt: skip
     for row in report["rows"]:
-        print(f"{row['streams']:>7} {row['iperf3_mbit']:>14.0f} {row['mbit_median']:>19.0f} "
-              f"{row['kv_share_of_link']:>8.1%} {row['kv_share_of_iperf3']:>10.1%}")  # fmt: skip
+        print(f"{row['streams']:>7} {row['iperf3_mbit']:>14.0f} {row['warm_mbit_median']:>12.0f} "
+              f"{row['kv_share_of_link']:>10.1%} {row['kv_share_of_iperf3']:>12.1%} {row['cold_mbit']:>12.0f} "
+              f"{row['cold_share_of_link']:>10.1%} {row['cold_share_of_iperf3']:>12.1%}")  # fmt: skip
+    load = report["load_average_1min"]
+    print(f"load average (1 min) before {load['before']:.2f}, after {load['after']:.2f}")
+
+
+def sysctl_setting(text: str) -> tuple[str, str]:
+    name, _, value = text.partition("=")
+    if not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def main() -> None:
@@ -155,11 +202,18 @@ def main() -> None:
     parser.add_argument("--checksum")
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tcp-congestion", default=None, help="the KV server's congestion control (default: system)")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the KV store's DATA frame size")
+    parser.add_argument("--stream-counts", type=lambda text: [int(n) for n in text.split(",")], default=STREAM_COUNTS,
+                        help="comma-separated stream counts (default 1,2,4,8)")
+    parser.add_argument("--gap-seconds", type=float, default=0.0, help="pause between one pull and the next")
+    parser.add_argument("--sysctl", type=sysctl_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="set a namespaced sysctl in both namespaces (repeatable), e.g. what kernel_tuning sets")
     args = parser.parse_args()
     if args.mode == "serve":
-        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion))
+        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes))
     elif args.mode == "pull":
-        asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats))
+        asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats,
+                                    args.gap_seconds))
     else:
         with tempfile.TemporaryDirectory() as folder:
             key_file = Path(folder) / "kv.key"
