@@ -10,11 +10,13 @@ the version through each server's `pdserve_build_info`.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import yaml
 
 from pdstack.canary.judge import Observations
 
@@ -46,6 +48,15 @@ class Prometheus:
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
 
+    def scrape_interval_s(self) -> float:
+        """The global scrape interval from the running configuration (Prometheus' default 1m when unset)."""
+        try:
+            response = httpx.get(self.url.rstrip("/") + "/api/v1/status/config", timeout=self.timeout_s)
+            config = yaml.safe_load(response.json()["data"]["yaml"]) or {}
+        except (httpx.HTTPError, ValueError, KeyError, yaml.YAMLError) as exc:
+            raise PrometheusError(f"{self.url}: cannot read the configuration: {exc}") from exc
+        return duration_s(str((config.get("global") or {}).get("scrape_interval", "1m")))
+
     def scalar(self, query: str, at: float) -> float:
         """The sum of an instant vector's values at `at` (0 when the vector is empty)."""
         series = self._get("/api/v1/query", {"query": query, "time": f"{at:.3f}"})
@@ -59,6 +70,15 @@ class Prometheus:
         if len(series) > 1:
             raise PrometheusError(f"query {query!r}: expected one series, got {len(series)}")
         return [float(value) for _, value in series[0]["values"]] if series else []
+
+
+def duration_s(text: str) -> float:
+    """A Prometheus duration such as `5s`, `1m30s` or `500ms`, in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    parts = re.findall(r"(\d+)(ms|s|m|h|d|w|y)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise PrometheusError(f"scrape_interval: not a Prometheus duration: {text!r}")
+    return sum(int(n) * units[u] for n, u in parts)
 
 
 def _selector(version: str) -> str:
@@ -91,6 +111,14 @@ def observe(
     if points < 3:
         raise ValueError(f"points: the judge needs at least 3 per metric, got {points}")
     end = time.time() if end is None else end
+    # Each point's rate() needs two scrapes of its own, or it is empty (or repeats its neighbour's data).
+    scrape_s = prom.scrape_interval_s()
+    points = min(points, int(window_s // (2 * scrape_s)))
+    if points < 3:
+        raise ValueError(
+            f"window: {window_s} s holds fewer than 3 latency points at a {scrape_s:g} s scrape interval; "
+            f"give at least {math.ceil(6 * scrape_s)} s"
+        )
     step = window_s / points
     rate_window = max(math.ceil(step), 1)
     q = queries(version, window_s, rate_window)

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdstack.canary.judge import Outcome, judge
-from pdstack.canary.prom import Prometheus, PrometheusError, observe
+from pdstack.canary.prom import Prometheus, PrometheusError, duration_s, observe
 from pdstack.cli import app
 from pdstack.model import CanaryThresholds
 from tests.deploy.promdata import SCRAPE_S, Traffic, openmetrics, prometheus_with
@@ -114,3 +114,19 @@ def test_cli_json_verdict(prom: Prometheus) -> None:
 def test_cli_unreachable_prometheus_is_a_clear_error() -> None:
     code, output = run_judge(Prometheus("http://127.0.0.1:9"), "v2")
     assert code == 2 and "127.0.0.1:9" in output
+
+
+def test_a_window_too_short_for_the_scrape_interval_is_refused_naming_both(prom: Prometheus) -> None:
+    assert prom.scrape_interval_s() == SCRAPE_S
+    with pytest.raises(ValueError, match=r"window: 60 s holds fewer than 3 latency points at a 15 s scrape interval"):
+        observe(prom, "v1", 60, END)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("5s", 5), ("1m30s", 90), ("500ms", 0.5), ("1h", 3600)])
+def test_prometheus_durations(text: str, seconds: float) -> None:
+    assert duration_s(text) == seconds
+
+
+def test_a_malformed_duration_is_named() -> None:
+    with pytest.raises(PrometheusError, match="not a Prometheus duration: '5 seconds'"):
+        duration_s("5 seconds")
