@@ -108,6 +108,8 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
             await asyncio.gather(*state.background, return_exceptions=True)
             if state.service is not None:
                 await state.service.scheduler.stop()
+                if state.service.importer is not None:
+                    await state.service.importer.close()  # its pooled KV connections
             if state.exporter is not None:
                 await state.exporter.close()
 
