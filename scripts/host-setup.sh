@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Install and configure what the node-container tests need on a Debian 12 host: podman with Debian's runc,
-# debootstrap (to build the node base image without a public image registry) and the losetup/mkfs tools.
+# Install and configure what `make up` and the node-container tests need on a Debian 12 host: podman with Debian's runc,
+# debootstrap (to build the node base image without a public image registry), the losetup/mkfs tools, and for the
+# local environment the image registry, the network tools and git (images are tagged by a hash of their sources).
 # Idempotent: a second run installs nothing and rewrites nothing that is already right.
 set -euo pipefail
 
-PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs openssh-client)
+PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs openssh-client
+  docker-registry iproute2 iptables git)
 CONTAINERS_CONF=/etc/containers/containers.conf
 
 missing_packages() {
