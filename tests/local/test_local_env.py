@@ -139,16 +139,19 @@ def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> Non
     assert all(n["running"] for members in local.status["nodes"].values() for n in members)
 
 
-def test_prometheus_scrapes_every_pdserve_component(local: Local) -> None:
+def test_prometheus_scrapes_every_pdserve_component_and_node(local: Local) -> None:
     query = f"{local.status['prometheus_url']}/api/v1/query"
     deadline = time.monotonic() + 60
     while True:
-        result = httpx.get(query, params={"query": 'up{job=~"pdserve-.*"}'}, timeout=10).json()["data"]["result"]
+        result = httpx.get(query, params={"query": 'up{job=~"pdserve-.*|node"}'}, timeout=10).json()["data"]["result"]
         up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in result}
-        if (len(up) == 6 and set(up.values()) == {"1"}) or time.monotonic() > deadline:
+        if (len(up) == 11 and set(up.values()) == {"1"}) or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert len(up) == 6 and set(up.values()) == {"1"}, up  # scheduler, gateway, 2 prefill, 2 decode
+    # scheduler, gateway, 2 prefill, 2 decode, and node_exporter on each of the 5 nodes
+    assert len(up) == 11 and set(up.values()) == {"1"}, up
+    clocks = httpx.get(query, params={"query": "node_timex_sync_status"}, timeout=10).json()["data"]["result"]
+    assert len(clocks) == 5  # what the clock-skew alert reads
 
 
 def test_a_completion_is_prefilled_in_dc1_and_decoded_in_dc2_across_the_wan(local: Local) -> None:

@@ -40,6 +40,7 @@ def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subproc
         ("time_sync", {"time_sync_maxdistance": "far"}, "time_sync_maxdistance"),
         ("numa", {"numa_cpu_governor": "turbo"}, "numa_cpu_governor must be one of"),
         ("container_runtime", {"container_runtime_engine": "docker"}, "container_runtime_engine must be one of"),
+        ("node_exporter", {"node_exporter_port": "ninety-one hundred"}, "node_exporter_port"),
         ("container_runtime", {"container_runtime_registry_auths": [{"registry": "r.test", "username": "u"}]},
          "missing required arguments: password found in container_runtime_registry_auths"),
     ],

@@ -195,3 +195,16 @@ def test_registry_mirror_and_credentials(cluster: Cluster) -> None:
     assert auth.mode == 0o600
     assert "registry.pdstack.test:5000" in json.loads(auth.content_string)["auths"]
     assert "test-only-password" not in cluster.first_run.output  # credentials never reach the log
+
+
+# node_exporter --------------------------------------------------------------------------------------------------
+
+
+def test_node_exporter_serves_the_clock_state_on_the_node_address(cluster: Cluster) -> None:
+    node = host(NODE_B)
+    assert node.service("prometheus-node-exporter").is_running
+    assert node.service("prometheus-node-exporter").is_enabled
+    address = node.check_output("hostname -I").split()[0]
+    metrics = node.check_output(f"python3 -c \"import urllib.request; print(urllib.request.urlopen("
+                                f"'http://{address}:9100/metrics', timeout=5).read().decode())\"")
+    assert "node_timex_offset_seconds" in metrics and "node_timex_sync_status" in metrics

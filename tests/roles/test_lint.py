@@ -11,7 +11,7 @@ ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
 
 
 def test_ansible_lint_production_profile(tmp_path: Path) -> None:
-    roles = ["gpu_driver", "numa", "time_sync", "storage", "kernel_tuning", "container_runtime"]
+    roles = ["gpu_driver", "numa", "time_sync", "storage", "kernel_tuning", "container_runtime", "node_exporter"]
     targets = [f"roles/{role}" for role in roles] + ["playbooks/baseline.yml"]
     result = subprocess.run(
         [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
