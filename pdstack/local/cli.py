@@ -8,9 +8,15 @@ from typing import Annotated
 
 import typer
 
-from pdstack.local.env import LocalEnv
+from pdstack.local.env import LocalEnv, PlaybookError
 from pdstack.local.inventory import render_inventory
 from pdstack.local.network import NetworkError
+from pdstack.local.registry import RegistryError
+from pdstack.local.topology import TopologyError
+from pdstack.nodes import NodeError
+
+# What `up` reports as a message and exit 1: each names the step and carries the cause; anything else is a bug.
+UP_ERRORS = (TopologyError, NetworkError, RegistryError, NodeError, PlaybookError)
 
 local_app = typer.Typer(
     help="Run all of pdstack on this machine: two emulated datacenters and a control plane.", no_args_is_help=True
@@ -29,7 +35,12 @@ def _env(project: Path) -> LocalEnv:
 @local_app.command("up")
 def up_command(project: ProjectOption = Path()) -> None:
     """Bring the local environment up (idempotent) and print where it answers."""
-    status = _env(project).up(say=lambda line: typer.echo(f"== {line}", err=True))
+    try:
+        status = _env(project).up(say=lambda line: typer.echo(f"== {line}", err=True))
+    except UP_ERRORS as error:
+        typer.echo(f"pdstack local up: {error}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"completion: {status['smoke']!r}")
     typer.echo(f"gateway:    {status['gateway_url']}")
     typer.echo(f"API key:    in {status['api_key_file']}")
     typer.echo(f"Prometheus: {status['prometheus_url']}")

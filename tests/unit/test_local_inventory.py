@@ -1,12 +1,17 @@
-"""The committed local inventory is exactly what the local stacks render to, and Ansible reads it."""
+"""The committed local inventory is exactly what the local stacks render to, and Ansible reads it; `up` refuses
+invalid stacks before it touches the machine."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from pdstack.cli import app
 from pdstack.local.inventory import render_inventory
 from pdstack.local.topology import load_topology
 from tests.conftest import REPO, STACKS
@@ -29,3 +34,14 @@ def test_ansible_groups_nodes_by_role_and_datacenter() -> None:
     dc1 = groups["_meta"]["hostvars"]["dc1-prefill-1"]
     assert dc1["pdstack_address"] == "10.210.1.10"
     assert (dc1["kernel_tuning_link_bandwidth_gbps"], dc1["kernel_tuning_link_rtt_ms"]) == (1.0, 20.0)
+
+
+def test_up_refuses_invalid_stacks_with_a_message_before_touching_the_machine(tmp_path: Path) -> None:
+    (tmp_path / "Pulumi.yaml").write_text("name: pdstack\nruntime: python\n")
+    shutil.copytree(REPO / "stacks", tmp_path / "stacks")
+    control = tmp_path / "stacks" / "Pulumi.local-control.yaml"
+    control.write_text(control.read_text().replace("cidr: 10.210.0.0/24", "cidr: 10.210.1.0/24"))
+    result = CliRunner().invoke(app, ["local", "up", "--project", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "pdstack local up: the stacks are not valid" in result.output and "10.210.1.0/24" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # a message, not a traceback
