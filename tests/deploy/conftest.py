@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from pdstack import nodes
+from pdstack.local.inventory import NESTED_NODE_VARS
 from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
@@ -32,20 +33,13 @@ RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:
 NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 
-# What the node containers need from the container_runtime role on this host (see DESIGN.md).
+# Node containers on this host need what the local environment's nodes need (nested podman, see DESIGN.md).
 NODE_VARS: dict[str, Any] = {
+    **NESTED_NODE_VARS,
     "ansible_connection": "containers.podman.podman",
     "ansible_python_interpreter": "/usr/bin/python3",
     "ansible_become": False,  # the podman connection is root already; the nodes have no sudo
     "pdstack_environment": "local",
-    "container_runtime_oci_runtime": "runc",
-    "container_runtime_cgroup_manager": "cgroupfs",
-    "container_runtime_events_logger": "file",
-    "container_runtime_default_ulimits": ["nofile=20000:20000", "nproc=4096:4096"],
-    "container_runtime_nvidia_cdi": False,
-    # Nested podman on this cgroup v1/hybrid host: runc cannot mount the cgroup filesystem itself.
-    "pdserve_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
-    "prometheus_extra_volumes": ["/sys/fs/cgroup:/sys/fs/cgroup:ro"],
     # Prompts of 8+ tokens take the prefill -> KV channel -> decode path (the local stack uses 32).
     "pdserve_env": {"PDSERVE_OFFLOAD_THRESHOLD_TOKENS": "8"},
 }
