@@ -27,13 +27,18 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cert, private_key
 
 
-def test_tls_round_trip_and_untrusted_certificate_refused(
-    certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
-):
+def tls_contexts(certificate: tuple[Path, Path]) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The server's context, and a client's that trusts the self-signed certificate."""
     cert, private_key = certificate
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, private_key)
-    trusting = ssl.create_default_context(cafile=str(cert))
+    return server_tls, ssl.create_default_context(cafile=str(cert))
+
+
+def test_tls_round_trip_and_untrusted_certificate_refused(
+    certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
+):
+    server_tls, trusting = tls_contexts(certificate)
     store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=8192, metrics=metrics)
     layers = make_layers(4, (32, 128), "float16")
     stored = store.put("tls-1", layers, meta_for("tls-1"))
@@ -60,10 +65,7 @@ def test_tls_round_trip_and_untrusted_certificate_refused(
 def test_tls_connections_are_reused_and_replaced_after_a_server_restart(
     certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
 ):
-    cert, private_key = certificate
-    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_tls.load_cert_chain(cert, private_key)
-    trusting = ssl.create_default_context(cafile=str(cert))
+    server_tls, trusting = tls_contexts(certificate)
     store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=8192, metrics=metrics)
     layers = make_layers(4, (32, 128), "float16")
     stored = store.put("tls-2", layers, meta_for("tls-2"))
