@@ -123,14 +123,17 @@ class LocalEnv:
         }  # fmt: skip
         self.release_file.write_text(json.dumps(release, indent=2) + "\n")
 
-    def play(self, playbook: str, *args: str, say: Callable[[str], None] = print) -> str:
-        """Run a playbook against the local inventory with the current release; its output goes to `say` line by
-        line and is returned; a failed run raises with the output's tail."""
-        argv = [str(self.project / ".venv" / "bin" / "ansible-playbook"), "-i", str(self.inventory),
+    def playbook_argv(self, playbook: str, *args: str) -> list[str]:
+        """`ansible-playbook` of `playbooks/<playbook>` against the local inventory, with the current release."""
+        return [str(self.project / ".venv" / "bin" / "ansible-playbook"), "-i", str(self.inventory),
                 str(self.project / "playbooks" / playbook), "-e", f"@{self.release_file}", *args]  # fmt: skip
+
+    def play(self, playbook: str, *args: str, say: Callable[[str], None] = print) -> str:
+        """Run a playbook (see playbook_argv); its output goes to `say` line by line and is returned; a failed run
+        raises with the output's tail."""
         env = {**os.environ, "ANSIBLE_CONFIG": str(self.project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-        process = subprocess.Popen(argv, cwd=self.project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True)  # fmt: skip
+        process = subprocess.Popen(self.playbook_argv(playbook, *args), cwd=self.project, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         assert process.stdout is not None
         lines = []
         for line in process.stdout:
