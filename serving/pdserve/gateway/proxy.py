@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -26,6 +26,7 @@ from .streaming import DONE, carries_token, encode, error_event, kv_stats, sse_d
 from .validation import ValidRequest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
@@ -132,24 +133,20 @@ class PDProxy:
 
     async def decode_json(self, ctx: Context, plan: Plan, kv_params: dict[str, Any] | None) -> httpx.Response:
         """Non-streaming decode; a failure is retried once on a compatible instance."""
-        decode = plan.decode
-        for attempt in (1, 2):
-            try:
-                response = await self._call_decode_json(ctx, decode, kv_params)
-                self.metrics.routing.labels("decode", decode.instance_id, ctx.version, ctx.route).inc()
-                return response
-            except UpstreamError as exc:
-                decode = self._retry_target(ctx, decode, exc, attempt)
-        raise AssertionError("unreachable")
+        return await self._decode_with_retry(ctx, plan, lambda decode: self._call_decode_json(ctx, decode, kv_params))
 
     async def open_stream(self, ctx: Context, plan: Plan, kv_params: dict[str, Any] | None) -> Stream:
         """Streaming decode up to its first event; failing before that, it is retried once on another instance."""
+        return await self._decode_with_retry(ctx, plan, lambda decode: self._open_stream(ctx, decode, kv_params))
+
+    async def _decode_with_retry(self, ctx: Context, plan: Plan,
+                                 call: Callable[[RoutedInstance], Awaitable[T]]) -> T:
         decode = plan.decode
         for attempt in (1, 2):
             try:
-                stream = await self._open_stream(ctx, decode, kv_params)
+                result = await call(decode)
                 self.metrics.routing.labels("decode", decode.instance_id, ctx.version, ctx.route).inc()
-                return stream
+                return result
             except UpstreamError as exc:
                 decode = self._retry_target(ctx, decode, exc, attempt)
         raise AssertionError("unreachable")
