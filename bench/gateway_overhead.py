@@ -59,17 +59,20 @@ def wait_ok(url: str, timeout: float = 60.0) -> None:
 
 def start_stack(work: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     model = make_test_checkpoint("dense", work / "model")
-    (work / "admin.token").write_text(secrets.token_hex(16))
+    for name in ("admin.token", "instance.token"):
+        (work / name).write_text(secrets.token_hex(16))
     (work / "keys.json").write_text(json.dumps({"bench": [API_KEY]}))
     sched_port, server_port, gateway_port = free_port(), free_port(), free_port()
     scheduler_url = f"http://127.0.0.1:{sched_port}"
     procs = [launch(["pdserve.scheduler", "--port", str(sched_port), "--state-file", str(work / "state.json"),
-                     "--admin-token-file", str(work / "admin.token"), "--heartbeat-interval", "1"],
+                     "--admin-token-file", str(work / "admin.token"), "--instance-token-file",
+                     str(work / "instance.token"), "--heartbeat-interval", "1"],
                     work / "scheduler.log")]
     wait_ok(scheduler_url + "/health/live")
     procs.append(launch(["pdserve.cli", "colocated", "--model", str(model), "--host", "127.0.0.1", "--port",
                          str(server_port), "--served-model-name", "bench", "--scheduler-url", scheduler_url,
-                         "--heartbeat-seconds", "1"], work / "colocated.log"))
+                         "--scheduler-token-file", str(work / "instance.token"), "--heartbeat-seconds", "1"],
+                        work / "colocated.log"))
     procs.append(launch(["pdserve.gateway", "--port", str(gateway_port), "--scheduler-url", scheduler_url,
                          "--api-keys-file", str(work / "keys.json"), "--requests-per-second", "100000",
                          "--request-burst", "100000", "--tokens-per-minute", "100000000", "--log-level", "warning"],

@@ -26,7 +26,8 @@ from infra.workloads import ControlWorkloads, ControlWorkloadsArgs
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.model import DatacenterRole, Environment
 
-NODE_SECRETS = ("kv-channel-key",)  # the only secret GPU nodes read; the rest stay in the control plane
+# The only secrets GPU nodes read (KV channel, scheduler registration); the rest stay in the control plane.
+NODE_SECRETS = ("kv-channel-key", "scheduler-instance-token")
 
 
 def main() -> None:

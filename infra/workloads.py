@@ -97,14 +97,15 @@ class ControlWorkloads(pulumi.ComponentResource):
         gateway = AppSpec(
             "gateway", args.ports.gateway, args.gateway_replicas, "1", "1Gi",
             env={"PDSTACK_CONFIG_DIR": CONFIG_DIR, "PDSTACK_SCHEDULER_URL": scheduler_url},
-            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys", "PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token"},
+            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys"},
         )
         # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
         # each see half the heartbeats behind the load balancer.
         scheduler = AppSpec(
             "scheduler", args.ports.scheduler, 1, "500m", "512Mi",
             env={"PDSTACK_CONFIG_DIR": CONFIG_DIR},
-            secret_env={"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token", "PDSTACK_KV_KEY": "kv-channel-key"},
+            secret_env={"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token",
+                        "PDSTACK_INSTANCE_TOKEN": "scheduler-instance-token"},
         )
         for app in (gateway, scheduler):
             self._deployment(name, app, recreate=app is scheduler)

@@ -203,8 +203,13 @@ class Secret(Strict):
     rotation_days: int = Field(default=90, ge=1, le=365)
 
 
+REQUIRED_SECRETS = ("gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-instance-token")
+"""What the serving runtime reads: gateway API keys, the KV channel's HMAC key, the scheduler's admin token
+(weights) and its instance token (servers register, heartbeat and drain with it)."""
+
+
 def _default_secrets() -> list[Secret]:
-    return [Secret(name="gateway-api-keys"), Secret(name="kv-channel-key"), Secret(name="scheduler-admin-token")]
+    return [Secret(name=name) for name in REQUIRED_SECRETS]
 
 
 class Capacity(Strict):
@@ -235,6 +240,10 @@ class StackConfig(Strict):
         if self.datacenter.role is DatacenterRole.CONTROL:
             if self.serving is None:
                 raise ValueError("the control-plane stack must set `serving`")
+            missing = [name for name in REQUIRED_SECRETS if name not in {s.name for s in self.secret_specs}]
+            if missing:
+                raise ValueError(f"pdstack:secrets lacks {', '.join(missing)}: the serving runtime reads "
+                                 f"{', '.join(REQUIRED_SECRETS)}")
         else:
             misplaced = [key for key in self.ENVIRONMENT_WIDE if getattr(self, key) is not None]
             if misplaced:

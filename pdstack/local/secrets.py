@@ -1,7 +1,7 @@
 """Secrets of the local environment, generated on this machine on first use and never printed.
 
 They live as 0600 files under the environment's state folder; the playbooks hand them to the nodes as podman secrets.
-Cloud environments take the same three from Secrets Manager instead (infra/).
+Cloud environments take the same ones from Secrets Manager instead (infra/).
 """
 
 from __future__ import annotations
@@ -38,11 +38,16 @@ class LocalSecrets:
     def scheduler_admin_token(self) -> Path:
         return self.folder / "scheduler-admin.token"
 
+    @property
+    def scheduler_instance_token(self) -> Path:
+        """What servers present to the scheduler to register, heartbeat and drain."""
+        return self.folder / "scheduler-instance.token"
+
     def ensure(self) -> None:
         """Create whatever is missing; keep what exists, so a second `up` rotates nothing."""
         self.folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
-        for path in (self.api_key, self.kv_channel_key, self.scheduler_admin_token):
+        for path in (self.api_key, self.kv_channel_key, self.scheduler_admin_token, self.scheduler_instance_token):
             if not path.exists():
                 _write_private(path, secrets.token_urlsafe(32))
         digest = hashlib.sha256(self.api_key.read_text().encode()).hexdigest()

@@ -63,6 +63,7 @@ def test_secrets_are_podman_secrets_never_environment_or_logs(installed: Serving
     again = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r1')}", "-v")
     assert kv_key not in again.output
     assert installed.secrets.scheduler_admin_token.read_text().strip() not in again.output
+    assert installed.secrets.scheduler_instance_token.read_text().strip() not in again.output
     assert again.returncode == 0 and again.changed() == 0, again.output[-5000:]
 
 

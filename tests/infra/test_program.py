@@ -169,10 +169,10 @@ def _generated_values(graph: Synthesis) -> set[str]:
 def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) -> None:
     graph = graphs[name]
     values = _generated_values(graph)
-    assert len(values) == 3
+    assert len(values) == 4
     assert outputs.SECRET_VALUES in graph.secret_outputs
     assert {s.inputs["name"].rsplit("/", 1)[1] for s in graph.of_type("aws:secretsmanager/secret:Secret")} == {
-        "gateway-api-keys", "kv-channel-key", "scheduler-admin-token"
+        "gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-instance-token"
     }
     for version in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion"):
         assert "secretString" in version.secret_inputs
@@ -226,12 +226,13 @@ def test_exports_cover_what_stack_references_read(graphs: dict[str, Synthesis]) 
             assert set(graph.outputs[outputs.REPOSITORY_ARNS]) >= {"prefill", "decode"}
 
 
-def test_nodes_may_read_only_the_kv_key_secret(graphs: dict[str, Synthesis]) -> None:
+def test_nodes_may_read_only_the_kv_key_and_instance_token(graphs: dict[str, Synthesis]) -> None:
     policy = next(p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy")
                   if p.name.endswith("-node"))
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
     assert statements["ReadNodeSecrets"]["Resource"] == [
-        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/kv-channel-key-AbCdEf"
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/kv-channel-key-AbCdEf",
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/scheduler-instance-token-AbCdEf",
     ]
     assert "*" not in json.dumps(statements["ReadModels"]["Resource"]).replace("/*", "")
 

@@ -153,6 +153,9 @@ def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
          "pdstack:environment: Input should be 'local', 'dev', 'staging' or 'prod'"),
         ("Pulumi.local-dc1.yaml", lambda c: c["pdstack:datacenter"].update(cidr="10.210.1.0/33"),
          "pdstack:datacenter.cidr: Input is not a valid IPv4 network"),
+        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:secrets"].pop(),
+         "pdstack:secrets lacks scheduler-instance-token: the serving runtime reads gateway-api-keys, "
+         "kv-channel-key, scheduler-admin-token, scheduler-instance-token"),
     ],
 )
 def test_other_mistakes_name_the_field(stacks_dir: Path, file: str, change: Any, expected: str) -> None:

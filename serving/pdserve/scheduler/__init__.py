@@ -1,6 +1,7 @@
 """pdserve scheduler: instance registry with heartbeats, routing table, version weights (canary), P:D advice.
 
-Run it with `pdserve scheduler --state-file F --admin-token-file T` (or `python -m pdserve.scheduler`).
+Run it with `pdserve scheduler --state-file F --admin-token-file T --instance-token-file I`
+(or `python -m pdserve.scheduler`).
 Servers report to it with `pdserve.scheduler.client.run_heartbeats`.
 """
 
@@ -18,5 +19,8 @@ from .settings import SchedulerSettings, load_settings
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(SchedulerSettings, argv, prog="pdserve scheduler")
     configure("scheduler", settings.log_level)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve scheduler: {exc}") from None
     uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, log_config=None)

@@ -1,7 +1,8 @@
 """The scheduler's HTTP API.
 
 Instances:  POST /v1/instances (register)  POST /v1/instances/{id}/heartbeat  POST /v1/instances/{id}/drain
-            DELETE /v1/instances/{id}  GET /v1/instances
+            DELETE /v1/instances/{id}   (Authorization: Bearer <instance token>, or the admin token)
+            GET /v1/instances
 Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)
 Operators:  GET /v1/advice   GET /v1/admin/weights   PUT /v1/admin/weights (Authorization: Bearer <admin token>)
 Health:     /health/live  /health/ready  /metrics
@@ -15,7 +16,8 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,6 +36,7 @@ from .weights import WeightsError, WeightsStore
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def error(status: int, message: str, field: str | None = None) -> JSONResponse:
@@ -62,7 +65,10 @@ class SchedulerState:
 
     def __init__(self, settings: SchedulerSettings) -> None:
         self.settings = settings
-        self.admin_token = read_token(settings)
+        self.admin_token = read_token(settings.admin_token_file, "admin_token_file")
+        self.instance_token = read_token(settings.instance_token_file, "instance_token_file")
+        if hmac.compare_digest(self.admin_token.encode(), self.instance_token.encode()):
+            raise ValueError("instance_token_file holds the admin token: every server could then change the weights")
         self.weights = WeightsStore(settings.state_file)
         self.weights_generation = 0
         self.boot_id = uuid.uuid4().hex[:8]
@@ -84,20 +90,45 @@ class SchedulerState:
                             instances=[i.routed() for i in self.registry.in_state("ready")])
 
     def is_admin(self, request: Request) -> bool:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.admin_token.encode())
+        return bearer_matches(request, self.admin_token)
+
+    def is_instance(self, request: Request) -> bool:
+        """Servers hold the instance token; operators may use the admin token (e.g. to drain by hand)."""
+        return bearer_matches(request, self.instance_token) or bearer_matches(request, self.admin_token)
 
 
-def read_token(settings: SchedulerSettings) -> str:
-    token = settings.admin_token_file.read_text().strip()
+def bearer_matches(request: Request, token: str) -> bool:
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def read_token(path: Path, field: str) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{field} {path}: {exc.strerror}") from None
     if not token:
-        raise ValueError(f"admin_token_file {settings.admin_token_file} is empty")
+        raise ValueError(f"{field} {path} is empty")
     return token
 
 
 def state_of(request: Request) -> SchedulerState:
     state: SchedulerState = request.app.state.scheduler
     return state
+
+
+def instances_api(handler: Handler) -> Handler:
+    """Only holders of the instance token may add, change or remove instances: a stranger who could register would
+    be sent prompts, and one who could drain or deregister could take the fleet out of service."""
+
+    async def checked(request: Request) -> Response:
+        state = state_of(request)
+        if not state.is_instance(request):
+            state.metrics.instance_requests_unauthorized.inc()
+            return error(401, "instance API needs Authorization: Bearer <instance token>")
+        return await handler(request)
+
+    return checked
 
 
 async def register(request: Request) -> Response:
@@ -214,11 +245,11 @@ def create_app(settings: SchedulerSettings) -> Starlette:
             sweeper.cancel()
 
     routes = [
-        Route("/v1/instances", register, methods=["POST"]),
+        Route("/v1/instances", instances_api(register), methods=["POST"]),
         Route("/v1/instances", list_instances, methods=["GET"]),
-        Route("/v1/instances/{instance_id}/heartbeat", heartbeat, methods=["POST"]),
-        Route("/v1/instances/{instance_id}/drain", drain, methods=["POST"]),
-        Route("/v1/instances/{instance_id}", deregister, methods=["DELETE"]),
+        Route("/v1/instances/{instance_id}/heartbeat", instances_api(heartbeat), methods=["POST"]),
+        Route("/v1/instances/{instance_id}/drain", instances_api(drain), methods=["POST"]),
+        Route("/v1/instances/{instance_id}", instances_api(deregister), methods=["DELETE"]),
         Route("/v1/routing", routing, methods=["GET"]),
         Route("/v1/advice", advice, methods=["GET"]),
         Route("/v1/admin/weights", get_weights, methods=["GET"]),

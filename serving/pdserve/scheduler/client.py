@@ -2,14 +2,15 @@
 
     info = InstanceInfo(role="decode", version="v1", kv_fingerprint=engine.fingerprint,
                         url="http://10.0.0.5:8100", model="tiny", instance_id="decode-a")
-    task = asyncio.create_task(run_heartbeats(scheduler_url, info, load_fn, interval=2.0))
+    task = asyncio.create_task(run_heartbeats(scheduler_url, info, load_fn, token=instance_token, interval=2.0))
     ...
-    await drain(scheduler_url, info.instance_id)  # on SIGTERM: stop new traffic, finish in-flight, then
-    task.cancel()                                 # cancelling deregisters the instance
+    await drain(scheduler_url, info.instance_id, instance_token)  # on SIGTERM: stop new traffic, finish in-flight
+    task.cancel()                                                 # cancelling deregisters the instance
 
-`load_fn` returns an InstanceLoad (or a dict of its fields), sync or async; `ready=False` keeps the instance out of the
-routing table. The loop never raises on scheduler trouble: it logs, retries, and registers again when the scheduler
-forgot the instance (404 after a scheduler restart).
+`instance_token` is the scheduler's instance token (every call presents it as a bearer token). `load_fn` returns an
+InstanceLoad (or a dict of its fields), sync or async; `ready=False` keeps the instance out of the routing table.
+The loop never raises on scheduler trouble: it logs, retries, and registers again when the scheduler forgot the
+instance (404 after a scheduler restart).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ LoadFn = Callable[[], InstanceLoad | dict[str, Any] | Awaitable[InstanceLoad | d
 TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
-async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[str, Any], load_fn: LoadFn,
-                         interval: float = 2.0) -> None:
+async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[str, Any], load_fn: LoadFn, *,
+                         token: str, interval: float = 2.0) -> None:
     """Register, then send a heartbeat with the current load every `interval` seconds until cancelled."""
     info = InstanceInfo.model_validate(instance_info)
     if info.instance_id is None:
         info = info.model_copy(update={"instance_id": f"{info.role}-{uuid.uuid4().hex[:12]}"})
     base = scheduler_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, headers=bearer(token)) as client:
         try:
             registered = False
             while True:
@@ -51,15 +52,19 @@ async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[
             await asyncio.shield(_deregister(client, base, str(info.instance_id)))
 
 
-async def drain(scheduler_url: str, instance_id: str) -> bool:
+async def drain(scheduler_url: str, instance_id: str, token: str) -> bool:
     """Ask the scheduler to route no new requests to this instance; True if it acknowledged."""
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, headers=bearer(token)) as client:
         try:
             response = await client.post(f"{scheduler_url.rstrip('/')}/v1/instances/{instance_id}/drain")
         except httpx.HTTPError as exc:
             log.warning("drain failed", extra={"fields": {"cause": type(exc).__name__}})
             return False
     return response.status_code == 200
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 async def _current_load(load_fn: LoadFn) -> InstanceLoad:
@@ -92,6 +97,9 @@ async def _heartbeat(client: httpx.AsyncClient, base: str, info: InstanceInfo, l
         return True
     if response.status_code == 404:
         log.info("scheduler forgot this instance; registering again")
+        return False
+    if response.status_code == 401:
+        log.error("heartbeat refused: the scheduler does not accept this instance token")
         return False
     return True
 

@@ -29,6 +29,10 @@ class SchedulerMetrics:
         self.admin_requests = Counter("pdserve_scheduler_admin_requests",
                                       "Admin API requests, by result (ok, unauthorized, invalid)", ["result"],
                                       registry=self.prometheus)
+        self.instance_requests_unauthorized = Counter(
+            "pdserve_scheduler_instance_requests_unauthorized",
+            "Instance API requests (register, heartbeat, drain, deregister) refused for a missing or wrong token",
+            registry=self.prometheus)
         self.prometheus.register(_StateCollector(registry, weights, advice))
 
 

@@ -22,7 +22,7 @@ from pdserve.engine import Engine
 from pdserve.kv import SecretKey
 from pdserve.server.batching import Admission, BatchScheduler
 from pdserve.server.generation import GenerationService
-from pdserve.server.heartbeat import start_heartbeats
+from pdserve.server.heartbeat import read_scheduler_token, start_heartbeats
 from pdserve.server.kvlink import DecodeImporter, PrefillExporter
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import OpenAIEndpoints
@@ -46,6 +46,7 @@ class ServerState:
 async def load_service(state: ServerState) -> None:
     settings = state.settings
     try:
+        scheduler_token = read_scheduler_token(settings)
         engine = await asyncio.to_thread(Engine.load, settings.model)
         key = SecretKey.from_file(settings.kv_key_file) if settings.kv_key_file is not None else None
         exporter = importer = None
@@ -70,7 +71,7 @@ async def load_service(state: ServerState) -> None:
     log.info("ready", extra={"role": settings.role.value, "model": settings.model_name,
                              "fingerprint": engine.fingerprint,
                              "kv_port": exporter.server.port if exporter is not None else None})
-    heartbeat = start_heartbeats(settings, state.service, exporter)
+    heartbeat = start_heartbeats(settings, scheduler_token, state.service, exporter)
     if heartbeat is not None:
         state.background.append(heartbeat)
 

@@ -12,9 +12,20 @@ from pdserve.server.settings import ServerSettings
 log = logging.getLogger(__name__)
 
 
-def start_heartbeats(settings: ServerSettings, service: Any, exporter: Any) -> asyncio.Task[None] | None:
+def read_scheduler_token(settings: ServerSettings) -> str | None:
+    """The scheduler's instance token, read before the model loads so that a missing file fails the start."""
+    if settings.scheduler_token_file is None:
+        return None
+    token = settings.scheduler_token_file.read_text().strip()
+    if not token:
+        raise ValueError(f"scheduler_token_file {settings.scheduler_token_file} is empty")
+    return token
+
+
+def start_heartbeats(settings: ServerSettings, token: str | None, service: Any,
+                     exporter: Any) -> asyncio.Task[None] | None:
     """Start heartbeats to the scheduler in the background; None when no scheduler is configured."""
-    if settings.scheduler_url is None:
+    if settings.scheduler_url is None or token is None:
         return None
     try:
         client = importlib.import_module("pdserve.scheduler.client")
@@ -44,5 +55,5 @@ def start_heartbeats(settings: ServerSettings, service: Any, exporter: Any) -> a
         }
 
     return asyncio.get_running_loop().create_task(
-        client.run_heartbeats(settings.scheduler_url, info, load, settings.heartbeat_seconds)
+        client.run_heartbeats(settings.scheduler_url, info, load, token=token, interval=settings.heartbeat_seconds)
     )

@@ -55,6 +55,8 @@ class ServerSettings(BaseModel):
     prefill_token_budget: int = Field(512, ge=16, description="prompt tokens per engine step (chunked prefill)")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
     scheduler_url: str | None = Field(None, description="register and heartbeat with this pdserve scheduler")
+    scheduler_token_file: Path | None = Field(None, description="the scheduler's instance token (needed with "
+                                              "--scheduler-url)")
     version: str = Field(importlib.metadata.version("pdserve"), description="release reported to the scheduler")
     heartbeat_seconds: float = Field(5.0, gt=0)
     blas_threads: int = Field(1, ge=1, description="BLAS threads per process (1: the engine step, KV hashing and "
@@ -68,6 +70,8 @@ class ServerSettings(BaseModel):
     def _check_role_needs(self) -> ServerSettings:
         if self.role is not Role.COLOCATED and self.kv_key_file is None:
             raise ValueError(f"kv_key_file: the {self.role.value} role needs the KV channel's shared key file")
+        if self.scheduler_url is not None and self.scheduler_token_file is None:
+            raise ValueError("scheduler_token_file: registering with a scheduler needs its instance token file")
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
             raise ValueError("kv_tls_cert and kv_tls_key: give both or neither")
         return self

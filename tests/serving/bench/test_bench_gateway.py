@@ -48,17 +48,20 @@ def _wait_for_both_roles(gateway: Service, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     work = tmp_path_factory.mktemp("pd-stack")
-    for name in ("admin.token", "kv.key"):
+    for name in ("admin.token", "instance.token", "kv.key"):
         (work / name).write_text(secrets.token_hex(32))
     api_key = f"sk-bench-{secrets.token_hex(12)}"
     (work / "api.key").write_text(api_key + "\n")
     (work / "keys.json").write_text(json.dumps({"bench": {"keys": [api_key], "requests_per_second": 1000,
                                                           "request_burst": 1000, "tokens_per_minute": 10**9}}))
     scheduler = Service("pdserve.scheduler", ["--state-file", str(work / "state.json"),
-                                              "--admin-token-file", str(work / "admin.token")], work / "scheduler.log")
+                                              "--admin-token-file", str(work / "admin.token"),
+                                              "--instance-token-file", str(work / "instance.token")],
+                        work / "scheduler.log")
     started: list[Service | ServerProcess] = [scheduler.start()]
     try:
-        kv = ["--kv-key-file", str(work / "kv.key"), "--scheduler-url", scheduler.url]
+        kv = ["--kv-key-file", str(work / "kv.key"), "--scheduler-url", scheduler.url,
+              "--scheduler-token-file", str(work / "instance.token")]
         for role, extra in (("prefill", ["--kv-port", "0"]), ("decode", [])):
             server = ServerProcess(role, bench_model, [*kv, *extra], {}, work / f"{role}.log")
             started.append(server.start())

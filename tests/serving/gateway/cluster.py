@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..scheduler.services import Service, start_scheduler
+from ..scheduler.services import Service, instance_token_file, start_scheduler
 
 # One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
 HTTP = httpx.Client(timeout=60)
@@ -73,6 +73,7 @@ class Cluster:
     def launch_server(self, name: str, role: str, model: Path, version: str = "v1") -> Service:
         assert self.scheduler is not None
         args = ["--model", str(model), "--kv-key-file", str(self.kv_key_file), "--scheduler-url", self.scheduler.url,
+                "--scheduler-token-file", str(instance_token_file(self.tmp)),
                 "--heartbeat-seconds", "0.2", "--version", version, "--served-model-name", "dense"]
         if role == "prefill":
             args += ["--kv-port", "0"]
@@ -105,6 +106,10 @@ class Cluster:
         target = httpx.get(f"{self.scheduler.url}/v1/routing").json()["generation"]
         wait_for(lambda: httpx.get(f"{gateway.url}/health/ready").json()["routing_generation"] >= target,
                  what="gateway routing table in sync")
+
+    def instance_auth(self) -> dict[str, str]:
+        """What servers (and the drain before a stop) present on the scheduler's instance API."""
+        return {"Authorization": f"Bearer {instance_token_file(self.tmp).read_text().strip()}"}
 
     def instance_id(self, name: str) -> str:
         assert self.scheduler is not None

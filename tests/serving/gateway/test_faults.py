@@ -81,8 +81,8 @@ def test_draining_instance_finishes_in_flight_and_gets_nothing_new(cluster: Clus
     chunks = [next(iter(stream))]
     draining = decoding(cluster)
     other = "d2" if draining == "d1" else "d1"
-    instance_id = cluster.instance_id(draining)
-    assert httpx.post(f"{cluster.scheduler.url}/v1/instances/{instance_id}/drain").json()["state"] == "draining"
+    instance_url = f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(draining)}"
+    assert httpx.post(f"{instance_url}/drain", headers=cluster.instance_auth()).json()["state"] == "draining"
     cluster.wait_routable(gateway, 3)
     assert cluster.running(draining) == 1, "premise: the stream is still being generated after the drain"
     admitted_before = admitted_prompt_tokens(cluster, draining)
@@ -94,7 +94,7 @@ def test_draining_instance_finishes_in_flight_and_gets_nothing_new(cluster: Clus
     assert chunks[-1].choices[0].finish_reason == "length"
     assert generated(cluster, draining) - tokens_before[draining] == 3000, "the in-flight stream was cut short"
     # Forgetting the registration lets the instance register afresh (ready) with its next heartbeat.
-    assert httpx.delete(f"{cluster.scheduler.url}/v1/instances/{instance_id}").status_code == 204
+    assert httpx.delete(instance_url, headers=cluster.instance_auth()).status_code == 204
     cluster.wait_routable(gateway, 4)
 
 
@@ -138,7 +138,8 @@ def test_decode_failing_before_first_token_is_retried(cluster: Cluster, model_lo
     for name in ("d1", "d2"):  # forget the decode the previous test killed, so one retry always finds a live decode
         process = cluster.servers[name].process
         if process is not None and process.poll() is not None:
-            httpx.delete(f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(name)}")
+            httpx.delete(f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(name)}",
+                         headers=cluster.instance_auth())
     cluster.launch_server("d3", "decode", model_long)
     cluster.wait_servers()
     port = f":{cluster.servers['d3'].port}"

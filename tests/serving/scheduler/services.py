@@ -89,12 +89,20 @@ def write_secret(path: Path) -> str:
     return token
 
 
+def instance_token_file(tmp: Path) -> Path:
+    """Where the scheduler started in `tmp` keeps the instance token servers present."""
+    return tmp / "instance.token"
+
+
 def start_scheduler(tmp: Path, heartbeat_interval: float = 0.2, missed: int = 3, port: int | None = None,
                     state_file: Path | None = None) -> tuple[Service, str]:
-    """A scheduler process; returns it and its admin token."""
+    """A scheduler process; returns it and its admin token (the instance token is in instance_token_file(tmp))."""
     token_file = tmp / "admin.token"
     token = token_file.read_text().strip() if token_file.exists() else write_secret(token_file)
+    if not instance_token_file(tmp).exists():
+        write_secret(instance_token_file(tmp))
     args = ["--state-file", str(state_file or tmp / "scheduler-state.json"), "--admin-token-file", str(token_file),
+            "--instance-token-file", str(instance_token_file(tmp)),
             "--heartbeat-interval", str(heartbeat_interval), "--missed-heartbeats", str(missed)]
     service = Service("pdserve.scheduler", args, tmp / "scheduler.log")
     if port is not None:

@@ -11,7 +11,7 @@ import httpx
 from pdserve.scheduler.client import drain, run_heartbeats
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad
 
-from .services import start_scheduler
+from .services import instance_token_file, start_scheduler
 
 INFO = InstanceInfo(instance_id="decode-x", role="decode", version="v1", kv_fingerprint="fp", url="http://127.0.0.1:9")
 
@@ -27,6 +27,7 @@ async def wait_until(check: object, timeout: float = 10.0) -> None:
 
 def test_heartbeats_survive_scheduler_restart_and_deregister_on_cancel(tmp_path: Path) -> None:
     service, _ = start_scheduler(tmp_path)
+    token = instance_token_file(tmp_path).read_text().strip()
     active = {"n": 0}
 
     def load() -> InstanceLoad:
@@ -38,12 +39,13 @@ def test_heartbeats_survive_scheduler_restart_and_deregister_on_cancel(tmp_path:
         return instances
 
     async def scenario() -> None:
-        task = asyncio.create_task(run_heartbeats(service.url, INFO, load, interval=0.05))
+        task = asyncio.create_task(run_heartbeats(service.url, INFO, load, token=token, interval=0.05))
         await wait_until(lambda: len(routed()) == 1 and routed()[0]["load"]["active_requests"] > 1)  # type: ignore[index]
         await asyncio.to_thread(service.kill)
         await asyncio.to_thread(service.start)  # same port, empty registry
         await wait_until(lambda: [i["instance_id"] for i in routed()] == ["decode-x"])
-        assert await drain(service.url, "decode-x")
+        assert not await drain(service.url, "decode-x", "not-the-token")
+        assert await drain(service.url, "decode-x", token)
         await wait_until(lambda: routed() == [])
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -13,15 +13,28 @@ from typing import Any
 import httpx
 import pytest
 
-from .services import Service, start_scheduler
+from .services import Service, instance_token_file, start_scheduler
 
 
 @pytest.fixture
 def scheduler(tmp_path: Path) -> Iterator[tuple[Service, str]]:
     """A scheduler that declares instances dead only after 30 s of silence, so a loaded machine cannot flake."""
     service, token = start_scheduler(tmp_path, heartbeat_interval=10.0)
+    INSTANCE_AUTH.update(bearer(instance_token_file(tmp_path).read_text().strip()))
     yield service, token
     service.stop()
+
+
+INSTANCE_AUTH: dict[str, str] = {}
+"""The instance token of the scheduler under test: what servers present on the instance API."""
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def register(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/instances", json=body, headers=INSTANCE_AUTH)
 
 
 def instance(instance_id: str, role: str = "decode", version: str = "v1", fingerprint: str = "fp-a") -> dict[str, Any]:
@@ -30,7 +43,8 @@ def instance(instance_id: str, role: str = "decode", version: str = "v1", finger
 
 
 def beat(url: str, instance_id: str, **load: Any) -> httpx.Response:
-    return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}})
+    return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}},
+                      headers=INSTANCE_AUTH)
 
 
 def states(url: str) -> dict[str, str]:
@@ -48,6 +62,7 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> None:
 
 def test_states_starting_ready_draining_dead(tmp_path: Path) -> None:
     service, _ = start_scheduler(tmp_path, heartbeat_interval=0.5, missed=4)  # dead after 2 s of silence
+    INSTANCE_AUTH.update(bearer(instance_token_file(tmp_path).read_text().strip()))
     try:
         check_state_machine(service.url)
     finally:
@@ -55,11 +70,12 @@ def test_states_starting_ready_draining_dead(tmp_path: Path) -> None:
 
 
 def check_state_machine(url: str) -> None:
-    assert httpx.post(f"{url}/v1/instances", json=instance("d1")).status_code == 201
+    assert register(url, instance("d1")).status_code == 201
     assert states(url) == {"d1": "starting"}
-    assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}}).json()["state"] == "starting"
+    assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}},
+                      headers=INSTANCE_AUTH).json()["state"] == "starting"
     assert beat(url, "d1").json()["state"] == "ready"
-    assert httpx.post(f"{url}/v1/instances/d1/drain").json()["state"] == "draining"
+    assert httpx.post(f"{url}/v1/instances/d1/drain", headers=INSTANCE_AUTH).json()["state"] == "draining"
     assert beat(url, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
     wait_for(lambda: states(url) == {"d1": "dead"})  # heartbeats stopped
 
@@ -67,7 +83,7 @@ def check_state_machine(url: str) -> None:
 def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: tuple[Service, str]) -> None:
     url = scheduler[0].url
     for name in ("p1", "d1", "d2"):
-        httpx.post(f"{url}/v1/instances", json=instance(name, role="prefill" if name.startswith("p") else "decode"))
+        register(url, instance(name, role="prefill" if name.startswith("p") else "decode"))
     beat(url, "p1")
     beat(url, "d1", active_requests=3, max_concurrency=8)
     table = httpx.get(f"{url}/v1/routing")
@@ -84,8 +100,8 @@ def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: t
 
 def test_deregister_and_unknown_heartbeat(scheduler: tuple[Service, str]) -> None:
     url = scheduler[0].url
-    httpx.post(f"{url}/v1/instances", json=instance("d1"))
-    assert httpx.delete(f"{url}/v1/instances/d1").status_code == 204
+    register(url, instance("d1"))
+    assert httpx.delete(f"{url}/v1/instances/d1", headers=INSTANCE_AUTH).status_code == 204
     response = beat(url, "d1")
     assert response.status_code == 404
     assert "register again" in response.json()["error"]["message"]
@@ -94,12 +110,13 @@ def test_deregister_and_unknown_heartbeat(scheduler: tuple[Service, str]) -> Non
 def test_bad_registration_names_the_field(scheduler: tuple[Service, str]) -> None:
     url = scheduler[0].url
     bad = instance("d1") | {"role": "router"}
-    response = httpx.post(f"{url}/v1/instances", json=bad)
+    response = register(url, bad)
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "role"
-    response = httpx.post(f"{url}/v1/instances", json=instance("d1") | {"url": "ftp://x"})
+    response = register(url, instance("d1") | {"url": "ftp://x"})
     assert response.json()["error"]["field"] == "url"
-    response = httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}})
+    response = httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}},
+                          headers=INSTANCE_AUTH)
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "load.queue_depth"
 
@@ -117,6 +134,41 @@ def test_weights_need_the_admin_token(scheduler: tuple[Service, str]) -> None:
                          headers={"Authorization": f"Bearer {token}"})
     assert negative.status_code == 400
     assert "weights.v2" in negative.json()["error"]["message"]
+
+
+def test_instance_api_needs_the_instance_token(scheduler: tuple[Service, str]) -> None:
+    url, admin_token = scheduler[0].url, scheduler[1]
+    stranger = {"Authorization": "Bearer " + INSTANCE_AUTH["Authorization"].removeprefix("Bearer ") + "x"}
+    for headers in ({}, stranger):
+        assert httpx.post(f"{url}/v1/instances", json=instance("rogue"), headers=headers).status_code == 401
+        assert beat_with(url, "rogue", headers).status_code == 401
+    assert states(url) == {}, "an unauthenticated registration must not enter the registry"
+    assert register(url, instance("d1")).status_code == 201
+    for method, path in (("POST", "/v1/instances/d1/drain"), ("DELETE", "/v1/instances/d1")):
+        assert httpx.request(method, url + path, headers=stranger).status_code == 401
+    assert states(url) == {"d1": "starting"}, "a refused drain or deregistration must change nothing"
+    # Operators may drain by hand with the admin token; the instance token cannot change the weights.
+    assert httpx.post(f"{url}/v1/instances/d1/drain", headers=bearer(admin_token)).status_code == 200
+    weights = httpx.put(f"{url}/v1/admin/weights", json={"weights": {"v1": 1}}, headers=INSTANCE_AUTH)
+    assert weights.status_code == 401
+    text = httpx.get(f"{url}/metrics").text
+    assert "pdserve_scheduler_instance_requests_unauthorized_total 6.0" in text
+
+
+def beat_with(url: str, instance_id: str, headers: dict[str, str]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True}}, headers=headers)
+
+
+def test_scheduler_refuses_to_start_without_its_tokens(tmp_path: Path) -> None:
+    (tmp_path / "admin.token").write_text("same-token\n")
+    (tmp_path / "instance.token").write_text("same-token\n")
+    base = [sys.executable, "-m", "pdserve.scheduler", "--state-file", str(tmp_path / "s.json"),
+            "--admin-token-file", str(tmp_path / "admin.token")]
+    for extra, cause in ((["--instance-token-file", str(tmp_path / "missing.token")], "missing.token"),
+                         (["--instance-token-file", str(tmp_path / "instance.token")], "holds the admin token")):
+        result = subprocess.run([*base, *extra], check=False, capture_output=True, text=True, timeout=30)
+        assert result.returncode != 0
+        assert "instance_token_file" in result.stderr and cause in result.stderr, result.stderr
 
 
 def test_weights_survive_a_restart(tmp_path: Path) -> None:
@@ -137,10 +189,10 @@ def test_weights_survive_a_restart(tmp_path: Path) -> None:
 def test_advice_recommends_ratio_and_direction(scheduler: tuple[Service, str]) -> None:
     url = scheduler[0].url
     for name in ("p1", "p2"):
-        httpx.post(f"{url}/v1/instances", json=instance(name, role="prefill"))
+        register(url, instance(name, role="prefill"))
         beat(url, name, active_requests=4, max_concurrency=4)  # saturated
     for name in ("d1", "d2", "d3"):
-        httpx.post(f"{url}/v1/instances", json=instance(name))
+        register(url, instance(name))
         beat(url, name, active_requests=1, max_concurrency=10, kv_used_bytes=5, kv_capacity_bytes=100)
     advice = httpx.get(f"{url}/v1/advice").json()
     assert advice["prefill"]["utilisation"] == 1.0
@@ -155,7 +207,8 @@ def test_advice_recommends_ratio_and_direction(scheduler: tuple[Service, str]) -
 
 def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "pdserve.scheduler", "--state-file", str(tmp_path / "s.json"),
-                             "--admin-token-file", str(tmp_path / "t"), "--heartbeat-interval", "soon"],
+                             "--admin-token-file", str(tmp_path / "t"), "--instance-token-file",
+                             str(tmp_path / "i"), "--heartbeat-interval", "soon"],
                             check=False, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "--heartbeat-interval" in result.stderr
@@ -163,7 +216,7 @@ def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
 
 def test_metrics_pass_promtool(scheduler: tuple[Service, str]) -> None:
     url = scheduler[0].url
-    httpx.post(f"{url}/v1/instances", json=instance("d1"))
+    register(url, instance("d1"))
     beat(url, "d1")
     httpx.get(f"{url}/v1/routing")
     text = httpx.get(f"{url}/metrics").text

@@ -256,3 +256,5 @@ def test_cli_errors_are_clear() -> None:
     assert no_key.returncode != 0 and "kv_key_file" in no_key.stderr
     no_model = run("colocated")
     assert no_model.returncode != 0 and "model: Field required" in no_model.stderr
+    no_token = run("colocated", "--model", "/nonexistent", "--scheduler-url", "http://127.0.0.1:9")
+    assert no_token.returncode != 0 and "scheduler_token_file" in no_token.stderr

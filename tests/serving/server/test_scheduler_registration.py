@@ -19,11 +19,13 @@ from .serverproc import ServerProcess, free_port
 
 @pytest.fixture
 def scheduler_url(tmp_path: Path) -> Iterator[str]:
-    token = tmp_path / "admin.token"
-    token.write_text(secrets.token_hex(16))
+    for name in ("admin.token", "instance.token"):
+        (tmp_path / name).write_text(secrets.token_hex(16))
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "scheduler", "--port", str(port),
-                                "--state-file", str(tmp_path / "state.json"), "--admin-token-file", str(token)],
+                                "--state-file", str(tmp_path / "state.json"),
+                                "--admin-token-file", str(tmp_path / "admin.token"),
+                                "--instance-token-file", str(tmp_path / "instance.token")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -41,8 +43,9 @@ def scheduler_url(tmp_path: Path) -> Iterator[str]:
 
 
 def test_prefill_registers_with_the_scheduler(dense: Deployment, spawn: Callable[..., ServerProcess],
-                                              scheduler_url: str) -> None:
-    server = spawn("prefill", dense.model, "--scheduler-url", scheduler_url, "--heartbeat-seconds", "0.2")
+                                              scheduler_url: str, tmp_path: Path) -> None:
+    server = spawn("prefill", dense.model, "--scheduler-url", scheduler_url, "--heartbeat-seconds", "0.2",
+                   "--scheduler-token-file", str(tmp_path / "instance.token"))
     info = server.ready_info()
     instances: list[dict[str, Any]] = []
     deadline = time.monotonic() + 20
