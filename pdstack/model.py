@@ -242,8 +242,10 @@ class StackConfig(Strict):
                 raise ValueError("the control-plane stack must set `serving`")
             missing = [name for name in REQUIRED_SECRETS if name not in {s.name for s in self.secret_specs}]
             if missing:
-                raise ValueError(f"pdstack:secrets lacks {', '.join(missing)}: the serving runtime reads "
-                                 f"{', '.join(REQUIRED_SECRETS)}")
+                raise ValueError(
+                    f"pdstack:secrets lacks {', '.join(missing)}: the serving runtime reads "
+                    f"{', '.join(REQUIRED_SECRETS)}"
+                )
         else:
             misplaced = [key for key in self.ENVIRONMENT_WIDE if getattr(self, key) is not None]
             if misplaced:

@@ -133,7 +133,7 @@ def write_inventory(workdir: Path, registry: str, address: dict[str, str]) -> Pa
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down after its module: its servers would load the rest of the run
 def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     workdir = tmp_path_factory.mktemp("serving")
     nodes.build_node_image()

@@ -174,8 +174,10 @@ def dc1_dc2(topology: Topology) -> Link:
 
 
 def ping_loss_pct(namespace: str, address: str, count: int = 10) -> float:
+    # -w 5: a reply the user-space forwarder delivers late still counts as received (without a deadline, ping
+    # gives up on the last ones after two round trips).
     out = subprocess.run(["ip", "netns", "exec", namespace, "ping", "-q", "-c", str(count), "-i", "0.1", "-W", "1",
-                          address], capture_output=True, text=True, check=False).stdout  # fmt: skip
+                          "-w", "5", address], capture_output=True, text=True, check=False).stdout  # fmt: skip
     return float(re.search(r"([\d.]+)% packet loss", out).group(1))  # type: ignore[union-attr]
 
 
@@ -228,7 +230,8 @@ def test_pdstack_local_link_changes_the_delay_and_resets_it(
     }
     slow = ping_rtts_ms(prefill.namespace, str(decode.address.ip))
     assert min(slow) >= 100  # never delivered before the delay
-    assert statistics.median(slow) / statistics.median(base) > 3
+    # 80 ms more by the spec; differences, not ratios, so the forwarder's own delay on a busy host cancels out
+    assert statistics.median(slow) - statistics.median(base) >= 0.8 * (100 - 20)
 
     result = local_link(project, "dc2", "dc1")  # no change: prints the spec in force
     assert result.exit_code == 0, result.output
@@ -240,7 +243,7 @@ def test_pdstack_local_link_changes_the_delay_and_resets_it(
     assert result.exit_code == 0, result.output
     assert result.stdout == "dc1<->dc2: rate 1000 Mbit/s, RTT 20 ms, loss 0 %\n"
     back = ping_rtts_ms(prefill.namespace, str(decode.address.ip))
-    assert statistics.median(back) / statistics.median(slow) < 0.5
+    assert statistics.median(slow) - statistics.median(back) >= 0.8 * (100 - 20)
 
 
 def test_a_value_out_of_range_is_refused_and_the_link_kept(project: Path, network: LocalNetwork) -> None:

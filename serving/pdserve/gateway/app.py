@@ -31,6 +31,7 @@ from .validation import Endpoint, PromptCounter, RequestError, parse_body, valid
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CLIENT_CLOSED = 499
+UPSTREAM_KEEPALIVE_S = 3.0
 
 
 def openai_error(status: int, message: str, error_type: str, request_id: str, *, param: str | None = None,
@@ -49,8 +50,10 @@ class Gateway:
         self.counter = PromptCounter(settings.tokenizer_file)
         self.metrics = GatewayMetrics()
         self.router = Router()
+        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them from the server side;
+        # at equal timeouts the gateway could send a request on a connection the server is just closing.
         limits = httpx.Limits(max_connections=settings.max_connections,
-                              max_keepalive_connections=settings.max_connections)
+                              max_keepalive_connections=settings.max_connections, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, connect=settings.connect_timeout))
         self.proxy = PDProxy(settings, self.client, self.router, self.metrics)
 

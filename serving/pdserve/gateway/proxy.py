@@ -76,6 +76,14 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[
     return body if kv_params is None else {**body, "kv_transfer_params": kv_params}
 
 
+def finished_early(answer: Any) -> bool:
+    """True for a prefill answer whose one token ended the request: finish_reason "stop" instead of "length"."""
+    try:
+        return bool(answer["choices"][0]["finish_reason"] == "stop")
+    except (TypeError, KeyError, IndexError):
+        return False
+
+
 def status_error(role: str, response: httpx.Response, body: bytes) -> UpstreamError:
     status = response.status_code
     if status in (429, 503) or status >= 500:
@@ -120,6 +128,8 @@ class PDProxy:
             try:
                 params = await self._call_prefill(ctx, plan.prefill)
                 self._count_route(plan)
+                if params is None:
+                    ctx.route = "prefill_finished"
                 return plan, params
             except UpstreamError as exc:
                 self._failed(plan.prefill, exc)
@@ -233,7 +243,10 @@ class PDProxy:
     def _headers(self, ctx: Context) -> dict[str, str]:
         return {"X-Request-Id": ctx.request_id}
 
-    async def _call_prefill(self, ctx: Context, prefill: RoutedInstance) -> dict[str, Any]:
+    async def _call_prefill(self, ctx: Context, prefill: RoutedInstance) -> dict[str, Any] | None:
+        """The KV's whereabouts; None when the prefill's one token ended the request (EOS or a stop string), so
+        there is no KV to hand over (as vLLM, which exports KV only for requests cut at their length cap): decode
+        then computes the prompt itself and samples the answer, as a colocated server would."""
         url = prefill.info.url + PATHS[ctx.request.endpoint]
         timeout = httpx.Timeout(self.settings.prefill_timeout, connect=self.settings.connect_timeout)
         started = time.perf_counter()
@@ -243,10 +256,13 @@ class PDProxy:
         self.metrics.prefill.labels(ctx.version).observe(time.perf_counter() - started)
         ctx.mark("prefill_done")
         try:
-            params = response.json().get("kv_transfer_params")
+            answer = response.json()
+            params = answer.get("kv_transfer_params")
         except (ValueError, AttributeError):
-            params = None
+            answer, params = None, None
         if not isinstance(params, dict):
+            if finished_early(answer):
+                return None
             raise UpstreamError("prefill", "bad_response", "answer has no kv_transfer_params")
         missing = [name for name in REQUIRED_KV_FIELDS if params.get(name) is None]
         if missing:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 LoadFn = Callable[[], InstanceLoad | dict[str, Any] | Awaitable[InstanceLoad | dict[str, Any]]]
 TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+# Below the scheduler's (uvicorn's) 5 s keep-alive timeout, so a heartbeat never goes out on a connection the
+# scheduler is closing at that moment.
+LIMITS = httpx.Limits(keepalive_expiry=3.0)
 
 
 async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[str, Any], load_fn: LoadFn, *,
@@ -39,7 +42,7 @@ async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[
     if info.instance_id is None:
         info = info.model_copy(update={"instance_id": f"{info.role}-{uuid.uuid4().hex[:12]}"})
     base = scheduler_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=TIMEOUT, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token)) as client:
         try:
             registered = False
             while True:
@@ -54,7 +57,7 @@ async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[
 
 async def drain(scheduler_url: str, instance_id: str, token: str) -> bool:
     """Ask the scheduler to route no new requests to this instance; True if it acknowledged."""
-    async with httpx.AsyncClient(timeout=TIMEOUT, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token)) as client:
         try:
             response = await client.post(f"{scheduler_url.rstrip('/')}/v1/instances/{instance_id}/drain")
         except httpx.HTTPError as exc:

@@ -24,6 +24,8 @@ class Instance:
     state: State = "starting"
     load: InstanceLoad = field(default_factory=lambda: InstanceLoad(ready=False))
     last_seen: float = 0.0
+    drained: bool = False
+    """Drained once: stays draining through missed heartbeats and re-registration, never ready again."""
 
     def routed(self) -> RoutedInstance:
         return RoutedInstance(instance_id=self.instance_id, state=self.state, info=self.info, load=self.load)
@@ -47,8 +49,8 @@ class Registry:
         existing = self._instances.get(instance_id)
         instance = Instance(instance_id, info.model_copy(update={"instance_id": instance_id}),
                             last_seen=self._clock())
-        if existing is not None and existing.state == "draining":
-            instance.state = "draining"
+        if existing is not None and existing.drained:
+            instance.state, instance.drained = "draining", True
         self._instances[instance_id] = instance
         if self._on_transition is not None:
             self._on_transition(instance.state)
@@ -61,13 +63,16 @@ class Registry:
         instance = self._get(instance_id)
         instance.load = load
         instance.last_seen = self._clock()
-        if instance.state != "draining":
+        if instance.drained:
+            self._set_state(instance, "draining")  # back from dead after a stall: still on its way out
+        else:
             self._set_state(instance, "ready" if load.ready else "starting")
         self._changed()
         return instance
 
     def drain(self, instance_id: str) -> Instance:
         instance = self._get(instance_id)
+        instance.drained = True
         self._set_state(instance, "draining")
         self._changed()
         return instance

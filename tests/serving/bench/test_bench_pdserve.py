@@ -51,11 +51,14 @@ def test_two_runs_give_consistent_percentiles(twin_runs: tuple[dict[str, Any], d
     first, second = (latencies(results, key) for results in twin_runs)
     # same distribution: a rank test does not reject it
     assert stats.mannwhitneyu(first, second).pvalue > 0.001
-    # and each percentile moves by less than the spread of the latencies themselves
+    # request by request (the same workload in the same order) the runs agree to within half the spread of the
+    # latencies, so a run-wide shift fails while one slow moment of a loaded machine does not
     pooled = np.array(first + second)
     spread = np.percentile(pooled, 75) - np.percentile(pooled, 25)
-    for q in (50, 90):
-        assert abs(np.percentile(first, q) - np.percentile(second, q)) <= spread, (q, first, second)
+    assert abs(np.median(np.subtract(first, second))) <= spread / 2, (first, second)
+    # and the percentiles move by less than that spread (p90 of 16 is the second-slowest request: twice the room)
+    for q, room in ((50, 1), (90, 2)):
+        assert abs(np.percentile(first, q) - np.percentile(second, q)) <= room * spread, (q, first, second)
 
 
 def server_checks(results: dict[str, Any], metric: str, measure: str) -> list[dict[str, Any]]:

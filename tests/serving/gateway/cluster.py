@@ -93,7 +93,7 @@ class Cluster:
     def wait_servers(self) -> None:
         for server in self.servers.values():
             if server.process is not None and server.process.poll() is None:
-                server.wait("/health/ready")
+                server.wait("/health/ready", timeout=180)  # model loads crawl on a loaded CI host
 
     def wait_routable(self, gateway: Service, instances: int) -> None:
         """Until the gateway's routing table lists `instances` ready instances."""

@@ -122,7 +122,8 @@ def test_decode_killed_mid_stream_gives_a_clean_error(cluster: Cluster) -> None:
             pass
     before = cluster.served(survivor)
     assert [complete(url) for _ in range(5)] == [200] * 5
-    streamed = client(url).completions.create(model="dense", prompt=PROMPT, max_tokens=5, stream=True)
+    streamed = client(url).completions.create(model="dense", prompt=PROMPT, max_tokens=5, stream=True,
+                                              extra_body={"ignore_eos": True})
     assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
     assert cluster.served(survivor) == before + 6
     assert metric(httpx.get(f"{url}/metrics").text, "pdserve_gateway_stream_errors_total") == 1

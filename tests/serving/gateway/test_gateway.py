@@ -119,6 +119,24 @@ def test_official_openai_client_sync_and_streaming(gateway_url: str, cluster: Cl
     assert chat.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_prefill_whose_one_token_ends_the_request_hands_over_to_decode(gateway_url: str, cluster: Cluster) -> None:
+    """The prompt's greedy first token is a stop string: prefill finishes with "stop" and, as vLLM, exports no KV.
+    That is no prefill failure: decode computes the prompt itself and answers what a single server would."""
+    body = {"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"max_tokens": 1},
+                       timeout=60).json()["choices"][0]["text"]
+    assert first, "premise: the first token has text to stop on"
+    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"stop": [first]}, timeout=60)
+    errors_before = metric(httpx.get(f"{gateway_url}/metrics").text, "pdserve_gateway_upstream_errors_total")
+    response = complete(gateway_url, stop=[first])
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (direct.json()["choices"][0]["text"], "stop")
+    assert metric(httpx.get(f"{gateway_url}/metrics").text, "pdserve_gateway_upstream_errors_total") == errors_before
+    line = next(line for line in reversed(cluster.gateways[0].logs().splitlines()) if '"msg": "request"' in line)
+    assert '"route": "prefill_finished"' in line and '"retries": 0' in line
+
+
 def test_request_id_is_carried_end_to_end(gateway_url: str, cluster: Cluster) -> None:
     before = {name: cluster.served(name) for name in cluster.servers}
     response = httpx.post(f"{gateway_url}/v1/completions", headers=AUTH | {"X-Request-Id": "rid-e2e-4242"},
@@ -179,10 +197,17 @@ def test_instances_share_the_load(gateway_url: str, cluster: Cluster) -> None:
 
 
 def test_rate_limits_answer_429_and_recover(gateway_url: str) -> None:
-    statuses = [complete(gateway_url, key=KEYS["slow"], max_tokens=1) for _ in range(3)]
-    assert [r.status_code for r in statuses[:2]] == [200, 200]  # the burst
-    refused = statuses[2]
-    assert refused.status_code == 429
+    # Three at once, so all three meet the limiter within its 1 s refill however slow the machine is.
+    start = threading.Barrier(3)
+
+    def one(_: int) -> httpx.Response:
+        start.wait()
+        return complete(gateway_url, key=KEYS["slow"], max_tokens=1)
+
+    with ThreadPoolExecutor(3) as pool:
+        statuses = list(pool.map(one, range(3)))
+    assert sorted(r.status_code for r in statuses) == [200, 200, 429]  # the burst of 2, then refused
+    refused = next(r for r in statuses if r.status_code == 429)
     assert refused.json()["error"]["type"] == "rate_limit_error"
     retry_after = int(refused.headers["retry-after"])
     assert retry_after >= 1

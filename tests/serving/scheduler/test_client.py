@@ -26,7 +26,7 @@ async def wait_until(check: object, timeout: float = 10.0) -> None:
 
 
 def test_heartbeats_survive_scheduler_restart_and_deregister_on_cancel(tmp_path: Path) -> None:
-    service, _ = start_scheduler(tmp_path)
+    service, _ = start_scheduler(tmp_path, missed=50)  # dead only after 10 s: a stall must not flap the instance
     token = instance_token_file(tmp_path).read_text().strip()
     active = {"n": 0}
 

@@ -140,14 +140,16 @@ def _multi_sequence_steps(server: ServerProcess) -> float:
         text, "pdserve_step_batch_size_bucket", {"le": "1.0"})
 
 
-def test_concurrency_limit_answers_429_and_frees_on_disconnect(dense: Deployment,
+def test_concurrency_limit_answers_429_and_frees_on_disconnect(make_checkpoint: Callable[..., Path],
                                                                spawn: Callable[..., ServerProcess]) -> None:
-    single = spawn("colocated", dense.model, "--max-num-seqs", "1")
+    # A long context, so the slot stays taken for seconds however slow the machine: the holder leaves when done.
+    long_context = make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
+    single = spawn("colocated", long_context, "--max-num-seqs", "1")
     streaming = threading.Event()
     done = threading.Event()
 
     def hold_a_slot() -> None:
-        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", single.url + "/v1/completions", json=body, timeout=60) as response:
             for _ in response.iter_lines():
                 streaming.set()
@@ -199,7 +201,7 @@ def test_ready_only_once_the_model_is_loaded(tmp_path: Path, spawn: Callable[...
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     server = spawn("colocated", broken, ready=False)
-    for _ in range(100):
+    for _ in range(600):  # up to 60 s: interpreter start-up crawls on a loaded machine
         try:
             if httpx.get(server.url + "/health/live").status_code == 200:
                 break

@@ -1,0 +1,41 @@
+"""Ports for the servers tests start, taken below the kernel's ephemeral port range.
+
+bind(0) hands out a port from the ephemeral range, the range the kernel also draws the source ports of outgoing
+connections from: in the seconds between that check and the server's own bind on a loaded machine, an outgoing
+connection can take the port and the server fails to start. Below that range only listeners take ports.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from pathlib import Path
+
+FIRST = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_LIMIT = max(_ephemeral_low(), FIRST + 1000)
+# Each test process starts at its own offset, so parallel sessions rarely probe the same ports.
+_CANDIDATES = itertools.cycle(range(FIRST, _LIMIT))
+for _ in range((os.getpid() * 127) % (_LIMIT - FIRST)):
+    next(_CANDIDATES)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, outside the ephemeral range."""
+    for _, port in zip(range(_LIMIT - FIRST), _CANDIDATES, strict=False):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {FIRST} and {_LIMIT}")
