@@ -33,13 +33,20 @@ class Images:
 
 
 def source_hash(root: Path, paths: list[str]) -> str:
-    """A hash over the git-tracked files under `paths` (names and contents), 12 hex digits."""
+    """A hash over the files under `paths` that git tracks or would track (names and contents), 12 hex digits.
+
+    Untracked files count (a new module the build picks up must change the tag); ignored ones (caches, build
+    output) do not; a tracked file deleted from the work tree drops out."""
     listed = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "-z", "--", *paths], capture_output=True, check=True
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths],
+        capture_output=True,
+        check=True,
     ).stdout.split(b"\0")
     digest = hashlib.sha256()
-    for name in sorted(n for n in listed if n):
-        digest.update(name + b"\0" + (root / name.decode()).read_bytes() + b"\0")
+    for name in sorted(set(listed) - {b""}):
+        path = root / name.decode()
+        if path.is_file():
+            digest.update(name + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
