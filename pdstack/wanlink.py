@@ -22,6 +22,7 @@ CLI:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import math
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
@@ -320,10 +321,12 @@ def change_link(pid: int, control_file: Path, changes: dict[str, float], timeout
     """Change the running forwarder `pid`'s spec (fields of CONTROL_FIELDS); returns the spec it confirms.
 
     Values are checked before anything is sent: a ValueError names the bad field and the link stays as it was.
+    Concurrent changes of one link are queued (a lock beside the control file), so none is lost.
     """
-    wanted = changed_spec(read_state(pid, control_file).spec, changes)
-    _write_atomically(control_file, json.dumps({name: getattr(wanted, name) for name in CONTROL_FIELDS}))
-    state = reload_link(pid, control_file, timeout_s)
+    with _exclusive(control_file.with_name(control_file.name + ".lock")):
+        wanted = changed_spec(read_state(pid, control_file).spec, changes)
+        _write_atomically(control_file, json.dumps({name: getattr(wanted, name) for name in CONTROL_FIELDS}))
+        state = reload_link(pid, control_file, timeout_s)
     if state.error is not None:
         raise RuntimeError(f"forwarder {pid} kept {state.spec.describe()}: {state.error}")
     if state.spec != wanted:
@@ -331,6 +334,16 @@ def change_link(pid: int, control_file: Path, changes: dict[str, float], timeout
             f"forwarder {pid} applied {state.spec.describe()}, not {wanted.describe()} (a concurrent change?)"
         )
     return state.spec
+
+
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    with lock_file.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _alive(pid: int) -> bool:

@@ -17,7 +17,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,21 @@ def test_pdstack_local_link_changes_the_delay_and_resets_it(
     assert result.stdout == "dc1<->dc2: rate 1000 Mbit/s, RTT 20 ms, loss 0 %\n"
     back = ping_rtts_ms(prefill.namespace, str(decode.address.ip))
     assert statistics.median(slow) - statistics.median(back) >= 0.8 * (100 - 20)
+
+
+def test_concurrent_changes_of_one_link_are_queued_and_none_is_lost(network: LocalNetwork) -> None:
+    start = threading.Barrier(2)
+
+    def change(values: dict[str, float]) -> None:
+        start.wait()
+        network.shape_link("dc1", "dc2", **values)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(change, [{"rtt_ms": 40}, {"loss_pct": 1}]))
+    try:
+        assert network.link_status("dc1", "dc2").spec == LinkSpec(1000, 40, 1)
+    finally:
+        network.shape_link("dc1", "dc2", reset=True)
 
 
 def test_a_value_out_of_range_is_refused_and_the_link_kept(project: Path, network: LocalNetwork) -> None:
