@@ -25,7 +25,7 @@ class Instance:
     load: InstanceLoad = field(default_factory=lambda: InstanceLoad(ready=False))
     last_seen: float = 0.0
     drained: bool = False
-    """Drained once: stays draining through missed heartbeats and re-registration, never ready again."""
+    """Drained once: this process stays draining, even when a stall had it declared dead, and is never ready again."""
 
     def routed(self) -> RoutedInstance:
         return RoutedInstance(instance_id=self.instance_id, state=self.state, info=self.info, load=self.load)
@@ -46,11 +46,10 @@ class Registry:
 
     def register(self, info: InstanceInfo) -> Instance:
         instance_id = info.instance_id or f"{info.role}-{uuid.uuid4().hex[:12]}"
-        existing = self._instances.get(instance_id)
+        # A registration is a new process (clients register again only when the scheduler forgot them): it starts
+        # afresh even under the id of a drained one, e.g. the same release started again after a rollback.
         instance = Instance(instance_id, info.model_copy(update={"instance_id": instance_id}),
                             last_seen=self._clock())
-        if existing is not None and existing.drained:
-            instance.state, instance.drained = "draining", True
         self._instances[instance_id] = instance
         if self._on_transition is not None:
             self._on_transition(instance.state)
