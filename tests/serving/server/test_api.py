@@ -124,12 +124,19 @@ def test_official_openai_client_against_pd(dense: Deployment) -> None:
 
 def test_continuous_batching_gives_each_request_its_own_output(dense: Deployment) -> None:
     """Requests of different lengths run concurrently (joining and leaving the batch); each gets what it gets alone."""
-    bodies = [{"prompt": PROMPT * (1 + i % 3), "max_tokens": 4 + 3 * i, "temperature": 0, "ignore_eos": True,
+    bodies = [{"prompt": PROMPT * (1 + i % 3), "max_tokens": 40 + 10 * i, "temperature": 0, "ignore_eos": True,
                "return_token_ids": True} for i in range(6)]
     alone = [post(dense.colocated.url, body).json()["choices"][0]["token_ids"] for body in bodies]
     batched_before = _multi_sequence_steps(dense.colocated)
+    start = threading.Barrier(len(bodies))  # sent together, so they overlap however slow the client threads are
+
+    def together_with_the_others(body: dict[str, Any]) -> list[int]:
+        start.wait()
+        token_ids: list[int] = post(dense.colocated.url, body).json()["choices"][0]["token_ids"]
+        return token_ids
+
     with ThreadPoolExecutor(len(bodies)) as pool:
-        together = list(pool.map(lambda b: post(dense.colocated.url, b).json()["choices"][0]["token_ids"], bodies))
+        together = list(pool.map(together_with_the_others, bodies))
     assert together == alone
     assert _multi_sequence_steps(dense.colocated) > batched_before
 
