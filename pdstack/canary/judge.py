@@ -4,7 +4,8 @@ Each latency metric arrives as two samples (one value per scrape step over the a
 fails only when both hold: the canary's p95 exceeds the baseline's by more than the allowed ratio, *and* a one-sided
 Mann-Whitney U test says the canary's values are larger at the configured confidence. The ratio alone flaps on noise;
 the test alone fails on differences too small to matter. Counters (success rate, KV transfer failures) are judged
-against absolute thresholds. Too few requests make the verdict inconclusive, never a pass.
+against absolute thresholds. Too few requests make the verdict inconclusive, never a pass, unless the canary's
+failures already put its success rate beyond reach: that fails at once.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Verdict:
 
 def judge(canary: Observations, baseline: Observations, thresholds: CanaryThresholds, min_samples: int) -> Verdict:
     if canary.requests < min_samples or baseline.requests < min_samples:
+        beyond_reach = _success_rate_beyond_reach(canary, baseline, thresholds.success_rate_min_pct, min_samples)
+        if beyond_reach is not None:
+            return Verdict(Outcome.FAIL, [beyond_reach])
         check = Check(
             "sample_size",
             Outcome.INCONCLUSIVE,
@@ -108,6 +112,23 @@ def _success_rate(canary: Observations, baseline: Observations, min_pct: float) 
     rate_b = 100.0 * baseline.successes / baseline.requests
     outcome = Outcome.PASS if rate_c >= min_pct else Outcome.FAIL
     return Check("success_rate_pct", outcome, rate_c, rate_b, f">= {min_pct}")
+
+
+def _success_rate_beyond_reach(
+    canary: Observations, baseline: Observations, min_pct: float, min_samples: int
+) -> Check | None:
+    """A FAIL before the sample is complete when the canary's failures already decide it: even if every request still
+    missing succeeded, its success rate would stay below the threshold. A failing canary that the gateway routes
+    around (it suspends instances that fail) would otherwise starve itself of samples and end inconclusive."""
+    samples = max(min_samples, canary.requests)
+    failures = canary.requests - canary.successes
+    best_pct = 100.0 * (samples - failures) / samples
+    if best_pct >= min_pct:
+        return None
+    rate_c = 100.0 * canary.successes / canary.requests
+    rate_b = 100.0 * baseline.successes / baseline.requests if baseline.requests else None
+    detail = f"{failures} of {canary.requests} requests failed: at most {best_pct:.4g} % over {samples} requests"
+    return Check("success_rate_pct", Outcome.FAIL, rate_c, rate_b, f">= {min_pct}", detail)
 
 
 def _kv_failures(canary: Observations, baseline: Observations, max_failures: int) -> Check:

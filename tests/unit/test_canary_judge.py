@@ -66,6 +66,17 @@ def test_too_few_requests_is_inconclusive_never_pass() -> None:
     assert verdict.checks[0].metric == "sample_size"
 
 
+def test_failures_that_already_decide_the_success_rate_fail_before_the_sample_is_complete() -> None:
+    # 1 failure in 8 requests: even with 42 more successes, 49 of 50 is 98 % < 99 %.
+    verdict = judge(obs(requests=8, successes=7), obs(requests=20, successes=20), THRESHOLDS, min_samples=50)
+    assert verdict.outcome is Outcome.FAIL
+    assert verdict.report() == ("FAIL success_rate_pct: canary 87.5 vs baseline 100, threshold >= 99.0 "
+                                "(1 of 8 requests failed: at most 98 % over 50 requests)")
+    # still within reach (1 failure in 100 possible): too few requests stays inconclusive
+    lenient = THRESHOLDS.model_copy(update={"success_rate_min_pct": 98.0})
+    assert judge(obs(requests=8, successes=7), obs(), lenient, min_samples=50).outcome is Outcome.INCONCLUSIVE
+
+
 def test_too_few_latency_points_is_inconclusive() -> None:
     short = Observations(500, 500, 0, [0.2, 0.2], [0.02, 0.02])
     assert judge(short, obs(), THRESHOLDS, min_samples=50).outcome is Outcome.INCONCLUSIVE
