@@ -1,7 +1,8 @@
 """`pdstack canary judge|golden`: the checks deploy.yml runs at every canary step.
 
-Exit codes: 0 pass, 1 fail (the report names the metric, both values and the threshold), 2 bad input,
-3 inconclusive (too few requests: wait and judge again).
+Exit codes: 0 pass, 1 fail (the report names the metric, both values and the threshold; for golden, also a canary
+that answers a golden prompt with an error), 2 bad input or an endpoint that cannot be used, 3 inconclusive (too few
+requests: wait and judge again).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import typer
 from pdstack.canary.golden import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPTS,
+    AnswerError,
     GoldenError,
     GoldenFile,
     compare,
@@ -95,7 +97,11 @@ def golden_command(  # typer builds one option per parameter
     try:
         spec = load_golden(golden) if golden else GoldenFile(DEFAULT_MAX_TOKENS, list(DEFAULT_PROMPTS))
         api_key = api_key_file.read_text().strip() if api_key_file else None
-        outputs = generate(canary, spec.prompts, spec.max_tokens, api_key, model)
+        try:
+            outputs = generate(canary, spec.prompts, spec.max_tokens, api_key, model)
+        except AnswerError as exc:  # the canary answered, with an error: it fails, like a wrong output would
+            typer.echo(f"FAIL golden_outputs: the canary failed a golden prompt: {exc}")
+            raise typer.Exit(1) from exc
         if record is not None:
             GoldenFile(spec.max_tokens, spec.prompts, outputs).dump(record)
             typer.echo(f"recorded {len(outputs)} golden outputs to {record}")

@@ -29,6 +29,10 @@ class GoldenError(RuntimeError):
     """An endpoint or a golden file could not be used; the message names which and why."""
 
 
+class AnswerError(GoldenError):
+    """An endpoint answered a golden prompt with an error status: for a canary, that fails the check."""
+
+
 @dataclass(frozen=True)
 class Output:
     prompt: str
@@ -103,7 +107,7 @@ def complete(
     except httpx.HTTPError as exc:
         raise GoldenError(f"{url}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
-        raise GoldenError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
+        raise AnswerError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
     choice = response.json()["choices"][0]
     token_ids = choice.get("token_ids")
     if token_ids is None:

@@ -90,9 +90,15 @@ def test_bad_golden_files_name_the_field(tmp_path: Path, text: str, message: str
         load_golden(path)
 
 
-def test_a_failing_canary_is_an_error_naming_the_status(servers: dict[str, ServerProcess]) -> None:
+def test_a_canary_answering_with_errors_fails_naming_the_status(servers: dict[str, ServerProcess]) -> None:
     code, output = golden("--canary", servers["failing"].url, "--baseline", servers["baseline"].url)
-    assert code == 2 and "HTTP 500" in output and "injected fault" in output
+    assert code == 1 and output.startswith("FAIL golden_outputs: the canary failed a golden prompt")
+    assert "HTTP 500" in output and "injected fault" in output
+
+
+def test_a_baseline_answering_with_errors_cannot_judge(servers: dict[str, ServerProcess]) -> None:
+    code, output = golden("--canary", servers["baseline"].url, "--baseline", servers["failing"].url)
+    assert code == 2 and "HTTP 500" in output
 
 
 def test_unreachable_endpoint_is_a_clear_error() -> None:
