@@ -339,11 +339,8 @@ def change_link(pid: int, control_file: Path, changes: dict[str, float], timeout
 @contextlib.contextmanager
 def _exclusive(lock_file: Path) -> Iterator[None]:
     with lock_file.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _alive(pid: int) -> bool:

@@ -11,7 +11,7 @@ failures already put its success rate beyond reach: that fails at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
@@ -109,7 +109,7 @@ def judge(canary: Observations, baseline: Observations, thresholds: CanaryThresh
 
 def _success_rate(canary: Observations, baseline: Observations, min_pct: float) -> Check:
     rate_c = 100.0 * canary.successes / canary.requests
-    rate_b = 100.0 * baseline.successes / baseline.requests
+    rate_b = 100.0 * baseline.successes / baseline.requests if baseline.requests else None
     outcome = Outcome.PASS if rate_c >= min_pct else Outcome.FAIL
     return Check("success_rate_pct", outcome, rate_c, rate_b, f">= {min_pct}")
 
@@ -125,10 +125,8 @@ def _success_rate_beyond_reach(
     best_pct = 100.0 * (samples - failures) / samples
     if best_pct >= min_pct:
         return None
-    rate_c = 100.0 * canary.successes / canary.requests
-    rate_b = 100.0 * baseline.successes / baseline.requests if baseline.requests else None
     detail = f"{failures} of {canary.requests} requests failed: at most {best_pct:.4g} % over {samples} requests"
-    return Check("success_rate_pct", Outcome.FAIL, rate_c, rate_b, f">= {min_pct}", detail)
+    return replace(_success_rate(canary, baseline, min_pct), detail=detail)  # FAIL: the rate so far is lower still
 
 
 def _kv_failures(canary: Observations, baseline: Observations, max_failures: int) -> Check:

@@ -23,15 +23,15 @@ def _ephemeral_low() -> int:
 
 
 _LIMIT = max(_ephemeral_low(), FIRST + 1000)
-# Each test process starts at its own offset, so parallel sessions rarely probe the same ports.
-_CANDIDATES = itertools.cycle(range(FIRST, _LIMIT))
-for _ in range((os.getpid() * 127) % (_LIMIT - FIRST)):
-    next(_CANDIDATES)
+_SPAN = _LIMIT - FIRST
+_OFFSET = (os.getpid() * 127) % _SPAN  # each test process probes from its own place, so parallel runs rarely meet
+_TRIED = itertools.count()
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now, outside the ephemeral range."""
-    for _, port in zip(range(_LIMIT - FIRST), _CANDIDATES, strict=False):
+    for _ in range(_SPAN):
+        port = FIRST + (_OFFSET + next(_TRIED)) % _SPAN
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.scheduler.client import bearer
+
 from ..scheduler.services import Service, instance_token_file, start_scheduler
 
 # One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
@@ -109,7 +111,7 @@ class Cluster:
 
     def instance_auth(self) -> dict[str, str]:
         """What servers (and the drain before a stop) present on the scheduler's instance API."""
-        return {"Authorization": f"Bearer {instance_token_file(self.tmp).read_text().strip()}"}
+        return bearer(instance_token_file(self.tmp).read_text().strip())
 
     def instance_id(self, name: str) -> str:
         assert self.scheduler is not None

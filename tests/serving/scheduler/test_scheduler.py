@@ -7,34 +7,46 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pdserve.scheduler.client import bearer
+
 from .services import Service, instance_token_file, start_scheduler
 
 
+@dataclass(frozen=True)
+class Scheduler:
+    """A running scheduler as the tests use it: its URL, its admin token, and the instance token's header."""
+
+    service: Service
+    admin_token: str
+    instance_auth: dict[str, str]
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+
+def start(tmp_path: Path, **settings: Any) -> Scheduler:
+    service, admin_token = start_scheduler(tmp_path, **settings)
+    return Scheduler(service, admin_token, bearer(instance_token_file(tmp_path).read_text().strip()))
+
+
 @pytest.fixture
-def scheduler(tmp_path: Path) -> Iterator[tuple[Service, str]]:
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
     """A scheduler that declares instances dead only after 30 s of silence, so a loaded machine cannot flake."""
-    service, token = start_scheduler(tmp_path, heartbeat_interval=10.0)
-    INSTANCE_AUTH.update(bearer(instance_token_file(tmp_path).read_text().strip()))
-    yield service, token
-    service.stop()
+    started = start(tmp_path, heartbeat_interval=10.0)
+    yield started
+    started.service.stop()
 
 
-INSTANCE_AUTH: dict[str, str] = {}
-"""The instance token of the scheduler under test: what servers present on the instance API."""
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def register(url: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}/v1/instances", json=body, headers=INSTANCE_AUTH)
+def register(scheduler: Scheduler, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{scheduler.url}/v1/instances", json=body, headers=scheduler.instance_auth)
 
 
 def instance(instance_id: str, role: str = "decode", version: str = "v1", fingerprint: str = "fp-a") -> dict[str, Any]:
@@ -42,9 +54,9 @@ def instance(instance_id: str, role: str = "decode", version: str = "v1", finger
             "url": "http://127.0.0.1:9", "model": "tiny"}
 
 
-def beat(url: str, instance_id: str, **load: Any) -> httpx.Response:
-    return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}},
-                      headers=INSTANCE_AUTH)
+def beat(scheduler: Scheduler, instance_id: str, **load: Any) -> httpx.Response:
+    return httpx.post(f"{scheduler.url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}},
+                      headers=scheduler.instance_auth)
 
 
 def states(url: str) -> dict[str, str]:
@@ -61,68 +73,68 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> None:
 
 
 def test_states_starting_ready_draining_dead(tmp_path: Path) -> None:
-    service, _ = start_scheduler(tmp_path, heartbeat_interval=0.5, missed=10)  # dead after 5 s of silence
-    INSTANCE_AUTH.update(bearer(instance_token_file(tmp_path).read_text().strip()))
+    scheduler = start(tmp_path, heartbeat_interval=0.5, missed=10)  # dead after 5 s of silence
     try:
-        check_state_machine(service.url)
+        check_state_machine(scheduler)
     finally:
-        service.stop()
+        scheduler.service.stop()
 
 
-def check_state_machine(url: str) -> None:
-    assert register(url, instance("d1")).status_code == 201
+def check_state_machine(scheduler: Scheduler) -> None:
+    url = scheduler.url
+    assert register(scheduler, instance("d1")).status_code == 201
     assert states(url) == {"d1": "starting"}
     assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}},
-                      headers=INSTANCE_AUTH).json()["state"] == "starting"
-    assert beat(url, "d1").json()["state"] == "ready"
-    assert httpx.post(f"{url}/v1/instances/d1/drain", headers=INSTANCE_AUTH).json()["state"] == "draining"
-    assert beat(url, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
+                      headers=scheduler.instance_auth).json()["state"] == "starting"
+    assert beat(scheduler, "d1").json()["state"] == "ready"
+    assert httpx.post(f"{url}/v1/instances/d1/drain", headers=scheduler.instance_auth).json()["state"] == "draining"
+    assert beat(scheduler, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
     wait_for(lambda: states(url) == {"d1": "dead"}, timeout=30)  # heartbeats stopped
 
 
-def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
+def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: Scheduler) -> None:
+    url = scheduler.url
     for name in ("p1", "d1", "d2"):
-        register(url, instance(name, role="prefill" if name.startswith("p") else "decode"))
-    beat(url, "p1")
-    beat(url, "d1", active_requests=3, max_concurrency=8)
+        register(scheduler, instance(name, role="prefill" if name.startswith("p") else "decode"))
+    beat(scheduler, "p1")
+    beat(scheduler, "d1", active_requests=3, max_concurrency=8)
     table = httpx.get(f"{url}/v1/routing")
     ids = {i["instance_id"]: i for i in table.json()["instances"]}
     assert set(ids) == {"p1", "d1"}
     assert ids["d1"]["load"]["active_requests"] == 3
     etag = table.headers["etag"]
     assert httpx.get(f"{url}/v1/routing", headers={"If-None-Match": etag}).status_code == 304
-    beat(url, "d2")
+    beat(scheduler, "d2")
     changed = httpx.get(f"{url}/v1/routing", headers={"If-None-Match": etag})
     assert changed.status_code == 200
     assert {i["instance_id"] for i in changed.json()["instances"]} == {"p1", "d1", "d2"}
 
 
-def test_deregister_and_unknown_heartbeat(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
-    register(url, instance("d1"))
-    assert httpx.delete(f"{url}/v1/instances/d1", headers=INSTANCE_AUTH).status_code == 204
-    response = beat(url, "d1")
+def test_deregister_and_unknown_heartbeat(scheduler: Scheduler) -> None:
+    url = scheduler.url
+    register(scheduler, instance("d1"))
+    assert httpx.delete(f"{url}/v1/instances/d1", headers=scheduler.instance_auth).status_code == 204
+    response = beat(scheduler, "d1")
     assert response.status_code == 404
     assert "register again" in response.json()["error"]["message"]
 
 
-def test_bad_registration_names_the_field(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
+def test_bad_registration_names_the_field(scheduler: Scheduler) -> None:
+    url = scheduler.url
     bad = instance("d1") | {"role": "router"}
-    response = register(url, bad)
+    response = register(scheduler, bad)
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "role"
-    response = register(url, instance("d1") | {"url": "ftp://x"})
+    response = register(scheduler, instance("d1") | {"url": "ftp://x"})
     assert response.json()["error"]["field"] == "url"
     response = httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}},
-                          headers=INSTANCE_AUTH)
+                          headers=scheduler.instance_auth)
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "load.queue_depth"
 
 
-def test_weights_need_the_admin_token(scheduler: tuple[Service, str]) -> None:
-    url, token = scheduler[0].url, scheduler[1]
+def test_weights_need_the_admin_token(scheduler: Scheduler) -> None:
+    url, token = scheduler.url, scheduler.admin_token
     body = {"weights": {"v1": 90, "v2": 10}}
     assert httpx.put(f"{url}/v1/admin/weights", json=body).status_code == 401
     wrong = httpx.put(f"{url}/v1/admin/weights", json=body, headers={"Authorization": "Bearer " + token + "x"})
@@ -136,20 +148,20 @@ def test_weights_need_the_admin_token(scheduler: tuple[Service, str]) -> None:
     assert "weights.v2" in negative.json()["error"]["message"]
 
 
-def test_instance_api_needs_the_instance_token(scheduler: tuple[Service, str]) -> None:
-    url, admin_token = scheduler[0].url, scheduler[1]
-    stranger = {"Authorization": "Bearer " + INSTANCE_AUTH["Authorization"].removeprefix("Bearer ") + "x"}
+def test_instance_api_needs_the_instance_token(scheduler: Scheduler) -> None:
+    url, admin_token = scheduler.url, scheduler.admin_token
+    stranger = {"Authorization": scheduler.instance_auth["Authorization"] + "x"}
     for headers in ({}, stranger):
         assert httpx.post(f"{url}/v1/instances", json=instance("rogue"), headers=headers).status_code == 401
         assert beat_with(url, "rogue", headers).status_code == 401
     assert states(url) == {}, "an unauthenticated registration must not enter the registry"
-    assert register(url, instance("d1")).status_code == 201
+    assert register(scheduler, instance("d1")).status_code == 201
     for method, path in (("POST", "/v1/instances/d1/drain"), ("DELETE", "/v1/instances/d1")):
         assert httpx.request(method, url + path, headers=stranger).status_code == 401
     assert states(url) == {"d1": "starting"}, "a refused drain or deregistration must change nothing"
     # Operators may drain by hand with the admin token; the instance token cannot change the weights.
     assert httpx.post(f"{url}/v1/instances/d1/drain", headers=bearer(admin_token)).status_code == 200
-    weights = httpx.put(f"{url}/v1/admin/weights", json={"weights": {"v1": 1}}, headers=INSTANCE_AUTH)
+    weights = httpx.put(f"{url}/v1/admin/weights", json={"weights": {"v1": 1}}, headers=scheduler.instance_auth)
     assert weights.status_code == 401
     text = httpx.get(f"{url}/metrics").text
     assert "pdserve_scheduler_instance_requests_unauthorized_total 6.0" in text
@@ -186,14 +198,14 @@ def test_weights_survive_a_restart(tmp_path: Path) -> None:
         restarted.stop()
 
 
-def test_advice_recommends_ratio_and_direction(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
+def test_advice_recommends_ratio_and_direction(scheduler: Scheduler) -> None:
+    url = scheduler.url
     for name in ("p1", "p2"):
-        register(url, instance(name, role="prefill"))
-        beat(url, name, active_requests=4, max_concurrency=4)  # saturated
+        register(scheduler, instance(name, role="prefill"))
+        beat(scheduler, name, active_requests=4, max_concurrency=4)  # saturated
     for name in ("d1", "d2", "d3"):
-        register(url, instance(name))
-        beat(url, name, active_requests=1, max_concurrency=10, kv_used_bytes=5, kv_capacity_bytes=100)
+        register(scheduler, instance(name))
+        beat(scheduler, name, active_requests=1, max_concurrency=10, kv_used_bytes=5, kv_capacity_bytes=100)
     advice = httpx.get(f"{url}/v1/advice").json()
     assert advice["prefill"]["utilisation"] == 1.0
     assert advice["prefill"]["scale"] == "up"
@@ -214,10 +226,10 @@ def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
     assert "--heartbeat-interval" in result.stderr
 
 
-def test_metrics_pass_promtool(scheduler: tuple[Service, str]) -> None:
-    url = scheduler[0].url
-    register(url, instance("d1"))
-    beat(url, "d1")
+def test_metrics_pass_promtool(scheduler: Scheduler) -> None:
+    url = scheduler.url
+    register(scheduler, instance("d1"))
+    beat(scheduler, "d1")
     httpx.get(f"{url}/v1/routing")
     text = httpx.get(f"{url}/metrics").text
     assert 'pdserve_scheduler_instances{role="decode",state="ready",version="v1"} 1.0' in text
