@@ -17,7 +17,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .advisor import Advice, advise
+from .client import read_token
 from .metrics import SchedulerMetrics
 from .protocol import Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
 from .registry import Registry, UnknownInstanceError
@@ -100,16 +100,6 @@ class SchedulerState:
 def bearer_matches(request: Request, token: str) -> bool:
     scheme, _, presented = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
-
-
-def read_token(path: Path, field: str) -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{field} {path}: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"{field} {path} is empty")
-    return token
 
 
 def state_of(request: Request) -> SchedulerState:

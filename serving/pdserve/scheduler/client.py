@@ -20,6 +20,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,6 +65,17 @@ async def drain(scheduler_url: str, instance_id: str, token: str) -> bool:
             log.warning("drain failed", extra={"fields": {"cause": type(exc).__name__}})
             return False
     return response.status_code == 200
+
+
+def read_token(path: Path, field: str) -> str:
+    """A bearer token from its secret file; a missing, unreadable or empty file is a ValueError naming `field`."""
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{field} {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"{field} {path} is empty")
+    return token
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -3,34 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
-import logging
 from typing import Any
 
+from pdserve.scheduler.client import read_token, run_heartbeats
 from pdserve.server.settings import ServerSettings
-
-log = logging.getLogger(__name__)
 
 
 def read_scheduler_token(settings: ServerSettings) -> str | None:
     """The scheduler's instance token, read before the model loads so that a missing file fails the start."""
     if settings.scheduler_token_file is None:
         return None
-    token = settings.scheduler_token_file.read_text().strip()
-    if not token:
-        raise ValueError(f"scheduler_token_file {settings.scheduler_token_file} is empty")
-    return token
+    return read_token(settings.scheduler_token_file, "scheduler_token_file")
 
 
 def start_heartbeats(settings: ServerSettings, token: str | None, service: Any,
                      exporter: Any) -> asyncio.Task[None] | None:
     """Start heartbeats to the scheduler in the background; None when no scheduler is configured."""
     if settings.scheduler_url is None or token is None:
-        return None
-    try:
-        client = importlib.import_module("pdserve.scheduler.client")
-    except ImportError:
-        log.error("scheduler_url is set but pdserve.scheduler.client is not installed; not registering")
         return None
     info = {
         "instance_id": f"{settings.role.value}-{settings.engine_id[:24]}",
@@ -55,5 +44,5 @@ def start_heartbeats(settings: ServerSettings, token: str | None, service: Any,
         }
 
     return asyncio.get_running_loop().create_task(
-        client.run_heartbeats(settings.scheduler_url, info, load, token=token, interval=settings.heartbeat_seconds)
+        run_heartbeats(settings.scheduler_url, info, load, token=token, interval=settings.heartbeat_seconds)
     )
