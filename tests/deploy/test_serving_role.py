@@ -67,8 +67,10 @@ def test_secrets_are_podman_secrets_never_environment_or_logs(installed: Serving
     kv_key = installed.secrets.kv_channel_key.read_text().strip()
     inspect = installed.node(NODE_B, "podman", "inspect", "pdserve-decode")
     assert kv_key not in inspect
+    assert installed.secrets.scheduler_instance_token.read_text().strip() not in inspect
     assert "PDSERVE_KV_KEY_FILE=/run/secrets/kv.key" in inspect
-    assert installed.node(NODE_B, "podman", "secret", "ls", "--format", "{{.Name}}").startswith("pdstack-kv-key-")
+    names = installed.node(NODE_B, "podman", "secret", "ls", "--format", "{{.Name}}").split()
+    assert sorted(name.rsplit("-", 1)[0] for name in names) == ["pdstack-instance-token", "pdstack-kv-key"], names
     mode = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "stat", "-c", "%a %u", "/run/secrets/kv.key")
     assert mode.split() == ["400", "10001"]
     again = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r1')}", "-v")
