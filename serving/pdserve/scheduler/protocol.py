@@ -9,6 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field
 Role = Literal["prefill", "decode", "colocated"]
 State = Literal["starting", "ready", "draining", "dead"]
 
+# Request fields pdserve's own engine does not implement. A backend that does (vLLM: tools, response_format, ...)
+# lists them in InstanceInfo.supported_params; the gateway refuses any of them that not every ready instance lists.
+ENGINE_OPTIONAL_PARAMS = (
+    "best_of",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logit_bias",
+    "repetition_penalty",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+)
+
 
 class InstanceLoad(BaseModel):
     """Load figures an instance sends with every heartbeat."""
@@ -52,6 +70,10 @@ class InstanceInfo(BaseModel):
     kv_port: int | None = Field(None, ge=1, le=65535, description="KV channel port (prefill only)")
     min_prompt_tokens: int = Field(0, ge=0, description="prefill length bucket: shortest prompt it takes")
     max_prompt_tokens: int | None = Field(None, ge=1, description="prefill length bucket: longest prompt it takes")
+    supported_params: list[str] = Field(
+        default_factory=list, max_length=64, description="ENGINE_OPTIONAL_PARAMS this backend honours"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="context length: prompt + generated tokens")
 
 
 class Heartbeat(BaseModel):
