@@ -1,10 +1,15 @@
 """The scheduler's HTTP API.
 
-Instances:  POST /v1/instances (register)  POST /v1/instances/{id}/heartbeat  POST /v1/instances/{id}/drain
-            DELETE /v1/instances/{id}   (Authorization: Bearer <instance token>, or the admin token)
-            GET /v1/instances
-Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)
-Operators:  GET /v1/advice   GET /v1/admin/weights   PUT /v1/admin/weights (Authorization: Bearer <admin token>)
+Every endpoint but health and metrics needs `Authorization: Bearer <token>`: the admin token, or a principal token
+derived from the identity key (pdserve.scheduler.identity). 401 without a valid token, 403 for a valid token of a
+principal the endpoint does not serve.
+
+Instances:  POST /v1/instances (register; principal instance:<body.instance_id>)
+            POST /v1/instances/{id}/heartbeat  POST /v1/instances/{id}/drain  DELETE /v1/instances/{id}
+            (principal instance:{id}, or admin)
+Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)  GET /v1/instances  GET /v1/advice
+            GET /v1/admin/weights (principal gateway, or admin)
+Operators:  PUT /v1/admin/weights (admin only)
 Health:     /health/live  /health/ready  /metrics
 """
 
@@ -28,6 +33,7 @@ from starlette.routing import Route
 
 from .advisor import Advice, advise
 from .client import read_token
+from .identity import GATEWAY, instance_principal, principal_of
 from .metrics import SchedulerMetrics
 from .protocol import Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
 from .registry import Registry, UnknownInstanceError
@@ -51,13 +57,22 @@ def validation_error(exc: ValidationError) -> JSONResponse:
 
 async def parse_body(request: Request, model: type[M]) -> M | JSONResponse:
     try:
-        payload = json.loads(await request.body() or b"{}")
+        payload = json.loads(await request.body() or b"{}", parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         return error(400, f"body: not valid JSON ({exc.msg})", "body")
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, NaN/Infinity, nesting deeper than the parser goes
+        return error(400, f"body: not valid JSON ({type(exc).__name__})", "body")
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
         return validation_error(exc)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+ADMIN = "admin"
 
 
 class SchedulerState:
@@ -66,9 +81,10 @@ class SchedulerState:
     def __init__(self, settings: SchedulerSettings) -> None:
         self.settings = settings
         self.admin_token = read_token(settings.admin_token_file, "admin_token_file")
-        self.instance_token = read_token(settings.instance_token_file, "instance_token_file")
-        if hmac.compare_digest(self.admin_token.encode(), self.instance_token.encode()):
-            raise ValueError("instance_token_file holds the admin token: every server could then change the weights")
+        self.identity_key = read_token(settings.identity_key_file, "identity_key_file")
+        if hmac.compare_digest(self.admin_token.encode(), self.identity_key.encode()):
+            raise ValueError("identity_key_file holds the admin token: whoever can mint node tokens could then "
+                             "change the weights")
         self.weights = WeightsStore(settings.state_file)
         self.weights_generation = 0
         self.boot_id = uuid.uuid4().hex[:8]
@@ -89,17 +105,15 @@ class SchedulerState:
                             weights=self.weights.weights,
                             instances=[i.routed() for i in self.registry.in_state("ready")])
 
-    def is_admin(self, request: Request) -> bool:
-        return bearer_matches(request, self.admin_token)
-
-    def is_instance(self, request: Request) -> bool:
-        """Servers hold the instance token; operators may use the admin token (e.g. to drain by hand)."""
-        return bearer_matches(request, self.instance_token) or bearer_matches(request, self.admin_token)
-
-
-def bearer_matches(request: Request, token: str) -> bool:
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+    def principal(self, request: Request) -> str | None:
+        """"admin", the principal of a valid derived token, or None (no token, or one nobody was given)."""
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented:
+            return None
+        if hmac.compare_digest(presented.encode(), self.admin_token.encode()):
+            return ADMIN
+        return principal_of(self.identity_key, presented)
 
 
 def state_of(request: Request) -> SchedulerState:
@@ -107,18 +121,49 @@ def state_of(request: Request) -> SchedulerState:
     return state
 
 
-def instances_api(handler: Handler) -> Handler:
-    """Only holders of the instance token may add, change or remove instances: a stranger who could register would
-    be sent prompts, and one who could drain or deregister could take the fleet out of service."""
+Allowed = Callable[[Request], frozenset[str]]
+
+
+def guarded(endpoint: str, allowed: Allowed, handler: Handler) -> Handler:
+    """Run `handler` only for a caller whose principal is in `allowed(request)` (admin always is).
+
+    Refusals are decided before the body is read, and counted by endpoint and reason: a stranger who could register
+    would be sent prompts, one who could drain or deregister could take the fleet out of service, and one who
+    could read the routing table would learn every server's address.
+    """
 
     async def checked(request: Request) -> Response:
         state = state_of(request)
-        if not state.is_instance(request):
-            state.metrics.instance_requests_unauthorized.inc()
-            return error(401, "instance API needs Authorization: Bearer <instance token>")
+        principal = state.principal(request)
+        if principal is None:
+            reason = "invalid_token" if request.headers.get("authorization") else "missing_token"
+            state.metrics.unauthorized.labels(endpoint, reason).inc()
+            return error(401, f"{endpoint} needs Authorization: Bearer <token>", "authorization")
+        if principal != ADMIN and principal not in allowed(request):
+            state.metrics.unauthorized.labels(endpoint, "forbidden").inc()
+            return error(403, f"{endpoint} is not open to principal {principal}", "authorization")
+        request.state.principal = principal
         return await handler(request)
 
     return checked
+
+
+def path_instance(request: Request) -> frozenset[str]:
+    return frozenset({instance_principal(request.path_params["instance_id"])})
+
+
+def gateway(request: Request) -> frozenset[str]:
+    return frozenset({GATEWAY})
+
+
+def admin_only(request: Request) -> frozenset[str]:
+    return frozenset()
+
+
+def any_principal(request: Request) -> frozenset[str]:
+    """For register, whose principal depends on the body: checked against instance_id once the body is parsed."""
+    principal = state_of(request).principal(request)
+    return frozenset({principal} if principal and principal.startswith("instance:") else ())
 
 
 async def register(request: Request) -> Response:
@@ -126,6 +171,12 @@ async def register(request: Request) -> Response:
     if isinstance(info, JSONResponse):
         return info
     state = state_of(request)
+    if info.instance_id is None:
+        return error(400, "instance_id: required (the caller's token is bound to it)", "instance_id")
+    principal = request.state.principal
+    if principal not in (ADMIN, instance_principal(info.instance_id)):
+        state.metrics.unauthorized.labels("register", "forbidden").inc()
+        return error(403, f"principal {principal} may not register instance {info.instance_id}", "instance_id")
     instance = state.registry.register(info)
     return JSONResponse({"instance_id": instance.instance_id, "state": instance.state,
                          "heartbeat_interval": state.settings.heartbeat_interval}, status_code=201)
@@ -186,9 +237,6 @@ async def get_weights(request: Request) -> Response:
 
 async def put_weights(request: Request) -> Response:
     state = state_of(request)
-    if not state.is_admin(request):
-        state.metrics.admin_requests.labels("unauthorized").inc()
-        return error(401, "admin API needs Authorization: Bearer <admin token>")
     update = await parse_body(request, WeightsUpdate)
     if isinstance(update, JSONResponse):
         state.metrics.admin_requests.labels("invalid").inc()
@@ -235,15 +283,16 @@ def create_app(settings: SchedulerSettings) -> Starlette:
             sweeper.cancel()
 
     routes = [
-        Route("/v1/instances", instances_api(register), methods=["POST"]),
-        Route("/v1/instances", list_instances, methods=["GET"]),
-        Route("/v1/instances/{instance_id}/heartbeat", instances_api(heartbeat), methods=["POST"]),
-        Route("/v1/instances/{instance_id}/drain", instances_api(drain), methods=["POST"]),
-        Route("/v1/instances/{instance_id}", instances_api(deregister), methods=["DELETE"]),
-        Route("/v1/routing", routing, methods=["GET"]),
-        Route("/v1/advice", advice, methods=["GET"]),
-        Route("/v1/admin/weights", get_weights, methods=["GET"]),
-        Route("/v1/admin/weights", put_weights, methods=["PUT"]),
+        Route("/v1/instances", guarded("register", any_principal, register), methods=["POST"]),
+        Route("/v1/instances", guarded("list_instances", gateway, list_instances), methods=["GET"]),
+        Route("/v1/instances/{instance_id}/heartbeat", guarded("heartbeat", path_instance, heartbeat),
+              methods=["POST"]),
+        Route("/v1/instances/{instance_id}/drain", guarded("drain", path_instance, drain), methods=["POST"]),
+        Route("/v1/instances/{instance_id}", guarded("deregister", path_instance, deregister), methods=["DELETE"]),
+        Route("/v1/routing", guarded("routing", gateway, routing), methods=["GET"]),
+        Route("/v1/advice", guarded("advice", gateway, advice), methods=["GET"]),
+        Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),
+        Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
         Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

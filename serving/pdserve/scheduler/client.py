@@ -7,7 +7,9 @@
     await drain(scheduler_url, info.instance_id, instance_token)  # on SIGTERM: stop new traffic, finish in-flight
     task.cancel()                                                 # cancelling deregisters the instance
 
-`instance_token` is the scheduler's instance token (every call presents it as a bearer token). `load_fn` returns an
+`instance_token` is this instance's own principal token, `pdserve.scheduler.identity.derive_token(key,
+"instance:" + instance_id)` (every call presents it as a bearer token); the scheduler accepts it only for that id,
+so `instance_id` is required. `load_fn` returns an
 InstanceLoad (or a dict of its fields), sync or async; `ready=False` keeps the instance out of the routing table.
 The loop never raises on scheduler trouble: it logs, retries, and registers again when the scheduler forgot the
 instance (404 after a scheduler restart).
@@ -18,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[
     """Register, then send a heartbeat with the current load every `interval` seconds until cancelled."""
     info = InstanceInfo.model_validate(instance_info)
     if info.instance_id is None:
-        info = info.model_copy(update={"instance_id": f"{info.role}-{uuid.uuid4().hex[:12]}"})
+        raise ValueError("instance_id: required, the scheduler accepts the token only for the id it was derived for")
     base = scheduler_url.rstrip("/")
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token)) as client:
         try:
@@ -113,8 +114,9 @@ async def _heartbeat(client: httpx.AsyncClient, base: str, info: InstanceInfo, l
     if response.status_code == 404:
         log.info("scheduler forgot this instance; registering again")
         return False
-    if response.status_code == 401:
-        log.error("heartbeat refused: the scheduler does not accept this instance token")
+    if response.status_code in (401, 403):
+        log.error("heartbeat refused: the scheduler does not accept this token for this instance",
+                  extra={"fields": {"status": response.status_code, "instance_id": info.instance_id}})
         return False
     return True
 

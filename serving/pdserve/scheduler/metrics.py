@@ -26,13 +26,15 @@ class SchedulerMetrics:
         self.table_polls = Counter("pdserve_scheduler_routing_table_polls",
                                    "Routing table requests, by result (changed or not_modified)", ["result"],
                                    registry=self.prometheus)
-        self.admin_requests = Counter("pdserve_scheduler_admin_requests",
-                                      "Admin API requests, by result (ok, unauthorized, invalid)", ["result"],
-                                      registry=self.prometheus)
-        self.instance_requests_unauthorized = Counter(
-            "pdserve_scheduler_instance_requests_unauthorized",
-            "Instance API requests (register, heartbeat, drain, deregister) refused for a missing or wrong token",
-            registry=self.prometheus)
+        self.admin_requests = Counter(
+            "pdserve_scheduler_admin_requests",
+            "Weight updates, by result (ok, invalid); refusals are in pdserve_scheduler_requests_unauthorized",
+            ["result"], registry=self.prometheus)
+        self.unauthorized = Counter(
+            "pdserve_scheduler_requests_unauthorized",
+            "Requests refused before running, by endpoint and reason (missing_token, invalid_token: 401; "
+            "forbidden: 403, a valid token of a principal the endpoint does not serve)",
+            ["endpoint", "reason"], registry=self.prometheus)
         self.prometheus.register(_StateCollector(registry, weights, advice))
 
 

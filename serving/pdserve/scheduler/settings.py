@@ -52,8 +52,10 @@ class SchedulerSettings(BaseModel):
     port: int = Field(8200, ge=0, le=65535, description="port to listen on (0 picks a free one)")
     state_file: Path = Field(description="JSON file the version weights persist to (written atomically)")
     admin_token_file: Path = Field(description="file holding the bearer token of the admin API")
-    instance_token_file: Path = Field(description="file holding the bearer token servers present to register, "
-                                      "heartbeat, drain and deregister")
+    identity_key_file: Path = Field(
+        description="file holding the key every principal token (instance:<id>, gateway) is derived from "
+        "(pdserve.scheduler.identity); must differ from the admin token"
+    )
     heartbeat_interval: float = Field(2.0, gt=0, description="seconds between heartbeats that instances are told")
     missed_heartbeats: int = Field(3, ge=1, description="heartbeats missed before an instance is declared dead")
     forget_dead_after: float = Field(300.0, gt=0, description="seconds after which a dead instance is dropped")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.scheduler.identity import GATEWAY, derive_token, instance_principal
 from tests.serving.ports import free_port
 
 
@@ -83,20 +84,45 @@ def write_secret(path: Path) -> str:
     return token
 
 
-def instance_token_file(tmp: Path) -> Path:
-    """Where the scheduler started in `tmp` keeps the instance token servers present."""
-    return tmp / "instance.token"
+def identity_key_file(tmp: Path) -> Path:
+    """The identity key of the scheduler started in `tmp` (created on first use, so tokens can be derived first)."""
+    path = tmp / "identity.key"
+    if not path.exists():
+        write_secret(path)
+    return path
+
+
+def principal_token(tmp: Path, principal: str) -> str:
+    """The bearer token of `principal` under the identity key in `tmp`."""
+    return derive_token(identity_key_file(tmp).read_text().strip(), principal)
+
+
+def principal_token_file(tmp: Path, principal: str) -> Path:
+    """A secret file holding `principal`'s token, as a node's --scheduler-token-file would."""
+    path = tmp / "tokens" / (principal.replace(":", "_") + ".token")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(principal_token(tmp, principal) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def instance_token_file(tmp: Path, instance_id: str) -> Path:
+    """The token file of the server (or agent) registering as `instance_id`."""
+    return principal_token_file(tmp, instance_principal(instance_id))
+
+
+def gateway_token_file(tmp: Path) -> Path:
+    """The token file a gateway reads the routing table with."""
+    return principal_token_file(tmp, GATEWAY)
 
 
 def start_scheduler(tmp: Path, heartbeat_interval: float = 0.2, missed: int = 3, port: int | None = None,
                     state_file: Path | None = None) -> tuple[Service, str]:
-    """A scheduler process; returns it and its admin token (the instance token is in instance_token_file(tmp))."""
+    """A scheduler process; returns it and its admin token (principal tokens: principal_token(tmp, ...))."""
     token_file = tmp / "admin.token"
     token = token_file.read_text().strip() if token_file.exists() else write_secret(token_file)
-    if not instance_token_file(tmp).exists():
-        write_secret(instance_token_file(tmp))
     args = ["--state-file", str(state_file or tmp / "scheduler-state.json"), "--admin-token-file", str(token_file),
-            "--instance-token-file", str(instance_token_file(tmp)),
+            "--identity-key-file", str(identity_key_file(tmp)),
             "--heartbeat-interval", str(heartbeat_interval), "--missed-heartbeats", str(missed)]
     service = Service("pdserve.scheduler", args, tmp / "scheduler.log")
     if port is not None:
