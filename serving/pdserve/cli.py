@@ -31,8 +31,7 @@ def limit_blas_threads(argv: Sequence[str]) -> None:
 
 def run_server(role: str, argv: Sequence[str]) -> None:
     limit_blas_threads(argv)
-    import uvicorn  # noqa: PLC0415  (imported after the BLAS thread limit is set)
-
+    from pdserve.listener import serve  # noqa: PLC0415  (imported after the BLAS thread limit is set)
     from pdserve.server import create_app  # noqa: PLC0415
     from pdserve.server.logs import configure  # noqa: PLC0415
     from pdserve.server.settings import settings_from_args  # noqa: PLC0415
@@ -40,8 +39,7 @@ def run_server(role: str, argv: Sequence[str]) -> None:
     settings = settings_from_args(role, argv)
     configure(settings.log_level)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                log_level=settings.log_level, timeout_graceful_shutdown=5)
+    serve(app, settings.host, settings.port, log_level=settings.log_level, graceful_shutdown_seconds=5)
 
 
 def run_control_plane(role: str, argv: Sequence[str]) -> None:

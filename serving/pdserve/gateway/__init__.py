@@ -8,8 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
+from pdserve.listener import serve
 from pdserve.scheduler.jsonlog import configure
 from pdserve.scheduler.settings import load_settings
 
@@ -25,5 +24,4 @@ def main(argv: Sequence[str]) -> None:
         app = create_app(settings)
     except KeysFileError as exc:
         sys.exit(f"pdserve gateway: {exc}")
-    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, log_config=None,
-                timeout_graceful_shutdown=30)
+    serve(app, settings.host, settings.port, log_level=settings.log_level, graceful_shutdown_seconds=30)

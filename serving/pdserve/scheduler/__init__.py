@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import uvicorn
+from pdserve.listener import serve
 
 from .app import create_app
 from .jsonlog import configure
@@ -23,4 +23,4 @@ def main(argv: Sequence[str]) -> None:
         app = create_app(settings)
     except ValueError as exc:
         raise SystemExit(f"pdserve scheduler: {exc}") from None
-    uvicorn.run(app, host=settings.host, port=settings.port, access_log=False, log_config=None)
+    serve(app, settings.host, settings.port, log_level=settings.log_level)
