@@ -22,12 +22,14 @@ from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
 from infra.storage import ModelStorage, ModelStorageArgs
 from infra.tags import datacenter_tags, pool_tags
-from infra.workloads import ControlWorkloads, ControlWorkloadsArgs
+from infra.workloads import GATEWAY_TOKEN, ControlWorkloads, ControlWorkloadsArgs
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.model import DatacenterRole, Environment
 
-# The only secrets GPU nodes read (KV channel, scheduler registration); the rest stay in the control plane.
-NODE_SECRETS = ("kv-channel-key", "scheduler-instance-token")
+# The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
+# scheduler's identity key: whoever holds it can mint any principal's token, so each node gets only its own derived
+# token from the deployer (roles/pdserve); the rest stay in the control plane.
+NODE_SECRETS = ("kv-channel-key", "server-api-token")
 
 
 def main() -> None:
@@ -209,7 +211,7 @@ def build_control_plane(
                 "datacenters.json": json.dumps({d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role}
                                                 for d in serving_dcs}, indent=2),
             },
-            secret_values=secrets.values,
+            secret_values={**secrets.values, GATEWAY_TOKEN: secrets.principal_token("gateway")},
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
             cluster_cidr=str(dc.cidr),

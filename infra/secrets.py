@@ -3,6 +3,8 @@ key, and handed on only as secret Outputs, so no value is ever printed or stored
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,13 @@ def rotation_period(rotation_days: int, now_s: float | None = None) -> int:
 
 def _as_secret(value: pulumi.Output[str]) -> pulumi.Output[str]:
     return value.apply(pulumi.Output.secret)
+
+
+def derive_token(key: str, principal: str) -> str:
+    """The scheduler's bearer token of `principal` under its identity key (hardening contract §1; the same formula
+    as pdserve.scheduler.identity and roles/pdserve/filter_plugins)."""
+    mac = hmac.new(key.encode(), b"pdstack-scheduler-principal\0" + principal.encode(), hashlib.sha256).hexdigest()
+    return f"pds1.{principal}.{mac}"
 
 
 def secret_path(env: str, name: str) -> str:
@@ -86,3 +95,7 @@ class EnvironmentSecrets(pulumi.ComponentResource):
             self.arns[spec.name] = stored.arn
             self.values[spec.name] = value
         self.register_outputs({"arns": self.arns, "values": pulumi.Output.secret(self.values)})
+
+    def principal_token(self, principal: str) -> pulumi.Output[str]:
+        """A principal's scheduler token derived from the identity key, as a secret Output (never stored apart)."""
+        return _as_secret(self.values["scheduler-identity-key"].apply(lambda key: derive_token(key, principal)))

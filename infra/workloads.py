@@ -20,6 +20,7 @@ PROMETHEUS_RETENTION = "15d"
 PROMETHEUS_VOLUME_GIB = 100
 CONFIG_DIR = "/etc/pdstack"
 SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
+GATEWAY_TOKEN = "scheduler-gateway-token"  # noqa: S105 (a key of that Secret: the gateway's derived scheduler token)
 NLB_ANNOTATIONS = {
     "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
     "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
@@ -97,7 +98,9 @@ class ControlWorkloads(pulumi.ComponentResource):
         gateway = AppSpec(
             "gateway", args.ports.gateway, args.gateway_replicas, "1", "1Gi",
             env={"PDSTACK_CONFIG_DIR": CONFIG_DIR, "PDSTACK_SCHEDULER_URL": scheduler_url},
-            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys"},
+            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys", "PDSTACK_SCHEDULER_TOKEN": GATEWAY_TOKEN,
+                        "PDSTACK_SERVER_TOKEN": "server-api-token",
+                        "PDSTACK_RATE_LIMIT_PASSWORD": "ratelimit-store-password"},
         )
         # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
         # each see half the heartbeats behind the load balancer.
@@ -105,7 +108,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             "scheduler", args.ports.scheduler, 1, "500m", "512Mi",
             env={"PDSTACK_CONFIG_DIR": CONFIG_DIR},
             secret_env={"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token",
-                        "PDSTACK_INSTANCE_TOKEN": "scheduler-instance-token"},
+                        "PDSTACK_IDENTITY_KEY": "scheduler-identity-key"},
         )
         for app in (gateway, scheduler):
             self._deployment(name, app, recreate=app is scheduler)

@@ -203,9 +203,24 @@ class Secret(Strict):
     rotation_days: int = Field(default=90, ge=1, le=365)
 
 
-REQUIRED_SECRETS = ("gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-instance-token")
+REQUIRED_SECRETS = (
+    "gateway-api-keys",
+    "kv-channel-key",
+    "scheduler-admin-token",
+    "scheduler-identity-key",
+    "server-api-token",
+    "ratelimit-store-password",
+)
 """What the serving runtime reads: gateway API keys, the KV channel's HMAC key, the scheduler's admin token
-(weights) and its instance token (servers register, heartbeat and drain with it)."""
+(weights), its identity key (each server and the gateway get a token derived from it for their own principal, so
+one node cannot act as another), the token prefill and decode require of every caller (the gateway presents it), and
+the password of the rate-limit store the gateway replicas share."""
+
+RETIRED_SECRETS = {
+    "scheduler-instance-token": "the scheduler derives each server's own token from scheduler-identity-key; one "
+    "token shared by every node let any node act as another",
+}
+"""Names the runtime no longer reads, and why: a stack still listing one would keep generating and storing it."""
 
 
 def _default_secrets() -> list[Secret]:
@@ -240,7 +255,11 @@ class StackConfig(Strict):
         if self.datacenter.role is DatacenterRole.CONTROL:
             if self.serving is None:
                 raise ValueError("the control-plane stack must set `serving`")
-            missing = [name for name in REQUIRED_SECRETS if name not in {s.name for s in self.secret_specs}]
+            names = {s.name for s in self.secret_specs}
+            retired = [f"{name} is retired ({why})" for name, why in RETIRED_SECRETS.items() if name in names]
+            if retired:
+                raise ValueError(f"pdstack:secrets: {'; '.join(retired)}")
+            missing = [name for name in REQUIRED_SECRETS if name not in names]
             if missing:
                 raise ValueError(
                     f"pdstack:secrets lacks {', '.join(missing)}: the serving runtime reads "

@@ -39,15 +39,32 @@ class LocalSecrets:
         return self.folder / "scheduler-admin.token"
 
     @property
-    def scheduler_instance_token(self) -> Path:
-        """What servers present to the scheduler to register, heartbeat and drain."""
-        return self.folder / "scheduler-instance.token"
+    def scheduler_identity_key(self) -> Path:
+        """The scheduler's identity key: the playbooks derive each server's and the gateway's own token from it on
+        the controller; only the scheduler's node receives the key itself."""
+        return self.folder / "scheduler-identity.key"
+
+    @property
+    def server_api_token(self) -> Path:
+        """What prefill and decode require of every caller (the gateway presents it)."""
+        return self.folder / "server-api.token"
+
+    @property
+    def ratelimit_store_password(self) -> Path:
+        """The `requirepass` of the control node's Redis, where the gateway replicas keep their rate limits."""
+        return self.folder / "ratelimit-store.password"
+
+    def generated(self) -> tuple[Path, ...]:
+        """Every random secret, one per stack secret of pdstack.model.REQUIRED_SECRETS (the API keys file is
+        derived from `api_key`)."""
+        return (self.api_key, self.kv_channel_key, self.scheduler_admin_token, self.scheduler_identity_key,
+                self.server_api_token, self.ratelimit_store_password)  # fmt: skip
 
     def ensure(self) -> None:
         """Create whatever is missing; keep what exists, so a second `up` rotates nothing."""
         self.folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
-        for path in (self.api_key, self.kv_channel_key, self.scheduler_admin_token, self.scheduler_instance_token):
+        for path in self.generated():
             if not path.exists():
                 _write_private(path, secrets.token_urlsafe(32))
         digest = hashlib.sha256(self.api_key.read_text().encode()).hexdigest()

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from infra import outputs
+from pdserve.scheduler import identity
 from pdstack.model import DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
 
@@ -169,21 +170,42 @@ def _generated_values(graph: Synthesis) -> set[str]:
 def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) -> None:
     graph = graphs[name]
     values = _generated_values(graph)
-    assert len(values) == 4
+    assert len(values) == 6
     assert outputs.SECRET_VALUES in graph.secret_outputs
     assert {s.inputs["name"].rsplit("/", 1)[1] for s in graph.of_type("aws:secretsmanager/secret:Secret")} == {
-        "gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-instance-token"
+        "gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-identity-key", "server-api-token",
+        "ratelimit-store-password",
     }
     for version in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion"):
         assert "secretString" in version.secret_inputs
     k8s_secret = graph.of_type("kubernetes:core/v1:Secret")[0]
     assert "stringData" in k8s_secret.secret_inputs
+    # The gateway's scheduler token is derived from the identity key (contract §1), secret like the key itself.
+    key = graph.outputs[outputs.SECRET_VALUES]["scheduler-identity-key"]
+    assert k8s_secret.inputs["stringData"]["scheduler-gateway-token"] == identity.derive_token(key, "gateway")
+    values.add(k8s_secret.inputs["stringData"]["scheduler-gateway-token"])
     # No generated value appears anywhere it is not marked secret.
     for resource in graph.resources:
         plain = {k: v for k, v in resource.inputs.items() if k not in resource.secret_inputs}
         assert not any(v in repr(plain) for v in values), resource.name
     plain_outputs = {k: v for k, v in graph.outputs.items() if k not in graph.secret_outputs}
     assert not any(v in repr(plain_outputs) for v in values)
+
+
+def test_control_workloads_read_the_hardened_credentials(graphs: dict[str, Synthesis]) -> None:
+    deployments = {d.inputs["metadata"]["name"]: d for d in graphs["prod-control"].of_type(
+        "kubernetes:apps/v1:Deployment")}
+
+    def secret_env(app: str) -> dict[str, str]:
+        env = deployments[app].inputs["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in env if "valueFrom" in e}
+
+    assert secret_env("scheduler") == {"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token",
+                                       "PDSTACK_IDENTITY_KEY": "scheduler-identity-key"}
+    assert secret_env("gateway") == {"PDSTACK_API_KEYS": "gateway-api-keys",
+                                     "PDSTACK_SCHEDULER_TOKEN": "scheduler-gateway-token",
+                                     "PDSTACK_SERVER_TOKEN": "server-api-token",
+                                     "PDSTACK_RATE_LIMIT_PASSWORD": "ratelimit-store-password"}
 
 
 def test_each_link_is_built_once_by_its_later_end_with_routes_both_ways(graphs: dict[str, Synthesis]) -> None:
@@ -226,14 +248,14 @@ def test_exports_cover_what_stack_references_read(graphs: dict[str, Synthesis]) 
             assert set(graph.outputs[outputs.REPOSITORY_ARNS]) >= {"prefill", "decode"}
 
 
-def test_nodes_may_read_only_the_kv_key_and_instance_token(graphs: dict[str, Synthesis]) -> None:
+def test_nodes_may_read_only_the_kv_key_and_server_token(graphs: dict[str, Synthesis]) -> None:
     policy = next(p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy")
                   if p.name.endswith("-node"))
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
     assert statements["ReadNodeSecrets"]["Resource"] == [
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/kv-channel-key-AbCdEf",
-        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/scheduler-instance-token-AbCdEf",
-    ]
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/server-api-token-AbCdEf",
+    ]  # never the scheduler's identity key: a node holding it could mint any instance's token
     assert "*" not in json.dumps(statements["ReadModels"]["Resource"]).replace("/*", "")
 
 

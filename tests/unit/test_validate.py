@@ -154,8 +154,11 @@ def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
         ("Pulumi.local-dc1.yaml", lambda c: c["pdstack:datacenter"].update(cidr="10.210.1.0/33"),
          "pdstack:datacenter.cidr: Input is not a valid IPv4 network"),
         ("Pulumi.prod-control.yaml", lambda c: c["pdstack:secrets"].pop(),
-         "pdstack:secrets lacks scheduler-instance-token: the serving runtime reads gateway-api-keys, "
-         "kv-channel-key, scheduler-admin-token, scheduler-instance-token"),
+         "pdstack:secrets lacks ratelimit-store-password: the serving runtime reads gateway-api-keys, "
+         "kv-channel-key, scheduler-admin-token, scheduler-identity-key, server-api-token, ratelimit-store-password"),
+        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:secrets"].append({"name": "scheduler-instance-token"}),
+         "pdstack:secrets: scheduler-instance-token is retired (the scheduler derives each server's own token from "
+         "scheduler-identity-key; one token shared by every node let any node act as another)"),
     ],
 )
 def test_other_mistakes_name_the_field(stacks_dir: Path, file: str, change: Any, expected: str) -> None:
