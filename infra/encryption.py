@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -17,7 +18,7 @@ KEY_USE = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*
 def key_policy(account_id: str, allow_autoscaling: bool) -> str:
     """The account administers the key; Auto Scaling's service-linked role may use it, or encrypted
     launch-template volumes fail to launch with a KMS access error."""
-    statements: list[dict[str, object]] = [
+    statements: list[dict[str, Any]] = [
         {
             "Sid": "AccountAdministers",
             "Effect": "Allow",

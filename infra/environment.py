@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pulumi
 from pydantic import ValidationError
@@ -132,18 +132,26 @@ def sibling_configs(this: StackConfig, stacks_dir: Path | None = None) -> dict[s
     return configs
 
 
+def string_list(value: object) -> list[str] | None:
+    """A config list as strings; None when the value is absent or not a list."""
+    if not isinstance(value, list):
+        return None
+    return [str(item) for item in cast("list[object]", value)]
+
+
 def infra_settings() -> InfraSettings:
     config = pulumi.Config(SETTINGS_NAMESPACE)
-    zones = config.get_object("availability_zones")
-    cidrs = config.get_object("eks_public_access_cidrs") or []
-    if zones is not None and (not isinstance(zones, list) or len(zones) != 2):
-        raise ConfigError(f"{SETTINGS_NAMESPACE}:availability_zones: give exactly two zone names, got {zones!r}")
-    if not isinstance(cidrs, list) or "0.0.0.0/0" in cidrs:
+    zones_given = config.get_object("availability_zones")
+    zones = string_list(zones_given)
+    cidrs = string_list(config.get_object("eks_public_access_cidrs") or [])
+    if zones_given is not None and (zones is None or len(zones) != 2):
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:availability_zones: give exactly two zone names, got {zones_given!r}")
+    if cidrs is None or "0.0.0.0/0" in cidrs:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:eks_public_access_cidrs: a list of CIDRs, never 0.0.0.0/0")
     return InfraSettings(
         kubernetes_version=config.get("kubernetes_version") or InfraSettings.kubernetes_version,
-        availability_zones=[str(z) for z in zones] if zones is not None else None,
-        eks_public_access_cidrs=[str(c) for c in cidrs],
+        availability_zones=zones,
+        eks_public_access_cidrs=cidrs,
         lustre_capacity_gib=config.get_int("lustre_capacity_gib") or 0,
         ssh_key_name=config.get("ssh_key_name"),
         release=config.get("release") or InfraSettings.release,

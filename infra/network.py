@@ -127,7 +127,7 @@ class Network(pulumi.ComponentResource):
         self, name: str, public: list[aws.ec2.Subnet], opts: pulumi.ResourceOptions
     ) -> list[aws.ec2.NatGateway]:
         count = AZ_COUNT if self.args.nat_per_zone else 1
-        nats = []
+        nats: list[aws.ec2.NatGateway] = []
         for i in range(count):
             eip = aws.ec2.Eip(f"{name}-nat-{i}", domain="vpc", tags=dict(self.args.tags), opts=opts)
             nats.append(
@@ -141,7 +141,7 @@ class Network(pulumi.ComponentResource):
     def _private_routing(
         self, name: str, nats: list[aws.ec2.NatGateway], opts: pulumi.ResourceOptions
     ) -> list[aws.ec2.RouteTable]:
-        tables = []
+        tables: list[aws.ec2.RouteTable] = []
         for i in range(AZ_COUNT):
             table = aws.ec2.RouteTable(
                 f"{name}-private-{i}", vpc_id=self.vpc.id,

@@ -47,7 +47,7 @@ class NodeAccess:
 
 def node_openings(access: NodeAccess) -> list[Opening]:
     control = (access.control_cidr,)
-    openings = []
+    openings: list[Opening] = []
     for role, port in ((PoolRole.PREFILL, access.ports.prefill), (PoolRole.DECODE, access.ports.decode)):
         if role in access.pool_roles:
             openings.append(Opening(f"serving-{role}", port, port, cidrs=control))

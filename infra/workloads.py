@@ -63,6 +63,11 @@ class AppSpec:
     secret_env: Mapping[str, str]  # variable -> key of the pdstack Secret
 
 
+def prometheus_yaml(config: Mapping[str, Any]) -> str:
+    text: str = yaml.safe_dump(dict(config), sort_keys=False)  # pyright: ignore[reportUnknownMemberType]  # partly untyped stub
+    return text
+
+
 def probes(port: str) -> dict[str, Any]:
     """Liveness asks "is the process wedged" (slow to fire, restarts); readiness asks "may it take traffic now"
     (fast, removes it from the Service while the scheduler or a dependency is away)."""
@@ -142,10 +147,10 @@ class ControlWorkloads(pulumi.ComponentResource):
         env: list[Any] = [{"name": k, "value": v} for k, v in app.env.items()]
         env += [{"name": k, "value_from": {"secret_key_ref": {"name": SECRET_NAME, "key": key}}}
                 for k, key in app.secret_env.items()]
-        k8s.apps.v1.Deployment(  # type: ignore[call-overload]  # dict args: schema-checked in tests
+        k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
             f"{name}-{app.name}",
             metadata={"name": app.name, "namespace": self.args.namespace, "labels": labels},
-            spec={
+            spec={  # pyright: ignore[reportArgumentType]
                 "replicas": app.replicas,
                 "selector": {"match_labels": {"app": app.name}},
                 "strategy": {"type": "Recreate"} if recreate else
@@ -197,10 +202,10 @@ class ControlWorkloads(pulumi.ComponentResource):
         a, ns = self.args, self.args.namespace
 
         def policy(suffix: str, selector: dict[str, Any], ingress: list[Any]) -> None:
-            k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # dict args: schema-checked in tests
+            k8s.networking.v1.NetworkPolicy(  # dict args (built in parts): schema-checked in tests
                 f"{name}-{suffix}",
                 metadata={"name": suffix, "namespace": ns},
-                spec={"pod_selector": selector, "policy_types": ["Ingress"], "ingress": ingress},
+                spec={"pod_selector": selector, "policy_types": ["Ingress"], "ingress": ingress},  # pyright: ignore[reportArgumentType]
                 opts=self.opts,
             )
 
@@ -244,7 +249,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
         k8s.core.v1.ConfigMap(
             f"{name}-prometheus", metadata={"name": "prometheus", "namespace": ns},
-            data={"prometheus.yml": yaml.safe_dump(dict(a.prometheus_config), sort_keys=False)}, opts=self.opts,
+            data={"prometheus.yml": prometheus_yaml(a.prometheus_config)}, opts=self.opts,
         )
         k8s.storage.v1.StorageClass(
             f"{name}-gp3",
@@ -259,10 +264,10 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
         port = a.ports.prometheus
-        k8s.apps.v1.StatefulSet(  # type: ignore[call-overload]  # dict args: schema-checked in tests
+        k8s.apps.v1.StatefulSet(  # dict args (built in parts): schema-checked in tests
             f"{name}-prometheus",
             metadata={"name": "prometheus", "namespace": ns, "labels": labels},
-            spec={
+            spec={  # pyright: ignore[reportArgumentType]
                 "service_name": "prometheus",
                 "replicas": 1,
                 "selector": {"match_labels": labels},
