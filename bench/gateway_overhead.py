@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.scheduler.identity import derive_token
 
 API_KEY = "sk-bench-" + secrets.token_hex(8)
 BODY = {"model": "bench", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 8,
@@ -59,23 +60,30 @@ def wait_ok(url: str, timeout: float = 60.0) -> None:
 
 def start_stack(work: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     model = make_test_checkpoint("dense", work / "model")
-    for name in ("admin.token", "instance.token"):
-        (work / name).write_text(secrets.token_hex(16))
+    identity, engine_id = secrets.token_hex(32), secrets.token_hex(16)
+    tokens = {"admin.token": secrets.token_hex(16), "identity.key": identity, "server.token": secrets.token_hex(16),
+              "colocated.token": derive_token(identity, f"instance:colocated-{engine_id[:24]}"),
+              "gateway.token": derive_token(identity, "gateway")}
+    for name, value in tokens.items():
+        (work / name).write_text(value)
     (work / "keys.json").write_text(json.dumps({"bench": [API_KEY]}))
     sched_port, server_port, gateway_port = free_port(), free_port(), free_port()
     scheduler_url = f"http://127.0.0.1:{sched_port}"
     procs = [launch(["pdserve.scheduler", "--port", str(sched_port), "--state-file", str(work / "state.json"),
-                     "--admin-token-file", str(work / "admin.token"), "--instance-token-file",
-                     str(work / "instance.token"), "--heartbeat-interval", "1"],
+                     "--admin-token-file", str(work / "admin.token"), "--identity-key-file",
+                     str(work / "identity.key"), "--heartbeat-interval", "1"],
                     work / "scheduler.log")]
     wait_ok(scheduler_url + "/health/live")
     procs.append(launch(["pdserve.cli", "colocated", "--model", str(model), "--host", "127.0.0.1", "--port",
                          str(server_port), "--served-model-name", "bench", "--scheduler-url", scheduler_url,
-                         "--scheduler-token-file", str(work / "instance.token"), "--heartbeat-seconds", "1"],
+                         "--engine-id", engine_id, "--scheduler-token-file", str(work / "colocated.token"),
+                         "--heartbeat-seconds", "1"],
                         work / "colocated.log"))
     procs.append(launch(["pdserve.gateway", "--port", str(gateway_port), "--scheduler-url", scheduler_url,
-                         "--api-keys-file", str(work / "keys.json"), "--requests-per-second", "100000",
-                         "--request-burst", "100000", "--tokens-per-minute", "100000000", "--log-level", "warning"],
+                         "--scheduler-token-file", str(work / "gateway.token"), "--server-token-file",
+                         str(work / "server.token"), "--api-keys-file", str(work / "keys.json"),
+                         "--requests-per-second", "100000", "--request-burst", "100000",
+                         "--tokens-per-minute", "100000000", "--log-level", "warning"],
                         work / "gateway.log"))
     server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
     wait_ok(server_url + "/health/ready")

@@ -1,0 +1,339 @@
+"""The pdstack gateway against vllm-router, in front of the same pdserve prefill and decode, in one run.
+
+Starts a scheduler, `pdserve prefill` and `pdserve decode` on a tiny test checkpoint (registered with the scheduler),
+then two routers in front of that pair: the pdstack gateway (every prompt sent to remote prefill, so both routers run
+the same prefill -> decode flow) and `vllm-router --vllm-pd-disaggregation`. A third target, "direct", is the bench
+client running that flow itself (prefill with max_tokens=1 and the kv_transfer_params request, then decode with what
+prefill returned): what each router adds is measured against it. Rounds of identical non-streaming completions
+alternate between the targets at 1, 16 and 64 concurrent clients: latency p50/p99, the latency each router adds over
+direct, requests/s, and the gateway's figures as ratios to vllm-router's.
+
+    .venv/bin/python bench/gateway_vs_vllm_router.py [--requests 240] [--out bench/results/gateway_vs_vllm_router.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gateway_overhead import free_port, launch, percentile, wait_ok
+
+from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.scheduler.identity import derive_token
+
+CONCURRENCY = (1, 16, 64)
+API_KEY = "sk-bench-" + secrets.token_hex(8)
+BODY = {
+    "model": "bench",
+    "prompt": "The quick brown fox jumps over the lazy dog",
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+KV_REQUEST = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
+
+Send = Callable[[httpx.AsyncClient], Awaitable[None]]
+
+
+def secret(path: Path, value: str) -> Path:
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def start_backends(work: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str], Path, Path]:
+    """Scheduler, prefill and decode; returns the processes, their URLs, the gateway's and the servers' token files."""
+    model = make_test_checkpoint("dense", work / "model")
+    identity = secrets.token_hex(32)
+    secret(work / "identity.key", identity)
+    secret(work / "admin.token", secrets.token_hex(16))
+    secret(work / "kv.key", secrets.token_hex(32))
+    server_token = secret(work / "server.token", secrets.token_hex(16))
+    urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("scheduler", "prefill", "decode")}
+    procs = [
+        launch(
+            [
+                "pdserve.scheduler",
+                "--port",
+                urls["scheduler"].rsplit(":", 1)[1],
+                "--state-file",
+                str(work / "state.json"),
+                "--admin-token-file",
+                str(work / "admin.token"),
+                "--identity-key-file",
+                str(work / "identity.key"),
+                "--heartbeat-interval",
+                "1",
+            ],
+            work / "scheduler.log",
+        )
+    ]
+    wait_ok(urls["scheduler"] + "/health/live")
+    for role in ("prefill", "decode"):
+        engine_id = secrets.token_hex(16)
+        token = secret(work / f"{role}.scheduler.token", derive_token(identity, f"instance:{role}-{engine_id[:24]}"))
+        extra = ["--kv-port", "0"] if role == "prefill" else []
+        procs.append(
+            launch(
+                [
+                    "pdserve.cli",
+                    role,
+                    "--model",
+                    str(model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    urls[role].rsplit(":", 1)[1],
+                    "--served-model-name",
+                    "bench",
+                    "--engine-id",
+                    engine_id,
+                    "--kv-key-file",
+                    str(work / "kv.key"),
+                    "--api-token-file",
+                    str(server_token),
+                    "--scheduler-url",
+                    urls["scheduler"],
+                    "--scheduler-token-file",
+                    str(token),
+                    "--heartbeat-seconds",
+                    "1",
+                    "--max-num-seqs",
+                    "128",
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                work / f"{role}.log",
+            )
+        )
+    for role in ("prefill", "decode"):
+        wait_ok(urls[role] + "/health/ready", timeout=180)
+    gateway_token = secret(work / "gateway.scheduler.token", derive_token(identity, "gateway"))
+    return procs, urls, gateway_token, server_token
+
+
+def start_gateway(work: Path, scheduler_url: str, gateway_token: Path, server_token: Path) -> tuple[Any, str]:
+    (work / "keys.json").write_text(json.dumps({"bench": [API_KEY]}))
+    port = free_port()
+    proc = launch(
+        [
+            "pdserve.gateway",
+            "--port",
+            str(port),
+            "--scheduler-url",
+            scheduler_url,
+            "--scheduler-token-file",
+            str(gateway_token),
+            "--server-token-file",
+            str(server_token),
+            "--api-keys-file",
+            str(work / "keys.json"),
+            "--offload-threshold-tokens",
+            "0",
+            "--requests-per-second",
+            "100000",
+            "--request-burst",
+            "100000",
+            "--tokens-per-minute",
+            "1000000000",
+            "--log-level",
+            "warning",
+        ],
+        work / "gateway.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_ok(url + "/health/live")
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health/ready", timeout=2).json().get("instances", 0) < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the gateway never listed prefill and decode")
+        time.sleep(0.2)
+    return proc, url
+
+
+def start_vllm_router(work: Path, prefill_url: str, decode_url: str, server_token: Path) -> tuple[Any, str]:
+    port = free_port()
+    command = [
+        str(VLLM_ROUTER),
+        "--vllm-pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        prefill_url,
+        "--decode",
+        decode_url,
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "OPENAI_API_KEY": server_token.read_text().strip()}  # what it presents to the servers
+    with (work / "vllm-router.log").open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ok(url + "/health")
+    return proc, url
+
+
+def via(url: str, key: str) -> Send:
+    """One completion through a router."""
+
+    async def send(client: httpx.AsyncClient) -> None:
+        response = await client.post(url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+        response.raise_for_status()
+
+    return send
+
+
+def direct(prefill_url: str, decode_url: str, server_token: str) -> Send:
+    """The prefill -> decode flow run by the client itself, as vLLM's disaggregated proxy does it."""
+    headers = {"Authorization": f"Bearer {server_token}"}
+
+    async def send(client: httpx.AsyncClient) -> None:
+        first = {**BODY, "max_tokens": 1, "stream": False, "kv_transfer_params": KV_REQUEST}
+        prefilled = await client.post(prefill_url + "/v1/completions", json=first, headers=headers)
+        prefilled.raise_for_status()
+        params = prefilled.json()["kv_transfer_params"]
+        decoded = await client.post(
+            decode_url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, headers=headers
+        )
+        decoded.raise_for_status()
+
+    return send
+
+
+async def run_round(
+    client: httpx.AsyncClient, send: Send, requests: int, concurrency: int
+) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    queue = iter(range(requests))
+
+    async def worker() -> None:
+        for _ in queue:
+            started = time.perf_counter()
+            await send(client)
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - started
+
+
+async def measure(targets: dict[str, Send], requests: int, rounds: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    results: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for send in targets.values():  # warm up connections, engines and the gateway's routing
+            await run_round(client, send, 32, 8)
+        for concurrency in CONCURRENCY:
+            latency: dict[str, list[float]] = {name: [] for name in targets}
+            rates: dict[str, list[float]] = {name: [] for name in targets}
+            per_round = max(concurrency, requests // rounds)
+            for _ in range(rounds):  # alternate so that drift on the machine hits every target alike
+                for name, send in targets.items():
+                    lat, wall = await run_round(client, send, per_round, concurrency)
+                    latency[name].extend(lat)
+                    rates[name].append(per_round / wall)
+            results[f"c{concurrency}"] = summarise(latency, rates)
+    return results
+
+
+def summarise(latency: dict[str, list[float]], rates: dict[str, list[float]]) -> dict[str, Any]:
+    stats = {
+        name: {
+            "p50_ms": percentile(lat, 50) * 1e3,
+            "p99_ms": percentile(lat, 99) * 1e3,
+            "requests_per_second": statistics.median(rates[name]),
+            "samples": len(lat),
+        }
+        for name, lat in latency.items()
+    }
+    base, gateway, router = stats["direct"], stats["gateway"], stats["vllm_router"]
+    for entry in (gateway, router):
+        entry["added_p50_ms"] = entry["p50_ms"] - base["p50_ms"]
+        entry["added_p99_ms"] = entry["p99_ms"] - base["p99_ms"]
+    return {
+        **stats,
+        "gateway_over_vllm_router": {
+            "p50": gateway["p50_ms"] / router["p50_ms"],
+            "p99": gateway["p99_ms"] / router["p99_ms"],
+            "requests_per_second": gateway["requests_per_second"] / router["requests_per_second"],
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=240, help="requests per target and concurrency level")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds the requests are split into")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gateway_vs_vllm_router.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
+        work = Path(tmp)
+        procs, urls, gateway_token, server_token = start_backends(work)
+        try:
+            gateway, gateway_url = start_gateway(work, urls["scheduler"], gateway_token, server_token)
+            procs.append(gateway)
+            router, router_url = start_vllm_router(work, urls["prefill"], urls["decode"], server_token)
+            procs.append(router)
+            targets = {
+                "direct": direct(urls["prefill"], urls["decode"], server_token.read_text().strip()),
+                "gateway": via(gateway_url, API_KEY),
+                "vllm_router": via(router_url, "unused"),
+            }
+            result = asyncio.run(measure(targets, args.requests, args.rounds))
+        except BaseException:
+            for log in sorted(work.glob("*.log")):  # the work directory goes away with the error
+                print(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-5:]),
+                      file=sys.stderr)
+            raise
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+            for proc in procs:
+                proc.wait(10)
+    result["setup"] = {
+        "workload": "non-streaming /v1/completions, 8 generated tokens, tiny dense test checkpoint, every request "
+        "prefilled remotely (gateway --offload-threshold-tokens 0)",
+        "vllm_router": "vllm-router 0.1.17 --vllm-pd-disaggregation --policy round_robin",
+        "concurrency": list(CONCURRENCY),
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+        "note": "client, routers, scheduler and servers share this machine's cores; added = target - direct",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
