@@ -35,8 +35,8 @@ def include(role: str, tasks_from: str = "main") -> list[dict[str, object]]:
 
 
 def test_ansible_lint_production_profile(tmp_path: Path) -> None:
-    targets = ["roles/pdserve", "roles/model_artifacts", "roles/prometheus", "playbooks/serving.yml",
-               "playbooks/deploy.yml", "playbooks/rollback.yml"]
+    targets = ["roles/pdserve", "roles/model_artifacts", "roles/prometheus", "roles/redis",
+               "playbooks/serving.yml", "playbooks/deploy.yml", "playbooks/rollback.yml"]
     result = subprocess.run(
         [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
         capture_output=True, text=True, cwd=REPO, check=False,
@@ -53,6 +53,10 @@ def test_ansible_lint_production_profile(tmp_path: Path) -> None:
      "pdserve_kv_load_failure_policy must be one of"),
     ("prometheus", {"prometheus_port": "nine"}, "prometheus_port"),
     ("model_artifacts", {}, "missing required arguments: model_artifacts_source"),
+    ("redis", {}, "redis_password_file must name a file on the controller"),
+    ("redis", {"redis_password_file": "/nonexistent", "redis_maxmemory_policy": "lru"},
+     "redis_maxmemory_policy must be one of"),
+    ("redis", {"redis_password_file": "/nonexistent", "redis_port": "six"}, "redis_port"),
 ])
 def test_bad_variables_are_refused_naming_them(tmp_path: Path, role: str, variables: dict[str, object],
                                                message: str) -> None:
@@ -66,12 +70,83 @@ def test_bad_variables_are_refused_naming_them(tmp_path: Path, role: str, variab
      "pdserve_image must be an image by digest"),
     ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "release 1"}, "got 'release 1'"),
     ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1"}, "needs pdserve_kv_key_file"),
+    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1", "pdserve_kv_key_file": "/k"},
+     "needs pdserve_identity_key_file"),
+    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1", "pdserve_kv_key_file": "/k",
+      "pdserve_identity_key_file": "/i"}, "needs pdserve_server_token_file"),
 ])
 def test_release_and_secret_checks_name_the_problem(tmp_path: Path, variables: dict[str, object],
                                                     message: str) -> None:
     code, output = play(tmp_path, include("pdserve"), {"pdserve_component": "decode", **variables})
     assert code != 0
     assert message in output, output[-3000:]
+
+
+SECRET_FILES = {"pdserve_kv_key_file": "/s/kv", "pdserve_admin_token_file": "/s/admin",
+                "pdserve_identity_key_file": "/s/identity", "pdserve_server_token_file": "/s/server",
+                "pdserve_api_keys_file": "/s/keys", "pdserve_rate_limit_password_file": "/s/redis",
+                "pdserve_rate_limit_storage": "redis://10.210.0.10:6379/0"}
+SERVER_ENV = {"PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
+              "PDSERVE_API_TOKEN_FILE": "/run/secrets/server.token"}
+
+
+def rendered(tmp_path: Path, component: str) -> dict[str, object]:
+    """The role's environment and secret list for `component`, from its defaults and vars as the role loads them."""
+    out = tmp_path / f"{component}.json"
+    task = {"name": "render", "ansible.builtin.copy": {
+        "dest": str(out), "mode": "0600",
+        "content": "{{ {'env': pdserve__environment, 'secrets': pdserve__secrets_by_component[pdserve_component]}"
+                   " | to_json }}"}}  # fmt: skip
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
+        "vars_files": [str(REPO / "roles/pdserve/defaults/main.yml"), str(REPO / "roles/pdserve/vars/main.yml")],
+        "tasks": [task],
+    }]))  # fmt: skip
+    variables = {**SECRET_FILES, "pdserve_component": component, "pdserve__engine_id": "node-1-0123abcd",
+                 "pdserve__release": {"image": DIGEST_IMAGE, "version": "r1", "config_version": "1"},
+                 "ansible_python_interpreter": "/usr/bin/python3"}
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    found: dict[str, object] = json.loads(out.read_text())
+    return found
+
+
+@pytest.mark.parametrize(("component", "env", "secrets"), [
+    ("scheduler", {"PDSERVE_ADMIN_TOKEN_FILE": "/run/secrets/admin.token",
+                   "PDSERVE_IDENTITY_KEY_FILE": "/run/secrets/identity.key"},
+     {("pdserve_admin_token_file", "admin.token", None), ("pdserve_identity_key_file", "identity.key", None)}),
+    ("decode", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
+     {("pdserve_kv_key_file", "kv.key", None), ("pdserve_identity_key_file", "scheduler.token", "instance"),
+      ("pdserve_server_token_file", "server.token", None)}),
+    ("prefill", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
+     {("pdserve_kv_key_file", "kv.key", None), ("pdserve_identity_key_file", "scheduler.token", "instance"),
+      ("pdserve_server_token_file", "server.token", None)}),
+    ("colocated", SERVER_ENV, {("pdserve_identity_key_file", "scheduler.token", "instance"),
+                               ("pdserve_server_token_file", "server.token", None)}),
+    ("gateway", {"PDSERVE_API_KEYS_FILE": "/run/secrets/api-keys.json",
+                 "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
+                 "PDSERVE_SERVER_TOKEN_FILE": "/run/secrets/server.token",
+                 "PDSERVE_RATE_LIMIT_STORAGE": "redis://10.210.0.10:6379/0",
+                 "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password"},
+     {("pdserve_api_keys_file", "api-keys.json", None), ("pdserve_identity_key_file", "scheduler.token", "gateway"),
+      ("pdserve_server_token_file", "server.token", None),
+      ("pdserve_rate_limit_password_file", "ratelimit.password", None)}),
+])  # fmt: skip
+def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials(
+    tmp_path: Path, component: str, env: dict[str, str], secrets: set[tuple[str, str, str | None]]
+) -> None:
+    found = rendered(tmp_path, component)
+    environment = found["env"]
+    assert isinstance(environment, dict) and isinstance(found["secrets"], list)
+    assert env.items() <= environment.items(), environment
+    assert not any("INSTANCE_TOKEN" in name for name in environment)
+    # Only the scheduler gets the identity key itself; everyone else a token derived for one principal.
+    assert {(s["variable"], s["target"], s.get("principal")) for s in found["secrets"]} == secrets
 
 
 def test_prometheus_needs_an_image_by_digest(tmp_path: Path) -> None:
