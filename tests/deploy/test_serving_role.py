@@ -8,16 +8,29 @@ import time
 
 import httpx
 import pytest
+import testinfra
 
-from tests.deploy.conftest import MODEL_NAME, NODE_A, NODE_B, Serving
+from pdserve.scheduler import identity
+from pdstack.local.images import build_prometheus_image
+from tests.deploy.conftest import MODEL_NAME, NODE_A, NODE_B, REPO, Serving
 
 # Each ansible-playbook run converges two nodes over `podman exec`; on a loaded 2-core host one run can take minutes.
 pytestmark = pytest.mark.timeout(1800)
 
 
+def admin(serving: Serving) -> dict[str, str]:
+    return {"Authorization": f"Bearer {serving.secrets.scheduler_admin_token.read_text().strip()}"}
+
+
 def instances(serving: Serving) -> list[dict[str, object]]:
-    found: list[dict[str, object]] = httpx.get(f"{serving.scheduler()}/v1/instances", timeout=5).json()["instances"]
+    found: list[dict[str, object]] = httpx.get(f"{serving.scheduler()}/v1/instances", headers=admin(serving),
+                                               timeout=5).json()["instances"]
     return found
+
+
+def instance_id(serving: Serving, node: str, component: str) -> str:
+    return serving.node(node, "podman", "inspect", "--format", '{{index .Config.Labels "pdstack.instance_id"}}',
+                        f"pdserve-{component}").strip()
 
 
 def versions_ready(serving: Serving) -> set[tuple[str, str]]:
@@ -64,27 +77,103 @@ def test_images_are_pulled_by_digest_and_the_release_is_recorded(installed: Serv
 
 
 def test_secrets_are_podman_secrets_never_environment_or_logs(installed: Serving) -> None:
-    kv_key = installed.secrets.kv_channel_key.read_text().strip()
+    secrets = installed.secrets
+    kv_key = secrets.kv_channel_key.read_text().strip()
+    identity_key = secrets.scheduler_identity_key.read_text().strip()
+    decode_id = instance_id(installed, NODE_B, "decode")
+    own_token = identity.derive_token(identity_key, identity.instance_principal(decode_id))
     inspect = installed.node(NODE_B, "podman", "inspect", "pdserve-decode")
-    assert kv_key not in inspect
-    assert installed.secrets.scheduler_instance_token.read_text().strip() not in inspect
+    for value in (kv_key, identity_key, own_token, secrets.server_api_token.read_text().strip()):
+        assert value not in inspect
     assert "PDSERVE_KV_KEY_FILE=/run/secrets/kv.key" in inspect
+    assert "PDSERVE_API_TOKEN_FILE=/run/secrets/server.token" in inspect
+    # The decode node holds its own scheduler token, never the identity key that mints everyone's.
     names = installed.node(NODE_B, "podman", "secret", "ls", "--format", "{{.Name}}").split()
-    assert sorted(name.rsplit("-", 1)[0] for name in names) == ["pdstack-instance-token", "pdstack-kv-key"], names
+    assert sorted(name.rsplit("-", 1)[0] for name in names) == [
+        "pdstack-kv-key", "pdstack-scheduler-token", "pdstack-server-token"], names
+    mounted = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "ls", "/run/secrets").split()
+    assert sorted(mounted) == ["kv.key", "scheduler.token", "server.token"]
+    held = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "cat", "/run/secrets/scheduler.token")
+    assert held.strip() == own_token
     mode = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "stat", "-c", "%a %u", "/run/secrets/kv.key")
     assert mode.split() == ["400", "10001"]
     again = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r1')}", "-v")
-    assert kv_key not in again.output
-    assert installed.secrets.scheduler_admin_token.read_text().strip() not in again.output
-    assert installed.secrets.scheduler_instance_token.read_text().strip() not in again.output
+    for path in (*secrets.generated(), secrets.api_keys):
+        assert path.read_text().strip() not in again.output, path.name
+    assert own_token not in again.output
+    assert identity.derive_token(identity_key, identity.GATEWAY) not in again.output
     assert again.returncode == 0 and again.changed() == 0, again.output[-5000:]
+
+
+def test_one_nodes_token_cannot_touch_another_instance(installed: Serving) -> None:
+    held = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "cat", "/run/secrets/scheduler.token").strip()
+    prefill_id = instance_id(installed, NODE_A, "prefill")
+    bearer = {"Authorization": f"Bearer {held}"}
+    drain = httpx.post(f"{installed.scheduler()}/v1/instances/{prefill_id}/drain", headers=bearer, timeout=5)
+    assert drain.status_code == 403, drain.text
+    assert httpx.get(f"{installed.scheduler()}/v1/routing", headers=bearer, timeout=5).status_code == 403
+    assert httpx.get(f"{installed.scheduler()}/v1/routing", timeout=5).status_code == 401
+    assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
+
+
+def test_servers_serve_only_callers_holding_the_server_token(installed: Serving) -> None:
+    url = f"http://{installed.address[NODE_B]}:8100/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "straight to decode", "max_tokens": 4}
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    token = installed.secrets.server_api_token.read_text().strip()
+    allowed = httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    assert allowed.status_code == 200, allowed.text
+    assert httpx.get(f"http://{installed.address[NODE_B]}:8100/health/ready", timeout=5).status_code == 200
+
+
+def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Serving) -> None:
+    node = testinfra.get_host(f"podman://{NODE_A}")
+    address = installed.address[NODE_A]
+    assert node.package("redis-server").is_installed
+    service = node.service("redis-server")
+    assert service.is_running and service.is_enabled
+    # Bound to the node's address only (not 127.0.0.1, not every address).
+    assert node.socket(f"tcp://{address}:6379").is_listening
+    assert not node.socket("tcp://0.0.0.0:6379").is_listening
+    assert not node.socket("tcp://127.0.0.1:6379").is_listening
+    conf = node.file("/etc/redis/redis.conf")
+    assert (conf.user, conf.group, conf.mode) == ("redis", "redis", 0o640)
+    assert "protected-mode yes" in conf.content_string
+    anonymous = node.run(f"redis-cli -h {address} PING")
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr
+    password = installed.secrets.ratelimit_store_password.read_text().strip()
+    authed = node.run(f"REDISCLI_AUTH={password} redis-cli -h {address} PING")
+    assert authed.stdout.strip() == "PONG"
+    inspect = installed.node(NODE_A, "podman", "inspect", "pdserve-gateway")
+    assert f"PDSERVE_RATE_LIMIT_STORAGE=redis://{address}:6379/0" in inspect and password not in inspect
+    gateway_metrics = httpx.get(f"{installed.gateway()}/metrics", timeout=10).text
+    assert "pdserve_gateway_rate_limit_shared 1.0" in gateway_metrics
+
+
+def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serving) -> None:
+    image = installed.registry.push(build_prometheus_image(REPO), "pdstack/prometheus", "test")
+    extra = {"pdstack_prometheus_image": image}
+    first = installed.play("serving.yml", "--tags", "prometheus", "-e", f"@{installed.release_vars('r1', **extra)}")
+    assert first.returncode == 0, first.output[-5000:]
+    prometheus = f"http://{installed.address[NODE_A]}:9090"
+    for path in ("/-/reload", "/-/quit"):
+        refused = httpx.post(f"{prometheus}{path}", timeout=5)
+        assert refused.status_code == 403 and "Lifecycle API is not enabled" in refused.text, path
+    started = installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus")
+    changed = installed.play("serving.yml", "--tags", "prometheus", "-e", "prometheus_scrape_interval=7s",
+                             "-e", f"@{installed.release_vars('r1', **extra)}")
+    assert changed.returncode == 0, changed.output[-5000:]
+    assert "Send Prometheus SIGHUP" in changed.output
+    config = httpx.get(f"{prometheus}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
+    assert "scrape_interval: 7s" in config
+    assert installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus") == started
 
 
 def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> None:
     metrics = "pdserve_scheduler_instance_transitions_total{state=\"draining\"}"
 
     def drained() -> float:
-        text = httpx.get(f"{installed.scheduler()}/metrics", timeout=5).text
+        text = httpx.get(f"{installed.scheduler()}/metrics", timeout=5).text  # open, like /health
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metrics))
 
     before = drained()
@@ -103,7 +192,8 @@ def test_rollback_restores_the_previous_release(installed: Serving) -> None:
     assert installed.record(NODE_B, "decode")["current"] == {"image": installed.image, "version": "r1",
                                                              "config_version": "1"}
     assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
-    weights = httpx.get(f"{installed.scheduler()}/v1/admin/weights", timeout=5).json()["weights"]
+    weights = httpx.get(f"{installed.scheduler()}/v1/admin/weights", headers=admin(installed),
+                        timeout=5).json()["weights"]
     assert weights == {"r1": 100}
     assert installed.complete().status_code == 200
 

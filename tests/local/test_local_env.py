@@ -61,14 +61,18 @@ class Local:
     def gateway_metrics(self) -> str:
         return httpx.get(f"http://{self.control}:8000/metrics", timeout=10).text
 
+    def scheduler_admin(self) -> dict[str, str]:
+        """The scheduler's read endpoints need a token (the gateway's or the admin's): the tests read as admin."""
+        return {"Authorization": f"Bearer {self.env.secrets.scheduler_admin_token.read_text().strip()}"}
+
     def instances(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = httpx.get(f"http://{self.control}:8200/v1/instances", timeout=10).json()[
-            "instances"]
+        found: list[dict[str, Any]] = httpx.get(f"http://{self.control}:8200/v1/instances",
+                                                headers=self.scheduler_admin(), timeout=10).json()["instances"]
         return found
 
     def weights(self) -> dict[str, int]:
-        weights: dict[str, int] = httpx.get(f"http://{self.control}:8200/v1/admin/weights", timeout=10).json()[
-            "weights"]
+        weights: dict[str, int] = httpx.get(f"http://{self.control}:8200/v1/admin/weights",
+                                            headers=self.scheduler_admin(), timeout=10).json()["weights"]
         return weights
 
     def release(self) -> dict[str, Any]:
