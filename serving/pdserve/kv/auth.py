@@ -35,6 +35,11 @@ class SecretKey:
     def __repr__(self) -> str:
         return "SecretKey(***)"
 
+    @property
+    def material(self) -> bytes:
+        """The raw key, for other MACs under the same secret (pdserve.kv.params signs kv_transfer_params)."""
+        return self._material
+
     def proof(self, label: bytes, *parts: bytes) -> bytes:
         return hmac.new(self._material, label + b"".join(parts), "sha256").digest()
 

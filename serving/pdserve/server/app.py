@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.engine import Engine
 from pdserve.kv import SecretKey
+from pdserve.scheduler.client import read_token
+from pdserve.server.auth import BearerTokenMiddleware
 from pdserve.server.batching import Admission, BatchScheduler
 from pdserve.server.generation import GenerationService
 from pdserve.server.heartbeat import read_scheduler_token, start_heartbeats
@@ -76,10 +78,21 @@ async def load_service(state: ServerState) -> None:
         state.background.append(heartbeat)
 
 
+def read_api_token(settings: ServerSettings) -> str | None:
+    """The API token, read at start so that a missing or empty file stops the server with a clear message."""
+    if settings.api_token_file is None:
+        return None
+    try:
+        return read_token(settings.api_token_file, "api_token_file")
+    except ValueError as error:
+        raise SystemExit(f"pdserve {settings.role.value}: invalid configuration: {error}") from None
+
+
 def create_app(settings: ServerSettings, registry: CollectorRegistry | None = None) -> Starlette:
     metrics = ServerMetrics(registry if registry is not None else CollectorRegistry())
     metrics.build.labels(settings.version, settings.role.value).set(1)
     state = ServerState(settings, metrics)
+    api_token = read_api_token(settings)
     endpoints = OpenAIEndpoints(lambda: state.service, settings.model_name)
 
     async def live(request: Request) -> Response:
@@ -94,6 +107,10 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
         if state.exporter is not None:
             body["kv_port"] = state.exporter.server.port
         return JSONResponse(body)
+
+    async def health(request: Request) -> Response:
+        """vLLM's probe: 200 once the model is loaded, 503 before (or when loading failed)."""
+        return Response(status_code=200 if state.service is not None else 503)
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -115,6 +132,7 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
                 await state.exporter.close()
 
     routes = [
+        Route("/health", health),
         Route("/health/live", live),
         Route("/health/ready", ready),
         Route("/metrics", metrics_endpoint),
@@ -122,7 +140,8 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
         Route("/v1/completions", endpoints.completions, methods=["POST"]),
         Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(RequestIdMiddleware, metrics=metrics)])
+    middleware = [Middleware(RequestIdMiddleware, metrics=metrics), Middleware(BearerTokenMiddleware, token=api_token)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.server = state
     return app
 

@@ -94,7 +94,8 @@ class Admission:
         self._metrics = metrics
         metrics.kv_limit.set(kv_memory_bytes)
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> Reservation:
+        """A slot and `nbytes` of KV memory, held until the Reservation is released (raises CapacityError)."""
         if self.requests >= self.max_num_seqs:
             self._metrics.rejected.labels("concurrency").inc()
             raise CapacityError(429, "concurrency", f"server busy: {self.requests} of {self.max_num_seqs} requests "
@@ -106,8 +107,9 @@ class Admission:
         self.requests += 1
         self.reserved += nbytes
         self._publish()
+        return Reservation(self, nbytes)
 
-    def release(self, nbytes: int) -> None:
+    def give_back(self, nbytes: int) -> None:
         self.requests -= 1
         self.reserved -= nbytes
         self._publish()
@@ -115,6 +117,33 @@ class Admission:
     def _publish(self) -> None:
         self._metrics.admitted.set(self.requests)
         self._metrics.kv_reserved.set(self.reserved)
+
+
+class Reservation:
+    """One admitted request's slot and KV memory. Released exactly once however often `release` is called.
+
+    As a context manager it releases when the block raises (whatever raised: RNG setup, a KV pull, a cancellation),
+    and otherwise stays held by whoever the block handed it to (a Generation, released by its close)."""
+
+    def __init__(self, admission: Admission, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._admission: Admission | None = admission
+
+    def release(self) -> None:
+        if self._admission is not None:
+            admission, self._admission = self._admission, None
+            admission.give_back(self.nbytes)
+
+    @property
+    def held(self) -> bool:
+        return self._admission is not None
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None:
+            self.release()
 
 
 class BatchScheduler:

@@ -17,7 +17,7 @@ from typing import Any, cast
 from pdserve.engine import ChatTemplateError, Engine, KVCache, TokenOutput
 from pdserve.kv import StoredKV
 from pdserve.server import faults
-from pdserve.server.batching import Admission, BatchScheduler, Sequence
+from pdserve.server.batching import Admission, BatchScheduler, Reservation, Sequence
 from pdserve.server.kvlink import DecodeImporter, KVLoadFailure, PrefillExporter, kv_memory_per_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestError, _GenerationRequest
@@ -33,7 +33,7 @@ class Generation:
 
     request_id: str
     sequence: Sequence
-    reserved_bytes: int
+    reservation: Reservation
     service: GenerationService
     remote_request_id: str | None = None
     exported: dict[str, StoredKV] = field(default_factory=dict)
@@ -82,7 +82,7 @@ class Generation:
             return
         self.closed = True
         self.sequence.aborted = not self.sequence.state.finished
-        self.service.admission.release(self.reserved_bytes)
+        self.reservation.release()
         exporter = self.service.exporter
         if exporter is not None and self.remote_request_id is not None and self.kv_transfer_params() is None:
             exporter.release(self.remote_request_id)  # nobody will pull it
@@ -143,29 +143,30 @@ class GenerationService:
         remote_decode = params is not None and params.do_remote_decode
         remote_prefill = params is not None and params.do_remote_prefill
         self._check_role(remote_decode, remote_prefill, request.stream)
+        transfer = None
         if remote_prefill:
             assert self.importer is not None and params is not None
-            self.importer.check_params(params, len(prompt_ids))
-        reserved = kv_memory_per_request(self.engine, len(prompt_ids) + max_tokens)
-        self.admission.reserve(reserved)
-        started = time.perf_counter()
-        try:
+            transfer = self.importer.check_params(params, len(prompt_ids))
+        sampling = faults.sampling(self.settings, request.sampling_params(max_tokens))
+        # Everything from here to the hand-over may fail; the reservation is given back whatever raises.
+        with self.admission.reserve(kv_memory_per_request(self.engine, len(prompt_ids) + max_tokens)) as reservation:
+            if transfer is not None:
+                assert self.importer is not None
+                self.importer.claim(transfer)
+            started = time.perf_counter()
             cache, recomputed = await self._initial_cache(request, len(prompt_ids), request_id)
-        except BaseException:
-            self.admission.release(reserved)
-            raise
-        kv_stats = self._kv_transfer_stats(remote_prefill, recomputed, cache, time.perf_counter() - started)
-        state = self.engine.new_request(prompt_ids, faults.sampling(self.settings, request.sampling_params(max_tokens)))
-        state.max_total_tokens = self.max_model_len
-        sequence = Sequence(request_id, prompt_ids, state, cache)
-        generation = Generation(request_id, sequence, reserved, self, recomputed=recomputed,
-                                kv_transfer_stats=kv_stats)
-        if remote_decode:
-            assert self.exporter is not None
-            generation.remote_request_id = f"{self.settings.engine_id}-{uuid.uuid4().hex}"
-            sequence.export = self.exporter.hook(generation.remote_request_id, generation.exported)
+            kv_stats = self._kv_transfer_stats(remote_prefill, recomputed, cache, time.perf_counter() - started)
+            state = self.engine.new_request(prompt_ids, sampling)
+            state.max_total_tokens = self.max_model_len
+            sequence = Sequence(request_id, prompt_ids, state, cache)
+            generation = Generation(request_id, sequence, reservation, self, recomputed=recomputed,
+                                    kv_transfer_stats=kv_stats)
+            if remote_decode:
+                assert self.exporter is not None
+                generation.remote_request_id = f"{self.settings.engine_id}-{uuid.uuid4().hex}"
+                sequence.export = self.exporter.hook(generation.remote_request_id, generation.exported)
+            self.scheduler.add(sequence)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        self.scheduler.add(sequence)
         log.info("request admitted", extra={
             "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
             "remote_prefill": remote_prefill, "remote_decode": remote_decode,

@@ -30,6 +30,8 @@ def start_heartbeats(settings: ServerSettings, token: str | None, service: Any,
         "model": settings.model_name,
         "kv_host": settings.advertised_host if exporter is not None else None,
         "kv_port": exporter.server.port if exporter is not None else None,
+        "supported_params": [],  # pdserve's engine honours none of ENGINE_OPTIONAL_PARAMS
+        "max_model_len": service.max_model_len,
     }
 
     def load() -> dict[str, Any]:

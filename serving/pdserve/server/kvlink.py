@@ -26,6 +26,7 @@ from pdserve.kv import (
     ack,
     pull,
 )
+from pdserve.kv import params as signed_params
 from pdserve.kv.errors import Cause
 from pdserve.server.batching import ExportHook, Sequence
 from pdserve.server.metrics import ServerMetrics
@@ -64,6 +65,7 @@ class PrefillExporter:
     def __init__(self, settings: ServerSettings, engine: Engine, key: SecretKey, metrics: ServerMetrics) -> None:
         self.settings = settings
         self.engine = engine
+        self.key = key
         self.store = LeaseStore(settings.kv_store_bytes, settings.kv_lease_seconds, metrics=metrics.kv)
         self.server = KVServer(self.store, key, host=settings.kv_host, port=settings.kv_port,
                                ssl_context=server_tls(settings), metrics=metrics.kv)
@@ -84,7 +86,8 @@ class PrefillExporter:
         return export
 
     def response_params(self, remote_request_id: str, stored: StoredKV, num_tokens: int) -> dict[str, object]:
-        return {
+        """What prefill returns for decode, signed: decode pulls only from where a prefill server said to."""
+        return signed_params.sign(self.key.material, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.settings.engine_id,
@@ -95,7 +98,7 @@ class PrefillExporter:
             "kv_fingerprint": self.engine.fingerprint,
             "num_tokens": num_tokens,
             "kv_checksum": stored.checksum,
-        }
+        })
 
     def release(self, remote_request_id: str) -> None:
         self.store.ack(remote_request_id)
@@ -137,21 +140,34 @@ class DecodeImporter:
         await asyncio.gather(*self._acks, return_exceptions=True)
 
     def check_params(self, params: KVTransferParams, prompt_tokens: int) -> tuple[str, str]:
+        """Refuse params not signed by a prefill server (before anything connects anywhere), incomplete, for another
+        prompt, or already transferred; the transfer is claimed by `claim` once the request is admitted."""
         missing = params.missing_remote_fields()
         if missing:
             raise RequestError(f"kv_transfer_params: missing {', '.join(missing)}", param="kv_transfer_params")
+        try:
+            signed_params.verify(self.key.material, params.model_dump(mode="json", exclude_unset=True))
+        except signed_params.ParamsSignatureError as error:
+            raise RequestError(str(error), param=error.param) from None
         if params.num_tokens != prompt_tokens:
             raise RequestError(
                 f"kv_transfer_params.num_tokens: the KV is for {params.num_tokens} prompt tokens, this request's "
                 f"prompt has {prompt_tokens}", param="kv_transfer_params.num_tokens")
         transfer = (str(params.remote_engine_id), str(params.remote_request_id))
-        if transfer in self._transferred:
-            raise RequestError(f"kv_transfer_params: KV of request {transfer[1]!r} was already transferred (a request "
-                               "transfers at most once)", param="kv_transfer_params.remote_request_id", status=409)
+        self._refuse_if_transferred(transfer)
+        return transfer
+
+    def claim(self, transfer: tuple[str, str]) -> None:
+        """Mark a transfer as done (a request transfers at most once), refusing one already claimed."""
+        self._refuse_if_transferred(transfer)
         self._transferred[transfer] = None
         while len(self._transferred) > TRANSFERRED_IDS_KEPT:
             self._transferred.popitem(last=False)
-        return transfer
+
+    def _refuse_if_transferred(self, transfer: tuple[str, str]) -> None:
+        if transfer in self._transferred:
+            raise RequestError(f"kv_transfer_params: KV of request {transfer[1]!r} was already transferred (a request "
+                               "transfers at most once)", param="kv_transfer_params.remote_request_id", status=409)
 
     async def load(self, params: KVTransferParams, prompt_tokens: int) -> KVCache:
         """The KV of prompt[:-1], pulled and verified; raises KVLoadFailure naming the cause."""

@@ -12,13 +12,20 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pdserve.engine import EngineError, TokenOutput
 from pdserve.kv import KVTransferError
 from pdserve.server import faults
 from pdserve.server.batching import CapacityError
 from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, GenerationService
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+from pdserve.server.schemas import (
+    MAX_JSON_DEPTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -72,36 +79,41 @@ class OpenAIEndpoints:
     async def _serve(self, request: Request, chat: bool) -> Response:
         request_id = request.state.request_id
         try:
-            body = await _json_body(request)
-            service = self.service
-            await faults.before_request(service.settings)
-            if chat:
-                chat_req = parse_request(ChatCompletionRequest, body)
-                self._check_model(chat_req.model)
-                prompt_ids = service.chat_prompt(chat_req)
-                max_tokens = service.max_tokens(chat_req, len(prompt_ids), None)
-                generation = await service.start(chat_req, prompt_ids, max_tokens, request_id)
-                parsed: ChatCompletionRequest | CompletionRequest = chat_req
-            else:
-                completion_req = parse_request(CompletionRequest, body)
-                self._check_model(completion_req.model)
-                prompt_ids = service.completion_prompt(completion_req)
-                max_tokens = service.max_tokens(completion_req, len(prompt_ids), DEFAULT_COMPLETION_TOKENS)
-                generation = await service.start(completion_req, prompt_ids, max_tokens, request_id)
-                parsed = completion_req
+            parsed, generation = await self._admit(request, chat, request_id)
         except Exception as error:
             return as_error_response(error)
+        # From here the generation holds a slot: each way out below closes it (close is idempotent).
         formatter = _Formatter(chat, self.model_name, request_id, parsed.return_token_ids)
         formatter.kv_transfer_stats = generation.kv_transfer_stats
         if parsed.stream:
-            return StreamingResponse(_sse(generation, formatter, parsed.include_usage), media_type="text/event-stream")
+            return _GenerationStream(generation, _sse(generation, formatter, parsed.include_usage))
         try:
-            finished = await _collect_unless_disconnected(request, generation)
+            if not await _collect_unless_disconnected(request, generation):
+                return error_response(499, "client closed the request", "client_closed")
+            return JSONResponse(formatter.full(generation))
         except Exception as error:
             return as_error_response(error)
-        if not finished:
-            return error_response(499, "client closed the request", "client_closed")
-        return JSONResponse(formatter.full(generation))
+        finally:
+            generation.close()
+
+    async def _admit(self, request: Request, chat: bool,
+                     request_id: str) -> tuple[ChatCompletionRequest | CompletionRequest, Generation]:
+        """Parse, check and admit a request; nothing is reserved unless this returns."""
+        body = await _json_body(request)
+        service = self.service
+        await faults.before_request(service.settings)
+        parsed: ChatCompletionRequest | CompletionRequest
+        if chat:
+            parsed = parse_request(ChatCompletionRequest, body)
+            self._check_model(parsed.model)
+            prompt_ids = service.chat_prompt(parsed)
+            max_tokens = service.max_tokens(parsed, len(prompt_ids), None)
+        else:
+            parsed = parse_request(CompletionRequest, body)
+            self._check_model(parsed.model)
+            prompt_ids = service.completion_prompt(parsed)
+            max_tokens = service.max_tokens(parsed, len(prompt_ids), DEFAULT_COMPLETION_TOKENS)
+        return parsed, await service.start(parsed, prompt_ids, max_tokens, request_id)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -133,6 +145,23 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except ValueError as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(f"body: nested deeper than {MAX_JSON_DEPTH} levels", param="body") from None
+
+
+class _GenerationStream(StreamingResponse):
+    """An SSE response that closes its generation however the response ends. The body iterator's own finally does
+    not suffice: a client that is gone before streaming starts cancels the response before the iterator runs."""
+
+    def __init__(self, generation: Generation, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
 
 
 class _Formatter:

@@ -40,6 +40,8 @@ class ServerSettings(BaseModel):
     advertise_host: str | None = Field(None, description="host decode should pull KV from (default: --host)")
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="this instance's remote_engine_id")
     kv_key_file: Path | None = Field(None, description="shared KV-channel key (prefill and decode)")
+    api_token_file: Path | None = Field(None, description="bearer token every caller must present (all paths but "
+                                        "/health*, /metrics); required for prefill and decode")
     kv_tls_cert: Path | None = None
     kv_tls_key: Path | None = None
     kv_tls_ca: Path | None = Field(None, description="CA bundle decode trusts for the KV channel")
@@ -70,6 +72,9 @@ class ServerSettings(BaseModel):
     def _check_role_needs(self) -> ServerSettings:
         if self.role is not Role.COLOCATED and self.kv_key_file is None:
             raise ValueError(f"kv_key_file: the {self.role.value} role needs the KV channel's shared key file")
+        if self.role is not Role.COLOCATED and self.api_token_file is None:
+            raise ValueError(f"api_token_file: the {self.role.value} role serves only callers holding the API token "
+                             "(the gateway); give its file")
         if self.scheduler_url is not None and self.scheduler_token_file is None:
             raise ValueError("scheduler_token_file: registering with a scheduler needs its instance token file")
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +18,20 @@ import httpx
 from tests.serving.ports import free_port
 
 READY_TIMEOUT_S = 180.0  # model loads crawl when the CI host is oversubscribed
+# The model-server API token every test server of this process is started with (prefill and decode require one).
+API_TOKEN = secrets.token_hex(16)
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+_TOKEN_DIR = Path(tempfile.mkdtemp(prefix="pdserve-test-token-"))
+
+
+def api_token_file() -> Path:
+    """A file holding API_TOKEN (made once per test process), for --api-token-file and the gateway's
+    --server-token-file."""
+    path = _TOKEN_DIR / "server-api.token"
+    if not path.exists():
+        path.write_text(API_TOKEN)
+        path.chmod(0o600)
+    return path
 
 
 @dataclass
@@ -33,8 +49,11 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
+        """Prefill and decode get --api-token-file API_TOKEN unless the args give one (colocated only if asked)."""
+        token = [] if self.role == "colocated" or "--api-token-file" in self.args else [
+            "--api-token-file", str(api_token_file())]
         command = [sys.executable, "-m", "pdserve.cli", self.role, "--model", str(self.model),
-                   "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+                   "--host", "127.0.0.1", "--port", str(self.port), *token, *self.args]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **self.env})
@@ -73,6 +92,11 @@ class ServerProcess:
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
+
+    def post(self, path: str, body: object, **options: object) -> httpx.Response:
+        """POST a JSON body with the API token."""
+        return httpx.post(self.url + path, json=body, headers=AUTH, timeout=options.pop("timeout", 60),
+                          **options)  # type: ignore[arg-type]
 
     def log_tail(self, lines: int = 20) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -126,7 +150,7 @@ def prefill(url: str, body: dict[str, object], endpoint: str = "/v1/completions"
     request.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
-    response = httpx.post(url + endpoint, json=request, timeout=60)
+    response = httpx.post(url + endpoint, json=request, timeout=60, headers=AUTH)
     response.raise_for_status()
     params = response.json()["kv_transfer_params"]
     assert params is not None, "prefill answered without kv_transfer_params"

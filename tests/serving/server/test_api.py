@@ -17,14 +17,15 @@ import openai
 import pytest
 
 from .conftest import Deployment
-from .serverproc import ServerProcess, metric_value, prefill
+from .serverproc import API_TOKEN, AUTH, ServerProcess, metric_value, prefill
 
 PROMPT = "a request joins the running batch and leaves it when done"
 
 
 def post(url: str, body: Any, endpoint: str = "/v1/completions") -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(url + endpoint, content=content, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(url + endpoint, content=content, headers={"content-type": "application/json", **AUTH},
+                      timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def sse_events(response: httpx.Response) -> Iterator[Any]:
 def test_streaming_equals_non_streaming(dense: Deployment) -> None:
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = post(dense.colocated.url, body).json()
-    with httpx.stream("POST", dense.colocated.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", dense.colocated.url + "/v1/completions", timeout=60, headers=AUTH,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(response))
@@ -96,9 +97,9 @@ def test_streaming_equals_non_streaming(dense: Deployment) -> None:
 
 def test_official_openai_client_against_pd(dense: Deployment) -> None:
     """The openai client speaks to prefill then decode (kv_transfer_params via extra_body), sync and streaming."""
-    prefill_client = openai.OpenAI(base_url=dense.prefill.url + "/v1", api_key="unused")
-    decode_client = openai.OpenAI(base_url=dense.decode.url + "/v1", api_key="unused")
-    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key="unused")
+    prefill_client = openai.OpenAI(base_url=dense.prefill.url + "/v1", api_key=API_TOKEN)
+    decode_client = openai.OpenAI(base_url=dense.decode.url + "/v1", api_key=API_TOKEN)
+    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key=API_TOKEN)
     messages: list[Any] = [{"role": "user", "content": "tell me about caches"}]
     model = colocated.models.list().data[0].id
     expected = colocated.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
@@ -157,7 +158,7 @@ def test_concurrency_limit_answers_429_and_frees_on_disconnect(make_checkpoint: 
 
     def hold_a_slot() -> None:
         body = {"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", single.url + "/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", single.url + "/v1/completions", json=body, timeout=60, headers=AUTH) as response:
             for _ in response.iter_lines():
                 streaming.set()
                 if done.is_set():
@@ -184,7 +185,7 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(make_checkpoi
     long_context = make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
     single = spawn("colocated", long_context, "--max-num-seqs", "1")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(single.url + "/v1/completions", timeout=1.0,
+        httpx.post(single.url + "/v1/completions", timeout=1.0, headers=AUTH,
                    json={"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True})
     for _ in range(100):  # without cancellation the slot stays taken for all 8000 tokens
         answer = post(single.url, {"prompt": PROMPT, "max_tokens": 2})
@@ -222,14 +223,14 @@ def test_ready_only_once_the_model_is_loaded(tmp_path: Path, spawn: Callable[...
 
 
 def test_models_endpoint(dense: Deployment) -> None:
-    listing = httpx.get(dense.decode.url + "/v1/models").json()
+    listing = httpx.get(dense.decode.url + "/v1/models", headers=AUTH).json()
     assert listing["object"] == "list"
     assert listing["data"][0]["max_model_len"] == 512
 
 
 def test_request_id_is_echoed(dense: Deployment) -> None:
     response = httpx.post(dense.colocated.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
-                          headers={"X-Request-Id": "req-1234"})
+                          headers={"X-Request-Id": "req-1234", **AUTH})
     assert response.headers["x-request-id"] == "req-1234"
 
 
@@ -252,7 +253,7 @@ def test_environment_variables_configure_the_server(dense: Deployment,
     assert env_only.process is not None and env_only.process.wait(30) != 0
     assert "max_num_seqs" in env_only.log_tail()
     named = spawn("colocated", dense.model, env={"PDSERVE_SERVED_MODEL_NAME": "from-env"})
-    assert httpx.get(named.url + "/v1/models").json()["data"][0]["id"] == "from-env"
+    assert httpx.get(named.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "from-env"
 
 
 def test_cli_errors_are_clear() -> None:

@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 from pdserve.kv import KVTransferError, SecretKey, pull
+from pdserve.kv.params import sign
 
 from .conftest import Deployment
 from .faultproxy import ByteFlipProxy
-from .serverproc import ServerProcess, metric_value, prefill
+from .serverproc import AUTH, ServerProcess, metric_value, prefill
 
 BODY = {"prompt": "the decode server pulls the cache from the prefill server over the network", "max_tokens": 10,
         "temperature": 0, "return_token_ids": True}
@@ -23,8 +24,8 @@ BODY = {"prompt": "the decode server pulls the cache from the prefill server ove
 
 @pytest.fixture(scope="module")
 def expected(dense: Deployment) -> list[int]:
-    return list(httpx.post(dense.colocated.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]
-                ["token_ids"])
+    answer = httpx.post(dense.colocated.url + "/v1/completions", json=BODY, timeout=60, headers=AUTH)
+    return list(answer.json()["choices"][0]["token_ids"])
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,14 @@ def recompute_decode(dense: Deployment, spawn: Callable[..., ServerProcess]) -> 
 
 
 def decode(server: ServerProcess, params: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, timeout=60)
+    return httpx.post(server.url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, timeout=60,
+                      headers=AUTH)
+
+
+def resigned(params: dict[str, Any], key_file: Path, **edits: object) -> dict[str, Any]:
+    """Params edited as a faulty prefill would have issued them (signed with the shared KV key), so that decode
+    gets as far as the KV channel; edited and unsigned, decode refuses them before connecting (test_hardening)."""
+    return sign(SecretKey.from_file(key_file).material, {**params, **edits})
 
 
 def assert_clean_failure(response: httpx.Response, cause: str) -> None:
@@ -48,12 +56,12 @@ def recomputed(server: ServerProcess, cause: str) -> float:
 
 
 def test_flipped_byte_in_kv_stream_is_detected(dense: Deployment, recompute_decode: ServerProcess,
-                                               expected: list[int]) -> None:
+                                               expected: list[int], kv_key_file: Path) -> None:
     for server in (dense.decode, recompute_decode):
         params = prefill(dense.prefill.url, BODY)
         proxy = ByteFlipProxy(int(params["remote_port"]), flip_at=1500).start()  # type: ignore[call-overload]
         try:
-            response = decode(server, {**params, "remote_port": proxy.port})
+            response = decode(server, resigned(params, kv_key_file, remote_port=proxy.port))
         finally:
             proxy.close()
         assert proxy.flipped
@@ -86,13 +94,14 @@ def test_expired_lease(dense: Deployment, spawn: Callable[..., ServerProcess]) -
 
 
 def test_wrong_fingerprint(dense: Deployment, deployments: dict[str, Deployment], recompute_decode: ServerProcess,
-                           expected: list[int]) -> None:
-    tampered = {**prefill(dense.prefill.url, BODY), "kv_fingerprint": "0" * 64}
+                           expected: list[int], kv_key_file: Path) -> None:
+    tampered = resigned(prefill(dense.prefill.url, BODY), kv_key_file, kv_fingerprint="0" * 64)
     assert_clean_failure(decode(dense.decode, tampered), "fingerprint")
     other_model = deployments["moe"].decode  # same tokenizer, different weights: its fingerprint differs
     response = decode(other_model, prefill(dense.prefill.url, BODY))
     assert_clean_failure(response, "fingerprint")
-    recovered = decode(recompute_decode, {**prefill(dense.prefill.url, BODY), "kv_fingerprint": "f" * 64})
+    mismatched = resigned(prefill(dense.prefill.url, BODY), kv_key_file, kv_fingerprint="f" * 64)
+    recovered = decode(recompute_decode, mismatched)
     assert recovered.json()["choices"][0]["token_ids"] == expected
     assert recomputed(recompute_decode, "fingerprint") >= 1
 
@@ -116,7 +125,10 @@ def test_decoder_with_wrong_key_fails_cleanly(dense: Deployment, spawn: Callable
     key_file = tmp_path / "other.key"
     key_file.write_text("a-different-key-0123456789abcdef")
     outsider = spawn("decode", dense.model, "--kv-key-file", str(key_file), key=False)
-    assert_clean_failure(decode(outsider, prefill(dense.prefill.url, BODY)), "auth")
+    # It cannot verify prefill's signature, so it refuses the params before connecting anywhere.
+    refused = decode(outsider, prefill(dense.prefill.url, BODY))
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "kv_transfer_params.pdstack_signature"
 
 
 def test_kv_is_freed_once_decode_acknowledges(dense: Deployment, kv_key_file: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from tests.serving.engine.test_parity import hf_greedy, hf_model
 
 from .conftest import KINDS, Deployment
-from .serverproc import prefill
+from .serverproc import AUTH, prefill
 
 PROMPTS = (
     "the quick server sends a request to the cache and the cache answers slowly over the network",
@@ -27,7 +27,7 @@ def reference_model(path: Path) -> Any:
 
 
 def completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    response = httpx.post(url + "/v1/completions", headers=AUTH, json=body, timeout=120)
     assert response.status_code == 200, response.text
     return dict(response.json()["choices"][0])
 
@@ -56,9 +56,10 @@ def test_chat_through_pd_equals_colocated(kind: str, deployments: dict[str, Depl
     deployment = deployments[kind]
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a cache?"}],
             "max_tokens": 8, "temperature": 0}
-    colocated = httpx.post(deployment.colocated.url + "/v1/chat/completions", json=body, timeout=60).json()
-    params = prefill(deployment.prefill.url, body, "/v1/chat/completions")
-    decoded = httpx.post(deployment.decode.url + "/v1/chat/completions", json={**body, "kv_transfer_params": params},
+    chat = "/v1/chat/completions"
+    colocated = httpx.post(deployment.colocated.url + chat, headers=AUTH, json=body, timeout=60).json()
+    params = prefill(deployment.prefill.url, body, chat)
+    decoded = httpx.post(deployment.decode.url + chat, headers=AUTH, json={**body, "kv_transfer_params": params},
                          timeout=60).json()
     assert decoded["choices"][0]["message"] == colocated["choices"][0]["message"]
     assert decoded["usage"] == colocated["usage"]
@@ -90,7 +91,7 @@ def test_prefill_ending_on_a_stop_token_returns_no_kv_params(dense: Deployment) 
     first = completion(dense.colocated.url, body)["token_ids"][0]
     request = {**body, "stop_token_ids": [first], "stream": False,
                "kv_transfer_params": {"do_remote_decode": True}}
-    answer = httpx.post(dense.prefill.url + "/v1/completions", json=request, timeout=60).json()
+    answer = httpx.post(dense.prefill.url + "/v1/completions", headers=AUTH, json=request, timeout=60).json()
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert answer["kv_transfer_params"] is None
 
@@ -108,12 +109,13 @@ def test_decode_reports_where_the_kv_came_from(dense: Deployment) -> None:
     """The gateway relays these figures into its KV metrics: bytes and seconds of the pull, or a local prefill."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     params = prefill(dense.prefill.url, body)
-    remote = httpx.post(dense.decode.url + "/v1/completions", json={**body, "kv_transfer_params": params},
+    remote = httpx.post(dense.decode.url + "/v1/completions", headers=AUTH, json={**body, "kv_transfer_params": params},
                         timeout=120).json()["kv_transfer_stats"]
     assert remote["source"] == "remote" and remote["bytes"] > 0 and remote["seconds"] > 0
-    local = httpx.post(dense.decode.url + "/v1/completions", json=body, timeout=120).json()["kv_transfer_stats"]
+    url = dense.decode.url + "/v1/completions"
+    local = httpx.post(url, headers=AUTH, json=body, timeout=120).json()["kv_transfer_stats"]
     assert local == {"source": "local", "bytes": 0, "seconds": 0.0}
-    streamed = httpx.post(dense.decode.url + "/v1/completions", json={**body, "stream": True}, timeout=120).text
+    streamed = httpx.post(url, headers=AUTH, json={**body, "stream": True}, timeout=120).text
     assert '"kv_transfer_stats": {"source": "local"' in streamed
-    colocated = httpx.post(dense.colocated.url + "/v1/completions", json=body, timeout=120).json()
+    colocated = httpx.post(dense.colocated.url + "/v1/completions", headers=AUTH, json=body, timeout=120).json()
     assert "kv_transfer_stats" not in colocated

@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from .conftest import Deployment
-from .serverproc import free_port, metric_value
+from .serverproc import API_TOKEN, free_port, metric_value
 
 
 def vllm_toy_proxy(prefill_url: str, decode_url: str) -> Starlette:
@@ -45,7 +45,7 @@ def vllm_toy_proxy(prefill_url: str, decode_url: str) -> Starlette:
         prefill_data.pop("stream_options", None)
         min_tokens = prefill_data.pop("min_tokens", None)
         min_completion_tokens = prefill_data.pop("min_completion_tokens", None)
-        headers = {"Authorization": "Bearer None", "X-Request-Id": request_id}
+        headers = {"Authorization": f"Bearer {API_TOKEN}", "X-Request-Id": request_id}  # vLLM's: OPENAI_API_KEY
         async with httpx.AsyncClient(base_url=prefill_url + "/v1", timeout=None) as client:
             response = await client.post(api, json=prefill_data, headers=headers)
             response.raise_for_status()
@@ -86,8 +86,8 @@ def proxy_url(dense: Deployment) -> Iterator[str]:
 
 
 def test_vllm_proxy_drives_completions(dense: Deployment, proxy_url: str) -> None:
-    client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused")
-    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=API_TOKEN)
+    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key=API_TOKEN)
     model = colocated.models.list().data[0].id
     args: dict[str, Any] = {"model": model, "prompt": "the proxy sends prefill one token", "max_tokens": 12,
                             "temperature": 0}
@@ -98,8 +98,8 @@ def test_vllm_proxy_drives_completions(dense: Deployment, proxy_url: str) -> Non
 
 
 def test_vllm_proxy_drives_chat_with_min_tokens(dense: Deployment, proxy_url: str) -> None:
-    client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused")
-    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=API_TOKEN)
+    colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key=API_TOKEN)
     model = colocated.models.list().data[0].id
     args: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hello there"}],
                             "max_completion_tokens": 9, "temperature": 0}
