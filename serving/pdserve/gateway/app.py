@@ -5,32 +5,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import time
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.scheduler.client import bearer, read_token
 from pdserve.scheduler.protocol import RoutingTable
 
+from .accounting import CLIENT_CLOSED, Accounting, Record, record_of
 from .auth import KeyStore, TenantLimits
 from .metrics import GatewayMetrics
 from .proxy import Context, PDProxy, Stream, UpstreamError
 from .ratelimit import RateLimiter
 from .routing import Router
 from .settings import GatewaySettings
-from .validation import Endpoint, PromptCounter, RequestError, parse_body, validate
+from .validation import Endpoint, PromptCounter, RequestError, check_fleet, parse_body, validate
 
 log = logging.getLogger(__name__)
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-CLIENT_CLOSED = 499
 UPSTREAM_KEEPALIVE_S = 3.0
 
 
@@ -44,79 +41,99 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.keys = KeyStore.from_file(settings.api_keys_file)
+        self.scheduler_auth = bearer(read_token(settings.scheduler_token_file, "scheduler_token_file"))
+        self.server_auth = bearer(read_token(settings.server_token_file, "server_token_file"))
+        password = None
+        if settings.rate_limit_password_file is not None:
+            password = read_token(settings.rate_limit_password_file, "rate_limit_password_file")
+        self.metrics = GatewayMetrics()
         defaults = TenantLimits(requests_per_second=settings.requests_per_second,
                                 request_burst=settings.request_burst, tokens_per_minute=settings.tokens_per_minute)
-        self.limiter = RateLimiter(defaults, self.keys.limits)
+        self.limiter = RateLimiter(defaults, self.keys.limits, settings.rate_limit_storage, password,
+                                   self.metrics.rate_limit_shared)
         self.counter = PromptCounter(settings.tokenizer_file)
-        self.metrics = GatewayMetrics()
         self.router = Router()
         # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them from the server side;
         # at equal timeouts the gateway could send a request on a connection the server is just closing.
         limits = httpx.Limits(max_connections=settings.max_connections,
                               max_keepalive_connections=settings.max_connections, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, connect=settings.connect_timeout))
-        self.proxy = PDProxy(settings, self.client, self.router, self.metrics)
+        self.proxy = PDProxy(settings, self.client, self.router, self.metrics, self.server_auth)
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        incoming_id = request.headers.get("x-request-id", "")
-        request_id = incoming_id if REQUEST_ID.match(incoming_id) else uuid.uuid4().hex
+    def authenticate(self, request: Request, record: Record) -> Response | None:
         tenant = self.keys.tenant_for(request.headers.get("authorization"))
         if tenant is None:
             self.metrics.auth_failures.inc()
-            self._count(endpoint, 401, "unauthenticated", "")
-            return openai_error(401, "invalid or missing API key", "authentication_error", request_id)
-        try:
-            valid = validate(endpoint, parse_body(await self._read_body(request), self.settings), self.settings,
-                             self.counter)
-        except RequestError as exc:
-            self.metrics.invalid.labels(exc.field).inc()
-            self._count(endpoint, exc.status, tenant, "")
-            return openai_error(exc.status, str(exc), "invalid_request_error", request_id, param=exc.field)
-        refusal = self._rate_limit(endpoint, tenant, valid.prompt_tokens + valid.max_tokens, request_id)
+            record.tenant, record.error = "unauthenticated", "authorization"
+            return openai_error(401, "invalid or missing API key", "authentication_error", record.request_id)
+        record.tenant = tenant
+        return None
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        record = record_of(request.scope)
+        refusal = self.authenticate(request, record)
         if refusal is not None:
             return refusal
-        ctx = Context(request_id, tenant, valid)
-        self.metrics.inflight.inc()
-        return await self._run(request, ctx)
+        try:
+            body = parse_body(await self._read_body(request), self.settings)
+            valid = validate(endpoint, body, self.settings, self.counter)
+            check_fleet(valid, self.router.table.instances)
+        except RequestError as exc:
+            self.metrics.invalid.labels(exc.field).inc()
+            record.error = exc.field
+            return openai_error(exc.status, str(exc), "invalid_request_error", record.request_id, param=exc.field)
+        refusal = await self._rate_limit(record, valid.prompt_tokens + valid.max_tokens)
+        if refusal is not None:
+            return refusal
+        ctx = Context(record.request_id, record.tenant, valid)
+        record.dispatched = True
+        return await self._run(request, ctx, record)
 
-    def _rate_limit(self, endpoint: Endpoint, tenant: str, cost: int, request_id: str) -> Response | None:
+    async def _rate_limit(self, record: Record, cost: int) -> Response | None:
+        tenant = record.tenant
         budget = self.limiter.token_budget(tenant)
         if cost > budget:
-            self._count(endpoint, 400, tenant, "")
+            record.error = "max_tokens"
             message = f"max_tokens: prompt plus max_tokens ({cost}) exceeds this tenant's tokens_per_minute ({budget})"
-            return openai_error(400, message, "invalid_request_error", request_id, param="max_tokens")
-        decision = self.limiter.check(tenant, cost)
+            return openai_error(400, message, "invalid_request_error", record.request_id, param="max_tokens")
+        decision = await self.limiter.check(tenant, cost)
         if decision.allowed:
             return None
         self.metrics.rate_limited.labels(tenant, decision.limit).inc()
-        self._count(endpoint, 429, tenant, "")
+        record.error = f"rate_limit_{decision.limit}"
         return openai_error(429, f"rate limit exceeded ({decision.limit}); retry after {decision.retry_after}s",
-                            "rate_limit_error", request_id, headers={"Retry-After": str(decision.retry_after)})
+                            "rate_limit_error", record.request_id, headers={"Retry-After": str(decision.retry_after)})
 
-    async def _run(self, request: Request, ctx: Context) -> Response:
+    async def _run(self, request: Request, ctx: Context, record: Record) -> Response:
         """Prefill and decode up to the first token, abandoning the upstream work if the client goes away."""
         work = asyncio.create_task(self._start(ctx))
         gone = asyncio.create_task(_wait_for_disconnect(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            self._describe(ctx, record)
+        if work.cancelled():
             self.metrics.client_disconnects.inc()
-            self._finish(ctx, CLIENT_CLOSED)
+            record.status = CLIENT_CLOSED
             return Response(status_code=CLIENT_CLOSED)
         try:
             outcome = work.result()
         except UpstreamError as exc:
-            self._finish(ctx, exc.status, cause=exc.cause)
+            record.error = exc.cause
             if exc.body is not None and not exc.retriable:
                 return Response(exc.body, status_code=exc.status, media_type="application/json",
                                 headers={"X-Request-Id": ctx.request_id})
             return openai_error(exc.status, str(exc), "upstream_error", ctx.request_id)
         if isinstance(outcome, Stream):
+            record.status = CLIENT_CLOSED  # until the stream ends: a body never iterated means the client left
+            record.cleanups.append(outcome.close)
             headers = {"X-Request-Id": ctx.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._stream(ctx, outcome), media_type="text/event-stream", headers=headers)
-        self._finish(ctx, 200)
+            return StreamingResponse(self._stream(ctx, outcome, record), media_type="text/event-stream",
+                                     headers=headers)
         return Response(outcome.content, media_type="application/json", headers={"X-Request-Id": ctx.request_id})
 
     async def _start(self, ctx: Context) -> Stream | httpx.Response:
@@ -126,35 +143,28 @@ class Gateway:
             return await self.proxy.open_stream(ctx, plan, kv_params)
         return await self.proxy.decode_json(ctx, plan, kv_params)
 
-    async def _stream(self, ctx: Context, stream: Stream) -> AsyncIterator[bytes]:
-        status = CLIENT_CLOSED
+    async def _stream(self, ctx: Context, stream: Stream, record: Record) -> AsyncIterator[bytes]:
         try:
             async for chunk in self.proxy.relay(ctx, stream):
                 yield chunk
-            status = 502 if "stream_error" in ctx.timings else 200
+            record.status = 502 if "stream_error" in ctx.timings else 200
         finally:
-            if status == CLIENT_CLOSED:
+            if record.status == CLIENT_CLOSED:
                 self.metrics.client_disconnects.inc()
-            self._finish(ctx, status)
+            self._describe(ctx, record)
 
-    def _finish(self, ctx: Context, status: int, cause: str = "") -> None:
-        elapsed = time.perf_counter() - ctx.started
-        self.metrics.inflight.dec()
-        self._count(ctx.request.endpoint, status, ctx.tenant, ctx.version)
-        self.metrics.e2e.labels(ctx.request.endpoint, ctx.version).observe(elapsed)
-        fields: dict[str, Any] = {
-            "request_id": ctx.request_id, "tenant": ctx.tenant, "endpoint": ctx.request.endpoint, "status": status,
-            "version": ctx.version, "route": ctx.route, "prefill": ctx.prefill_id, "decode": ctx.decode_id,
-            "retries": ctx.retries, "prompt_tokens": ctx.request.prompt_tokens, "stream": ctx.request.stream,
-            "seconds": round(elapsed, 6), **ctx.timings}
-        if cause:
-            fields["cause"] = cause
-        if self.settings.log_prompts:
-            fields["prompt"] = ctx.request.prompt_text()
-        log.info("request", extra={"fields": fields})
+    @staticmethod
+    def _describe(ctx: Context, record: Record) -> None:
+        """What the request's log line tells about its route, once the route is known."""
+        record.version = ctx.version
+        record.fields.update({"route": ctx.route, "prefill": ctx.prefill_id, "decode": ctx.decode_id,
+                              "retries": ctx.retries, "prompt_tokens": ctx.request.prompt_tokens,
+                              "stream": ctx.request.stream, **ctx.timings})
+        record.fields["prompt_text"] = ctx.request.prompt_text
 
-    def _count(self, endpoint: str, status: int, tenant: str, version: str) -> None:
-        self.metrics.requests.labels(endpoint, str(status), tenant, version).inc()
+    def prompt_for_log(self, record: Record) -> str | None:
+        prompt_text = record.fields.pop("prompt_text", None)
+        return prompt_text() if self.settings.log_prompts and prompt_text is not None else None
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -174,13 +184,16 @@ class Gateway:
         etag = ""
         while True:
             try:
-                response = await self.client.get(url, headers={"If-None-Match": etag} if etag else {}, timeout=2.0)
+                headers = {**self.scheduler_auth, **({"If-None-Match": etag} if etag else {})}
+                response = await self.client.get(url, headers=headers, timeout=2.0)
                 if response.status_code == 200:
                     self.router.table = RoutingTable.model_validate(response.json())
                     etag = response.headers.get("etag", "")
                     self.metrics.table_generation.set(self.router.table.generation)
                 elif response.status_code != 304:
                     self.metrics.table_errors.inc()
+                    log.warning("routing table poll refused; keeping the last table",
+                                extra={"fields": {"status": response.status_code}})
             except (httpx.HTTPError, ValueError) as exc:
                 self.metrics.table_errors.inc()
                 log.warning("routing table poll failed; keeping the last table",
@@ -208,9 +221,9 @@ async def chat_completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     gateway = gateway_of(request)
-    if gateway.keys.tenant_for(request.headers.get("authorization")) is None:
-        gateway.metrics.auth_failures.inc()
-        return openai_error(401, "invalid or missing API key", "authentication_error", uuid.uuid4().hex)
+    refusal = gateway.authenticate(request, record_of(request.scope))
+    if refusal is not None:
+        return refusal
     names = sorted({i.info.model for i in gateway.router.table.instances if i.info.model})
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "pdstack"} for name in names]
     return JSONResponse({"object": "list", "data": data})
@@ -237,6 +250,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.limiter.start()
         poller = asyncio.create_task(gateway.poll_routing_table())
         try:
             yield
@@ -250,6 +264,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(Accounting, metrics=gateway.metrics, log_prompts=gateway.prompt_for_log)])
     app.state.gateway = gateway
     return app

@@ -49,6 +49,9 @@ class GatewayMetrics:
                                  "Where decode got each request KV: remote, recompute, local", ["source"],
                                  registry=r)
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in progress", registry=r)
+        self.rate_limit_shared = Gauge("pdserve_gateway_rate_limit_shared",
+                                       "1 while rate limits are kept in the store shared by the replicas; 0 while "
+                                       "they are kept in this process (memory:// or the store failing)", registry=r)
         self.table_generation = Gauge("pdserve_gateway_routing_table_generation",
                                       "Generation of the routing table in use", registry=r)
         self.table_errors = Counter("pdserve_gateway_routing_table_poll_errors", "Failed routing-table polls",

@@ -73,7 +73,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    return body if kv_params is None else {**body, "kv_transfer_params": kv_params}
+    """Only params prefill returned reach decode: validation refuses a client's, and none survives here either."""
+    request = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    return request if kv_params is None else {**request, "kv_transfer_params": kv_params}
 
 
 def finished_early(answer: Any) -> bool:
@@ -102,11 +104,19 @@ class Stream:
     first: str
     exits: contextlib.ExitStack
 
+    async def close(self) -> None:
+        """Give back the upstream connection and the instance's in-flight count (idempotent)."""
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+        self.exits.close()
+
 
 class PDProxy:
     def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient, router: Router,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, server_auth: dict[str, str]) -> None:
         self.settings, self.client, self.router, self.metrics = settings, client, router, metrics
+        self.server_auth = server_auth
+        """what prefill and decode require (contract §2); never the client's own key"""
 
     def plan(self, ctx: Context, exclude: frozenset[str] = frozenset()) -> Plan:
         try:
@@ -202,9 +212,7 @@ class PDProxy:
                 "request_id": ctx.request_id, "decode": ctx.decode_id, "cause": exc.cause}})
             yield error_event(f"decode failed mid-stream: {exc.cause}", "upstream_error", ctx.request_id)
         finally:
-            with anyio.CancelScope(shield=True):
-                await stream.response.aclose()
-            stream.exits.close()
+            await stream.close()
 
     async def _next_event(self, stream: Stream) -> str | None:
         try:
@@ -241,7 +249,7 @@ class PDProxy:
             self.metrics.routing.labels("prefill", plan.prefill.instance_id, plan.version, plan.reason).inc()
 
     def _headers(self, ctx: Context) -> dict[str, str]:
-        return {"X-Request-Id": ctx.request_id}
+        return {"X-Request-Id": ctx.request_id, **self.server_auth}
 
     async def _call_prefill(self, ctx: Context, prefill: RoutedInstance) -> dict[str, Any] | None:
         """The KV's whereabouts; None when the prefill's one token ended the request (EOS or a stop string), so

@@ -1,33 +1,35 @@
-"""Token buckets per tenant: one for requests per second, one for (prompt + completion) tokens per minute."""
+"""Per-tenant rate limits, in a store every gateway replica shares (the `limits` library; Redis), or in this process.
+
+Two limits per tenant: requests (the rate `requests_per_second` with bursts of `request_burst`: `request_burst`
+requests per ceil(burst / rate) seconds, so the average never exceeds the rate) and (prompt + completion) tokens per
+minute. Both are sliding-window counters, so a burst at a window's edge cannot double the limit. A request is
+refused (429 with Retry-After) when either limit is spent, and then takes from neither.
+
+When the shared store fails, the gateway keeps limiting in this process (a warning, and gauge
+pdserve_gateway_rate_limit_shared at 0) and tries the store again every RETRY_SHARED_SECONDS.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
+from limits.errors import StorageError
+from limits.storage import storage_from_string
+from prometheus_client import Gauge
 
 from .auth import TenantLimits
 
-
-@dataclass
-class TokenBucket:
-    rate: float
-    """refill per second"""
-    capacity: float
-    level: float = -1.0
-    stamp: float = 0.0
-
-    def wait_for(self, amount: float, now: float) -> float:
-        """Seconds until `amount` is available (0 if it is now); refills first."""
-        if self.level < 0:
-            self.level, self.stamp = self.capacity, now
-        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-        return 0.0 if self.level >= amount else (amount - self.level) / self.rate
-
-    def take(self, amount: float) -> None:
-        self.level -= amount
+log = logging.getLogger(__name__)
+RETRY_SHARED_SECONDS = 5.0
+STORE_TIMEOUT_SECONDS = 0.5
+"""A store that does not answer within this is treated as down: a slow store must not slow every request."""
+STORE_ERRORS = (StorageError, OSError, TimeoutError)
 
 
 @dataclass
@@ -37,36 +39,104 @@ class Decision:
     retry_after: int = 0
 
 
-@dataclass
 class RateLimiter:
-    defaults: TenantLimits
-    overrides: dict[str, TenantLimits]
-    clock: Callable[[], float] = time.monotonic
-    _buckets: dict[str, tuple[TokenBucket, TokenBucket]] = field(default_factory=dict)
+    def __init__(self, defaults: TenantLimits, overrides: dict[str, TenantLimits], storage: str = "memory://",
+                 password: str | None = None, shared_gauge: Gauge | None = None) -> None:
+        self.defaults, self.overrides = defaults, overrides
+        self.shared_gauge = shared_gauge
+        self.shared = not storage.startswith("memory://")
+        self._local = SlidingWindowCounterRateLimiter(storage_from_string("async+memory://"))
+        self._store = self._local
+        if self.shared:
+            self._store = SlidingWindowCounterRateLimiter(_shared_storage(storage, password))
+        self._use_store = self.shared
+        self._retry_at = 0.0
+        self._set_gauge()
 
     def token_budget(self, tenant: str) -> int:
-        return self._limit(tenant, "tokens_per_minute")  # type: ignore[return-value]
+        return int(self._limit(tenant, "tokens_per_minute"))
 
-    def check(self, tenant: str, tokens: int) -> Decision:
-        """Take one request and `tokens` tokens from the tenant's buckets, or neither and say how long to wait."""
-        requests, token_bucket = self._buckets_for(tenant)
-        now = self.clock()
-        waits = {"requests": requests.wait_for(1, now), "tokens": token_bucket.wait_for(tokens, now)}
-        limit, wait = max(waits.items(), key=lambda item: item[1])
-        if wait > 0:
-            return Decision(False, limit, max(1, math.ceil(wait)))
-        requests.take(1)
-        token_bucket.take(tokens)
-        return Decision(True)
+    async def start(self) -> None:
+        """Check the shared store once, so that a store down at start is reported at start."""
+        if self.shared and not await self._store_answers():
+            self._fall_back("store did not answer at start")
 
-    def _limit(self, tenant: str, name: str) -> float | int:
+    async def check(self, tenant: str, tokens: int) -> Decision:
+        """Take one request and `tokens` tokens from the tenant's limits, or neither and say how long to wait."""
+        limiter = await self._limiter()
+        try:
+            return await _check(limiter, self._items(tenant), tenant, tokens)
+        except STORE_ERRORS as exc:
+            self._fall_back(type(exc).__name__)
+            return await _check(self._local, self._items(tenant), tenant, tokens)
+
+    async def _limiter(self) -> SlidingWindowCounterRateLimiter:
+        if self._use_store or not self.shared:
+            return self._store if self._use_store else self._local
+        now = time.monotonic()
+        if now >= self._retry_at:
+            self._retry_at = now + RETRY_SHARED_SECONDS  # before the await: one probe at a time
+            if await self._store_answers():
+                self._use_store = True
+                self._set_gauge()
+                log.warning("rate-limit store answers again: limits are shared by the replicas again")
+                return self._store
+        return self._local
+
+    async def _store_answers(self) -> bool:
+        try:
+            return bool(await self._store.storage.check())
+        except STORE_ERRORS:
+            return False
+
+    def _fall_back(self, cause: str) -> None:
+        if self._use_store:
+            log.warning("rate-limit store failed: limiting in this process only (each replica gives the full limit) "
+                        "until it answers", extra={"fields": {"cause": cause}})
+        self._use_store = False
+        self._retry_at = time.monotonic() + RETRY_SHARED_SECONDS
+        self._set_gauge()
+
+    def _set_gauge(self) -> None:
+        if self.shared_gauge is not None:
+            self.shared_gauge.set(1 if self._use_store else 0)
+
+    def _limit(self, tenant: str, name: str) -> float:
         override = getattr(self.overrides.get(tenant, self.defaults), name)
-        value: float | int = override if override is not None else getattr(self.defaults, name)
+        value: float = override if override is not None else getattr(self.defaults, name)
         return value
 
-    def _buckets_for(self, tenant: str) -> tuple[TokenBucket, TokenBucket]:
-        if tenant not in self._buckets:
-            rps, burst = self._limit(tenant, "requests_per_second"), self._limit(tenant, "request_burst")
-            tpm = self._limit(tenant, "tokens_per_minute")
-            self._buckets[tenant] = (TokenBucket(rate=rps, capacity=burst), TokenBucket(rate=tpm / 60, capacity=tpm))
-        return self._buckets[tenant]
+    def _items(self, tenant: str) -> tuple[RateLimitItem, RateLimitItem]:
+        rate, burst = self._limit(tenant, "requests_per_second"), int(self._limit(tenant, "request_burst"))
+        window = max(1, math.ceil(burst / rate))
+        requests = RateLimitItemPerSecond(burst, window, namespace="pdserve-requests")
+        tokens = RateLimitItemPerMinute(int(self._limit(tenant, "tokens_per_minute")), 1, namespace="pdserve-tokens")
+        return requests, tokens
+
+
+def _shared_storage(uri: str, password: str | None) -> Any:
+    options: dict[str, Any] = {"implementation": "redispy", "wrap_exceptions": True,
+                               "socket_timeout": STORE_TIMEOUT_SECONDS,
+                               "socket_connect_timeout": STORE_TIMEOUT_SECONDS}
+    if password is not None:
+        options["password"] = password
+    return storage_from_string("async+" + uri, **options)
+
+
+async def _check(limiter: SlidingWindowCounterRateLimiter, items: tuple[RateLimitItem, RateLimitItem], tenant: str,
+                 tokens: int) -> Decision:
+    requests, token_item = items
+    for name, item, cost in (("requests", requests, 1), ("tokens", token_item, tokens)):
+        if not await limiter.test(item, tenant, cost=cost):
+            return await _refusal(limiter, name, item, tenant)
+    if not await limiter.hit(requests, tenant):
+        return await _refusal(limiter, "requests", requests, tenant)
+    if not await limiter.hit(token_item, tenant, cost=tokens):  # another replica spent it since the test
+        return await _refusal(limiter, "tokens", token_item, tenant)
+    return Decision(True)
+
+
+async def _refusal(limiter: SlidingWindowCounterRateLimiter, name: str, item: RateLimitItem,
+                   tenant: str) -> Decision:
+    stats = await limiter.get_window_stats(item, tenant)
+    return Decision(False, name, max(1, math.ceil(stats.reset_time - time.time())))

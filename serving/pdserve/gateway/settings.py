@@ -13,6 +13,12 @@ class GatewaySettings(BaseModel):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     scheduler_url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="scheduler base URL")
+    scheduler_token_file: Path = Field(
+        description="file holding the gateway's scheduler token (principal gateway, pdserve.scheduler.identity)"
+    )
+    server_token_file: Path = Field(
+        description="file holding the token presented as Authorization: Bearer to prefill and decode servers"
+    )
     api_keys_file: Path = Field(description="JSON/YAML file: tenant -> API keys (sha256:<hex> or plaintext)")
     routing_poll_interval: float = Field(0.5, gt=0, description="seconds between routing-table polls")
     offload_threshold_tokens: int = Field(
@@ -26,6 +32,12 @@ class GatewaySettings(BaseModel):
     requests_per_second: float = Field(10.0, gt=0, description="default per-tenant request rate")
     request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
     tokens_per_minute: int = Field(200_000, ge=1, description="default per-tenant prompt+completion token budget")
+    rate_limit_storage: str = Field(
+        "memory://", pattern=r"^(memory|redis|rediss)://",
+        description="where rate-limit counters live: memory:// (this process) or redis://host:port/db, shared by "
+        "every gateway replica; when the store fails, limits fall back to this process until it answers again",
+    )
+    rate_limit_password_file: Path | None = Field(None, description="file holding the rate-limit store's password")
     connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
     prefill_timeout: float = Field(60.0, gt=0, description="seconds a prefill call may take")
     first_token_timeout: float = Field(60.0, gt=0, description="seconds until decode's first event")

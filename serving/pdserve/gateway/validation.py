@@ -8,11 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS, RoutedInstance
+
 from .settings import GatewaySettings
 
 Endpoint = Literal["completions", "chat"]
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 MAX_STOP_SEQUENCES = 4
+MAX_DEPTH = 32
+"""JSON nesting accepted; no OpenAI request needs more, and deeper bodies only cost the parser and the servers."""
+MAX_SEED = 2**63 - 1
+OPTIONAL_DEFAULTS: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "tool_choice": "none",
+                                     "response_format": {"type": "text"}, "parallel_tool_calls": True}
+"""Values of ENGINE_OPTIONAL_PARAMS that ask for nothing, so any backend honours them (besides null and empty)."""
 
 
 class RequestError(ValueError):
@@ -31,6 +39,11 @@ class ValidRequest:
     prompt_tokens: int
     max_tokens: int
     stream: bool
+    max_tokens_field: str = "max_tokens"
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt" if self.endpoint == "completions" else "messages"
 
     def prompt_text(self) -> str:
         if self.endpoint == "chat":
@@ -67,18 +80,69 @@ def parse_body(raw: bytes, settings: GatewaySettings) -> dict[str, Any]:
     if len(raw) > settings.max_body_bytes:
         raise RequestError("body", f"request body of {len(raw)} bytes exceeds {settings.max_body_bytes}", status=413)
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError("body", f"not valid JSON ({exc})") from None
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
+    except RecursionError:
+        raise RequestError("body", f"nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # also bad UTF-8 and integers too long to convert
+        raise RequestError("body", f"not valid JSON ({_short(exc)})") from None
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
+    _check_values(body, "", 1)
     return body
+
+
+class _NonFinite(str):
+    """Stands for NaN, Infinity or -Infinity (which Python's parser accepts) until _check_values names its field."""
+
+
+def _finite_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)  # 1e999 parses to inf
+
+
+def _check_values(value: Any, path: str, depth: int) -> None:
+    """Refuse what JSON parsing let through but nothing downstream can take, naming the field: NaN and
+    infinities, strings with lone surrogates (not encodable as UTF-8), and nesting deeper than MAX_DEPTH."""
+    if isinstance(value, _NonFinite):
+        raise RequestError(path or "body", f"{value} is not a number JSON allows")
+    if isinstance(value, str):
+        if not _encodable(value):
+            raise RequestError(path or "body", "contains a lone surrogate (\\ud800-\\udfff), not valid Unicode text")
+        return
+    if not isinstance(value, dict | list):
+        return
+    if depth > MAX_DEPTH:
+        raise RequestError(path or "body", f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_values(item, f"{path}[{index}]", depth + 1)
+        return
+    for key, item in value.items():
+        name = key if _encodable(key) else key.encode("utf-8", "backslashreplace").decode()
+        field = f"{path}.{name}" if path else name
+        if name != key:
+            raise RequestError(field, "field name contains a lone surrogate, not valid Unicode text")
+        _check_values(item, field, depth + 1)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(exc: Exception) -> str:
+    return str(exc)[:200]
 
 
 def validate(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings,
              counter: PromptCounter) -> ValidRequest:
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise RequestError("model", "required, a non-empty string")
+    if "kv_transfer_params" in body:
+        raise RequestError("kv_transfer_params", "set by the gateway, not by clients")
     if endpoint == "completions":
         _check_prompt(body.get("prompt"))
     else:
@@ -89,22 +153,59 @@ def validate(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings
         raise RequestError("stream", "must be true or false")
     if "stream_options" in body and (not stream or not isinstance(body["stream_options"], dict)):
         raise RequestError("stream_options", "allowed only with stream=true, and must be an object")
-    max_tokens = _max_tokens(endpoint, body, settings)
-    prompt_tokens = counter.count(endpoint, body)
-    if prompt_tokens > settings.max_prompt_tokens:
-        field = "prompt" if endpoint == "completions" else "messages"
-        raise RequestError(field, f"prompt of {prompt_tokens} tokens exceeds the limit of {settings.max_prompt_tokens}")
-    return ValidRequest(endpoint, body, prompt_tokens, max_tokens, stream)
-
-
-def _max_tokens(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings) -> int:
     name = "max_completion_tokens" if endpoint == "chat" and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _max_tokens(name, body, settings)
+    prompt_tokens = counter.count(endpoint, body)
+    valid = ValidRequest(endpoint, body, prompt_tokens, max_tokens, stream, name)
+    if prompt_tokens > settings.max_prompt_tokens:
+        raise RequestError(valid.prompt_field,
+                           f"prompt of {prompt_tokens} tokens exceeds the limit of {settings.max_prompt_tokens}")
+    return valid
+
+
+def check_fleet(valid: ValidRequest, instances: list[RoutedInstance]) -> None:
+    """Refuse what the ready instances would not honour: an engine-optional parameter not every one of them
+    declares (it would be silently ignored), and a prompt past the smallest context (it would spend a prefill
+    and a KV lease before decode refused it)."""
+    for name in ENGINE_OPTIONAL_PARAMS:
+        if asks_for_something(name, valid.body.get(name)) and not all(
+                name in i.info.supported_params for i in instances):
+            raise RequestError(name, "not supported by the serving engine (no ready instance declares it)")
+    limits = [i.info.max_model_len for i in instances if i.info.max_model_len is not None]
+    if not limits:
+        return
+    context = min(limits)
+    if valid.prompt_tokens >= context:
+        raise RequestError(valid.prompt_field,
+                           f"prompt of {valid.prompt_tokens} tokens does not fit the model's context of {context}")
+    if valid.prompt_tokens + valid.max_tokens > context:
+        field = valid.max_tokens_field
+        raise RequestError(field, f"prompt ({valid.prompt_tokens} tokens) plus {field} ({valid.max_tokens}) exceeds "
+                           f"the model's context of {context}")
+
+
+def asks_for_something(name: str, value: Any) -> bool:
+    """Whether `value` of the engine-optional parameter `name` asks the engine to do something."""
+    if value is None or value in ({}, [], ""):
+        return False
+    default = OPTIONAL_DEFAULTS.get(name)
+    if isinstance(value, bool) != isinstance(default, bool):  # best_of: true is not best_of 1
+        return True
+    return default is None or value != default
+
+
+def _max_tokens(name: str, body: dict[str, Any], settings: GatewaySettings) -> int:
     value = body.get(name)
     if value is None:
         body["max_tokens"] = value = settings.default_max_tokens
     if not _is_int(value) or not 1 <= value <= settings.max_tokens_limit:
-        raise RequestError(name, f"must be an integer from 1 to {settings.max_tokens_limit}, got {value!r}")
+        raise RequestError(name, f"must be an integer from 1 to {settings.max_tokens_limit}, got {_shown(value)}")
     return int(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -123,7 +224,7 @@ def _check_messages(messages: Any) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"messages[{index}]", "must be an object with role and content")
-        if message.get("role") not in CHAT_ROLES:
+        if not isinstance(message.get("role"), str) or message["role"] not in CHAT_ROLES:
             raise RequestError(f"messages[{index}].role", f"must be one of {sorted(CHAT_ROLES)}")
         content = message.get("content")
         if not isinstance(content, str) and not _is_text_parts(content):
@@ -141,8 +242,9 @@ def _check_sampling(body: dict[str, Any]) -> None:
             raise RequestError(name, f"must be a number in [{low}, {high}]" + (" above 0" if name == "top_p" else ""))
     if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
         raise RequestError("n", "only n=1 is supported")
-    if "seed" in body and body["seed"] is not None and not _is_int(body["seed"]):
-        raise RequestError("seed", "must be an integer")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise RequestError("seed", f"must be an integer from 0 to {MAX_SEED}")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) for s in stop)):

@@ -14,17 +14,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.scheduler.client import bearer
 
-from ..scheduler.services import Service, instance_token_file, start_scheduler
+from ..scheduler.services import (
+    Service,
+    gateway_token_file,
+    instance_token_file,
+    principal_token,
+    start_scheduler,
+    write_secret,
+)
 
 # One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
 HTTP = httpx.Client(timeout=60)
 KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", "budget": "sk-budget-0123456789",
-        "bulk": "sk-bulk-0123456789abcdef"}
+        "bulk": "sk-bulk-0123456789abcdef", "scarce": "sk-scarce-0123456789abcd"}
 
 
 def write_keys_file(path: Path) -> Path:
-    """acme by sha256 digest with default limits; slow (1 request/s, burst 2), budget (300 tokens/min), and bulk
-    (limits far above what a load test sends, so load tests measure routing, not the rate limiter)."""
+    """acme by sha256 digest with default limits; slow (1 request/s, burst 2), budget (300 tokens/min), bulk
+    (limits far above what a load test sends, so load tests measure routing, not the rate limiter), and scarce
+    (3 requests, then one per 100 s: a count a test can reach however slow the machine)."""
     digest = "sha256:" + hashlib.sha256(KEYS["acme"].encode()).hexdigest()
     document = {
         "acme": [digest],
@@ -33,6 +41,7 @@ def write_keys_file(path: Path) -> Path:
                    "tokens_per_minute": 300},
         "bulk": {"keys": [KEYS["bulk"]], "requests_per_second": 1000, "request_burst": 1000,
                  "tokens_per_minute": 10_000_000},
+        "scarce": {"keys": [KEYS["scarce"]], "requests_per_second": 0.01, "request_burst": 3},
     }
     path.write_text(json.dumps(document))
     return path
@@ -72,10 +81,21 @@ class Cluster:
         self.scheduler, self.admin_token = start_scheduler(self.tmp, heartbeat_interval=0.2,
                                                            missed=self.missed_heartbeats)
 
+    @property
+    def server_token_file(self) -> Path:
+        """The API token prefill and decode require and the gateway presents (contract §2)."""
+        path = self.tmp / "server-api.token"
+        if not path.exists():
+            write_secret(path)
+        return path
+
     def launch_server(self, name: str, role: str, model: Path, version: str = "v1") -> Service:
         assert self.scheduler is not None
+        engine_id = hashlib.sha256(f"{self.tmp}/{name}".encode()).hexdigest()[:32]
+        token_file = instance_token_file(self.tmp, f"{role}-{engine_id[:24]}")  # the id the server registers as
         args = ["--model", str(model), "--kv-key-file", str(self.kv_key_file), "--scheduler-url", self.scheduler.url,
-                "--scheduler-token-file", str(instance_token_file(self.tmp)),
+                "--scheduler-token-file", str(token_file), "--engine-id", engine_id,
+                "--api-token-file", str(self.server_token_file),
                 "--heartbeat-seconds", "0.2", "--version", version, "--served-model-name", "dense"]
         if role == "prefill":
             args += ["--kv-port", "0"]
@@ -87,7 +107,8 @@ class Cluster:
         assert self.scheduler is not None
         keys = write_keys_file(self.tmp / "api-keys.json")
         args = ["--scheduler-url", self.scheduler.url, "--api-keys-file", str(keys),
-                "--routing-poll-interval", "0.1", *flags]
+                "--scheduler-token-file", str(gateway_token_file(self.tmp)),
+                "--server-token-file", str(self.server_token_file), "--routing-poll-interval", "0.1", *flags]
         gateway = Service("pdserve.gateway", args, self.tmp / f"gateway-{len(self.gateways)}.log").start()
         self.gateways.append(gateway)
         return gateway
@@ -105,25 +126,38 @@ class Cluster:
     def sync(self, gateway: Service) -> None:
         """Until the gateway uses a routing table at least as new as the scheduler's current one."""
         assert self.scheduler is not None
-        target = httpx.get(f"{self.scheduler.url}/v1/routing").json()["generation"]
+        target = httpx.get(f"{self.scheduler.url}/v1/routing", headers=self.gateway_auth()).json()["generation"]
         wait_for(lambda: httpx.get(f"{gateway.url}/health/ready").json()["routing_generation"] >= target,
                  what="gateway routing table in sync")
 
-    def instance_auth(self) -> dict[str, str]:
-        """What servers (and the drain before a stop) present on the scheduler's instance API."""
-        return bearer(instance_token_file(self.tmp).read_text().strip())
+    def instance_auth(self, instance_id: str) -> dict[str, str]:
+        """What the server registered as `instance_id` (and the drain before its stop) presents to the scheduler."""
+        return bearer(principal_token(self.tmp, f"instance:{instance_id}"))
+
+    def gateway_auth(self) -> dict[str, str]:
+        """What a gateway presents to read the scheduler's routing table and instances."""
+        return bearer(principal_token(self.tmp, "gateway"))
+
+    def server_auth(self) -> dict[str, str]:
+        return bearer(self.server_token_file.read_text().strip())
+
+    def instances(self) -> list[dict[str, Any]]:
+        """The scheduler's registry, as a gateway may read it."""
+        assert self.scheduler is not None
+        listed: list[dict[str, Any]] = httpx.get(f"{self.scheduler.url}/v1/instances",
+                                                 headers=self.gateway_auth()).json()["instances"]
+        return listed
 
     def instance_id(self, name: str) -> str:
-        assert self.scheduler is not None
         port = f":{self.servers[name].port}"
-        for entry in httpx.get(f"{self.scheduler.url}/v1/instances").json()["instances"]:
+        for entry in self.instances():
             if entry["info"]["url"].endswith(port):
                 return str(entry["instance_id"])
         raise KeyError(name)
 
     def served(self, name: str) -> float:
         """Completion requests a server answered with 200, by its own /metrics."""
-        text = httpx.get(f"{self.servers[name].url}/metrics").text
+        text = httpx.get(f"{self.servers[name].url}/metrics", headers=self.server_auth()).text
         return sum(metric(text, "pdserve_requests_total", status="200", endpoint=endpoint)
                    for endpoint in ("/v1/completions", "/v1/chat/completions"))
 

@@ -81,8 +81,10 @@ def test_draining_instance_finishes_in_flight_and_gets_nothing_new(cluster: Clus
     chunks = [next(iter(stream))]
     draining = decoding(cluster)
     other = "d2" if draining == "d1" else "d1"
-    instance_url = f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(draining)}"
-    assert httpx.post(f"{instance_url}/drain", headers=cluster.instance_auth()).json()["state"] == "draining"
+    draining_id = cluster.instance_id(draining)
+    instance_url = f"{cluster.scheduler.url}/v1/instances/{draining_id}"
+    drained = httpx.post(f"{instance_url}/drain", headers=cluster.instance_auth(draining_id))
+    assert drained.json()["state"] == "draining"
     cluster.wait_routable(gateway, 3)
     assert cluster.running(draining) == 1, "premise: the stream is still being generated after the drain"
     admitted_before = admitted_prompt_tokens(cluster, draining)
@@ -94,7 +96,7 @@ def test_draining_instance_finishes_in_flight_and_gets_nothing_new(cluster: Clus
     assert chunks[-1].choices[0].finish_reason == "length"
     assert generated(cluster, draining) - tokens_before[draining] == 3000, "the in-flight stream was cut short"
     # Forgetting the registration lets the instance register afresh (ready) with its next heartbeat.
-    assert httpx.delete(instance_url, headers=cluster.instance_auth()).status_code == 204
+    assert httpx.delete(instance_url, headers=cluster.instance_auth(draining_id)).status_code == 204
     cluster.wait_routable(gateway, 4)
 
 
@@ -139,13 +141,14 @@ def test_decode_failing_before_first_token_is_retried(cluster: Cluster, model_lo
     for name in ("d1", "d2"):  # forget the decode the previous test killed, so one retry always finds a live decode
         process = cluster.servers[name].process
         if process is not None and process.poll() is not None:
-            httpx.delete(f"{cluster.scheduler.url}/v1/instances/{cluster.instance_id(name)}",
-                         headers=cluster.instance_auth())
+            instance_id = cluster.instance_id(name)
+            httpx.delete(f"{cluster.scheduler.url}/v1/instances/{instance_id}",
+                         headers=cluster.instance_auth(instance_id))
     cluster.launch_server("d3", "decode", model_long)
     cluster.wait_servers()
     port = f":{cluster.servers['d3'].port}"
     wait_for(lambda: any(entry["info"]["url"].endswith(port) and entry["state"] == "ready" for entry in
-                         httpx.get(f"{cluster.scheduler.url}/v1/instances").json()["instances"]),
+                         cluster.instances()),
              what="d3 registered and ready")
     cluster.sync(cluster.gateways[0])
     cluster.servers["d3"].kill()

@@ -105,8 +105,8 @@ def test_official_openai_client_sync_and_streaming(gateway_url: str, cluster: Cl
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
         model="dense", prompt=LONG_PROMPT, max_tokens=12, temperature=0, stream=True) if chunk.choices)
     # The same request sent straight to a decode server, which then prefills locally: the PD result must match.
-    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", timeout=60, json={
-        "model": "dense", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0}).json()
+    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", timeout=60, headers=cluster.server_auth(),
+                        json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0}).json()
     assert sync.choices[0].text == streamed == direct["choices"][0]["text"]
     assert sync.usage is not None and sync.usage.completion_tokens == 12
 
@@ -124,9 +124,10 @@ def test_a_prefill_whose_one_token_ends_the_request_hands_over_to_decode(gateway
     That is no prefill failure: decode computes the prompt itself and answers what a single server would."""
     body = {"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
     first = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"max_tokens": 1},
-                       timeout=60).json()["choices"][0]["text"]
+                       headers=cluster.server_auth(), timeout=60).json()["choices"][0]["text"]
     assert first, "premise: the first token has text to stop on"
-    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"stop": [first]}, timeout=60)
+    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"stop": [first]},
+                        headers=cluster.server_auth(), timeout=60)
     errors_before = metric(httpx.get(f"{gateway_url}/metrics").text, "pdserve_gateway_upstream_errors_total")
     response = complete(gateway_url, stop=[first])
     assert response.status_code == 200, response.text

@@ -1,7 +1,8 @@
-"""The gateway's decision logic in isolation: routing choices, token buckets, keys files."""
+"""The gateway's decision logic in isolation: routing choices, rate limits in memory, keys files, validation."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.gateway.auth import KeysFileError, KeyStore
-from pdserve.gateway.ratelimit import RateLimiter, TenantLimits
+from pdserve.gateway.auth import KeysFileError, KeyStore, TenantLimits
+from pdserve.gateway.ratelimit import RateLimiter
 from pdserve.gateway.routing import NoRouteError, Router
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad, RoutedInstance, RoutingTable
 
@@ -95,21 +96,18 @@ def test_suspended_instances_are_skipped() -> None:
     assert r.suspended_ids() == {"d1"}
 
 
-def test_token_buckets_refuse_then_refill() -> None:
-    now = [0.0]
-    limiter = RateLimiter(TenantLimits(requests_per_second=2, request_burst=2, tokens_per_minute=600), {},
-                          clock=lambda: now[0])
-    assert limiter.check("t", 10).allowed and limiter.check("t", 10).allowed
-    refused = limiter.check("t", 10)
-    assert not refused.allowed and refused.limit == "requests" and refused.retry_after == 1
-    now[0] += 0.5
-    assert limiter.check("t", 10).allowed
-    now[0] += 10
-    assert limiter.check("t", 500).allowed
-    starved = limiter.check("t", 200)
-    assert not starved.allowed and starved.limit == "tokens"
-    assert starved.retry_after == 10  # 100 tokens left, 200 asked, refilled at 600/min = 10 tokens/s
-    assert limiter.check("other-tenant", 200).allowed
+def test_limits_refuse_then_name_the_limit_and_the_wait() -> None:
+    async def scenario() -> None:
+        limiter = RateLimiter(TenantLimits(requests_per_second=0.01, request_burst=2, tokens_per_minute=600), {})
+        assert (await limiter.check("t", 10)).allowed and (await limiter.check("t", 10)).allowed
+        refused = await limiter.check("t", 10)
+        assert not refused.allowed and refused.limit == "requests" and refused.retry_after >= 1
+        assert (await limiter.check("other-tenant", 500)).allowed
+        starved = await limiter.check("other-tenant", 200)
+        assert not starved.allowed and starved.limit == "tokens" and starved.retry_after >= 1
+        assert (await limiter.check("other-tenant", 80)).allowed, "a refusal takes nothing from the budget"
+
+    asyncio.run(scenario())
 
 
 def test_tenant_overrides_default_limits(tmp_path: Path) -> None:
@@ -118,9 +116,13 @@ def test_tenant_overrides_default_limits(tmp_path: Path) -> None:
                                                       "request_burst": 1}}))
     keys = KeyStore.from_file(path)
     limiter = RateLimiter(TenantLimits(requests_per_second=100, request_burst=100, tokens_per_minute=10**6),
-                          keys.limits, clock=lambda: 0.0)
-    assert limiter.check("b", 1).allowed and not limiter.check("b", 1).allowed
-    assert all(limiter.check("a", 1).allowed for _ in range(50))
+                          keys.limits)
+
+    async def scenario() -> None:
+        assert (await limiter.check("b", 1)).allowed and not (await limiter.check("b", 1)).allowed
+        assert all([(await limiter.check("a", 1)).allowed for _ in range(50)])
+
+    asyncio.run(scenario())
 
 
 def test_keys_file_digests_and_plaintext(tmp_path: Path) -> None:

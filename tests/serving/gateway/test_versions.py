@@ -100,7 +100,7 @@ def test_scheduler_restart_keeps_weights_and_servers_come_back(cluster: Cluster)
     set_weights(cluster, {"v1": 90, "v2": 10})
     cluster.scheduler.kill()
     cluster.scheduler.start()  # same port, same state file, empty registry
-    routing = httpx.get(f"{cluster.scheduler.url}/v1/routing").json()
+    routing = httpx.get(f"{cluster.scheduler.url}/v1/routing", headers=cluster.gateway_auth()).json()
     assert routing["weights"] == {"v1": 90, "v2": 10}
     cluster.wait_routable(cluster.gateways[0], 4)  # every server registered again on its own
     assert complete(cluster.gateways[0].url) == 200
