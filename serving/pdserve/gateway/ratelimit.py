@@ -2,8 +2,10 @@
 
 Two limits per tenant: requests (the rate `requests_per_second` with bursts of `request_burst`: `request_burst`
 requests per ceil(burst / rate) seconds, so the average never exceeds the rate) and (prompt + completion) tokens per
-minute. Both are sliding-window counters, so a burst at a window's edge cannot double the limit. A request is
-refused (429 with Retry-After) when either limit is spent, and then takes from neither.
+minute. Both are sliding-window counters, so a burst at a window's edge cannot double the limit. Unlike the token
+bucket this replaces, a full burst is not topped up while its window lasts: 20 requests at once with a rate of 10/s
+leave room for the 21st only as the 2 s window slides on. A request is refused (429 with Retry-After) when either
+limit is spent, and then takes from neither.
 
 When the shared store fails, the gateway keeps limiting in this process (a warning, and gauge
 pdserve_gateway_rate_limit_shared at 0) and tries the store again every RETRY_SHARED_SECONDS.

@@ -1,0 +1,139 @@
+"""Rate limits across gateway replicas (issue 13 finding 8, contract §6), with a real redis-server on loopback.
+
+No model servers: the limiter decides before routing, so an admitted request is a 503 (no decode instance) and a
+refused one a 429; the test counts those. Tenant `scarce` may send 3 requests, then one per 100 s.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from ..ports import free_port
+from .cluster import KEYS, Cluster, metric
+
+AUTH = {"Authorization": f"Bearer {KEYS['scarce']}"}
+BODY = {"model": "dense", "prompt": "Hi", "max_tokens": 1}
+
+
+@dataclass
+class RedisServer:
+    port: int
+    password_file: Path
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        server = shutil.which("redis-server")
+        assert server, "redis-server missing: apt-get install -y redis-server"
+        password = self.password_file.read_text().strip()
+        # The password goes in through stdin (a config file read from "-"), not argv, which ps shows.
+        config = (f"port {self.port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\nappendonly no\n"
+                  f"dir {self.directory}\n")
+        log = (self.directory / "redis.log").open("ab")
+        self.process = subprocess.Popen([server, "-"], stdin=subprocess.PIPE, stdout=log, stderr=log)
+        assert self.process.stdin is not None
+        self.process.stdin.write(config.encode())
+        self.process.stdin.close()
+        client = redis.Redis(port=self.port, password=password, socket_timeout=1)
+        for _ in range(200):  # bounded: up to about 10 s
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer: {(self.directory / 'redis.log').read_text()}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    password_file = tmp_path / "ratelimit-store.password"
+    password_file.write_text(secrets.token_urlsafe(24) + "\n")
+    password_file.chmod(0o600)
+    server = RedisServer(free_port(), password_file, tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, gateway_kv_key: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, gateway_kv_key)
+    cluster.start_scheduler()
+    yield cluster
+    cluster.stop()
+
+
+def statuses(urls: list[str], count: int) -> list[int]:
+    """`count` requests of tenant scarce, spread round-robin over the gateways at `urls`."""
+    return [httpx.post(f"{urls[n % len(urls)]}/v1/completions", json=BODY, headers=AUTH, timeout=30).status_code
+            for n in range(count)]
+
+
+def shared_gauge(url: str) -> float:
+    return metric(httpx.get(f"{url}/metrics").text, "pdserve_gateway_rate_limit_shared")
+
+
+def test_two_replicas_sharing_the_store_give_the_limit_once(store: RedisServer, cluster: Cluster) -> None:
+    flags = ("--rate-limit-storage", store.url, "--rate-limit-password-file", str(store.password_file))
+    urls = [cluster.start_gateway(*flags).url, cluster.start_gateway(*flags).url]
+    assert [shared_gauge(url) for url in urls] == [1, 1]
+    got = statuses(urls, 8)
+    assert got.count(429) == 5 and got.count(503) == 3, got  # 3 admitted in all, not 3 per replica
+
+    refused = httpx.post(f"{urls[0]}/v1/completions", json=BODY, headers=AUTH)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+
+    store.kill()  # the store goes away: each replica limits on its own, and says so
+    for url in urls:
+        got = statuses([url], 4)
+        assert got == [503, 503, 503, 429], got
+        assert shared_gauge(url) == 0
+    for gateway in cluster.gateways:
+        assert "rate-limit store failed" in gateway.logs()
+        assert store.password_file.read_text().strip() not in gateway.logs()
+
+    store.start()  # back: the replicas share again once their next probe finds it
+    deadline = time.monotonic() + 30  # bounded: the probe runs at most every 5 s, on a request
+    while time.monotonic() < deadline:
+        statuses(urls, 2)
+        if [shared_gauge(url) for url in urls] == [1, 1]:
+            break
+        time.sleep(0.05)
+    assert [shared_gauge(url) for url in urls] == [1, 1]
+
+
+def test_a_store_refusing_the_password_means_per_process_limits(store: RedisServer, cluster: Cluster,
+                                                                 tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not-the-password\n")
+    url = cluster.start_gateway("--rate-limit-storage", store.url, "--rate-limit-password-file", str(wrong)).url
+    assert shared_gauge(url) == 0
+    assert statuses([url], 4) == [503, 503, 503, 429]
+    assert "rate-limit store" in cluster.gateways[0].logs()
+
+
+def test_memory_storage_is_per_process(cluster: Cluster) -> None:
+    urls = [cluster.start_gateway().url, cluster.start_gateway().url]
+    assert [shared_gauge(url) for url in urls] == [0, 0]
+    got = statuses(urls, 8)
+    assert got.count(503) == 6, got  # each replica gives the whole limit: why a shared store exists
