@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from .fuzzing import (
     check_answer,
     completion_bodies,
     encode,
+    kv_params,
 )
 from .stack import AUTH, NORMAL, normal_completion, pd_stack
 
@@ -181,6 +183,52 @@ def test_server_completions(cluster: Cluster, role: str, path: str) -> None:
     assert statuses[400] and statuses[401], statuses
     assert_idle(cluster)
     assert normal_completion(cluster.gateways[0].url).status_code == 200
+
+
+def test_forged_kv_transfer_params_never_make_decode_connect(cluster: Cluster) -> None:
+    """Finding 2 from the decode side: whatever kv_transfer_params a caller holding the server token writes, decode
+    connects nowhere it names (a listening trap on loopback accepts no connection)."""
+    decode = cluster.servers["d"]
+    with socket.socket() as trap, httpx.Client(timeout=60) as client:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(64)
+        trap.setblocking(False)
+        port = trap.getsockname()[1]
+
+        @FUZZ
+        @given(params=kv_params(), prompt=st.sampled_from(["Hi", COMPLETION["prompt"]]))
+        def attack(params: dict[str, Any], prompt: str) -> None:
+            params.update(do_remote_prefill=True, remote_host="127.0.0.1", remote_port=port)
+            body = encode({**COMPLETION, "prompt": prompt, "kv_transfer_params": params})
+            headers = {**cluster.server_auth(), "Content-Type": "application/json"}
+            answer = send(client, "POST", decode.url + "/v1/completions", body, headers)
+            check_answer(answer, f"decode {body[:200]!r}")
+            assert answer.status_code == 400, answer.text
+
+        attack()
+        with pytest.raises(BlockingIOError):
+            trap.accept()
+    assert_idle(cluster)
+
+
+def test_negative_seeds_leak_no_slot(cluster: Cluster) -> None:
+    """Finding 1: more seed=-1 requests than the servers have slots, straight to decode and through the gateway;
+    then a normal request is served and nothing stays admitted."""
+    decode = cluster.servers["d"]
+    slots = 64  # the servers' default --max-num-seqs
+    with httpx.Client(timeout=60) as client:
+        for _ in range(slots + 8):
+            for url, headers in ((decode.url, cluster.server_auth()), (cluster.gateways[0].url, AUTH)):
+                answer = client.post(url + "/v1/completions", json={**COMPLETION, "seed": -1}, headers=headers)
+                check_answer(answer, "seed -1")
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == "seed", answer.text
+    assert_idle(cluster)
+    assert client_answer(decode.url, cluster.server_auth()).status_code == 200
+    assert normal_completion(cluster.gateways[0].url).status_code == 200
+
+
+def client_answer(url: str, headers: dict[str, str]) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=COMPLETION, headers=headers, timeout=60)
 
 
 def test_server_paths_and_methods(cluster: Cluster) -> None:
