@@ -1,6 +1,7 @@
 """pdserve gateway: OpenAI-compatible entry point; auth, per-tenant limits, validation, prefill -> decode orchestration.
 
-Run it with `pdserve gateway --scheduler-url URL --api-keys-file FILE` (or `python -m pdserve.gateway`).
+Run it with `pdserve gateway --scheduler-url URL --scheduler-token-file T --server-token-file S --api-keys-file FILE`
+(or `python -m pdserve.gateway`).
 """
 
 from __future__ import annotations

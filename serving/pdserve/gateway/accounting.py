@@ -110,7 +110,7 @@ class Accounting:
 def _request_id(scope: Scope) -> str:
     for name, value in scope.get("headers", []):
         if name == b"x-request-id":
-            incoming = value.decode("latin-1")
+            incoming = bytes(value).decode("latin-1")
             if REQUEST_ID.fullmatch(incoming):
                 return incoming
     return uuid.uuid4().hex

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import httpx
@@ -65,7 +66,8 @@ class Gateway:
         if tenant is None:
             self.metrics.auth_failures.inc()
             record.tenant, record.error = "unauthenticated", "authorization"
-            return openai_error(401, "invalid or missing API key", "authentication_error", record.request_id)
+            return openai_error(401, "authorization: invalid or missing API key", "authentication_error",
+                                record.request_id, param="authorization")
         record.tenant = tenant
         return None
 
@@ -229,6 +231,17 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
+async def no_route(request: Request, exc: Exception) -> Response:
+    """404 and 405 as OpenAI errors naming what is wrong: the path, or the method."""
+    status = getattr(exc, "status_code", 404)
+    field = "method" if status == 405 else "path"
+    message = f"{field}: no {request.method} {request.url.path} here" if status == 405 else \
+        f"path: no endpoint at {request.url.path}"
+    record: Record | None = request.scope.get("state", {}).get("record")  # none on uncounted paths (/health/x)
+    request_id = record.request_id if record is not None else uuid.uuid4().hex
+    return openai_error(status, message, "invalid_request_error", request_id, param=field)
+
+
 async def live(request: Request) -> Response:
     return JSONResponse({"status": "live"})
 
@@ -264,7 +277,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route},
                     middleware=[Middleware(Accounting, metrics=gateway.metrics, log_prompts=gateway.prompt_for_log)])
     app.state.gateway = gateway
     return app

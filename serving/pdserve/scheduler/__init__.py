@@ -1,6 +1,6 @@
 """pdserve scheduler: instance registry with heartbeats, routing table, version weights (canary), P:D advice.
 
-Run it with `pdserve scheduler --state-file F --admin-token-file T --instance-token-file I`
+Run it with `pdserve scheduler --state-file F --admin-token-file T --identity-key-file K`
 (or `python -m pdserve.scheduler`).
 Servers report to it with `pdserve.scheduler.client.run_heartbeats`.
 """

@@ -252,6 +252,13 @@ async def put_weights(request: Request) -> Response:
     return JSONResponse({"weights": state.weights.weights})
 
 
+async def no_route(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    if status == 405:
+        return error(405, f"method: {request.method} is not allowed on {request.url.path}", "method")
+    return error(404, f"path: no endpoint at {request.url.path}", "path")
+
+
 async def live(request: Request) -> Response:
     return JSONResponse({"status": "live"})
 
@@ -295,6 +302,6 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
         Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route})
     app.state.scheduler = state
     return app

@@ -169,8 +169,10 @@ def test_refused_and_unauthenticated_requests_are_counted_and_logged(gateway_url
     assert post(gateway_url, {"model": "dense"}, **{"X-Request-Id": ids[0]}).status_code == 400
     assert post(gateway_url, {"model": "dense", "prompt": "hi"}, **{"X-Request-Id": ids[1],
                                                                     "Authorization": "Bearer nope"}).status_code == 401
-    assert HTTP.get(f"{gateway_url}/v1/nowhere", headers={"X-Request-Id": ids[2]}).status_code == 404
-    assert HTTP.post(f"{gateway_url}/v1/models", headers={"X-Request-Id": ids[3]}).status_code == 405
+    missing = HTTP.get(f"{gateway_url}/v1/nowhere", headers={"X-Request-Id": ids[2]})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "path"
+    wrong_method = HTTP.post(f"{gateway_url}/v1/models", headers={"X-Request-Id": ids[3]})
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["param"] == "method"
     after, inflight = counted(gateway_url)
     assert after == before + 4 and inflight == 0
     logs = cluster.gateways[0].logs()

@@ -137,3 +137,11 @@ def test_malformed_bodies_are_400_not_500(scheduler: tuple[Service, str, Path], 
     response = httpx.post(f"{service.url}/v1/instances/{VICTIM}/heartbeat", content=body, headers=own)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["field"] == "body"
+
+
+def test_unknown_paths_and_methods_name_what_is_wrong(scheduler: tuple[Service, str, Path]) -> None:
+    service, _, _ = scheduler
+    missing = httpx.get(service.url + "/v1/nowhere")
+    assert missing.status_code == 404 and missing.json()["error"]["field"] == "path"
+    wrong = httpx.patch(service.url + "/v1/routing")
+    assert wrong.status_code == 405 and wrong.json()["error"]["field"] == "method"
