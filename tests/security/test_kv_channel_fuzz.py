@@ -1,0 +1,93 @@
+"""Hypothesis-driven fuzzing of a real prefill server's KV port before authentication.
+
+Whatever an unauthenticated peer sends — junk, a frame header claiming a large payload, a frame of the wrong type,
+a HELLO followed by a junk proof — the server closes the connection (an ERROR frame first is fine) long before its
+30 s I/O timeout, never waits for a large pre-auth payload, and goes on serving: afterwards a completion through the
+gateway, whose KV travels over that port, succeeds.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from pdserve.kv.protocol import HEADER, MAGIC, NONCE_BYTES, VERSION, FrameType
+from tests.serving.gateway.cluster import Cluster
+
+from .fuzzing import FUZZ
+from .stack import normal_completion, pd_stack
+
+FUZZ_NO_SHRINK = settings(FUZZ, phases=[Phase.explicit, Phase.generate])
+GIVE_UP = 10.0  # far below the server's 30 s I/O timeout: a close must come from refusing the input
+SMALL = 64 * 1024  # no pre-auth frame needs more; a header claiming more must be refused before any payload
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, security_kv_key: Path, security_model: Path) -> Iterator[Cluster]:
+    with pd_stack(tmp_path_factory.mktemp("kv-fuzz"), security_kv_key, security_model) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def kv_port(cluster: Cluster) -> int:
+    ports = [entry["info"]["kv_port"] for entry in cluster.instances() if entry["info"]["role"] == "prefill"]
+    assert ports and ports[0], cluster.instances()
+    return int(ports[0])
+
+
+def header(frame_type: int, length: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    crc = zlib.crc32(payload, zlib.crc32(HEADER.pack(MAGIC, VERSION, frame_type, flags, length, 0)[:16]))
+    return HEADER.pack(MAGIC, VERSION, frame_type, flags, length, crc)
+
+
+def frame(frame_type: int, payload: bytes) -> bytes:
+    return header(frame_type, len(payload), payload) + payload
+
+
+FRAME_TYPES = st.sampled_from([int(t) for t in FrameType] + [0, 11, 255])
+OPENINGS = st.one_of(
+    st.binary(min_size=HEADER.size, max_size=200).filter(lambda b: not b.startswith(MAGIC)),
+    st.builds(header, FRAME_TYPES, st.integers(SMALL + 1, 2**64 - 1)),  # a huge payload announced, none sent
+    st.builds(frame, FRAME_TYPES.filter(lambda t: t != FrameType.HELLO), st.binary(max_size=64)),
+    st.builds(frame, st.just(int(FrameType.HELLO)), st.binary(max_size=64).filter(lambda b: len(b) != NONCE_BYTES)),
+    st.builds(
+        lambda proof, kind: frame(FrameType.HELLO, secrets.token_bytes(NONCE_BYTES)) + frame(kind, proof),
+        st.binary(max_size=64),
+        FRAME_TYPES,
+    ),
+    st.builds(
+        lambda version: struct.pack("!4sB", MAGIC, version) + bytes(15),
+        st.integers(0, 255).filter(lambda v: v != VERSION),
+    ),
+)
+
+
+def closed_by_server(port: int, opening: bytes) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=GIVE_UP) as sock:
+        try:
+            sock.sendall(opening)
+            while sock.recv(65536):  # an ERROR frame may come first
+                pass
+        except TimeoutError:
+            return False
+        except ConnectionError:  # a reset is a close too
+            pass
+    return True
+
+
+def test_unauthenticated_frames_are_refused_promptly(cluster: Cluster, kv_port: int) -> None:
+    @FUZZ_NO_SHRINK  # a held connection costs GIVE_UP seconds per example: report the first, do not shrink it
+    @given(opening=OPENINGS)
+    def attack(opening: bytes) -> None:
+        assert closed_by_server(kv_port, opening), f"KV port held a connection that opened with {opening[:40]!r}"
+
+    attack()
+    assert normal_completion(cluster.gateways[0].url).status_code == 200
