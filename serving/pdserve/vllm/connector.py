@@ -1,0 +1,241 @@
+"""PdstackConnector: a vLLM v1 KV connector that moves KV between a vLLM prefill and a vLLM decode over pdstack's
+KV channel (pdserve.kv: framed TCP over N streams, crc32 per frame, sha256 per layer, mutual HMAC, optional TLS,
+leases), the same protocol and code pdserve's own servers speak.
+
+Load it with vLLM's own flag:
+
+    --kv-transfer-config '{"kv_connector": "PdstackConnector", "kv_connector_module_path": "pdserve.vllm.connector",
+                           "kv_role": "kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute" | "fail",
+                           "kv_connector_extra_config": {"kv_key_file": "...", "port": 14600, ...}}'
+
+(keys in pdserve.vllm.settings). The flow is vLLM's disaggregated-prefill proxy flow, with vLLM's field names:
+
+- Prefill (kv_producer) gets a request with kv_transfer_params {"do_remote_decode": true}. In the step that
+  completes its prompt, save_kv_layer copies the request's blocks of each layer to host memory (`.cpu()`, so the
+  same code serves CUDA tensors) as the layer is computed; wait_for_save puts the whole blob in pdserve's
+  LeaseStore, served by a KVServer in the worker process. request_finished returns do_remote_prefill,
+  remote_engine_id, remote_request_id, remote_host, remote_port, remote_block_ids, plus kv_checksum, num_tokens
+  and the KV fingerprint, signed with pdserve.kv.params under the KV channel key.
+- Decode (kv_consumer) gets those params. get_num_new_matched_tokens claims the prompt tokens it lacks as an
+  async load; the worker verifies the signature and the fingerprint (naming the field that differs) BEFORE any
+  connection, pulls in a background event loop, verifies crc32 per frame and the blob checksum, writes the blocks
+  it lacks (a local prefix-cache hit is kept), reports finished_recving and acknowledges so prefill frees the
+  lease. Any failure is reported in failed_recving (and finished_recving), so vLLM's kv_load_failure_policy
+  recomputes or fails the request; every request the worker is given is reported exactly once, so the scheduler
+  never sees an unknown id.
+
+Why copy out instead of delaying the free of vLLM's blocks: prefill's blocks are its scarcest resource (they bound
+its batch), and a cross-datacenter pull takes one RTT plus the transfer, sometimes a lease timeout when decode
+dies. Held in vLLM's blocks, a slow or lost decode would throttle prefill and every path (abort, preemption,
+restart) would have to report finished_sending exactly once. Copied out, prefill frees its blocks at the end of the
+step that computed them, the lease store bounds what is held in bytes and in time (lease_seconds) on its own, and
+the KV server reads host memory instead of racing the engine for device memory. The cost is one device-to-host copy
+per layer, which a GPU does at tens of GB/s (far above the network), and host RAM for what is in flight.
+
+The scheduler process and the worker process are separate: the scheduler-side request_finished must return the
+blob checksum the worker computed in the same step. The worker leaves it in a small file under
+`run_dir/<engine_id>-<port>/` (written before the step's output returns, so before request_finished runs);
+request_finished reads and removes it. vLLM's worker-to-scheduler metadata arrives only after request_finished in
+the same step, too late.
+
+Limits of this first version: tensor_parallel_size 1 (one KV server per instance), one KV cache group (no hybrid
+or sliding-window models), and decode starts pulling only after prefill's forward ends (the lease store takes
+whole blobs; see the report of issue 14 for the API layer-wise serving needs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.request import RequestStatus
+
+from pdserve.kv import params as signed_params
+from pdserve.vllm import settings as connector_settings
+from pdserve.vllm.worker import ConsumerWorker, LoadSpec, ProducerWorker, SaveSpec, result_path
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers print these lines
+
+
+@dataclass
+class PdstackConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, pickled each step."""
+
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class PdstackConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"kv_role: PdstackConnector supports kv_producer and kv_consumer, not {transfer.kv_role}")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("PdstackConnector: tensor_parallel_size > 1 is not supported yet")
+        self.producer = transfer.kv_role == "kv_producer"
+        self.engine_id = str(transfer.engine_id)
+        self.settings = connector_settings.parse(
+            dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id
+        )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        # Scheduler side.
+        self._to_save: dict[str, Request] = {}
+        self._to_load: list[LoadSpec] = []
+        self._local_hits: dict[str, int] = {}
+        self._fingerprint: dict[str, Any] | None = None
+        # Worker side.
+        self._worker: ProducerWorker | ConsumerWorker | None = None
+
+    # ---- worker side ------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        worker_class = ProducerWorker if self.producer else ConsumerWorker
+        self._worker = worker_class(self.settings, self._vllm_config, kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PdstackConnectorMetadata)
+        if metadata.loads:
+            assert isinstance(self._worker, ConsumerWorker), "KV loads sent to a kv_producer"
+            self._worker.start_loads(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request waits in WAITING_FOR_REMOTE_KVS until its blocks are written
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PdstackConnectorMetadata)
+        if metadata.saves and isinstance(self._worker, ProducerWorker):
+            self._worker.save_layer(layer_name, kv_layer, metadata.saves)
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, PdstackConnectorMetadata)
+        if metadata.saves and isinstance(self._worker, ProducerWorker):
+            self._worker.finish_step(metadata.saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if not isinstance(self._worker, ConsumerWorker):
+            return KVConnectorTransferResults()
+        finished, failed = self._worker.collect()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    # ---- scheduler side ---------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if self.producer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if self.producer:
+            if params.get("do_remote_decode"):
+                self._to_save[request.request_id] = request
+            return
+        local_hit = self._local_hits.pop(request.request_id, 0)
+        if not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return
+        assert self._kv_cache_manager is not None
+        block_ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
+        prompt_tokens = len(request.prompt_token_ids or [])
+        self._to_load.append(
+            LoadSpec(request.request_id, dict(params), block_ids, prompt_tokens, local_hit // self.block_size)
+        )
+        params["do_remote_prefill"] = False  # loaded once: a preempted and resumed request recomputes instead
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        metadata = PdstackConnectorMetadata(loads=self._to_load)
+        self._to_load = []
+        for request_id, request in list(self._to_save.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                assert self._kv_cache_manager is not None
+                num_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
+                block_ids = list(self._kv_cache_manager.get_block_ids(request_id)[0][:num_blocks])
+                metadata.saves.append(SaveSpec(request_id, block_ids, request.num_prompt_tokens))
+                del self._to_save[request_id]
+        return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._to_save.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if not self.producer or not params or not params.get("do_remote_decode"):
+            return False, None
+        saved = self._take_result(request.request_id)
+        if saved is None or request.status not in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            # Nothing held for decode (aborted, or the store refused it): decode computes the prompt itself.
+            return False, None
+        fingerprint = self._own_fingerprint()
+        if fingerprint is None:
+            return False, None
+        returned = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.settings.advertise_host,
+            "remote_port": self.settings.port,
+            "remote_block_ids": list(block_ids),
+            "num_tokens": saved["num_tokens"],
+            "kv_checksum": saved["checksum"],
+            "kv_fingerprint": fingerprint["digest"],
+            "kv_fingerprint_fields": fingerprint["fields"],
+        }
+        return False, signed_params.sign(self.settings.key.material, returned)
+
+    def _take_result(self, request_id: str) -> dict[str, Any] | None:
+        path = result_path(self.settings.run_dir, request_id)
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        path.unlink(missing_ok=True)
+        return dict(body)
+
+    def _own_fingerprint(self) -> dict[str, Any] | None:
+        """The worker's fingerprint (it knows the attention backend and the KV tensors; this process does not)."""
+        if self._fingerprint is None:
+            try:
+                self._fingerprint = json.loads((self.settings.run_dir / "fingerprint.json").read_text())
+            except (OSError, ValueError) as error:
+                log.error("pdstack connector: the worker's fingerprint is unreadable (%s); no KV offered", error)
+        return self._fingerprint

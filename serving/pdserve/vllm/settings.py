@@ -1,0 +1,134 @@
+"""The connector's settings: vLLM's `kv_connector_extra_config`, checked once, with errors naming the key.
+
+Pure Python (no vLLM, no torch), so the keys and their defaults can be read and tested without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import ssl
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv.auth import SecretKey
+
+_KNOWN = {
+    "kv_key_file",
+    "advertise_host",
+    "bind_host",
+    "port",
+    "streams",
+    "lease_seconds",
+    "connect_timeout_seconds",
+    "read_timeout_seconds",
+    "transfer_timeout_seconds",
+    "store_bytes",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "tls_server_name",
+    "run_dir",
+}
+
+
+class SettingsError(ValueError):
+    """A bad kv_connector_extra_config; the message starts with the key."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    key: SecretKey
+    advertise_host: str
+    bind_host: str
+    port: int
+    streams: int
+    lease_seconds: float
+    connect_timeout_seconds: float
+    read_timeout_seconds: float
+    transfer_timeout_seconds: float
+    store_bytes: int
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
+    tls_server_name: str | None
+    run_dir: Path
+
+    def server_tls(self) -> ssl.SSLContext | None:
+        """TLS for prefill's KV listener; with tls_ca too, clients must present a certificate signed by it."""
+        if self.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.tls_ca is not None:
+            context.load_verify_locations(self.tls_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """TLS for decode's pulls: the prefill certificate must chain to tls_ca (decode's own cert if given)."""
+        if self.tls_ca is None:
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert is not None:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
+
+
+def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> ConnectorSettings:
+    """Settings from kv_connector_extra_config; raises SettingsError naming the first bad key."""
+    unknown = sorted(set(extra) - _KNOWN)
+    if unknown:
+        raise SettingsError(f"kv_connector_extra_config.{unknown[0]}: unknown key (known: {', '.join(sorted(_KNOWN))})")
+    key_file = extra.get("kv_key_file")
+    if not key_file:
+        raise SettingsError("kv_connector_extra_config.kv_key_file: required (the KV channel's shared key)")
+    try:
+        key = SecretKey.from_file(str(key_file))
+    except ValueError as error:
+        raise SettingsError(f"kv_connector_extra_config.kv_key_file: {error}") from None
+    advertise_host = str(extra.get("advertise_host", "127.0.0.1"))
+    port = _number(extra, "port", 0, int)
+    if producer and not 0 < port < 65536:
+        # The scheduler process names the port in kv_transfer_params, but the worker binds it: it must be fixed.
+        raise SettingsError("kv_connector_extra_config.port: a prefill (kv_producer) needs a fixed port in 1..65535")
+    tls_cert, tls_key = _optional(extra, "tls_cert"), _optional(extra, "tls_key")
+    if (tls_cert is None) != (tls_key is None):
+        raise SettingsError("kv_connector_extra_config.tls_cert: tls_cert and tls_key go together")
+    run_dir = Path(str(extra.get("run_dir", Path(tempfile.gettempdir()) / "pdstack-vllm")))
+    settings = ConnectorSettings(
+        key=key,
+        advertise_host=advertise_host,
+        bind_host=str(extra.get("bind_host", advertise_host)),
+        port=port,
+        streams=_number(extra, "streams", 4, int),
+        lease_seconds=_number(extra, "lease_seconds", 30.0, float),
+        connect_timeout_seconds=_number(extra, "connect_timeout_seconds", 5.0, float),
+        read_timeout_seconds=_number(extra, "read_timeout_seconds", 10.0, float),
+        transfer_timeout_seconds=_number(extra, "transfer_timeout_seconds", 120.0, float),
+        store_bytes=_number(extra, "store_bytes", 1 << 30, int),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_ca=_optional(extra, "tls_ca"),
+        tls_server_name=_optional(extra, "tls_server_name"),
+        run_dir=run_dir / f"{engine_id}-{port}",
+    )
+    for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):
+        if getattr(settings, name) <= 0:
+            raise SettingsError(f"kv_connector_extra_config.{name}: must be positive")
+    return settings
+
+
+def _number(extra: dict[str, Any], name: str, default: float, kind: type) -> Any:
+    raw = extra.get(name, default)
+    if isinstance(raw, bool):
+        raise SettingsError(f"kv_connector_extra_config.{name}: expected a number, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(f"kv_connector_extra_config.{name}: expected a number, got {raw!r}") from None
+
+
+def _optional(extra: dict[str, Any], name: str) -> str | None:
+    value = extra.get(name)
+    return None if value in (None, "") else str(value)

@@ -1,0 +1,305 @@
+"""The connector's worker side: prefill copies KV blocks into pdserve's lease store and serves them over the KV
+channel; decode pulls, verifies and writes them into its own blocks.
+
+Runs in vLLM's (spawned) worker process. The KV channel is asyncio; it runs on one event loop in a daemon thread
+so the forward never waits for the network. Tensors are touched only on vLLM's own thread (inside save_kv_layer,
+wait_for_save and get_transfer_results), never from the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+from pdserve.kv import KVConnectionPool, KVMeta, KVServer, KVTransferError, LeaseStore, ack, pull
+from pdserve.kv import params as signed_params
+from pdserve.vllm import fingerprint
+from pdserve.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers print these lines
+# vLLM's prefill scheduler adds these to the params after request_finished returned (and signed) them; decode
+# reads them for usage reporting only, so they are left out of the signature check.
+VLLM_ADDED_FIELDS = ("remote_prefill_cached_tokens",)
+REQUIRED_PARAMS = ("remote_request_id", "remote_host", "remote_port", "kv_checksum", "kv_fingerprint", "num_tokens")
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Prefill: this step completes the prompt of `request_id`; copy its first `num_blocks` blocks."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: pull the KV `params` name and write blocks [skip_blocks:] into `block_ids` (local prefix hits skip)."""
+
+    request_id: str
+    params: dict[str, Any]
+    block_ids: list[int]
+    prompt_tokens: int
+    skip_blocks: int
+
+
+def result_path(run_dir: Path, request_id: str) -> Path:
+    """Where the prefill worker leaves a saved request's checksum for the scheduler process (see connector.py)."""
+    return run_dir / (hashlib.sha256(request_id.encode()).hexdigest()[:40] + ".json")
+
+
+def write_json_atomically(path: Path, body: dict[str, Any]) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(body))
+    os.replace(temporary, path)
+
+
+class _Loop:
+    """An asyncio loop in a daemon thread, for the KV server, pulls and acks."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdstack-kv", daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Any, timeout: float = 30.0) -> Any:
+        return self.submit(coroutine).result(timeout)
+
+
+class _Worker:
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.settings = settings
+        self.kv_caches = kv_caches
+        self.layer_names = list(kv_caches)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.fields = fingerprint.compute(vllm_config, kv_caches)
+        self.fingerprint = fingerprint.digest(self.fields)
+        self.loop = _Loop()
+
+    def shutdown(self) -> None:
+        self.loop.loop.call_soon_threadsafe(self.loop.loop.stop)
+
+
+class ProducerWorker(_Worker):
+    """Prefill: copies each finished prompt's blocks out of vLLM layer by layer, then holds them under a lease."""
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().__init__(settings, vllm_config, kv_caches)
+        shutil.rmtree(settings.run_dir, ignore_errors=True)
+        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(
+            settings.run_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
+        )
+        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds)
+        self.server = KVServer(
+            self.store,
+            settings.key,
+            host=settings.bind_host,
+            port=settings.port,
+            ssl_context=settings.server_tls(),
+            io_timeout_s=settings.read_timeout_seconds,
+        )
+        self.loop.run(self._start())
+        self._copied: dict[str, dict[str, np.ndarray]] = {}
+        log.info(
+            "pdstack connector: KV server on %s:%d, fingerprint %s", settings.bind_host, settings.port, self.fingerprint
+        )
+
+    async def _start(self) -> None:
+        await self.server.start()
+        self.store.start_reaper()
+
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor, saves: list[SaveSpec]) -> None:
+        for spec in saves:
+            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
+            with gpu_sync_allowed():
+                blocks = kv_layer.index_select(0, ids).cpu().contiguous()
+            self._copied.setdefault(spec.request_id, {})[layer_name] = blocks.view(torch.uint8).numpy()
+
+    def finish_step(self, saves: list[SaveSpec]) -> None:
+        """After the forward: every layer of each saved request is in host memory; hold it and tell the scheduler."""
+        for spec in saves:
+            copied = self._copied.pop(spec.request_id, {})
+            missing = [name for name in self.layer_names if name not in copied]
+            if missing:
+                log.error("pdstack connector: request %s: no KV saved for layers %s", spec.request_id, missing[:3])
+                continue
+            layers = [(copied[name], np.empty(0, np.uint8)) for name in self.layer_names]
+            meta = KVMeta(spec.request_id, spec.num_tokens, self.fingerprint)
+            self.store.ack(spec.request_id)  # a request saved again (preempted and rerun) replaces its old KV
+            try:
+                stored = self.store.put(spec.request_id, layers, meta)
+            except KVTransferError as error:
+                log.error("pdstack connector: request %s: cannot hold its KV: %s", spec.request_id, error)
+                continue
+            write_json_atomically(
+                result_path(self.settings.run_dir, spec.request_id),
+                {"checksum": stored.checksum, "num_tokens": spec.num_tokens},
+            )
+
+    def shutdown(self) -> None:
+        try:
+            self.loop.run(self.server.close(), timeout=5.0)
+        finally:
+            super().shutdown()
+
+
+@dataclass
+class _Pending:
+    spec: LoadSpec
+    future: concurrent.futures.Future[Any]
+
+
+class ConsumerWorker(_Worker):
+    """Decode: pulls in the background; writes blocks and reports each request once its pull ended either way."""
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().__init__(settings, vllm_config, kv_caches)
+        self._tls = settings.client_tls()
+        self.pool: KVConnectionPool = self.loop.run(self._make_pool())
+        self._pending: dict[str, _Pending] = {}
+        self._acks: set[concurrent.futures.Future[Any]] = set()
+        log.info("pdstack connector: decode worker ready, fingerprint %s", self.fingerprint)
+
+    async def _make_pool(self) -> KVConnectionPool:
+        return KVConnectionPool(max_idle_per_peer=4 * self.settings.streams)
+
+    def start_loads(self, loads: list[LoadSpec]) -> None:
+        for spec in loads:
+            if spec.request_id in self._pending:
+                continue
+            self._pending[spec.request_id] = _Pending(spec, self.loop.submit(self._fetch(spec)))
+
+    async def _fetch(self, spec: LoadSpec) -> Any:
+        params = self._check(spec)
+        async with asyncio.timeout(self.settings.transfer_timeout_seconds):
+            return await pull(
+                str(params["remote_host"]),
+                int(params["remote_port"]),
+                str(params["remote_request_id"]),
+                str(params["kv_checksum"]),
+                key=self.settings.key,
+                streams=self.settings.streams,
+                expected_fingerprint=self.fingerprint,
+                ssl_context=self._tls,
+                server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
+                connect_timeout_s=self.settings.connect_timeout_seconds,
+                read_timeout_s=self.settings.read_timeout_seconds,
+                pool=self.pool,
+            )
+
+    def _check(self, spec: LoadSpec) -> dict[str, Any]:
+        """Refuse params before any connection: unsigned or edited, incomplete, another prompt, another layout."""
+        signed = {name: value for name, value in spec.params.items() if name not in VLLM_ADDED_FIELDS}
+        params = signed_params.verify(self.settings.key.material, signed)
+        missing = [name for name in REQUIRED_PARAMS if params.get(name) in (None, "")]
+        if missing:
+            raise ValueError(f"kv_transfer_params.{missing[0]}: missing")
+        fingerprint.compare(params.get("kv_fingerprint_fields"), self.fields)
+        if params["kv_fingerprint"] != self.fingerprint:
+            raise ValueError("kv_transfer_params.kv_fingerprint: does not match its fields")
+        if int(params["num_tokens"]) != spec.prompt_tokens:
+            raise ValueError(
+                f"kv_transfer_params.num_tokens: the KV is for {params['num_tokens']} prompt tokens, this "
+                f"request's prompt has {spec.prompt_tokens}"
+            )
+        return params
+
+    def collect(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids whose pull ended; failed ones are in both, as vLLM expects."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done():
+                continue
+            del self._pending[request_id]
+            finished.add(request_id)
+            try:
+                self._write(pending.spec, pending.future.result())
+            except Exception as error:  # every failure, whatever its cause, goes to vLLM's kv_load_failure_policy
+                failed.add(request_id)
+                log.warning(
+                    "pdstack connector: KV load for request %s failed, left to kv_load_failure_policy: %s",
+                    request_id,
+                    _describe(error),
+                )
+                continue
+            log.info(
+                "pdstack connector: loaded the KV of %d prompt tokens for request %s from %s:%s (%s)",
+                pending.spec.prompt_tokens,
+                request_id,
+                pending.spec.params.get("remote_host"),
+                pending.spec.params.get("remote_port"),
+                pending.spec.params.get("remote_request_id"),
+            )
+            self._acknowledge(pending.spec.params)
+        return finished, failed
+
+    def _write(self, spec: LoadSpec, blob: Any) -> None:
+        num_blocks = math.ceil(spec.prompt_tokens / self.block_size)
+        if blob.meta.token_count != spec.prompt_tokens or len(blob.layers) != len(self.layer_names):
+            raise ValueError(
+                f"KV blob holds {blob.meta.token_count} tokens in {len(blob.layers)} layers, expected "
+                f"{spec.prompt_tokens} tokens in {len(self.layer_names)}"
+            )
+        targets = spec.block_ids[spec.skip_blocks : num_blocks]
+        if len(spec.block_ids) < num_blocks:
+            raise ValueError(f"decode allocated {len(spec.block_ids)} blocks, the prompt needs {num_blocks}")
+        for name, (raw, _empty) in zip(self.layer_names, blob.layers, strict=True):
+            kv_layer = self.kv_caches[name]
+            block_bytes = kv_layer[0].numel() * kv_layer.element_size()
+            if raw.size != num_blocks * block_bytes:
+                raise ValueError(f"layer {name}: {raw.size} bytes of KV, expected {num_blocks * block_bytes}")
+            blocks = torch.from_numpy(raw).view(kv_layer.dtype).reshape(num_blocks, *kv_layer.shape[1:])
+            ids = torch.tensor(targets, dtype=torch.long, device=kv_layer.device)
+            kv_layer.index_copy_(0, ids, blocks[spec.skip_blocks :].to(kv_layer.device))
+
+    def _acknowledge(self, params: dict[str, Any]) -> None:
+        async def send() -> None:
+            try:
+                await ack(
+                    str(params["remote_host"]),
+                    int(params["remote_port"]),
+                    str(params["remote_request_id"]),
+                    key=self.settings.key,
+                    ssl_context=self._tls,
+                    server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
+                    connect_timeout_s=self.settings.connect_timeout_seconds,
+                    read_timeout_s=self.settings.read_timeout_seconds,
+                    pool=self.pool,
+                )
+            except KVTransferError as error:  # the lease then expires on prefill instead
+                log.info("pdstack connector: ack of %s failed: %s", params["remote_request_id"], error)
+
+        future = self.loop.submit(send())
+        self._acks.add(future)
+        future.add_done_callback(self._acks.discard)
+
+    def shutdown(self) -> None:
+        try:
+            self.loop.run(self.pool.close(), timeout=5.0)
+        finally:
+            super().shutdown()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timeout: the transfer took longer than transfer_timeout_seconds"
+    return str(error) or type(error).__name__
