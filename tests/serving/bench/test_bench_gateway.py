@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.scheduler.services import Service
-from tests.serving.server.serverproc import ServerProcess
+from tests.serving.scheduler.services import Service, gateway_token_file, instance_token_file, start_scheduler
+from tests.serving.server.serverproc import ServerProcess, api_token_file
 
 from .conftest import BenchRunner, bench_process
 
@@ -48,27 +48,27 @@ def _wait_for_both_roles(gateway: Service, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     work = tmp_path_factory.mktemp("pd-stack")
-    for name in ("admin.token", "instance.token", "kv.key"):
-        (work / name).write_text(secrets.token_hex(32))
+    (work / "kv.key").write_text(secrets.token_hex(32))
     api_key = f"sk-bench-{secrets.token_hex(12)}"
     (work / "api.key").write_text(api_key + "\n")
     (work / "keys.json").write_text(json.dumps({"bench": {"keys": [api_key], "requests_per_second": 1000,
                                                           "request_burst": 1000, "tokens_per_minute": 10**9}}))
-    scheduler = Service("pdserve.scheduler", ["--state-file", str(work / "state.json"),
-                                              "--admin-token-file", str(work / "admin.token"),
-                                              "--instance-token-file", str(work / "instance.token")],
-                        work / "scheduler.log")
-    started: list[Service | ServerProcess] = [scheduler.start()]
+    scheduler, _ = start_scheduler(work, heartbeat_interval=1.0, missed=10)
+    started: list[Service | ServerProcess] = [scheduler]
     try:
-        kv = ["--kv-key-file", str(work / "kv.key"), "--scheduler-url", scheduler.url,
-              "--scheduler-token-file", str(work / "instance.token")]
         for role, extra in (("prefill", ["--kv-port", "0"]), ("decode", [])):
-            server = ServerProcess(role, bench_model, [*kv, *extra], {}, work / f"{role}.log")
+            engine_id = secrets.token_hex(16)
+            token = instance_token_file(work, f"{role}-{engine_id[:24]}")  # the id the server registers as
+            args = ["--kv-key-file", str(work / "kv.key"), "--scheduler-url", scheduler.url, "--engine-id", engine_id,
+                    "--scheduler-token-file", str(token), *extra]
+            server = ServerProcess(role, bench_model, args, {}, work / f"{role}.log")
             started.append(server.start())
         for server in started[1:]:
             assert isinstance(server, ServerProcess)
             server.wait_ready()
         front = Service("pdserve.gateway", ["--scheduler-url", scheduler.url,
+                                            "--scheduler-token-file", str(gateway_token_file(work)),
+                                            "--server-token-file", str(api_token_file()),
                                             "--api-keys-file", str(work / "keys.json")], work / "gateway.log")
         started.append(front.start())
         _wait_for_both_roles(front)
