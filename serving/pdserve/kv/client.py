@@ -22,6 +22,8 @@ from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
     DATA_HEADER,
+    NONCE_BYTES,
+    PROOF_BYTES,
     Chunk,
     Frame,
     FrameType,
@@ -87,7 +89,10 @@ class Connector:
         client_nonce = auth.new_nonce()
         write_frame(writer, FrameType.HELLO, client_nonce)
         challenge = expect(await read_frame(reader, self.read_timeout_s), FrameType.CHALLENGE).payload
-        server_nonce, proof = challenge[:32], challenge[32:]
+        if len(challenge) != NONCE_BYTES + PROOF_BYTES:
+            raise KVTransferError("auth", f"expected CHALLENGE ({NONCE_BYTES}-byte nonce and {PROOF_BYTES}-byte "
+                                  f"proof), got CHALLENGE ({len(challenge)} bytes)")
+        server_nonce, proof = challenge[:NONCE_BYTES], challenge[NONCE_BYTES:]
         auth.verify(auth.server_proof(self.key, client_nonce, server_nonce), proof, "server")
         # The AUTH frame is not answered; the request that follows it is, which saves a round trip.
         write_frame(writer, FrameType.AUTH, auth.client_proof(self.key, client_nonce, server_nonce))

@@ -28,6 +28,12 @@ HEADER = struct.Struct("!4sBBHQI")
 DATA_HEADER = struct.Struct("!IBQ")
 MAX_CONTROL_PAYLOAD = 4 << 20
 NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+# Before a client has authenticated the server reads frames of at most this payload: HELLO carries a 32-byte nonce,
+# AUTH a 32-byte HMAC. A header claiming more is refused without reading the payload.
+MAX_HANDSHAKE_PAYLOAD = 64
+# After it, a client sends only PULL and ACK (a small JSON object naming a request id).
+MAX_REQUEST_PAYLOAD = 64 << 10
 
 
 class FrameType(enum.IntEnum):
@@ -124,13 +130,15 @@ def _check_header(magic: bytes, version: int, raw_type: int, length: int, max_pa
     # A corrupted header usually shows up here before its crc can be checked; report it as a checksum failure
     # because the peer spoke the protocol up to this frame.
     if magic != MAGIC:
-        raise KVTransferError("checksum", f"bad frame magic {magic!r}")
+        raise KVTransferError("checksum", f"expected frame magic {MAGIC!r}, got {magic!r}")
     if version != VERSION:
         raise KVTransferError("protocol", f"unsupported protocol version {version} (this side speaks {VERSION})")
     if raw_type not in FrameType._value2member_map_:
-        raise KVTransferError("checksum", f"unknown frame type {raw_type}")
+        known = ", ".join(f"{t.value} ({t.name})" for t in FrameType)
+        raise KVTransferError("checksum", f"unknown frame type {raw_type} (expected one of {known})")
     if length > max_payload:
-        raise KVTransferError("checksum", f"frame length {length} exceeds the limit {max_payload}")
+        raise KVTransferError("checksum", f"a {FrameType(raw_type).name} frame here may carry at most {max_payload} "
+                              f"bytes, its header claims {length}")
 
 
 def raise_if_error(frame: Frame) -> None:

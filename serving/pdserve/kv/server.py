@@ -16,7 +16,10 @@ from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
     DATA_HEADER,
+    MAX_HANDSHAKE_PAYLOAD,
+    MAX_REQUEST_PAYLOAD,
     NONCE_BYTES,
+    PROOF_BYTES,
     Frame,
     FrameType,
     chunk_plan,
@@ -30,6 +33,7 @@ from pdserve.kv.store import LeaseStore
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 64
+READ_BUFFER_BYTES = 64 << 10  # asyncio's StreamReader buffer per connection (pauses reading beyond twice this)
 
 
 class KVServer:
@@ -45,9 +49,13 @@ class KVServer:
         ssl_context: ssl.SSLContext | None = None,
         io_timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
+        handshake_timeout_s: float = 10.0,
+        max_handshakes: int = 256,
         metrics: KVMetrics | None = None,
         tcp_congestion: str | None = None,
     ) -> None:
+        """`handshake_timeout_s` bounds the whole handshake (HELLO to AUTH); at most `max_handshakes` connections
+        may be authenticating at once (more are refused at once), so unauthenticated clients hold little."""
         self.store = store
         self._key = key
         self._host = host
@@ -55,6 +63,9 @@ class KVServer:
         self._ssl = ssl_context
         self._io_timeout = io_timeout_s
         self._idle_timeout = idle_timeout_s
+        self._handshake_timeout = handshake_timeout_s
+        self._max_handshakes = max_handshakes
+        self._handshakes = 0
         self._metrics = metrics if metrics is not None else default_metrics()
         self._tcp_congestion = tcp_congestion
         self._server: asyncio.Server | None = None
@@ -67,7 +78,8 @@ class KVServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=self._ssl)
+        self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=self._ssl,
+                                                  limit=READ_BUFFER_BYTES)
         if self._tcp_congestion is not None:
             self._set_congestion_control(self._tcp_congestion)
 
@@ -106,7 +118,7 @@ class KVServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            await self._authenticate(reader, writer)
+            await self._bounded_handshake(reader, writer)
         except KVTransferError as error:
             self._metrics.auth_refused.inc()
             log.warning("kv: refused connection from %s: %s", peer, error.message)
@@ -116,7 +128,7 @@ class KVServer:
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
         for served in itertools.count():
             try:
-                frame = await read_frame(reader, self._idle_timeout)
+                frame = await read_frame(reader, self._idle_timeout, MAX_REQUEST_PAYLOAD)
             except KVTransferError as error:
                 if error.cause in ("connection", "timeout"):
                     return  # the client closed or went idle between requests
@@ -133,25 +145,41 @@ class KVServer:
                 await self._send_error(writer, error)
                 return
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _bounded_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._handshakes >= self._max_handshakes:
+            raise KVTransferError("capacity", f"expected at most {self._max_handshakes} connections authenticating "
+                                  "at once, got one more; retry later")
+        self._handshakes += 1
         try:
-            hello = await read_frame(reader, self._io_timeout)
-        except KVTransferError as error:
-            raise KVTransferError("auth", f"no HELLO frame ({error.cause})") from error
-        if hello.type is not FrameType.HELLO or len(hello.payload) != NONCE_BYTES:
-            raise KVTransferError("auth", f"client opened with {hello.type.name} instead of HELLO")
+            async with asyncio.timeout(self._handshake_timeout):
+                await self._authenticate(reader, writer)
+        except TimeoutError as error:
+            raise KVTransferError("auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the "
+                                  "handshake took longer") from error
+        finally:
+            self._handshakes -= 1
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await self._handshake_frame(reader, FrameType.HELLO, NONCE_BYTES, "nonce")
         server_nonce = auth.new_nonce()
         write_frame(
             writer, FrameType.CHALLENGE, server_nonce + auth.server_proof(self._key, hello.payload, server_nonce)
         )
         await self._drain(writer)
-        try:
-            proof = await read_frame(reader, self._io_timeout)
-        except KVTransferError as error:
-            raise KVTransferError("auth", f"no AUTH frame ({error.cause})") from error
-        if proof.type is not FrameType.AUTH:
-            raise KVTransferError("auth", f"client sent {proof.type.name} instead of AUTH")
+        proof = await self._handshake_frame(reader, FrameType.AUTH, PROOF_BYTES, "proof")
         auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
+
+    async def _handshake_frame(self, reader: asyncio.StreamReader, wanted: FrameType, size: int,
+                               what: str) -> Frame:
+        """One handshake frame, read only if its header claims at most MAX_HANDSHAKE_PAYLOAD bytes."""
+        expected = f"{wanted.name} ({size}-byte {what})"
+        try:
+            frame = await read_frame(reader, self._io_timeout, MAX_HANDSHAKE_PAYLOAD)
+        except KVTransferError as error:
+            raise KVTransferError("auth", f"expected {expected}, got no valid frame: {error.message}") from None
+        if frame.type is not wanted or len(frame.payload) != size:
+            raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
+        return frame
 
     async def _dispatch(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if frame.type is FrameType.PULL:
