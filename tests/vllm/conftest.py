@@ -1,0 +1,254 @@
+"""vLLM prefill and decode instances with PdstackConnector, started once per module on loopback.
+
+These tests run in vLLM's own environment (`make test-vllm`), not in the main suite (pyproject ignores this folder).
+Each vLLM instance is three processes and takes 1-3 minutes to start on a 2-core machine, so a module starts one
+prefill and one decode and every test of the module reuses them; at most two run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.kv import params as signed_params
+from pdserve.kv.auth import SecretKey
+from pdserve.vllm.worker import VLLM_ADDED_FIELDS
+from tests.serving.ports import free_port
+
+START_TIMEOUT_S = 420
+BLOCK_SIZE = 32
+# head_dim 64: vLLM's CPU attention has kernels for head sizes 32, 48, 64, ... only.
+MODEL_CONFIG = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "max_position_embeddings": 2048,
+}
+DO_REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_test_checkpoint(
+        "dense", tmp_path_factory.mktemp("llama"), "float32", overrides=MODEL_CONFIG, vocab_size=512
+    )
+
+
+@pytest.fixture(scope="session")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("secrets") / "kv-channel-key"
+    path.write_text(os.urandom(32).hex())
+    return path
+
+
+@pytest.fixture(scope="session")
+def kv_key(key_file: Path) -> SecretKey:
+    return SecretKey.from_file(key_file)
+
+
+@dataclass
+class VLLMServer:
+    """One `python -m vllm.entrypoints.openai.api_server` with PdstackConnector, its log in a file."""
+
+    name: str
+    model: Path
+    role: str
+    core: int
+    extra: dict[str, Any]
+    log_path: Path
+    policy: str = "recompute"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        config = {
+            "kv_connector": "PdstackConnector",
+            "kv_connector_module_path": "pdserve.vllm.connector",
+            "kv_role": self.role,
+            "kv_load_failure_policy": self.policy,
+            "kv_connector_extra_config": self.extra,
+        }
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
+            "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config),
+        ]  # fmt: skip
+        with self.log_path.open("wb") as log:
+            # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)  # fmt: skip
+
+    def wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"vLLM {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        pytest.fail(f"vLLM {self.name} not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, **extra}  # fmt: skip
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter over its label sets, from the API server's /metrics."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@dataclass
+class Pair:
+    prefill: VLLMServer
+    decode: VLLMServer
+    kv_port: int
+    key: SecretKey
+
+    def prefill_params(self, prompt: list[int]) -> dict[str, Any]:
+        """Prefill as vLLM's proxy does it: max_tokens 1 and do_remote_decode; returns its kv_transfer_params."""
+        answer = self.prefill.complete(prompt, 1, kv_transfer_params=DO_REMOTE_DECODE)
+        params = answer.get("kv_transfer_params")
+        assert isinstance(params, dict), answer
+        return params
+
+    def resign(self, params: dict[str, Any], **changes: Any) -> dict[str, Any]:
+        """Params as a prefill holding the key would have issued them with `changes` (a test stands in for one)."""
+        issued = {name: value for name, value in params.items() if name not in VLLM_ADDED_FIELDS}
+        return signed_params.sign(self.key.material, {**issued, **changes})
+
+
+@pytest.fixture(scope="module")
+def pair(
+    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    kv_port = free_port()
+    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": 30,
+              "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
+    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log")
+    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log")
+    try:
+        prefill.start()
+        decode.start()
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield Pair(prefill, decode, kv_port, kv_key)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+class FlippingProxy:
+    """A TCP relay to a KV server that flips one byte of what the server sends, `flip_at` bytes into each
+    connection's reply stream (when the reply is that long); it counts the connections it accepts."""
+
+    def __init__(self, target_port: int, flip_at: int) -> None:
+        self.target_port = target_port
+        self.flip_at = flip_at
+        self.connections = 0
+        self.flipped = 0
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FlippingProxy:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(
+            self._pipe(client_reader, server_writer, flip=False),
+            self._pipe(server_reader, client_writer, flip=True),
+            return_exceptions=True,
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, flip: bool) -> None:
+        seen = 0
+        try:
+            while data := await reader.read(65536):
+                if flip and seen <= self.flip_at < seen + len(data):
+                    changed = bytearray(data)
+                    changed[self.flip_at - seen] ^= 0x01
+                    data = bytes(changed)
+                    self.flipped += 1
+                seen += len(data)
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()

@@ -1,0 +1,122 @@
+"""PdstackConnector between a real vLLM prefill and a real vLLM decode, driven as vLLM's proxy drives a P/D pair.
+
+The colocated reference is the prefill instance answering the whole request itself (no kv_transfer_params: the
+connector takes no part). Every disaggregated answer must equal it token for token, and the decode log must show
+the KV was loaded (or, for the faults, refused or rejected and recomputed) for that very request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pdserve.kv import KVTransferError, pull
+from pdserve.kv.auth import SecretKey
+from tests.vllm.conftest import BLOCK_SIZE, FlippingProxy, Pair
+
+MAX_TOKENS = 16
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def token_ids(answer: dict[str, object]) -> list[int]:
+    choices = answer["choices"]
+    assert isinstance(choices, list)
+    ids = choices[0]["token_ids"]
+    assert isinstance(ids, list) and len(ids) == MAX_TOKENS, answer
+    return ids
+
+
+def loaded(pair: Pair, remote_request_id: str) -> bool:
+    return f"({remote_request_id})" in pair.decode.log() and "pdstack connector: loaded" in pair.decode.log()
+
+
+def failure_line(pair: Pair, answer: dict[str, object]) -> str:
+    """The decode log's line on the refused or failed load of the request that gave `answer` (vLLM's request id
+    inside the engine is the response id plus a suffix)."""
+    marker = f"for request {answer['id']}-"
+    lines = [line for line in pair.decode.log().splitlines() if marker in line and "pdstack connector" in line]
+    assert lines, f"no log line for {answer['id']}:\n" + pair.decode.log_tail()
+    assert "left to kv_load_failure_policy" in lines[-1], lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "length",
+    [pytest.param(11, id="under-one-block"), pytest.param(3 * BLOCK_SIZE, id="three-blocks-aligned"),
+     pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned")],
+)  # fmt: skip
+def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -> None:
+    prompt = prompt_of(length, seed=length)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    hits_before = pair.decode.metric("vllm:external_prefix_cache_hits_total")
+
+    params = pair.prefill_params(prompt)
+    assert params["do_remote_prefill"] is True
+    assert params["remote_port"] == pair.kv_port
+    assert params["num_tokens"] == length
+    assert len(params["remote_block_ids"]) == -(-length // BLOCK_SIZE)
+    assert params["kv_checksum"].startswith("sha256:")
+    assert params["kv_fingerprint_fields"]["block_size"] == BLOCK_SIZE
+    disaggregated = token_ids(pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params))
+
+    assert disaggregated == colocated
+    assert loaded(pair, params["remote_request_id"]), pair.decode.log_tail()
+    assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == length
+
+
+def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
+    prompt = prompt_of(2 * BLOCK_SIZE + 3, seed=7)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    params = pair.prefill_params(prompt)
+    # Past the handshake and the manifest: the byte lands in a DATA frame of the stream that carries data.
+    with FlippingProxy(pair.kv_port, flip_at=4096) as proxy:
+        through_proxy = pair.resign(params, remote_port=proxy.port)
+        answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=through_proxy)
+    assert proxy.flipped >= 1
+    assert token_ids(answer) == colocated
+    assert not loaded(pair, params["remote_request_id"])
+    assert "checksum" in failure_line(pair, answer)
+
+
+def test_forged_params_cause_no_connection(pair: Pair) -> None:
+    prompt = prompt_of(40, seed=8)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    params = pair.prefill_params(prompt)
+    with FlippingProxy(pair.kv_port, flip_at=10**9) as proxy:
+        forged = {**params, "remote_port": proxy.port}  # edited without the key: the signature no longer matches
+        answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=forged)
+    assert proxy.connections == 0
+    assert token_ids(answer) == colocated
+    assert "kv_transfer_params.pdstack_signature" in failure_line(pair, answer)
+
+
+def test_fingerprint_mismatch_is_refused_naming_the_field(pair: Pair) -> None:
+    prompt = prompt_of(50, seed=9)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    params = pair.prefill_params(prompt)
+    other_layout = {**params["kv_fingerprint_fields"], "block_size": 2 * BLOCK_SIZE}
+    with FlippingProxy(pair.kv_port, flip_at=10**9) as proxy:
+        mismatched = pair.resign(params, kv_fingerprint_fields=other_layout, remote_port=proxy.port)
+        answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=mismatched)
+    assert proxy.connections == 0  # refused before connecting
+    assert token_ids(answer) == colocated
+    line = failure_line(pair, answer)
+    assert "kv_fingerprint_fields.block_size" in line and str(2 * BLOCK_SIZE) in line
+
+
+def test_unauthenticated_kv_client_is_refused(pair: Pair) -> None:
+    params = pair.prefill_params(prompt_of(20, seed=10))
+    request_id, checksum = params["remote_request_id"], params["kv_checksum"]
+    wrong_key = SecretKey(b"not the channel key, but long enough")
+    with pytest.raises(KVTransferError) as refused:
+        asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=wrong_key, retries=0))
+    assert refused.value.cause == "auth"
+    # The same pull with the channel key gets the KV: the refusal was the key, not a missing lease.
+    blob = asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key))
+    assert blob.meta.token_count == 20
