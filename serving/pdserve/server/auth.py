@@ -32,10 +32,18 @@ class BearerTokenMiddleware:
 
 
 async def _unauthorized(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
-                                 "code": 401}}).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer"),
-    ]})
+    body = json.dumps(
+        {"error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
