@@ -1,7 +1,8 @@
 """A bounded slowloris against every kind of pdserve listener (gateway, model server, scheduler).
 
-200 connections per listener, in five kinds: connected and silent, half a request line and headers, headers trickled
-a byte at a time, full headers and half a body, and idle after one complete request (keep-alive). The stack runs with
+200 connections per listener, in six kinds: connected and silent, half a request line and headers, headers trickled
+a byte at a time, full headers and half a body, the same refused at once (401) with its body still owed, and idle
+after one complete request (keep-alive). The stack runs with
 short limits (LIMITS); each connection must be closed by the server (EOF or reset) — a connection still open after
 GIVE_UP seconds, many times the limits, fails the test. A normal completion through the gateway succeeds while all 200
 are held and after they are gone, and the gateway counted the requests whose headers it received.
@@ -30,7 +31,7 @@ LIMITS = {
     "PDSERVE_HTTP_MAX_HEADER_BYTES": "8192",
 }
 CONNECTIONS = 200
-KINDS = ("idle", "half-header", "trickle", "half-body", "keep-alive")
+KINDS = ("idle", "half-header", "trickle", "half-body", "early-answer", "keep-alive")
 GIVE_UP = 45.0
 TRICKLE_GAP = 0.25
 TRICKLE_MAX_BYTES = int(GIVE_UP / TRICKLE_GAP)
@@ -60,7 +61,9 @@ def opening(kind: str, path: str, authorization: str) -> bytes:
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {authorization}\r\n"
     if kind == "half-header":
         return head.encode() + b"Content-Type: applic"
-    if kind == "half-body":
+    if kind == "early-answer":  # refused at once (no valid key), the announced body never completes
+        head = head.replace(authorization, "Bearer wrong")
+    if kind in ("half-body", "early-answer"):
         return (head + "Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n").encode() + b'{"prompt": "'
     if kind == "keep-alive":
         return b"GET /health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -142,11 +145,13 @@ def test_slow_connections_are_all_closed_and_service_goes_on(cluster: Cluster, l
     assert not still_open, f"{listener}: connections the server never closed, by kind: {dict(still_open)}"
     statuses = Counter((o.kind, o.status) for o in outcomes)
     assert all(status is None or status < 500 for _, status in statuses), statuses
+    # refused before its body (401), or, where the body names the principal (scheduler register), cut off by 408
+    assert {o.status for o in outcomes if o.kind == "early-answer"} <= {401, 408}, statuses
     assert during == 200
     assert normal_completion(gateway.url).status_code == 200
     if listener == "gateway":
-        # each half-body request reached the application, and with the normal ones it is counted (as 408/499)
-        half_bodies = sum(1 for o in outcomes if o.kind == "half-body")
+        # each half-body request reached the application, and with the normal ones it is counted (401, 408/499)
+        half_bodies = sum(1 for o in outcomes if o.kind in ("half-body", "early-answer"))
         text = httpx.get(f"{gateway.url}/metrics").text
         assert metric(text, "pdserve_gateway_requests_total") - counted_before == half_bodies + 2
         assert metric(text, "pdserve_gateway_inflight_requests") == 0
