@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.listener import ListenerLimits
 from tests.serving.gateway.cluster import Cluster, metric
 
 from .stack import KEY, normal_completion, pd_stack
@@ -163,3 +164,10 @@ def test_headers_over_the_cap_are_refused_in_one_read(cluster: Cluster) -> None:
     for url in (cluster.gateways[0].url, cluster.servers["p"].url):
         assert httpx.get(f"{url}/health/live", headers=padding).status_code == 400
         assert httpx.get(f"{url}/health/live", headers={"X-Pad": "a" * 4000}).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
+def test_a_bad_limit_is_refused_by_name(value: str) -> None:
+    with pytest.raises(SystemExit, match="PDSERVE_HTTP_BODY_TIMEOUT_SECONDS"):
+        ListenerLimits.from_env({"PDSERVE_HTTP_BODY_TIMEOUT_SECONDS": value})
+    assert ListenerLimits.from_env({}) == ListenerLimits(10.0, 30.0, 5.0, 65536)
