@@ -7,6 +7,10 @@ Every frame is a 20-byte header followed by a payload:
 The crc32 covers the first 16 header bytes and the payload, so a flipped bit anywhere in a frame is caught.
 DATA payloads start with a 13-byte sub-header (layer u32, part u8 (0 = K, 1 = V), byte offset u64).
 Control payloads (PULL, MANIFEST, ACK, ERROR, END) are JSON.
+
+A connection opens with HELLO (client nonce) -> CHALLENGE (server nonce + proof) -> AUTH (client proof). Until AUTH
+is verified the server reads only frames of at most MAX_HANDSHAKE_PAYLOAD bytes (a longer one is refused from its
+header, unread) within one handshake deadline; afterwards request frames of at most MAX_REQUEST_PAYLOAD.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Files, one concern each:
   settings.py     typed configuration from flags and PDSERVE_* variables
-  schemas.py      OpenAI request bodies and vLLM's kv_transfer_params
+  auth.py         the API bearer token (--api-token-file), checked before a request's body is read
+  schemas.py      OpenAI request bodies and vLLM's kv_transfer_params; what is refused by name
   batching.py     continuous batching with length-bucketed chunked prefill; admission limits
-  kvlink.py       prefill's KV export (lease store + KV server) and decode's verified import
+  kvlink.py       prefill's KV export (lease store + KV server, signed params) and decode's verified import
   generation.py   request -> admitted sequence -> tokens, per role
   openai_api.py   /v1/completions, /v1/chat/completions (JSON and SSE), /v1/models
   metrics.py      Prometheus metrics (pdserve_*)
