@@ -134,11 +134,24 @@ def listeners(cluster: Cluster) -> dict[str, tuple[int, str, str]]:
     }
 
 
+def own_5xx(cluster: Cluster) -> dict[str, float]:
+    """The 5xx answers each service counted itself (gateway and servers; the scheduler counts none by status)."""
+    found = {}
+    for name, url, family, headers in [
+        ("gateway", cluster.gateways[0].url, "pdserve_gateway_requests_total", {}),
+        *((n, s.url, "pdserve_requests_total", cluster.server_auth()) for n, s in cluster.servers.items()),
+    ]:
+        text = httpx.get(f"{url}/metrics", headers=headers).text
+        found[name] = sum(metric(text, family, status=str(code)) for code in range(500, 600))
+    return found
+
+
 @pytest.mark.parametrize("listener", ["gateway", "prefill", "scheduler"])
 def test_slow_connections_are_all_closed_and_service_goes_on(cluster: Cluster, listener: str) -> None:
     gateway = cluster.gateways[0]
     port, path, authorization = listeners(cluster)[listener]
     counted_before = metric(httpx.get(f"{gateway.url}/metrics").text, "pdserve_gateway_requests_total")
+    errors_before = own_5xx(cluster)
 
     outcomes, during = asyncio.run(slowloris(port, path, authorization, gateway.url))
 
@@ -149,6 +162,10 @@ def test_slow_connections_are_all_closed_and_service_goes_on(cluster: Cluster, l
     # refused before its body (401), or, where the body names the principal (scheduler register), cut off by 408
     assert {o.status for o in outcomes if o.kind == "early-answer"} <= {401, 408}, statuses
     assert during == 200
+    # a client that stops sending is the client's failure: no listener counts or logs it as a server error
+    assert own_5xx(cluster) == errors_before
+    for service in [cluster.gateways[0], *cluster.servers.values(), cluster.scheduler]:
+        assert service is not None and "Traceback" not in service.logs(), service.log_path
     assert normal_completion(gateway.url).status_code == 200
     if listener == "gateway":
         # each half-body request reached the application, and with the normal ones it is counted (401, 408/499)
