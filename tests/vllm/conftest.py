@@ -80,6 +80,7 @@ class VLLMServer:
     core: int
     extra: dict[str, Any]
     log_path: Path
+    args: tuple[str, ...] = ()
     policy: str = "recompute"
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
@@ -107,6 +108,7 @@ class VLLMServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config),
+            *self.args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
@@ -150,6 +152,25 @@ class VLLMServer:
         assert response.status_code == 200, response.text
         return dict(response.json())
 
+    def chat(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        body = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+        response = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def chat_stream(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> str:
+        """The content of a streamed chat completion, joined from its SSE chunks."""
+        body = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, **extra}  # fmt: skip
+        parts: list[str] = []
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        parts.append(choice["delta"].get("content") or "")
+        return "".join(parts)
+
     def metric(self, name: str) -> float:
         """The sum of a Prometheus counter over its label sets, from the API server's /metrics."""
         total = 0.0
@@ -187,7 +208,9 @@ def pair(
     kv_port = free_port()
     common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": 30,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log")
+    # Prefill computes at most 256 tokens a step, so long prompts take several steps (chunked prefill).
+    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
+                         args=("--max-num-batched-tokens", "256"))  # fmt: skip
     decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log")
     try:
         prefill.start()

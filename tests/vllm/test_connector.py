@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import BLOCK_SIZE, FlippingProxy, Pair
+from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, FlippingProxy, Pair
 
 MAX_TOKENS = 16
 
@@ -49,7 +49,7 @@ def failure_line(pair: Pair, answer: dict[str, object]) -> str:
 @pytest.mark.parametrize(
     "length",
     [pytest.param(11, id="under-one-block"), pytest.param(3 * BLOCK_SIZE, id="three-blocks-aligned"),
-     pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned")],
+     pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned"), pytest.param(600, id="chunked-prefill-19-blocks")],
 )  # fmt: skip
 def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=length)
@@ -68,6 +68,32 @@ def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -
     assert disaggregated == colocated
     assert loaded(pair, params["remote_request_id"]), pair.decode.log_tail()
     assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == length
+
+
+def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None:
+    first = prompt_of(5 * BLOCK_SIZE + 10, seed=5)
+    pair.decode.complete(first, MAX_TOKENS, kv_transfer_params=pair.prefill_params(first))
+    # Shares its first 4 blocks with `first`, whose KV decode now holds in its prefix cache.
+    prompt = first[: 4 * BLOCK_SIZE] + prompt_of(50, seed=6)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    hits_before = pair.decode.metric("vllm:external_prefix_cache_hits_total")
+
+    params = pair.prefill_params(prompt)
+    disaggregated = token_ids(pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params))
+
+    assert disaggregated == colocated
+    assert loaded(pair, params["remote_request_id"])
+    assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == 50
+
+
+def test_chat_streamed_from_decode_equals_colocated(pair: Pair) -> None:
+    messages = [{"role": "user", "content": "Name the three largest rivers and the seas they flow into."}]
+    colocated = pair.prefill.chat(messages, MAX_TOKENS)["choices"][0]["message"]["content"]
+    prefilled = pair.prefill.chat(messages, 1, kv_transfer_params=DO_REMOTE_DECODE)
+    params = prefilled["kv_transfer_params"]
+    streamed = pair.decode.chat_stream(messages, MAX_TOKENS, kv_transfer_params=params)
+    assert streamed == colocated
+    assert loaded(pair, params["remote_request_id"])
 
 
 def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:

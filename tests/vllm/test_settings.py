@@ -1,0 +1,54 @@
+"""kv_connector_extra_config is checked when vLLM builds the connector; each refusal names the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.vllm import fingerprint
+from pdserve.vllm.settings import SettingsError, parse
+
+
+def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
+    settings = parse({"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)}, producer=True,
+                     engine_id="e1")  # fmt: skip
+    assert (settings.streams, settings.lease_seconds, settings.advertise_host) == (4, 30.0, "127.0.0.1")
+    assert settings.bind_host == "127.0.0.1"
+    assert settings.run_dir == tmp_path / "e1-14600"
+    assert settings.server_tls() is None and settings.client_tls() is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "producer", "named"),
+    [
+        ({"port": 14600, "kv_key_flie": "x"}, True, "kv_key_flie"),
+        ({"port": 14600}, True, "kv_key_file"),
+        ({}, True, "port"),
+        ({"port": 14600, "streams": 0}, True, "streams"),
+        ({"lease_seconds": "soon"}, False, "lease_seconds"),
+        ({"tls_cert": "/c.pem"}, False, "tls_cert"),
+    ],
+)
+def test_bad_extra_config_is_refused_naming_the_key(
+    key_file: Path, extra: dict[str, object], producer: bool, named: str
+) -> None:
+    config = {"kv_key_file": str(key_file), **extra} if named != "kv_key_file" else extra
+    with pytest.raises(SettingsError, match=rf"^kv_connector_extra_config\.{named}:"):
+        parse(config, producer=producer, engine_id="e1")
+
+
+def test_short_key_file_is_refused(tmp_path: Path) -> None:
+    short = tmp_path / "key"
+    short.write_text("short")
+    with pytest.raises(SettingsError, match="kv_key_file"):
+        parse({"kv_key_file": str(short)}, producer=False, engine_id="e1")
+
+
+def test_fingerprint_compare_names_the_first_differing_field() -> None:
+    ours = {name: 1 for name in fingerprint.FIELDS}
+    fingerprint.compare(dict(ours), ours)
+    with pytest.raises(fingerprint.FingerprintMismatch, match=r"kv_fingerprint_fields\.head_size: .*head_size=2"):
+        fingerprint.compare({**ours, "head_size": 2}, ours)
+    with pytest.raises(fingerprint.FingerprintMismatch, match=r"kv_fingerprint_fields\.cpu_isa"):
+        fingerprint.compare({k: v for k, v in ours.items() if k != "cpu_isa"}, ours)
