@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # tokens generated before EOS, stop_token_ids or a stop string may end the request (vLLM's)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -43,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -122,6 +125,9 @@ class RequestState:
             self._stop_ids.update(int(t) for t in self.eos_token_ids)
 
     def sample(self, logits: npt.NDArray[np.floating]) -> int:
+        if len(self.token_ids) < self.params.min_tokens and self._stop_ids:
+            logits = logits.copy()
+            logits[[t for t in self._stop_ids if 0 <= t < logits.shape[-1]]] = -np.inf
         return self.sampler.sample(logits)
 
     def step(self, logits: npt.NDArray[np.floating]) -> TokenOutput:
@@ -132,12 +138,13 @@ class RequestState:
             raise RuntimeError("request already finished")
         token_id = int(token_id)
         self.token_ids.append(token_id)
-        if token_id in self._stop_ids:
+        may_stop = len(self.token_ids) >= self.params.min_tokens
+        if may_stop and token_id in self._stop_ids:
             self.text += self._detok.flush()
             return self._finish(token_id, "stop")
         search_from = max(0, len(self.text) - self._longest_stop() + 1)
         self.text += self._detok.push(token_id)
-        if self.params.stop:
+        if may_stop and self.params.stop:
             hit = self._find_stop(search_from)
             if hit is not None:
                 self.text = self.text[:hit]

@@ -133,7 +133,11 @@ class GenerationService:
             raise RequestError(f"max_tokens: {request.max_tokens} requested, but the prompt takes {prompt_tokens} of "
                                f"the model's {limit}-token context, leaving {room}", param="max_tokens")
         wanted = request.max_tokens if request.max_tokens is not None else default
-        return min(wanted, room) if wanted is not None else room
+        granted = min(wanted, room) if wanted is not None else room
+        if (request.min_tokens or 0) > granted:
+            raise RequestError(f"min_tokens: {request.min_tokens} is more than max_tokens ({granted})",
+                               param="min_tokens")
+        return granted
 
     # -- running -----------------------------------------------------------------------------------------------------
 

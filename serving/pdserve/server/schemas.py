@@ -91,13 +91,6 @@ class _GenerationRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return value
 
-    @field_validator("min_tokens")
-    @classmethod
-    def _no_min_tokens(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("min_tokens is not supported (use 0 or leave it out)")
-        return value
-
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: Any) -> Any:
@@ -124,6 +117,7 @@ class _GenerationRequest(BaseModel):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens or 0,
         )
 
     @property

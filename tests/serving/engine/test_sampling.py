@@ -71,6 +71,7 @@ def test_sampling_frequencies_follow_the_distribution() -> None:
         ({"top_k": -1}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ("",)}, "stop"),
+        ({"min_tokens": -1}, "min_tokens"),
     ],
 )
 def test_params_validation(kwargs: dict[str, Any], field: str) -> None:
@@ -151,6 +152,27 @@ def test_stop_token_ids(load_engine: Any) -> None:
     assert state.append(42).finish_reason == "stop"
     with pytest.raises(RuntimeError):
         state.append(43)
+
+
+def test_min_tokens_holds_back_every_way_to_stop(load_engine: Any) -> None:
+    """vLLM's min_tokens: before that many tokens, EOS and stop_token_ids are never sampled and stop strings and
+    stop ids do not end the request; from then on they do."""
+    engine = load_engine("hybrid")
+    eos = engine.eos_token_ids[-1]
+    favour_eos = np.zeros(engine.config.vocab_size, dtype=np.float32)
+    favour_eos[eos] = 10.0
+    state = engine.new_request([5, 6], SamplingParams(temperature=0, max_tokens=10, min_tokens=2,
+                                                      stop_token_ids=(42,)))
+    assert state.sample(favour_eos) != eos
+    assert not state.append(42).finished  # the first token: a stop id does not end it yet
+    assert state.sample(favour_eos) != eos
+    assert not state.append(7).finished
+    assert state.sample(favour_eos) == eos  # two tokens made: EOS may come now, and ends it
+    assert state.append(eos).finish_reason == "stop"
+
+    before = len(engine.tokenizer.encode("END and more ", add_special_tokens=False))
+    stopping, _ = feed(engine, ["END and more END"], SamplingParams(max_tokens=100, stop=("END",), min_tokens=before))
+    assert stopping.finish_reason == "stop" and stopping.text == "END and more "  # the first END came too early
 
 
 def test_generate_is_reproducible_with_seed(kind: str, load_engine: Any) -> None:

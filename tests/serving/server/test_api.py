@@ -42,12 +42,21 @@ def post(url: str, body: Any, endpoint: str = "/v1/completions") -> httpx.Respon
         ({"prompt": PROMPT, "model": "some-other-model"}, 404, "model"),
         ({"prompt": PROMPT, "kv_transfer_params": {"do_remote_decode": True}}, 400, "do_remote_decode"),
         ([1, 2, 3], 400, "JSON object"),
+        ({"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ],
 )
 def test_malformed_requests_get_a_clear_error(dense: Deployment, body: Any, status: int, names: str) -> None:
     response = post(dense.colocated.url, body)
     assert response.status_code == status, response.text
     assert names in response.json()["error"]["message"]
+
+
+def test_min_tokens_is_honoured_as_vllm_does(dense: Deployment) -> None:
+    """vLLM's proxies (vllm-router among them) send min_tokens; the first min_tokens tokens never end the request."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "min_tokens": 6, "temperature": 0}
+    answer = post(dense.colocated.url, body).json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 6
 
 
 def test_chat_without_messages_names_the_field(dense: Deployment) -> None:
