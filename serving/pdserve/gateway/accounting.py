@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import GatewayMetrics
@@ -78,6 +79,8 @@ class Accounting:
         self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # gone before its body was complete (or cut off by the listener's body deadline)
+            record.status, record.error = CLIENT_CLOSED, record.error or "client_closed"
         except Exception as exc:  # the one place an unexpected failure becomes a counted 500
             record.error = record.error or type(exc).__name__
             log.error("unhandled error", exc_info=True, extra={"fields": {"request_id": record.request_id}})

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -45,6 +45,8 @@ def as_error_response(error: BaseException) -> JSONResponse:
         return error_response(503, f"KV lease store full: {error.message}", "server_full_kv_store")
     if isinstance(error, EngineError):
         return error_response(500, f"engine error: {error}", "engine_error")
+    if isinstance(error, ClientDisconnect):  # gone before its body was complete (or cut off by the body deadline)
+        return error_response(499, "client closed the request before its body was complete", "client_closed")
     log.error("unexpected error", exc_info=error)
     return error_response(500, "internal server error", "internal_error")
 
