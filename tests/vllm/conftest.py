@@ -30,6 +30,7 @@ from pdserve.vllm.worker import VLLM_ADDED_FIELDS
 from tests.serving.ports import free_port
 
 START_TIMEOUT_S = 420
+LEASE_SECONDS = 20
 BLOCK_SIZE = 32
 # head_dim 64: vLLM's CPU attention has kernels for head sizes 32, 48, 64, ... only.
 MODEL_CONFIG = {
@@ -145,10 +146,10 @@ class VLLMServer:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
-    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    def complete(self, prompt: list[int], max_tokens: int, *, timeout: float = 120, **extra: Any) -> dict[str, Any]:
         body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, **extra}  # fmt: skip
-        response = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+                "return_token_ids": True, "ignore_eos": True, **extra}  # fmt: skip
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
         assert response.status_code == 200, response.text
         return dict(response.json())
 
@@ -206,7 +207,7 @@ def pair(
 ) -> Iterator[Pair]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": 30,
+    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
     # Prefill computes at most 256 tokens a step, so long prompts take several steps (chunked prefill).
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
@@ -221,6 +222,48 @@ def pair(
     finally:
         prefill.stop()
         decode.stop()
+
+
+class _ThreadedServer:
+    """An asyncio TCP server on loopback in a daemon thread; counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Any:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", self.port))
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        await self.serve(reader, writer)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class SilentServer(_ThreadedServer):
+    """Accepts KV connections and reads what comes, but never answers (a prefill host that hangs)."""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            pass
+        writer.close()
 
 
 class FlippingProxy:

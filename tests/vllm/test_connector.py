@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
+import httpx
 import pytest
 
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, FlippingProxy, Pair
+from tests.serving.ports import free_port
+from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, LEASE_SECONDS, FlippingProxy, Pair, SilentServer
 
 MAX_TOKENS = 16
 
@@ -146,3 +149,53 @@ def test_unauthenticated_kv_client_is_refused(pair: Pair) -> None:
     # The same pull with the channel key gets the KV: the refusal was the key, not a missing lease.
     blob = asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key))
     assert blob.meta.token_count == 20
+
+
+def test_unreachable_prefill_is_recomputed(pair: Pair) -> None:
+    prompt = prompt_of(45, seed=11)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    nowhere = pair.resign(pair.prefill_params(prompt), remote_port=free_port())  # nothing listens there
+    answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=nowhere)
+    assert token_ids(answer) == colocated
+    assert "connection: cannot connect" in failure_line(pair, answer)
+
+
+def test_expired_lease_is_recomputed(pair: Pair) -> None:
+    prompt = prompt_of(3 * BLOCK_SIZE + 1, seed=12)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    params = pair.prefill_params(prompt)
+    time.sleep(LEASE_SECONDS + 2)  # prefill's reaper frees it once the lease is over
+    with pytest.raises(KVTransferError) as gone:
+        asyncio.run(pull("127.0.0.1", pair.kv_port, params["remote_request_id"], params["kv_checksum"], key=pair.key))
+    assert gone.value.cause == "expired"
+    answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
+    assert token_ids(answer) == colocated
+    assert "expired" in failure_line(pair, answer)
+
+
+def test_decode_aborted_while_waiting_for_kv_keeps_serving(pair: Pair) -> None:
+    prompt = prompt_of(70, seed=13)
+    usage_before = pair.decode.metric("vllm:kv_cache_usage_perc")
+    failures_before = pair.decode.log().count("left to kv_load_failure_policy")
+    with SilentServer() as hanging:
+        params = pair.resign(pair.prefill_params(prompt), remote_port=hanging.port)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while decode waits for the KV
+            pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params, timeout=2)
+        deadline = time.monotonic() + 120
+        while pair.decode.log().count("left to kv_load_failure_policy") == failures_before:
+            assert time.monotonic() < deadline, pair.decode.log_tail()
+            time.sleep(1)
+    assert hanging.connections >= 1
+    failures = [line for line in pair.decode.log().splitlines() if "left to kv_load_failure_policy" in line]
+    assert "timeout" in failures[-1], failures[-1]
+    # The EngineCore survived the report for an aborted request, freed its blocks, and serves the next one.
+    assert httpx.get(pair.decode.url + "/health", timeout=5).status_code == 200
+    again = prompt_of(30, seed=14)
+    colocated = token_ids(pair.prefill.complete(again, MAX_TOKENS))
+    assert (
+        token_ids(pair.decode.complete(again, MAX_TOKENS, kv_transfer_params=pair.prefill_params(again))) == colocated
+    )
+    deadline = time.monotonic() + 30
+    while pair.decode.metric("vllm:kv_cache_usage_perc") != usage_before:
+        assert time.monotonic() < deadline, "decode's KV cache usage did not return to its baseline"
+        time.sleep(1)
