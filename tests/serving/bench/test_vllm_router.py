@@ -64,11 +64,12 @@ def test_completions_through_vllm_router_equal_colocated(
     local = complete(colocated.url, "/v1/completions", body)
     assert routed["choices"][0]["text"] == local["choices"][0]["text"]
     assert routed["usage"]["completion_tokens"] == local["usage"]["completion_tokens"] == 12
+    assert routed["kv_transfer_stats"]["source"] == "remote"  # decode pulled prefill's KV, it did not recompute
 
 
 def test_chat_through_vllm_router_equals_colocated(router: VllmRouter, colocated: ServerProcess, model: str) -> None:
     body = {
-        "model": "model",
+        "model": model,
         "messages": [{"role": "user", "content": "Say something"}],
         "max_tokens": 10,
         "temperature": 0,
