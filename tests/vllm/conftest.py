@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,13 +172,21 @@ class VLLMServer:
                         parts.append(choice["delta"].get("content") or "")
         return "".join(parts)
 
-    def metric(self, name: str) -> float:
-        """The sum of a Prometheus counter over its label sets, from the API server's /metrics."""
+    def metric(self, name: str, having: str = "") -> float:
+        """The sum of a metric over its label sets whose labels contain `having`, from the API server's /metrics."""
         total = 0.0
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and having in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def wait_metric(self, name: str, expected: Callable[[float], bool], having: str = "") -> float:
+        """The metric once `expected` holds (vLLM forwards connector stats with each engine step's output)."""
+        deadline = time.monotonic() + 30
+        while not expected(value := self.metric(name, having)):
+            assert time.monotonic() < deadline, f"{self.name}: {name}{{{having}}} stayed at {value}"
+            time.sleep(0.5)
+        return value
 
 
 @dataclass

@@ -58,6 +58,7 @@ def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -
     prompt = prompt_of(length, seed=length)
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
     hits_before = pair.decode.metric("vllm:external_prefix_cache_hits_total")
+    received_before = pair.decode.metric("pdserve_kv_transfer_bytes_total", 'role="receiver"')
 
     params = pair.prefill_params(prompt)
     assert params["do_remote_prefill"] is True
@@ -71,6 +72,10 @@ def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -
     assert disaggregated == colocated
     assert loaded(pair, params["remote_request_id"]), pair.decode.log_tail()
     assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == length
+    # The blocks the prompt fills, 4 layers of [2 KV heads, 32 slots, 2 x 64] fp32 each, in decode's /metrics.
+    kv_bytes = len(params["remote_block_ids"]) * 4 * 2 * BLOCK_SIZE * 128 * 4
+    pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes,
+                            'role="receiver"')  # fmt: skip
 
 
 def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None:
@@ -100,6 +105,7 @@ def test_chat_streamed_from_decode_equals_colocated(pair: Pair) -> None:
 
 
 def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
+    checksum_failures = pair.decode.metric("pdserve_kv_transfer_failures_total", 'cause="checksum"')
     prompt = prompt_of(2 * BLOCK_SIZE + 3, seed=7)
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
     params = pair.prefill_params(prompt)
@@ -111,6 +117,8 @@ def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
     assert token_ids(answer) == colocated
     assert not loaded(pair, params["remote_request_id"])
     assert "checksum" in failure_line(pair, answer)
+    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v > checksum_failures,
+                            'cause="checksum"')  # fmt: skip
 
 
 def test_forged_params_cause_no_connection(pair: Pair) -> None:
@@ -137,15 +145,19 @@ def test_fingerprint_mismatch_is_refused_naming_the_field(pair: Pair) -> None:
     assert token_ids(answer) == colocated
     line = failure_line(pair, answer)
     assert "kv_fingerprint_fields.block_size" in line and str(2 * BLOCK_SIZE) in line
+    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v >= 1, 'cause="fingerprint"')
 
 
 def test_unauthenticated_kv_client_is_refused(pair: Pair) -> None:
     params = pair.prefill_params(prompt_of(20, seed=10))
+    refused_before = pair.prefill.metric("pdserve_kv_auth_refused_total")
     request_id, checksum = params["remote_request_id"], params["kv_checksum"]
     wrong_key = SecretKey(b"not the channel key, but long enough")
     with pytest.raises(KVTransferError) as refused:
         asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=wrong_key, retries=0))
     assert refused.value.cause == "auth"
+    pair.prefill.complete(prompt_of(5, seed=15), 1)  # an engine step, which carries the connector's stats
+    pair.prefill.wait_metric("pdserve_kv_auth_refused_total", lambda v: v > refused_before)
     # The same pull with the channel key gets the KV: the refusal was the key, not a missing lease.
     blob = asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key))
     assert blob.meta.token_count == 20
@@ -171,6 +183,10 @@ def test_expired_lease_is_recomputed(pair: Pair) -> None:
     answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
     assert token_ids(answer) == colocated
     assert "expired" in failure_line(pair, answer)
+    # Every lease of this module has been acknowledged or has expired: prefill holds no KV any more.
+    pair.prefill.complete(prompt_of(5, seed=16), 1)  # an engine step, which carries the connector's stats
+    pair.prefill.wait_metric("pdserve_kv_leases_released_total", lambda v: v >= 1, 'reason="expired"')
+    pair.prefill.wait_metric("pdserve_kv_lease_bytes", lambda v: v == 0)
 
 
 def test_decode_aborted_while_waiting_for_kv_keeps_serving(pair: Pair) -> None:

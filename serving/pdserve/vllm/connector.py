@@ -16,6 +16,8 @@ Load it with vLLM's own flag:
   LeaseStore, served by a KVServer in the worker process. request_finished returns do_remote_prefill,
   remote_engine_id, remote_request_id, remote_host, remote_port, remote_block_ids, plus kv_checksum, num_tokens
   and the KV fingerprint, signed with pdserve.kv.params under the KV channel key.
+- Both report the KV channel's metrics (bytes, seconds, goodput, failures by cause, auth refusals, leases)
+  through vLLM's connector-stats path into the API server's /metrics, under pdserve's names (see stats.py).
 - Decode (kv_consumer) gets those params. get_num_new_matched_tokens claims the prompt tokens it lacks as an
   async load; the worker verifies the signature and the fingerprint (naming the field that differs) BEFORE any
   connection, pulls in a background event loop, verifies crc32 per frame and the blob checksum, writes the blocks
@@ -57,10 +59,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.request import RequestStatus
 
 from pdserve.kv import params as signed_params
 from pdserve.vllm import settings as connector_settings
+from pdserve.vllm.stats import PdstackPromMetrics, PdstackStats
 from pdserve.vllm.worker import ConsumerWorker, LoadSpec, ProducerWorker, SaveSpec, result_path
 
 if TYPE_CHECKING:
@@ -141,6 +145,26 @@ class PdstackConnector(KVConnectorBase_V1):
             return KVConnectorTransferResults()
         finished, failed = self._worker.collect()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = PdstackStats(data=self._worker.metrics.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdstackStats(data=dict(data)) if data is not None else PdstackStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PdstackPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -29,6 +29,7 @@ from pdserve.kv import KVConnectionPool, KVMeta, KVServer, KVTransferError, Leas
 from pdserve.kv import params as signed_params
 from pdserve.vllm import fingerprint
 from pdserve.vllm.settings import ConnectorSettings
+from pdserve.vllm.stats import RecordingKVMetrics
 
 log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers print these lines
 # vLLM's prefill scheduler adds these to the params after request_finished returned (and signed) them; decode
@@ -91,6 +92,7 @@ class _Worker:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fields = fingerprint.compute(vllm_config, kv_caches)
         self.fingerprint = fingerprint.digest(self.fields)
+        self.metrics = RecordingKVMetrics()
         self.loop = _Loop()
 
     def shutdown(self) -> None:
@@ -107,7 +109,7 @@ class ProducerWorker(_Worker):
         write_json_atomically(
             settings.run_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
         )
-        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds)
+        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds, metrics=self.metrics)
         self.server = KVServer(
             self.store,
             settings.key,
@@ -115,6 +117,7 @@ class ProducerWorker(_Worker):
             port=settings.port,
             ssl_context=settings.server_tls(),
             io_timeout_s=settings.read_timeout_seconds,
+            metrics=self.metrics,
         )
         self.loop.run(self._start())
         self._copied: dict[str, dict[str, np.ndarray]] = {}
@@ -179,7 +182,7 @@ class ConsumerWorker(_Worker):
         log.info("pdstack connector: decode worker ready, fingerprint %s", self.fingerprint)
 
     async def _make_pool(self) -> KVConnectionPool:
-        return KVConnectionPool(max_idle_per_peer=4 * self.settings.streams)
+        return KVConnectionPool(max_idle_per_peer=4 * self.settings.streams, metrics=self.metrics)
 
     def start_loads(self, loads: list[LoadSpec]) -> None:
         for spec in loads:
@@ -202,6 +205,7 @@ class ConsumerWorker(_Worker):
                 server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
                 connect_timeout_s=self.settings.connect_timeout_seconds,
                 read_timeout_s=self.settings.read_timeout_seconds,
+                metrics=self.metrics,
                 pool=self.pool,
             )
 
@@ -235,6 +239,8 @@ class ConsumerWorker(_Worker):
                 self._write(pending.spec, pending.future.result())
             except Exception as error:  # every failure, whatever its cause, goes to vLLM's kv_load_failure_policy
                 failed.add(request_id)
+                if not isinstance(error, KVTransferError):  # pull() counts its own failures
+                    self.metrics.observe_failure("receiver", _cause(error))
                 log.warning(
                     "pdstack connector: KV load for request %s failed, left to kv_load_failure_policy: %s",
                     request_id,
@@ -283,6 +289,7 @@ class ConsumerWorker(_Worker):
                     server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
                     connect_timeout_s=self.settings.connect_timeout_seconds,
                     read_timeout_s=self.settings.read_timeout_seconds,
+                    metrics=self.metrics,
                     pool=self.pool,
                 )
             except KVTransferError as error:  # the lease then expires on prefill instead
@@ -297,6 +304,16 @@ class ConsumerWorker(_Worker):
             self.loop.run(self.pool.close(), timeout=5.0)
         finally:
             super().shutdown()
+
+
+def _cause(error: BaseException) -> str:
+    if isinstance(error, signed_params.ParamsSignatureError):
+        return "auth"
+    if isinstance(error, fingerprint.FingerprintMismatch):
+        return "fingerprint"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    return "protocol"
 
 
 def _describe(error: BaseException) -> str:

@@ -1,0 +1,168 @@
+"""KV channel metrics through vLLM's connector-stats path, into the vLLM API server's own `/metrics`.
+
+Metrics registered in vLLM's worker process are never scraped. So the worker records what pdserve.kv observes
+(on a private registry) and hands each step's news to vLLM as a KVConnectorStats; vLLM carries it to the API
+server process, where PdstackPromMetrics records it under pdserve's names (pdserve_kv_transfer_bytes,
+pdserve_kv_transfer_seconds, pdserve_kv_transfer_goodput_bytes_per_second, pdserve_kv_transfer_failures,
+pdserve_kv_auth_refused, pdserve_kv_leases_released, pdserve_kv_lease_bytes, pdserve_kv_leases) with vLLM's
+engine labels. vLLM forwards stats at engine steps only: an idle prefill's numbers advance at its next step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from pdserve.kv.metrics import GBPS_BUCKETS, SECONDS_BUCKETS, KVMetrics
+
+
+def _empty() -> dict[str, Any]:
+    return {"transfers": [], "failures": [], "auth_refused": 0, "released": {}, "gauges": {}}
+
+
+class RecordingKVMetrics(KVMetrics):
+    """pdserve.kv's metrics on a private registry, remembering each transfer and failure until taken."""
+
+    def __init__(self) -> None:
+        super().__init__(CollectorRegistry())
+        self._lock = threading.Lock()
+        self._news = _empty()
+        self._reported: dict[str, float] = {}
+
+    def observe_transfer(self, role: str, nbytes: int, seconds: float) -> None:
+        super().observe_transfer(role, nbytes, seconds)
+        with self._lock:
+            self._news["transfers"].append([role, nbytes, seconds])
+
+    def observe_failure(self, role: str, cause: str) -> None:
+        super().observe_failure(role, cause)
+        with self._lock:
+            self._news["failures"].append([role, cause])
+
+    def take(self) -> dict[str, Any]:
+        """What happened since the last call (counter increments, changed gauges), as plain data."""
+        with self._lock:
+            news, self._news = self._news, _empty()
+        news["auth_refused"] = int(self._delta("auth_refused", self.auth_refused._value.get()))
+        for reason in ("ack", "expired"):
+            delta = self._delta("released_" + reason, self.lease_released.labels(reason)._value.get())
+            if delta:
+                news["released"][reason] = int(delta)
+        for name, gauge in (("lease_bytes", self.lease_bytes), ("leases", self.leases)):
+            value = gauge._value.get()
+            if self._reported.get(name) != value:
+                self._reported[name] = value
+                news["gauges"][name] = value
+        return news
+
+    def _delta(self, name: str, value: float) -> float:
+        delta = value - self._reported.get(name, 0.0)
+        self._reported[name] = value
+        return delta
+
+
+@dataclass
+class PdstackStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        theirs = other.data
+        self.data["transfers"] = [*self.data["transfers"], *theirs.get("transfers", [])]
+        self.data["failures"] = [*self.data["failures"], *theirs.get("failures", [])]
+        self.data["auth_refused"] += theirs.get("auth_refused", 0)
+        for reason, count in theirs.get("released", {}).items():
+            self.data["released"][reason] = self.data["released"].get(reason, 0) + count
+        self.data["gauges"].update(theirs.get("gauges", {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        transfers = self.data["transfers"]
+        seconds = sum(item[2] for item in transfers)
+        nbytes = sum(item[1] for item in transfers)
+        return {
+            "transfers": len(transfers),
+            "bytes": nbytes,
+            "goodput_gbit_s": round(nbytes * 8 / seconds / 1e9, 3) if seconds > 0 else 0.0,
+            "failures": len(self.data["failures"]),
+            "auth_refused": self.data["auth_refused"],
+        }
+
+    def is_empty(self) -> bool:
+        data = self.data
+        return not (data["transfers"] or data["failures"] or data["auth_refused"] or data["released"]
+                    or data["gauges"])  # fmt: skip
+
+
+class PdstackPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        by_role = [*labelnames, "role"]
+        self.bytes = self._counter_cls(
+            name="pdserve_kv_transfer_bytes", documentation="KV payload bytes moved over the KV channel",
+            labelnames=by_role,
+        )  # fmt: skip
+        self.seconds = self._histogram_cls(
+            name="pdserve_kv_transfer_seconds", documentation="Duration of whole KV transfers",
+            buckets=SECONDS_BUCKETS, labelnames=by_role,
+        )  # fmt: skip
+        self.goodput = self._histogram_cls(
+            name="pdserve_kv_transfer_goodput_bytes_per_second",
+            documentation="Goodput of whole KV transfers (bytes/s)", buckets=GBPS_BUCKETS, labelnames=by_role,
+        )  # fmt: skip
+        self.failures = self._counter_cls(
+            name="pdserve_kv_transfer_failures", documentation="Failed KV transfers by cause",
+            labelnames=[*by_role, "cause"],
+        )  # fmt: skip
+        auth_refused = self._counter_cls(
+            name="pdserve_kv_auth_refused",
+            documentation="Connections refused for missing or wrong authentication", labelnames=labelnames,
+        )  # fmt: skip
+        self.auth_refused = create_metric_per_engine(auth_refused, per_engine_labelvalues)
+        self.released = self._counter_cls(
+            name="pdserve_kv_leases_released", documentation="KV leases released, by reason (ack or expired)",
+            labelnames=[*labelnames, "reason"],
+        )  # fmt: skip
+        lease_bytes = self._gauge_cls(
+            name="pdserve_kv_lease_bytes", documentation="KV bytes held under lease", labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        leases = self._gauge_cls(
+            name="pdserve_kv_leases", documentation="KV blobs held under lease", labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self.gauges = {
+            "lease_bytes": create_metric_per_engine(lease_bytes, per_engine_labelvalues),
+            "leases": create_metric_per_engine(leases, per_engine_labelvalues),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues[engine_idx]
+        for role, nbytes, seconds in transfer_stats_data.get("transfers", []):
+            self.bytes.labels(*engine, role).inc(nbytes)
+            self.seconds.labels(*engine, role).observe(seconds)
+            self.goodput.labels(*engine, role).observe(nbytes / seconds if seconds > 0 else 0.0)
+        for role, cause in transfer_stats_data.get("failures", []):
+            self.failures.labels(*engine, role, cause).inc()
+        if transfer_stats_data.get("auth_refused"):
+            self.auth_refused[engine_idx].inc(transfer_stats_data["auth_refused"])
+        for reason, count in transfer_stats_data.get("released", {}).items():
+            self.released.labels(*engine, reason).inc(count)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in self.gauges:
+                self.gauges[name][engine_idx].set(value)
