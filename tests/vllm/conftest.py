@@ -140,6 +140,12 @@ class VLLMServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
 
+    def kill(self) -> None:
+        """SIGKILL to the API server, its EngineCore and its worker at once (a crashed or lost host)."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -213,6 +219,13 @@ class Pair:
 def pair(
     model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
+    yield from start_pair(model_dir, key_file, kv_key, tmp_path_factory, "recompute")
+
+
+def start_pair(
+    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory, policy: str
+) -> Iterator[Pair]:
+    """A prefill on core 0 and a decode (with kv_load_failure_policy `policy`) on core 1, stopped at the end."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
     common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
@@ -220,7 +233,7 @@ def pair(
     # Prefill computes at most 256 tokens a step, so long prompts take several steps (chunked prefill).
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
                          args=("--max-num-batched-tokens", "256"))  # fmt: skip
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log")
+    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log", policy=policy)
     try:
         prefill.start()
         decode.start()
