@@ -206,12 +206,40 @@ def test_decode_aborted_while_waiting_for_kv_keeps_serving(pair: Pair) -> None:
     assert "timeout" in failures[-1], failures[-1]
     # The EngineCore survived the report for an aborted request, freed its blocks, and serves the next one.
     assert httpx.get(pair.decode.url + "/health", timeout=5).status_code == 200
-    again = prompt_of(30, seed=14)
-    colocated = token_ids(pair.prefill.complete(again, MAX_TOKENS))
-    assert (
-        token_ids(pair.decode.complete(again, MAX_TOKENS, kv_transfer_params=pair.prefill_params(again))) == colocated
-    )
+    assert_decode_serves_disaggregated(pair)
     deadline = time.monotonic() + 30
     while pair.decode.metric("vllm:kv_cache_usage_perc") != usage_before:
         assert time.monotonic() < deadline, "decode's KV cache usage did not return to its baseline"
         time.sleep(1)
+
+
+def test_a_hundred_disconnecting_clients_leak_nothing(pair: Pair) -> None:
+    decode_usage = pair.decode.metric("vllm:kv_cache_usage_perc")
+    prefill_usage = pair.prefill.metric("vllm:kv_cache_usage_perc")
+    gave_up = {"prefill": 0, "decode": 0}
+    for index in range(100):
+        prompt = prompt_of(20 + index, seed=100 + index)
+        # Half give up on prefill (its KV may then be held for nobody), half give up on decode while it pulls.
+        side = "prefill" if index % 2 else "decode"
+        try:
+            if side == "prefill":
+                pair.prefill.complete(prompt, 1, kv_transfer_params=DO_REMOTE_DECODE, timeout=0.01)
+            else:
+                pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=pair.prefill_params(prompt), timeout=0.01)
+        except httpx.TimeoutException:
+            gave_up[side] += 1
+    assert gave_up["decode"] == 50, gave_up
+    assert_decode_serves_disaggregated(pair)
+    pair.decode.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == decode_usage)
+    pair.prefill.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == prefill_usage)
+    time.sleep(LEASE_SECONDS + 2)  # KV held for clients that went away expires
+    pair.prefill.complete(prompt_of(5, seed=17), 1)  # an engine step, which carries the connector's stats
+    pair.prefill.wait_metric("pdserve_kv_lease_bytes", lambda v: v == 0)
+
+
+def assert_decode_serves_disaggregated(pair: Pair) -> None:
+    prompt = prompt_of(30, seed=14)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    assert (
+        token_ids(pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=pair.prefill_params(prompt))) == colocated
+    )
