@@ -25,14 +25,8 @@ def pd_stack(tmp: Path, kv_key: Path, model: Path, env: Mapping[str, str] | None
         for name, value in (env or {}).items():
             patch.setenv(name, value)
         try:
-            cluster.start_scheduler()
-            cluster.launch_server("p", "prefill", model)
-            cluster.launch_server("d", "decode", model)
-            cluster.wait_servers()
-            gateway = cluster.start_gateway(
-                "--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", "8"
-            )
-            cluster.wait_routable(gateway, 2)
+            cluster.start_pd([("p", "prefill", model, "v1"), ("d", "decode", model, "v1")],
+                             "--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", "8")
             yield cluster
         finally:
             cluster.stop()

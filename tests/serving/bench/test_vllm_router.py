@@ -14,15 +14,16 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.serving.scheduler.services import Service
 from tests.serving.server.serverproc import API_TOKEN, ServerProcess, start_all
 
-from .routers import VllmRouter
+from .routers import vllm_router
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def router(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRouter]:
+def router(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     work = tmp_path_factory.mktemp("vllm-router")
     key = work / "kv.key"
     key.write_text(secrets.token_hex(32))
@@ -35,9 +36,9 @@ def router(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             ServerProcess("decode", bench_model, ["--kv-key-file", str(key)], {}, work / "decode.log"),
         ]
     )
-    front = VllmRouter([servers[0].url], [servers[1].url], API_TOKEN, work / "vllm-router.log")
+    front = vllm_router([servers[0].url], [servers[1].url], API_TOKEN, work / "vllm-router.log")
     try:
-        yield front.start()
+        yield front.start("/health", timeout=120)
     finally:
         front.stop()
         for server in servers:
@@ -57,7 +58,7 @@ def complete(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completions_through_vllm_router_equal_colocated(
-    router: VllmRouter, colocated: ServerProcess, model: str, prompt: str
+    router: Service, colocated: ServerProcess, model: str, prompt: str
 ) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     routed = complete(router.url, "/v1/completions", body)
@@ -67,7 +68,7 @@ def test_completions_through_vllm_router_equal_colocated(
     assert routed["kv_transfer_stats"]["source"] == "remote"  # decode pulled prefill's KV, it did not recompute
 
 
-def test_chat_through_vllm_router_equals_colocated(router: VllmRouter, colocated: ServerProcess, model: str) -> None:
+def test_chat_through_vllm_router_equals_colocated(router: Service, colocated: ServerProcess, model: str) -> None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Say something"}],
@@ -80,7 +81,7 @@ def test_chat_through_vllm_router_equals_colocated(router: VllmRouter, colocated
 
 
 def test_streaming_through_vllm_router_equals_colocated(
-    router: VllmRouter, colocated: ServerProcess, model: str
+    router: Service, colocated: ServerProcess, model: str
 ) -> None:
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
@@ -92,7 +93,7 @@ def test_streaming_through_vllm_router_equals_colocated(
     assert streamed == local["choices"][0]["text"]
 
 
-def test_the_servers_see_the_routers_credential_and_not_the_clients(router: VllmRouter, model: str) -> None:
+def test_the_servers_see_the_routers_credential_and_not_the_clients(router: Service, model: str) -> None:
     """A client key sent to vllm-router is not what prefill and decode check: theirs comes from OPENAI_API_KEY."""
     body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
     answer = httpx.post(

@@ -29,6 +29,9 @@ KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", 
         "bulk": "sk-bulk-0123456789abcdef", "scarce": "sk-scarce-0123456789abcd"}
 
 
+FOUR_SERVERS = (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"))
+
+
 def write_keys_file(path: Path) -> Path:
     """acme by sha256 digest with default limits; slow (1 request/s, burst 2), budget (300 tokens/min), bulk
     (limits far above what a load test sends, so load tests measure routing, not the rate limiter), and scarce
@@ -111,6 +114,16 @@ class Cluster:
                 "--server-token-file", str(self.server_token_file), "--routing-poll-interval", "0.1", *flags]
         gateway = Service("pdserve.gateway", args, self.tmp / f"gateway-{len(self.gateways)}.log").start()
         self.gateways.append(gateway)
+        return gateway
+
+    def start_pd(self, servers: list[tuple[str, str, Path, str]], *gateway_flags: str) -> Service:
+        """The scheduler, the servers (name, role, model, version) and one gateway, once it routes to all of them."""
+        self.start_scheduler()
+        for name, role, model, version in servers:
+            self.launch_server(name, role, model, version)
+        self.wait_servers()
+        gateway = self.start_gateway(*gateway_flags)
+        self.wait_routable(gateway, len(servers))
         return gateway
 
     def wait_servers(self) -> None:

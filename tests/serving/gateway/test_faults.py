@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import HTTP, KEYS, Cluster, metric, wait_for
+from .cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 LONG_STREAM = {"model": "dense", "prompt": "Hi", "max_tokens": 3000, "stream": True, "ignore_eos": True}
@@ -24,12 +24,9 @@ AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_long: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-faults"), gateway_kv_key, missed_heartbeats=200)
-    cluster.start_scheduler()
     try:
-        for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
-            cluster.launch_server(name, role, model_long)
-        cluster.wait_servers()
-        cluster.wait_routable(cluster.start_gateway("--offload-threshold-tokens", "8"), 4)
+        cluster.start_pd([(name, role, model_long, "v1") for name, role in FOUR_SERVERS],
+                         "--offload-threshold-tokens", "8")
         yield cluster
     finally:
         cluster.stop()

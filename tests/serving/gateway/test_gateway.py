@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import HTTP, KEYS, Cluster, metric
+from .cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 SHORT_PROMPT = "Hi"
@@ -28,14 +28,9 @@ AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-main"), gateway_kv_key)
-    cluster.start_scheduler()
     try:
-        for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
-            cluster.launch_server(name, role, model_v1)
-        cluster.wait_servers()
-        gateway = cluster.start_gateway("--tokenizer-file", str(model_v1 / "tokenizer.json"),
-                                        "--offload-threshold-tokens", "16")
-        cluster.wait_routable(gateway, 4)
+        cluster.start_pd([(name, role, model_v1, "v1") for name, role in FOUR_SERVERS],
+                         "--tokenizer-file", str(model_v1 / "tokenizer.json"), "--offload-threshold-tokens", "16")
         yield cluster
     finally:
         cluster.stop()

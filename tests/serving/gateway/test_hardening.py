@@ -30,14 +30,9 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-hardening"), gateway_kv_key)
-    cluster.start_scheduler()
     try:
-        cluster.launch_server("p1", "prefill", model_v1)
-        cluster.launch_server("d1", "decode", model_v1)
-        cluster.wait_servers()
-        gateway = cluster.start_gateway("--tokenizer-file", str(model_v1 / "tokenizer.json"),
-                                        "--offload-threshold-tokens", "16")
-        cluster.wait_routable(gateway, 2)
+        cluster.start_pd([("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
+                         "--tokenizer-file", str(model_v1 / "tokenizer.json"), "--offload-threshold-tokens", "16")
         yield cluster
     finally:
         cluster.stop()

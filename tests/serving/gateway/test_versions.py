@@ -26,13 +26,10 @@ NAMES = {"pa": ("prefill", "v1"), "da": ("decode", "v1"), "pb": ("prefill", "v2"
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
             model_v2: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-versions"), gateway_kv_key)
-    cluster.start_scheduler()
     try:
-        for name, (role, version) in NAMES.items():
-            cluster.launch_server(name, role, model_v1 if version == "v1" else model_v2, version)
-        cluster.wait_servers()
-        gateway = cluster.start_gateway("--offload-threshold-tokens", "0", "--requests-per-second", "1000")
-        cluster.wait_routable(gateway, 4)
+        servers = [(name, role, model_v1 if version == "v1" else model_v2, version)
+                   for name, (role, version) in NAMES.items()]
+        cluster.start_pd(servers, "--offload-threshold-tokens", "0", "--requests-per-second", "1000")
         yield cluster
     finally:
         cluster.stop()

@@ -28,6 +28,8 @@ class Service:
     """arguments before the flags, e.g. ["decode"] for `python -m pdserve.cli decode ...`"""
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
+    program: list[str] = field(default_factory=list)
+    """the command to run instead of `python -m MODULE` (e.g. a router's binary)"""
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -38,8 +40,8 @@ class Service:
         return self.launch().wait(ready_path, timeout)
 
     def launch(self) -> Service:
-        command = [sys.executable, "-m", self.module, *self.role, "--host", "127.0.0.1", "--port", str(self.port),
-                   *self.args]
+        program = self.program or [sys.executable, "-m", self.module]
+        command = [*program, *self.role, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, **self.env})
         return self
