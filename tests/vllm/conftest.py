@@ -109,7 +109,7 @@ class VLLMServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config),
-            *self.args,
+            "--enable-log-requests", *self.args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
@@ -145,6 +145,10 @@ class VLLMServer:
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
+
+    def aborted(self) -> int:
+        """How many requests vLLM aborted because their client went away (it logs them with --enable-log-requests)."""
+        return self.log().count("Aborted request(s)")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
