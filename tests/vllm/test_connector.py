@@ -257,8 +257,8 @@ def assert_decode_serves_disaggregated(pair: Pair) -> None:
 
 
 def hang_up(server: VLLMServer, prompt: list[int], max_tokens: int, after: float = 0.0, **extra: object) -> None:
-    """Send a streamed completion request and close the connection `after` seconds without reading the answer
-    (vLLM aborts a streamed request whose client went away; a non-streamed one runs to its end)."""
+    """Send a streamed completion request and close the connection `after` seconds later without reading the
+    answer; vLLM aborts the request of a client that went away (and logs it, see VLLMServer.aborted)."""
     body = json.dumps({"model": str(server.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, **extra}).encode()  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
