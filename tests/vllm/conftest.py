@@ -227,7 +227,14 @@ def pair(
 
 
 def start_pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory, policy: str
+    model_dir: Path,
+    key_file: Path,
+    kv_key: SecretKey,
+    tmp_path_factory: pytest.TempPathFactory,
+    policy: str,
+    *,
+    prefill_extra: dict[str, Any] | None = None,
+    decode_extra: dict[str, Any] | None = None,
 ) -> Iterator[Pair]:
     """A prefill on core 0 and a decode (with kv_load_failure_policy `policy`) on core 1, stopped at the end."""
     logs = tmp_path_factory.mktemp("vllm-logs")
@@ -235,9 +242,11 @@ def start_pair(
     common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
     # Prefill computes at most 256 tokens a step, so long prompts take several steps (chunked prefill).
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
+    prefill_config = {**common, "port": kv_port, **(prefill_extra or {})}
+    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, prefill_config, logs / "prefill.log",
                          args=("--max-num-batched-tokens", "256"))  # fmt: skip
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log", policy=policy)
+    decode_config = {**common, **(decode_extra or {})}
+    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, decode_config, logs / "decode.log", policy=policy)
     try:
         prefill.start()
         decode.start()
