@@ -47,9 +47,11 @@ whole blobs; see the report of issue 14 for the API layer-wise serving needs).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +109,7 @@ class PdstackConnector(KVConnectorBase_V1):
         self._to_load: list[LoadSpec] = []
         self._local_hits: dict[str, int] = {}
         self._fingerprint: dict[str, Any] | None = None
+        self._next_sweep = 0.0
         # Worker side.
         self._worker: ProducerWorker | ConsumerWorker | None = None
 
@@ -247,6 +250,7 @@ class PdstackConnector(KVConnectorBase_V1):
         return False, signed_params.sign(self.settings.key.material, returned)
 
     def _take_result(self, request_id: str) -> dict[str, Any] | None:
+        self._sweep()
         path = result_path(self.settings.run_dir, request_id)
         try:
             body = json.loads(path.read_text())
@@ -254,6 +258,18 @@ class PdstackConnector(KVConnectorBase_V1):
             return None
         path.unlink(missing_ok=True)
         return dict(body)
+
+    def _sweep(self) -> None:
+        """Remove results nobody will read: a request aborted while the step saving it ran finished before its file
+        was written. Its lease expires on its own; its file would stay. Once per lease period, older than two."""
+        now = time.time()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.settings.lease_seconds
+        for path in self.settings.run_dir.glob("*.json"):
+            with contextlib.suppress(OSError):
+                if path.name != "fingerprint.json" and path.stat().st_mtime < now - 2 * self.settings.lease_seconds:
+                    path.unlink()
 
     def _own_fingerprint(self) -> dict[str, Any] | None:
         """The worker's fingerprint (it knows the attention backend and the KV tensors; this process does not)."""

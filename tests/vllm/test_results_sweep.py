@@ -1,0 +1,32 @@
+"""Results the prefill worker leaves for request_finished are removed once nobody can read them any more."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from pdserve.vllm.connector import PdstackConnector
+from pdserve.vllm.settings import parse
+from pdserve.vllm.worker import result_path, write_json_atomically
+
+
+def test_stale_results_are_swept_and_fresh_ones_kept(key_file: Path, tmp_path: Path) -> None:
+    connector = PdstackConnector.__new__(PdstackConnector)  # the scheduler-side state only, without a vLLM config
+    connector.settings = parse({"kv_key_file": str(key_file), "port": 14600, "lease_seconds": 10,
+                                "run_dir": str(tmp_path)}, producer=True, engine_id="e1")  # fmt: skip
+    connector._next_sweep = 0.0
+    run_dir = connector.settings.run_dir
+    run_dir.mkdir(parents=True)
+    write_json_atomically(run_dir / "fingerprint.json", {"fields": {}, "digest": "d"})
+    stale, fresh = result_path(run_dir, "aborted-in-flight"), result_path(run_dir, "about-to-finish")
+    for path in (stale, fresh):
+        write_json_atomically(path, {"checksum": "sha256:00", "num_tokens": 3})
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    os.utime(run_dir / "fingerprint.json", (an_hour_ago, an_hour_ago))
+
+    assert connector._take_result("about-to-finish") == {"checksum": "sha256:00", "num_tokens": 3}
+    assert not stale.exists() and not fresh.exists()
+    assert (run_dir / "fingerprint.json").exists()
+    assert connector._take_result("about-to-finish") is None
