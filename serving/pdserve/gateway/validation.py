@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pdserve import jsonbody
 from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS, RoutedInstance
 
 from .settings import GatewaySettings
@@ -15,8 +16,6 @@ from .settings import GatewaySettings
 Endpoint = Literal["completions", "chat"]
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 MAX_STOP_SEQUENCES = 4
-MAX_DEPTH = 32
-"""JSON nesting accepted; no OpenAI request needs more, and deeper bodies only cost the parser and the servers."""
 MAX_SEED = 2**63 - 1
 OPTIONAL_DEFAULTS: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "tool_choice": "none",
                                      "response_format": {"type": "text"}, "parallel_tool_calls": True}
@@ -80,61 +79,12 @@ def parse_body(raw: bytes, settings: GatewaySettings) -> dict[str, Any]:
     if len(raw) > settings.max_body_bytes:
         raise RequestError("body", f"request body of {len(raw)} bytes exceeds {settings.max_body_bytes}", status=413)
     try:
-        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
-    except RecursionError:
-        raise RequestError("body", f"nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:  # also bad UTF-8 and integers too long to convert
-        raise RequestError("body", f"not valid JSON ({_short(exc)})") from None
+        body = jsonbody.loads(raw)
+    except jsonbody.BodyError as exc:
+        raise RequestError(exc.field, exc.message) from None
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
-    _check_values(body, "", 1)
     return body
-
-
-class _NonFinite(str):
-    """Stands for NaN, Infinity or -Infinity (which Python's parser accepts) until _check_values names its field."""
-
-
-def _finite_float(text: str) -> float | _NonFinite:
-    value = float(text)
-    return value if math.isfinite(value) else _NonFinite(text)  # 1e999 parses to inf
-
-
-def _check_values(value: Any, path: str, depth: int) -> None:
-    """Refuse what JSON parsing let through but nothing downstream can take, naming the field: NaN and
-    infinities, strings with lone surrogates (not encodable as UTF-8), and nesting deeper than MAX_DEPTH."""
-    if isinstance(value, _NonFinite):
-        raise RequestError(path or "body", f"{value} is not a number JSON allows")
-    if isinstance(value, str):
-        if not _encodable(value):
-            raise RequestError(path or "body", "contains a lone surrogate (\\ud800-\\udfff), not valid Unicode text")
-        return
-    if not isinstance(value, dict | list):
-        return
-    if depth > MAX_DEPTH:
-        raise RequestError(path or "body", f"nested deeper than {MAX_DEPTH} levels")
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_values(item, f"{path}[{index}]", depth + 1)
-        return
-    for key, item in value.items():
-        name = key if _encodable(key) else key.encode("utf-8", "backslashreplace").decode()
-        field = f"{path}.{name}" if path else name
-        if name != key:
-            raise RequestError(field, "field name contains a lone surrogate, not valid Unicode text")
-        _check_values(item, field, depth + 1)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _short(exc: Exception) -> str:
-    return str(exc)[:200]
 
 
 def validate(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings,

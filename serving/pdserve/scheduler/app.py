@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +29,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from pdserve import jsonbody
 
 from .advisor import Advice, advise
 from .client import read_token
@@ -57,19 +58,13 @@ def validation_error(exc: ValidationError) -> JSONResponse:
 
 async def parse_body(request: Request, model: type[M]) -> M | JSONResponse:
     try:
-        payload = json.loads(await request.body() or b"{}", parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        return error(400, f"body: not valid JSON ({exc.msg})", "body")
-    except (ValueError, RecursionError) as exc:  # bad UTF-8, NaN/Infinity, nesting deeper than the parser goes
-        return error(400, f"body: not valid JSON ({type(exc).__name__})", "body")
+        payload = jsonbody.loads(await request.body() or b"{}")
+    except jsonbody.BodyError as exc:
+        return error(400, str(exc), exc.field)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
         return validation_error(exc)
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 ADMIN = "admin"

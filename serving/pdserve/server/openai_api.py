@@ -14,13 +14,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pdserve import jsonbody
 from pdserve.engine import EngineError, TokenOutput
 from pdserve.kv import KVTransferError
 from pdserve.server import faults
 from pdserve.server.batching import CapacityError
 from pdserve.server.generation import DEFAULT_COMPLETION_TOKENS, Generation, GenerationService
 from pdserve.server.schemas import (
-    MAX_JSON_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
@@ -142,13 +142,10 @@ async def _collect_unless_disconnected(request: Request, generation: Generation)
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
     try:
-        return json.loads(raw)
-    except ValueError as error:
-        raise RequestError(f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise RequestError(f"body: nested deeper than {MAX_JSON_DEPTH} levels", param="body") from None
+        return jsonbody.loads(await request.body())
+    except jsonbody.BodyError as error:
+        raise RequestError(f"{error.field}: {error.message}", param=error.field) from None
 
 
 class _GenerationStream(StreamingResponse):

@@ -5,7 +5,6 @@ Unknown fields are ignored, as OpenAI clients send many; fields pdserve cannot h
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,7 +25,6 @@ NEUTRAL_ENGINE_PARAM_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True,),
 }
-MAX_JSON_DEPTH = 32  # OpenAI bodies nest a handful of levels (messages -> content parts -> fields)
 
 
 class RequestError(ValueError):
@@ -175,29 +173,6 @@ class ChatCompletionRequest(_GenerationRequest):
         return self
 
 
-def check_json_values(body: Any) -> None:
-    """Refuse, naming the field, what JSON lets through but no field can mean: NaN or Infinity (json.loads reads
-    them, and 1e999 as Infinity), lone UTF-16 surrogates (no UTF-8 text holds them) and nesting past MAX_JSON_DEPTH.
-    Iterative, so a deep body cannot exhaust the stack here."""
-    pending: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
-    while pending:
-        value, path = pending.pop()
-        name = ".".join(path) or "body"
-        if len(path) > MAX_JSON_DEPTH:
-            raise RequestError(f"{name}: nested deeper than {MAX_JSON_DEPTH} levels", param=name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise RequestError(f"{name}: must be a finite number, got {value}", param=name)
-        if isinstance(value, str) and not _is_unicode_text(value):
-            raise RequestError(f"{name}: contains a lone UTF-16 surrogate (not valid Unicode text)", param=name)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not _is_unicode_text(key):
-                    raise RequestError(f"{name}: a key contains a lone UTF-16 surrogate", param=name)
-                pending.append((item, (*path, key)))
-        elif isinstance(value, list):
-            pending.extend((item, (*path, str(index))) for index, item in enumerate(value))
-
-
 def refuse_unhonoured_params(body: dict[str, Any]) -> None:
     """A parameter the engine would silently ignore is refused by name instead (OpenAI clients expect it to work);
     `best_of: 1`, `repetition_penalty: 1` and the like ask for nothing and pass."""
@@ -208,19 +183,10 @@ def refuse_unhonoured_params(body: dict[str, Any]) -> None:
         raise RequestError(f"{name}: not supported by this server's engine (pdserve); leave it out", param=name)
 
 
-def _is_unicode_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def parse_request(model: type[RequestT], body: Any) -> RequestT:
     """Validate a decoded JSON body, turning the first problem into a RequestError naming its field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    check_json_values(body)
     refuse_unhonoured_params(body)
     try:
         return model.model_validate(body)

@@ -129,14 +129,18 @@ def test_registration_needs_an_instance_id(scheduler: tuple[Service, str, Path])
     assert response.status_code == 400 and response.json()["error"]["field"] == "instance_id"
 
 
-@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"load": {"queue_depth": NaN}}', b'{"load": "\xff"}',
-                                  b'{"load": {"ready": Infinity}}'])
-def test_malformed_bodies_are_400_not_500(scheduler: tuple[Service, str, Path], body: bytes) -> None:
+@pytest.mark.parametrize(("body", "field"), [
+    (b"[" * 100_000, "body"),
+    (b'{"load": {"queue_depth": NaN}}', "load.queue_depth"),
+    (b'{"load": "\xff"}', "body"),
+    (b'{"load": {"ready": Infinity}}', "load.ready"),
+])
+def test_malformed_bodies_are_400_not_500(scheduler: tuple[Service, str, Path], body: bytes, field: str) -> None:
     service, _, tmp = scheduler
     own = bearer(principal_token(tmp, f"instance:{VICTIM}"))
     response = httpx.post(f"{service.url}/v1/instances/{VICTIM}/heartbeat", content=body, headers=own)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["field"] == "body"
+    assert response.json()["error"]["field"] == field
 
 
 def test_unknown_paths_and_methods_name_what_is_wrong(scheduler: tuple[Service, str, Path]) -> None:

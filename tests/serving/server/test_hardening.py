@@ -102,7 +102,7 @@ def test_unrepresentable_values_get_400_naming_the_field(small: ServerProcess, b
 def test_lone_surrogate_in_a_chat_message_names_it(small: ServerProcess) -> None:
     response = post_raw(small, '{"messages": [{"role": "user", "content": "\\udfff"}]}', "/v1/chat/completions")
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "messages.0.content"
+    assert response.json()["error"]["param"] == "messages[0].content"
 
 
 def test_streams_whose_client_left_before_streaming_give_their_slot_back(small: ServerProcess) -> None:
