@@ -25,6 +25,7 @@ typecheck: venv
 
 test: lint typecheck
 	$(VENV)/bin/pytest
+	$(MAKE) test-vllm
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit
