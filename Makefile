@@ -23,9 +23,9 @@ typecheck: venv
 	# The Pulumi program against the provider SDKs' own types: a misspelled argument fails the build.
 	$(VENV)/bin/basedpyright --pythonpath $(PY)
 
-test: lint typecheck
+# The vLLM tests first, so that the run ends with the main suite's summary.
+test: lint typecheck test-vllm
 	$(VENV)/bin/pytest
-	$(MAKE) test-vllm
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit
