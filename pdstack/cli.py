@@ -11,8 +11,11 @@ import typer
 from pdstack.bench.cli import bench_command
 from pdstack.canary.command import canary_app
 from pdstack.local.cli import local_app
+from pdstack.options import EnvOption, JsonOption, StacksOption, stacks_dir
 from pdstack.plan.command import plan_command
-from pdstack.validate import validate
+from pdstack.stackfile import stack_name_of
+from pdstack.stacks import default_stacks_dir
+from pdstack.validate import stack_paths, validate
 
 app = typer.Typer(
     help="Prefill/decode-disaggregated LLM inference across datacenters.",
@@ -23,11 +26,7 @@ app = typer.Typer(
 
 def project_stacks_dir(start: Path | None = None) -> Path:
     """The `stacks/` folder of the Pulumi project holding `start` (default: the working directory)."""
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "Pulumi.yaml").is_file():
-            return folder / "stacks"
-    return here / "stacks"
+    return default_stacks_dir(start)
 
 
 app.command("plan")(plan_command)
@@ -44,16 +43,28 @@ def main() -> None:
 @app.command("validate")
 def validate_command(
     paths: Annotated[
-        list[Path] | None, typer.Argument(help="stack files or folders (default: the project's stacks/)")
+        list[Path] | None,
+        typer.Argument(help="deprecated: stack files or folders to check instead of --stacks", show_default=False),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable report")] = False,
+    *,
+    stacks: StacksOption = None,
+    env: EnvOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Check every stack file, then every environment as a whole. Exit 1 on any problem, one line each."""
-    targets = paths or [project_stacks_dir()]
-    missing = [p for p in targets if not p.exists()]
-    if missing:
-        typer.echo(f"no such file or folder: {', '.join(map(str, missing))}", err=True)
-        raise typer.Exit(2)
+    if paths:
+        typer.echo("warning: validate PATH... is deprecated and will be removed; use --stacks DIR", err=True)
+        missing = [p for p in paths if not p.exists()]
+        if missing:
+            typer.echo(f"no such file or folder: {', '.join(map(str, missing))}", err=True)
+            raise typer.Exit(2)
+        targets = stack_paths(paths)
+    else:
+        targets = stack_paths([stacks_dir(stacks)])
+    if env is not None:
+        targets = [p for p in targets if (stack_name_of(p) or "").split("-", 1)[0] == env]
+        if not targets:
+            raise typer.BadParameter(f"no stack files of environment {env!r}", param_hint="--env")
     report = validate(targets)
     if as_json:
         typer.echo(json.dumps(report.as_json(), indent=2))
@@ -69,17 +80,21 @@ def validate_command(
 
 @app.command("synth")
 def synth_command(
-    stacks: Annotated[
-        list[str] | None, typer.Option("--stack", help="stack name, e.g. prod-control; repeatable (default: all)")
+    names: Annotated[
+        list[str] | None,
+        typer.Option("--stack", metavar="NAME", help="one stack, e.g. prod-control; repeatable (default: all)"),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable resource graph and verdicts")] = False,
+    *,
+    stacks: StacksOption = None,
+    env: EnvOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the Pulumi program under mocks, offline: list the resources a stack would create and the policy
     verdicts on them. Exit 1 on a violation."""
     from pdstack.synth import SynthError, run_command  # noqa: PLC0415 (pulumi is heavy: load it only here)
 
     try:
-        text, status = run_command(project_stacks_dir(), stacks or [], as_json)
+        text, status = run_command(stacks_dir(stacks), names or [], as_json, env=env)
     except SynthError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None

@@ -27,6 +27,7 @@ from pulumi.runtime.sync_await import _sync_await
 
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
 from pdstack.stackfile import StackFile, StackFileError, load_stack_file
+from pdstack.stacks import EnvironmentLoadError, load_environment, stack_files
 
 PROJECT = "pdstack"
 ORGANIZATION = "organization"
@@ -126,10 +127,11 @@ def load_rules(root: Path) -> ModuleType:
 
 
 def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
-    configs = {}
-    for path in sorted(stacks_dir.glob(f"Pulumi.{stack.config.environment}-*.yaml")):
-        cfg = load_stack_file(path).config
-        configs[cfg.datacenter.name] = cfg
+    """The stack's environment as the program sees it (pdstack.stacks, the one loader); its own config wins."""
+    try:
+        configs = load_environment(stacks_dir, str(stack.config.environment)).configs
+    except EnvironmentLoadError as exc:
+        raise SynthError(str(exc)) from None
     configs[stack.config.datacenter.name] = stack.config
     return configs
 
@@ -386,9 +388,16 @@ def as_text(result: Synthesis) -> str:
     return "\n".join(lines)
 
 
-def run_command(stacks_dir: Path, names: list[str], json_output: bool) -> tuple[str, int]:
-    """Synthesise the named stacks (all of stacks_dir when none); exit status 1 on any violation or refusal."""
-    paths = [stack_path(stacks_dir, n) for n in names] if names else sorted(stacks_dir.glob("Pulumi.*.yaml"))
+def run_command(stacks_dir: Path, names: list[str], json_output: bool, env: str | None = None) -> tuple[str, int]:
+    """Synthesise the named stacks (else those of `env`, else all of stacks_dir); exit status 1 on any violation
+    or refusal."""
+    paths = [stack_path(stacks_dir, n) for n in names] if names else stack_files(stacks_dir, env)
+    if env is not None:
+        outside = [p.name for p in paths if p not in stack_files(stacks_dir, env)]
+        if outside:
+            raise SynthError(f"not stacks of environment {env}: {', '.join(outside)}")
+        if not paths:
+            raise SynthError(f"no stack files Pulumi.{env}-*.yaml in {stacks_dir}")
     results, errors = [], []
     for path in paths:
         try:

@@ -26,7 +26,7 @@ from pdstack.canary.golden import (
 from pdstack.canary.judge import Outcome, judge
 from pdstack.canary.prom import DEFAULT_POINTS, Prometheus, PrometheusError, observe
 from pdstack.model import Canary
-from pdstack.stackfile import StackFileError, load_stack_file
+from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
 
 EXIT = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.INCONCLUSIVE: 3}
 canary_app = typer.Typer(
@@ -34,19 +34,16 @@ canary_app = typer.Typer(
 )
 
 
-def canary_policy(stacks_dir: Path, env: str) -> Canary:
+def canary_policy(folder: Path, env: str) -> Canary:
     """The `pdstack:canary` section of the environment's stacks (the defaults when none has one)."""
-    paths = sorted(stacks_dir.glob(f"Pulumi.{env}-*.yaml"))
-    if not paths:
-        raise typer.BadParameter(f"no Pulumi.{env}-*.yaml in {stacks_dir}", param_hint="--env")
-    for path in paths:
-        try:
-            config = load_stack_file(path).config
-        except StackFileError as exc:
-            raise typer.BadParameter(f"{path}: " + "; ".join(map(str, exc.problems)), param_hint="--stack-dir") from exc
-        if config.canary is not None:
-            return config.canary
+    for stack in environment(folder, env).stacks:
+        if stack.config.canary is not None:
+            return stack.config.canary
     return Canary()
+
+
+OldStackDir = Annotated[Path | None, typer.Option("--stack-dir", hidden=True, help="deprecated spelling of --stacks")]
+EnvName = Annotated[str, typer.Option("--env", metavar="NAME", help="environment whose pdstack:canary policy applies")]
 
 
 @canary_app.command("judge")
@@ -55,17 +52,18 @@ def judge_command(  # typer builds one option per parameter
     prometheus: Annotated[str, typer.Option(help="Prometheus base URL, e.g. http://10.210.0.10:9090")],
     canary: Annotated[str, typer.Option(help="canary version (the gateway's `version` label)")],
     baseline: Annotated[str, typer.Option(help="baseline version")],
-    stack_dir: Annotated[Path, typer.Option(help="stacks folder holding the canary policy")] = Path("stacks"),
-    env: Annotated[str, typer.Option(help="environment whose pdstack:canary policy applies")] = "local",
+    stacks: StacksOption = None,
+    stack_dir: OldStackDir = None,
+    env: EnvName = "local",
     window: Annotated[
         int | None, typer.Option(help="analysis window in seconds (default: the policy's interval)")
     ] = None,
     end: Annotated[float | None, typer.Option(help="window end, Unix seconds (default: now)")] = None,
     points: Annotated[int, typer.Option(help="latency samples per version across the window")] = DEFAULT_POINTS,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable verdict")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Compare canary with baseline over the window; exit 0 pass, 1 fail, 3 inconclusive."""
-    policy = canary_policy(stack_dir, env)
+    policy = canary_policy(stacks_dir(stacks, stack_dir, "--stack-dir"), env)
     window_s = window if window is not None else int(policy.interval_s)
     try:
         seen_canary = observe(Prometheus(prometheus), canary, window_s, end, points)
@@ -91,7 +89,7 @@ def golden_command(  # typer builds one option per parameter
     record: Annotated[Path | None, typer.Option(help="write the canary's outputs as a golden file and exit")] = None,
     api_key_file: Annotated[Path | None, typer.Option(help="file holding the API key (for a gateway)")] = None,
     model: Annotated[str | None, typer.Option(help="model name to request")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable result")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Greedy outputs of golden prompts: canary vs baseline, or vs the golden file's outputs. Exit 0 same, 1 not."""
     try:
@@ -122,8 +120,9 @@ def golden_command(  # typer builds one option per parameter
 
 @canary_app.command("policy")
 def policy_command(
-    stack_dir: Annotated[Path, typer.Option(help="stacks folder")] = Path("stacks"),
-    env: Annotated[str, typer.Option(help="environment")] = "local",
+    stacks: StacksOption = None,
+    stack_dir: OldStackDir = None,
+    env: EnvName = "local",
 ) -> None:
-    """Print the environment's canary policy (steps, interval, minimum samples, thresholds) as JSON."""
-    typer.echo(canary_policy(stack_dir, env).model_dump_json())
+    """Print the environment's canary policy (steps, interval, minimum samples, thresholds) as JSON (always)."""
+    typer.echo(canary_policy(stacks_dir(stacks, stack_dir, "--stack-dir"), env).model_dump_json())

@@ -14,6 +14,8 @@ from pdstack.local.network import NetworkError
 from pdstack.local.registry import RegistryError
 from pdstack.local.topology import TopologyError
 from pdstack.nodes import NodeError
+from pdstack.options import JsonOption, StacksOption, stacks_dir
+from pdstack.stacks import PROJECT_FILE, STACKS_FOLDER
 
 # What `up` reports as a message and exit 1: each names the step and carries the cause; anything else is a bug.
 UP_ERRORS = (TopologyError, NetworkError, RegistryError, NodeError, PlaybookError)
@@ -22,21 +24,27 @@ local_app = typer.Typer(
     help="Run all of pdstack on this machine: two emulated datacenters and a control plane.", no_args_is_help=True
 )
 
-ProjectOption = Annotated[Path, typer.Option("--project", help="the pdstack project folder (holds Pulumi.yaml)")]
+# `pdstack local` reads the `local` environment of --stacks (the project's stacks/ by default); it also needs the
+# project around them (playbooks, roles, inventories/local, .cache/local), so --stacks must be a project's stacks/.
+ProjectOption = Annotated[
+    Path | None, typer.Option("--project", hidden=True, help="deprecated: use --stacks PROJECT/stacks")
+]
 
 
-def _env(project: Path) -> LocalEnv:
-    if not (project / "Pulumi.yaml").is_file():
-        typer.echo(f"{project} is not a pdstack project (no Pulumi.yaml)", err=True)
+def _env(stacks: Path | None, project: Path | None) -> LocalEnv:
+    folder = stacks_dir(stacks, project / STACKS_FOLDER if project is not None else None, "--project")
+    root = folder.resolve().parent
+    if folder.resolve().name != STACKS_FOLDER or not (root / PROJECT_FILE).is_file():
+        typer.echo(f"{folder} is not the stacks/ folder of a pdstack project (beside a {PROJECT_FILE})", err=True)
         raise typer.Exit(2)
-    return LocalEnv(project.resolve())
+    return LocalEnv(root)
 
 
 @local_app.command("up")
-def up_command(project: ProjectOption = Path()) -> None:
+def up_command(stacks: StacksOption = None, project: ProjectOption = None) -> None:
     """Bring the local environment up (idempotent) and print where it answers."""
     try:
-        status = _env(project).up(say=lambda line: typer.echo(f"== {line}", err=True))
+        status = _env(stacks, project).up(say=lambda line: typer.echo(f"== {line}", err=True))
     except UP_ERRORS as error:
         typer.echo(f"pdstack local up: {error}", err=True)
         raise typer.Exit(1) from None
@@ -47,9 +55,9 @@ def up_command(project: ProjectOption = Path()) -> None:
 
 
 @local_app.command("down")
-def down_command(project: ProjectOption = Path()) -> None:
+def down_command(stacks: StacksOption = None, project: ProjectOption = None) -> None:
     """Remove every container, namespace, link and rule the local environment made."""
-    env = _env(project)
+    env = _env(stacks, project)
     env.down(say=lambda line: typer.echo(f"== {line}", err=True))
     leftovers = env.status()["leftovers"]
     if leftovers:
@@ -58,11 +66,9 @@ def down_command(project: ProjectOption = Path()) -> None:
 
 
 @local_app.command("status")
-def status_command(
-    project: ProjectOption = Path(), as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False
-) -> None:
+def status_command(stacks: StacksOption = None, project: ProjectOption = None, as_json: JsonOption = False) -> None:
     """Gateway URL, API key file, Prometheus URL and nodes by datacenter."""
-    status = _env(project).status()
+    status = _env(stacks, project).status()
     if as_json:
         typer.echo(json.dumps(status, indent=2))
         return
@@ -76,9 +82,9 @@ def status_command(
 
 
 @local_app.command("inventory")
-def inventory_command(project: ProjectOption = Path()) -> None:
+def inventory_command(stacks: StacksOption = None, project: ProjectOption = None) -> None:
     """Print the Ansible inventory the local stacks render to (committed as inventories/local/hosts.yml)."""
-    typer.echo(render_inventory(_env(project).topology()), nl=False)
+    typer.echo(render_inventory(_env(stacks, project).topology()), nl=False)
 
 
 @local_app.command("link")
@@ -90,15 +96,16 @@ def link_command(
     rtt_ms: Annotated[float | None, typer.Option("--rtt-ms", help="round-trip delay, ms")] = None,
     rate_mbit: Annotated[float | None, typer.Option("--rate-mbit", help="rate, Mbit/s")] = None,
     reset: Annotated[bool, typer.Option("--reset", help="back to the values the stacks declare")] = False,
-    project: ProjectOption = Path(),
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+    stacks: StacksOption = None,
+    project: ProjectOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Change a running WAN link's loss, delay or rate (like `tc qdisc change ... netem`) and print its spec.
 
     Connections across the link live on: the forwarder applies the change to the packets that arrive from then on.
     Without options, only prints the spec in force.
     """
-    env = _env(project)
+    env = _env(stacks, project)
     try:
         status = env.network(env.topology()).shape_link(
             a, b, loss_pct=loss_pct, rtt_ms=rtt_ms, rate_mbit=rate_mbit, reset=reset

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pdstack.model import DatacenterRole, Environment, PoolRole, Serving
 from pdstack.stackfile import StackFile
-from pdstack.validate import validate
+from pdstack.stacks import EnvironmentLoadError, load_environment
 
 LOCAL_SUPERNET = IPv4Network("10.210.0.0/16")
 SERVICE_ADDRESS = IPv4Address("10.210.255.1")  # the host as every node sees it: registry, package proxy
@@ -111,14 +111,13 @@ class TopologyError(ValueError):
 
 
 def load_topology(stacks_dir: Path) -> Topology:
-    """The local environment of `stacks_dir`, validated first: an invalid stack never reaches the machine."""
-    report = validate([stacks_dir])
-    if not report.valid:
-        raise TopologyError("the stacks are not valid:\n" + "\n".join(map(str, report.problems)))
-    local = report.environments().get(Environment.LOCAL)
-    if not local:
-        raise TopologyError(f"no `local` environment stacks in {stacks_dir}")
-    return topology_of(local)
+    """The local environment of `stacks_dir`, validated first (pdstack.stacks): an invalid stack never reaches the
+    machine."""
+    try:
+        local = load_environment(stacks_dir, Environment.LOCAL)
+    except EnvironmentLoadError as exc:
+        raise TopologyError(str(exc)) from None
+    return topology_of(list(local.stacks))
 
 
 def topology_of(stacks: list[StackFile]) -> Topology:

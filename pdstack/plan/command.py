@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from pdstack.model import PoolRole
+from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
 from pdstack.plan.hardware import HardwareError
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelError, resolve_model
@@ -19,7 +20,7 @@ from pdstack.plan.render import plan_json, render_plan
 from pdstack.plan.stacks import control_of, kv_links, link_checks, model_for
 from pdstack.plan.timing import Efficiency
 from pdstack.plan.workload import WorkloadError, from_distribution, from_trace
-from pdstack.stackfile import StackFile, StackFileError, load_stack_file
+from pdstack.stackfile import StackFile
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -33,14 +34,7 @@ class StackDefaults:
 
 
 def stack_defaults(stacks_dir: Path, env: str) -> StackDefaults:
-    stacks: list[StackFile] = []
-    for path in sorted(stacks_dir.glob(f"Pulumi.{env}-*.yaml")):
-        try:
-            stacks.append(load_stack_file(path))
-        except StackFileError as exc:
-            raise typer.BadParameter(f"{exc}; run `pdstack validate`") from None
-    if not stacks:
-        raise typer.BadParameter(f"no stack files for environment {env!r} in {stacks_dir}")
+    stacks = list(environment(stacks_dir, env).stacks)
     values: dict[str, Any] = {}
     control = control_of(stacks)
     if control is not None and control.config.serving is not None:
@@ -102,12 +96,18 @@ def plan_command(
     prefill_mfu: Annotated[float, typer.Option(help="achieved share of dense FLOP/s in prefill")] = 0.5,
     decode_mbu: Annotated[float, typer.Option(help="achieved share of memory bandwidth in decode")] = 0.7,
     max_batch: Annotated[int, typer.Option(help="most sequences in one decode step")] = 256,
-    env: Annotated[str | None, typer.Option(help="take defaults from this environment's stack files")] = None,
-    stacks_dir: Annotated[Path, typer.Option(help="folder of stack files, for --env")] = Path("stacks"),
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable plan")] = False,
+    env: Annotated[
+        str | None, typer.Option("--env", metavar="NAME", help="take defaults from this environment's stack files")
+    ] = None,
+    stacks: StacksOption = None,
+    old_stacks_dir: Annotated[
+        Path | None, typer.Option("--stacks-dir", hidden=True, help="deprecated spelling of --stacks")
+    ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Plan prefill/decode capacity and the cross-datacenter link for a model and workload."""
-    defaults = stack_defaults(stacks_dir, env) if env else StackDefaults({}, [])
+    folder = stacks_dir(stacks, old_stacks_dir, "--stacks-dir") if env else None
+    defaults = stack_defaults(folder, env) if folder is not None and env else StackDefaults({}, [])
     d = defaults.values
     try:
         for name, dtype in (("--kv-dtype", kv_dtype), ("--weight-dtype", weight_dtype)):

@@ -86,7 +86,7 @@ def test_a_bad_query_names_the_cause() -> None:
 def run_judge(prom: Prometheus, canary: str, *extra: str) -> tuple[int, str]:
     stacks = Path(__file__).resolve().parents[2] / "stacks"
     result = CliRunner().invoke(app, ["canary", "judge", "--prometheus", prom.url, "--canary", canary,
-                                      "--baseline", "v1", "--stack-dir", str(stacks), "--env", "local",
+                                      "--baseline", "v1", "--stacks", str(stacks), "--env", "local",
                                       "--window", str(WINDOW), "--end", str(END), *extra])
     return result.exit_code, result.output
 

@@ -41,7 +41,7 @@ def test_up_refuses_invalid_stacks_with_a_message_before_touching_the_machine(tm
     shutil.copytree(REPO / "stacks", tmp_path / "stacks")
     control = tmp_path / "stacks" / "Pulumi.local-control.yaml"
     control.write_text(control.read_text().replace("cidr: 10.210.0.0/24", "cidr: 10.210.1.0/24"))
-    result = CliRunner().invoke(app, ["local", "up", "--project", str(tmp_path)])
+    result = CliRunner().invoke(app, ["local", "up", "--stacks", str(tmp_path / "stacks")])
     assert result.exit_code == 1
-    assert "pdstack local up: the stacks are not valid" in result.output and "10.210.1.0/24" in result.output
+    assert "pdstack local up: environment local in" in result.output and "10.210.1.0/24" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)  # a message, not a traceback

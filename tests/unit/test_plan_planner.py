@@ -224,10 +224,10 @@ def test_plan_command_json() -> None:
 
 def test_plan_command_from_stacks_and_bad_input() -> None:
     runner = CliRunner()
-    result = runner.invoke(app, ["plan", "--env", "prod", "--stacks-dir", str(STACKS), "--json"])
+    result = runner.invoke(app, ["plan", "--env", "prod", "--stacks", str(STACKS), "--json"])
     data = json.loads(result.stdout)
     assert data["model"]["name"] == "Qwen3-Next-80B-A3B" and data["link"]["streams"] == 8
     assert result.exit_code == 0, "the prod example is a viable split"
     assert data["link_checks"][0]["link"] == "prefill-us-east-1 -> decode-us-west-2"
-    bad = runner.invoke(app, ["plan", "--env", "prod", "--stacks-dir", str(STACKS), "--prefill", "p9.huge"])
+    bad = runner.invoke(app, ["plan", "--env", "prod", "--stacks", str(STACKS), "--prefill", "p9.huge"])
     assert bad.exit_code == 2 and "unknown instance type 'p9.huge'" in bad.output

@@ -113,7 +113,7 @@ def test_string_where_a_number_belongs(stacks_dir: Path) -> None:
 def test_malformed_yaml_is_a_clear_error_not_a_traceback(stacks_dir: Path) -> None:
     bad = stacks_dir / "Pulumi.dev-control.yaml"
     bad.write_text("config:\n  pdstack:environment: dev\n  pdstack:datacenter: {name: control, cidr: [\n")
-    result = run_cli("validate", str(stacks_dir))
+    result = run_cli("validate", "--stacks", str(stacks_dir))
     assert result.returncode == 1
     assert result.stderr == ""
     assert result.stdout.startswith(f"{bad}: malformed YAML: line 4, column 1:")
@@ -122,7 +122,7 @@ def test_malformed_yaml_is_a_clear_error_not_a_traceback(stacks_dir: Path) -> No
 
 def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
     edit(stacks_dir / "Pulumi.local-dc2.yaml", lambda c: c["pdstack:datacenter"]["pools"][0].update(max_size=0))
-    result = run_cli("validate", "--json", str(stacks_dir))
+    result = run_cli("validate", "--json", "--stacks", str(stacks_dir))
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert report["valid"] is False
