@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -16,7 +17,7 @@ from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
 from infra.network import Network, NetworkArgs
 from infra.node_pool import GpuNodePool, GpuNodePoolArgs
-from infra.prometheus import DatacenterTarget, scrape_config
+from infra.prometheus import DatacenterTarget, alertmanager_config, scrape_config
 from infra.registry import ImageRegistry, ImageRegistryArgs
 from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
@@ -24,12 +25,14 @@ from infra.storage import ModelStorage, ModelStorageArgs
 from infra.tags import datacenter_tags, pool_tags
 from infra.workloads import GATEWAY_TOKEN, ControlWorkloads, ControlWorkloadsArgs
 from pdstack.catalog import Catalog, load_catalog
-from pdstack.model import DatacenterRole, Environment
+from pdstack.contract import contract
+from pdstack.model import DatacenterRole, Environment, Serving
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
 # scheduler's identity key: whoever holds it can mint any principal's token, so each node gets only its own derived
 # token from the deployer (roles/pdserve); the rest stay in the control plane.
 NODE_SECRETS = ("kv-channel-key", "server-api-token")
+ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 
 
 def main() -> None:
@@ -131,7 +134,7 @@ def build_datacenter(
             access=NodeAccess(
                 pool_roles=frozenset(p.role for p in dc.pools),
                 datacenter_role=dc.role,
-                ports=view.ports,
+                contract=contract(_serving(view)),
                 own_cidr=str(dc.cidr),
                 control_cidr=str(view.control.datacenter.cidr),
                 kv_peer_cidrs=tuple(str(c.datacenter.cidr) for c in pulls_kv),
@@ -204,7 +207,7 @@ def build_control_plane(
             env=view.env,
             namespace=namespace,
             images=images,
-            ports=serving.ports,
+            contract=contract(serving),
             config_files={
                 "serving.json": serving.model_dump_json(indent=2),
                 "canary.json": cfg.canary.model_dump_json(indent=2) if cfg.canary else "{}",
@@ -216,9 +219,11 @@ def build_control_plane(
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
             cluster_cidr=str(dc.cidr),
             prometheus_config=scrape_config(
-                view.env, namespace, serving.ports,
+                view.env, namespace, contract(serving),
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
             ),
+            alert_rules=ALERT_RULES.read_text(),
+            alertmanager_config=alertmanager_config(view.env),
             volume_key_arn=key.key.arn,
             gateway_replicas=replicas,
             gateway_max_replicas=replicas * 4,
@@ -231,6 +236,12 @@ def build_control_plane(
     pulumi.export(outputs.REPOSITORY_ARNS, {k: r.arn for k, r in registry.repositories.items()})
     pulumi.export(outputs.REPOSITORY_URLS, {k: r.repository_url for k, r in registry.repositories.items()})
     pulumi.export(outputs.CLUSTER_NAME, plane.cluster.name)
+
+
+def _serving(view: EnvironmentView) -> Serving:
+    serving = view.control.serving
+    assert serving is not None  # the model requires it on the control stack
+    return serving
 
 
 def _qualified(stack: str) -> str:

@@ -1,16 +1,23 @@
-"""Prometheus's scrape configuration: the control-plane services through Kubernetes discovery, and every
-datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto Scaling instances appear alone)."""
+"""Prometheus's configuration in the cloud: the control-plane services through Kubernetes discovery, and every
+datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto Scaling instances appear alone).
+
+Job names, ports and paths are the deployment contract's (pdstack/contract.py), the same as the local Prometheus
+(roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for node_exporter,
+`prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it loads, selects
+the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from infra.security import NODE_EXPORTER_PORT
 from infra.tags import DC, ENV, POOL, ROLE
-from pdstack.model import PoolRole, Ports
+from pdstack.contract import Component, Contract
+from pdstack.model import PoolRole
 
 SCRAPE_INTERVAL = "15s"
+RULES_FILE = "alerts.yml"  # beside prometheus.yml in the same ConfigMap: rule_files resolve relative to it
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,16 @@ def _tag_label(tag: str) -> str:
     return "__meta_ec2_tag_" + tag.replace(":", "_")
 
 
-def _ec2_job(job: str, env: str, dc: DatacenterTarget, port: int, role: PoolRole | None) -> dict[str, Any]:
+EC2_RELABEL = [
+    {"source_labels": [_tag_label(DC)], "target_label": "datacenter"},
+    {"source_labels": [_tag_label(ROLE)], "target_label": "role"},
+    {"source_labels": [_tag_label(POOL)], "target_label": "pool"},
+    {"source_labels": ["__meta_ec2_instance_id"], "target_label": "instance_id"},
+    {"source_labels": ["__meta_ec2_availability_zone"], "target_label": "zone"},
+]
+
+
+def _ec2_sd(env: str, dc: DatacenterTarget, port: int, role: PoolRole | None) -> dict[str, Any]:
     filters = [
         {"name": f"tag:{ENV}", "values": [env]},
         {"name": f"tag:{DC}", "values": [dc.name]},
@@ -32,43 +48,62 @@ def _ec2_job(job: str, env: str, dc: DatacenterTarget, port: int, role: PoolRole
     ]
     if role is not None:
         filters.append({"name": f"tag:{ROLE}", "values": [str(role)]})
+    return {"region": dc.region, "port": port, "filters": filters}
+
+
+def _ec2_job(job: str, sd_configs: list[dict[str, Any]], metrics_path: str | None = None) -> dict[str, Any]:
+    return {"job_name": job, **({"metrics_path": metrics_path} if metrics_path else {}),
+            "ec2_sd_configs": sd_configs, "relabel_configs": EC2_RELABEL}  # fmt: skip
+
+
+def _service_job(job: str, service: str, namespace: str, metrics_path: str) -> dict[str, Any]:
     return {
         "job_name": job,
-        "ec2_sd_configs": [{"region": dc.region, "port": port, "filters": filters}],
-        "relabel_configs": [
-            {"source_labels": [_tag_label(DC)], "target_label": "datacenter"},
-            {"source_labels": [_tag_label(ROLE)], "target_label": "role"},
-            {"source_labels": [_tag_label(POOL)], "target_label": "pool"},
-            {"source_labels": ["__meta_ec2_instance_id"], "target_label": "instance_id"},
-            {"source_labels": ["__meta_ec2_availability_zone"], "target_label": "zone"},
-        ],
-    }
-
-
-def _service_job(name: str, namespace: str) -> dict[str, Any]:
-    return {
-        "job_name": name,
+        "metrics_path": metrics_path,
         "kubernetes_sd_configs": [{"role": "endpoints", "namespaces": {"names": [namespace]}}],
         "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_service_name"], "regex": name, "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_service_name"], "regex": service, "action": "keep"},
             {"source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": "http", "action": "keep"},
             {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
         ],
     }
 
 
-def scrape_config(env: str, namespace: str, ports: Ports, datacenters: list[DatacenterTarget]) -> dict[str, Any]:
-    jobs = [_service_job("gateway", namespace), _service_job("scheduler", namespace)]
-    for dc in datacenters:
-        jobs.append(_ec2_job(f"node-{dc.name}", env, dc, NODE_EXPORTER_PORT, None))
-        for role in dc.pool_roles:
-            port = ports.prefill if role is PoolRole.PREFILL else ports.decode
-            jobs.append(_ec2_job(f"{role}-{dc.name}", env, dc, port, role))
+def alertmanager_address(namespace: str, contract: Contract) -> str:
+    return f"alertmanager.{namespace}.svc:{contract.alertmanager.port}"
+
+
+def scrape_config(env: str, namespace: str, contract: Contract, datacenters: list[DatacenterTarget]) -> dict[str, Any]:
+    itself = {"targets": [f"localhost:{contract.prometheus.port}"]}
+    jobs: list[dict[str, Any]] = [{"job_name": contract.prometheus.job, "static_configs": [itself]}]
+    for component in (Component.SCHEDULER, Component.GATEWAY):
+        served = contract[component]
+        jobs.append(_service_job(served.job, str(component), namespace, served.metrics_path))
+    for component, role in ((Component.PREFILL, PoolRole.PREFILL), (Component.DECODE, PoolRole.DECODE)):
+        served = contract[component]
+        sd = [_ec2_sd(env, dc, served.port, role) for dc in datacenters if role in dc.pool_roles]
+        if sd:
+            jobs.append(_ec2_job(served.job, sd, served.metrics_path))
+    node_job = contract.node_exporter.job
+    assert node_job is not None
+    jobs.append(_ec2_job(node_job, [_ec2_sd(env, dc, contract.node_exporter.port, None) for dc in datacenters]))
     return {
         "global": {
             "scrape_interval": SCRAPE_INTERVAL,
             "evaluation_interval": SCRAPE_INTERVAL,
             "external_labels": {"environment": env},
         },
+        "rule_files": [RULES_FILE],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager_address(namespace, contract)]}]}]},
         "scrape_configs": jobs,
     }
+
+
+def alertmanager_config(env: str) -> dict[str, Any]:
+    """Every alert grouped by name and datacenter into one receiver. It has no notifier yet: the environment's
+    pager or chat hook is added as a receiver here (alerts are visible and silenceable in Alertmanager until then)."""
+    return {
+        "route": {"receiver": f"pdstack-{env}", "group_by": ["alertname", "datacenter"],
+                  "group_wait": "30s", "group_interval": "5m", "repeat_interval": "4h"},
+        "receivers": [{"name": f"pdstack-{env}"}],
+    }  # fmt: skip

@@ -13,10 +13,10 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.tags import PURPOSE
-from pdstack.model import DatacenterRole, PoolRole, Ports
+from pdstack.contract import Component, Contract
+from pdstack.model import DatacenterRole, PoolRole
 
 SSH_PORT = 22
-NODE_EXPORTER_PORT = 9100
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class NodeAccess:
 
     pool_roles: frozenset[PoolRole]
     datacenter_role: DatacenterRole
-    ports: Ports
+    contract: Contract  # the ports each component listens on (pdstack/contract.py)
     own_cidr: str
     control_cidr: str
     kv_peer_cidrs: tuple[str, ...]  # linked datacenters that pull KV from this one
@@ -47,17 +47,21 @@ class NodeAccess:
 
 def node_openings(access: NodeAccess) -> list[Opening]:
     control = (access.control_cidr,)
+    served = access.contract
     openings: list[Opening] = []
-    for role, port in ((PoolRole.PREFILL, access.ports.prefill), (PoolRole.DECODE, access.ports.decode)):
+    for role, component in ((PoolRole.PREFILL, Component.PREFILL), (PoolRole.DECODE, Component.DECODE)):
         if role in access.pool_roles:
+            port = served[component].port
             openings.append(Opening(f"serving-{role}", port, port, cidrs=control))
-    if PoolRole.PREFILL in access.pool_roles:
+    kv_port = served[Component.PREFILL].kv_port
+    if PoolRole.PREFILL in access.pool_roles and kv_port is not None:
         kv_sources = access.kv_peer_cidrs
         if access.datacenter_role is DatacenterRole.MIXED:
             kv_sources = (access.own_cidr, *kv_sources)  # decode in the same datacenter pulls locally
         if kv_sources:
-            openings.append(Opening("kv", access.ports.kv, access.ports.kv, cidrs=tuple(sorted(set(kv_sources)))))
-    openings.append(Opening("metrics", NODE_EXPORTER_PORT, NODE_EXPORTER_PORT, cidrs=control))
+            openings.append(Opening("kv", kv_port, kv_port, cidrs=tuple(sorted(set(kv_sources)))))
+    metrics = served.node_exporter.port
+    openings.append(Opening("metrics", metrics, metrics, cidrs=control))
     openings.append(Opening("ssh", SSH_PORT, SSH_PORT, cidrs=access.management_cidrs))
     if access.efa:
         # EFA's SRD traffic is not TCP/UDP: the group must admit all protocols from itself.

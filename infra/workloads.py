@@ -1,6 +1,12 @@
-"""The control plane's Kubernetes workloads: gateway and scheduler Deployments (separate liveness and readiness
-probes, resource requests, PodDisruptionBudgets, an autoscaler for the gateway), internal NLB Services open only to
-the environment's networks, default-deny NetworkPolicies, Secrets from the secret store, and Prometheus."""
+"""The control plane's Kubernetes workloads: gateway and scheduler Deployments running pdserve (command, PDSERVE_*
+settings, secret files, ports and probes from the deployment contract, pdstack/contract.py; separate liveness and
+readiness probes, resource requests, PodDisruptionBudgets, an autoscaler for the gateway), internal NLB Services open
+only to the environment's networks, default-deny NetworkPolicies, the Secret from the secret store mounted as files,
+Prometheus loading monitoring/alerts.yml, and the Alertmanager it sends alerts to.
+
+Alerting is the project's own objects (a Deployment, ConfigMap and Service), not kube-prometheus-stack through a
+Helm chart: one Alertmanager is all the rules need, the objects are typed, schema-checked and visible under Pulumi
+mocks like every other one here (a chart renders only at deploy time), and no CRDs or operator join the cluster."""
 
 from __future__ import annotations
 
@@ -13,14 +19,21 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from infra.control_plane import PROMETHEUS_SERVICE_ACCOUNT
-from pdstack.model import Ports
+from infra.prometheus import RULES_FILE
+from pdstack.contract import RUNTIME_UID, SECRET_FILES, SECRETS_DIR, STATE_DIR, Component, ComponentContract, Contract
 
 PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
+ALERTMANAGER_IMAGE = "quay.io/prometheus/alertmanager:v0.28.1"
 PROMETHEUS_RETENTION = "15d"
 PROMETHEUS_VOLUME_GIB = 100
 CONFIG_DIR = "/etc/pdstack"
 SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
-GATEWAY_TOKEN = "scheduler-gateway-token"  # noqa: S105 (a key of that Secret: the gateway's derived scheduler token)
+# The key of that Secret holding the gateway's scheduler token (derived from the identity key for principal gateway)
+GATEWAY_TOKEN = next(s.key for s in SECRET_FILES[Component.GATEWAY] if s.principal == "gateway")
+# The gateway replicas share no rate-limit store in the cloud yet: each keeps its own counters (pdserve's memory://),
+# so it mounts no store password.
+GATEWAY_RATE_LIMIT_STORAGE = "memory://"
+SECRET_FILE_MODE = 0o440  # readable by the runtime user through the pod's fsGroup, by nobody else
 NLB_ANNOTATIONS = {
     "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
     "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
@@ -40,13 +53,15 @@ class ControlWorkloadsArgs:
     env: str
     namespace: str
     images: Mapping[str, pulumi.Input[str]]  # gateway, scheduler: full image references
-    ports: Ports
+    contract: Contract  # ports, commands, settings, secret files, probes, jobs (pdstack/contract.py)
     config_files: Mapping[str, str]  # file name -> content, mounted read-only at CONFIG_DIR
     secret_values: Mapping[str, pulumi.Input[str]]  # secret Outputs
     client_cidrs: Sequence[str]  # who may call the gateway: the environment's networks
     datacenter_cidrs: Sequence[str]  # who heartbeats to the scheduler: the serving datacenters
     cluster_cidr: str  # the control VPC: NLB health checks come from it
     prometheus_config: Mapping[str, Any]
+    alert_rules: str  # monitoring/alerts.yml, loaded by Prometheus
+    alertmanager_config: Mapping[str, Any]
     volume_key_arn: pulumi.Input[str]
     gateway_replicas: int
     gateway_max_replicas: int
@@ -55,12 +70,21 @@ class ControlWorkloadsArgs:
 @dataclass(frozen=True)
 class AppSpec:
     name: str
-    port: int
+    served: ComponentContract
     replicas: int
     cpu: str
     memory: str
-    env: Mapping[str, str]
-    secret_env: Mapping[str, str]  # variable -> key of the pdstack Secret
+    env: Mapping[str, str]  # PDSERVE_* settings, the secret files among them
+    shared_store: bool = True
+
+    @property
+    def port(self) -> int:
+        return self.served.port
+
+    @property
+    def secret_items(self) -> list[dict[str, str]]:
+        return [{"key": s.key, "path": s.file} for s in self.served.secrets
+                if self.shared_store or not s.only_with_shared_store]  # fmt: skip
 
 
 def prometheus_yaml(config: Mapping[str, Any]) -> str:
@@ -68,13 +92,13 @@ def prometheus_yaml(config: Mapping[str, Any]) -> str:
     return text
 
 
-def probes(port: str) -> dict[str, Any]:
+def probes(port: str, live: str, ready: str) -> dict[str, Any]:
     """Liveness asks "is the process wedged" (slow to fire, restarts); readiness asks "may it take traffic now"
     (fast, removes it from the Service while the scheduler or a dependency is away)."""
     return {
-        "liveness_probe": {"http_get": {"path": "/livez", "port": port}, "initial_delay_seconds": 10,
+        "liveness_probe": {"http_get": {"path": live, "port": port}, "initial_delay_seconds": 10,
                            "period_seconds": 10, "timeout_seconds": 2, "failure_threshold": 6},
-        "readiness_probe": {"http_get": {"path": "/readyz", "port": port}, "period_seconds": 5,
+        "readiness_probe": {"http_get": {"path": ready, "port": port}, "period_seconds": 5,
                             "timeout_seconds": 2, "failure_threshold": 2},
     }
 
@@ -99,22 +123,19 @@ class ControlWorkloads(pulumi.ComponentResource):
             f"{name}-config", metadata={"name": "pdstack-config", "namespace": ns},
             data=dict(args.config_files), opts=self.opts,
         )
-        scheduler_url = f"http://scheduler.{ns}.svc.cluster.local:{args.ports.scheduler}"
+        served = args.contract
+        scheduler_url = f"http://scheduler.{ns}.svc.cluster.local:{served[Component.SCHEDULER].port}"
+        gateway_contract = served[Component.GATEWAY]
         gateway = AppSpec(
-            "gateway", args.ports.gateway, args.gateway_replicas, "1", "1Gi",
-            env={"PDSTACK_CONFIG_DIR": CONFIG_DIR, "PDSTACK_SCHEDULER_URL": scheduler_url},
-            secret_env={"PDSTACK_API_KEYS": "gateway-api-keys", "PDSTACK_SCHEDULER_TOKEN": GATEWAY_TOKEN,
-                        "PDSTACK_SERVER_TOKEN": "server-api-token",
-                        "PDSTACK_RATE_LIMIT_PASSWORD": "ratelimit-store-password"},
+            "gateway", gateway_contract, args.gateway_replicas, "1", "1Gi",
+            env={**gateway_contract.env(shared_store=False), "PDSERVE_SCHEDULER_URL": scheduler_url,
+                 "PDSERVE_RATE_LIMIT_STORAGE": GATEWAY_RATE_LIMIT_STORAGE},
+            shared_store=False,
         )
         # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
         # each see half the heartbeats behind the load balancer.
-        scheduler = AppSpec(
-            "scheduler", args.ports.scheduler, 1, "500m", "512Mi",
-            env={"PDSTACK_CONFIG_DIR": CONFIG_DIR},
-            secret_env={"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token",
-                        "PDSTACK_IDENTITY_KEY": "scheduler-identity-key"},
-        )
+        scheduler_contract = served[Component.SCHEDULER]
+        scheduler = AppSpec("scheduler", scheduler_contract, 1, "500m", "512Mi", env=scheduler_contract.env())
         for app in (gateway, scheduler):
             self._deployment(name, app, recreate=app is scheduler)
             k8s.policy.v1.PodDisruptionBudget(
@@ -140,13 +161,26 @@ class ControlWorkloads(pulumi.ComponentResource):
         self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
         self._network_policies(name)
         self._prometheus(name)
+        self._alertmanager(name)
         self.register_outputs({})
 
     def _deployment(self, name: str, app: AppSpec, recreate: bool) -> None:
         labels = {"app": app.name, "pdstack/env": self.args.env}
         env: list[Any] = [{"name": k, "value": v} for k, v in app.env.items()]
-        env += [{"name": k, "value_from": {"secret_key_ref": {"name": SECRET_NAME, "key": key}}}
-                for k, key in app.secret_env.items()]
+        mounts: list[Any] = [{"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
+                             {"name": "secrets", "mount_path": SECRETS_DIR, "read_only": True},
+                             {"name": "tmp", "mount_path": "/tmp"}]  # noqa: S108 (a private emptyDir)
+        volumes: list[Any] = [
+            {"name": "config", "config_map": {"name": "pdstack-config"}},
+            # `optional: false` said out loud: a missing key must stop the pod, not start it without a credential
+            {"name": "secrets", "secret": {"secret_name": SECRET_NAME, "optional": False,
+                                           "default_mode": SECRET_FILE_MODE, "items": app.secret_items}},
+            {"name": "tmp", "empty_dir": {}},
+        ]
+        if app.served.component is Component.SCHEDULER:
+            # The weights file: the registry itself is soft state; the weights come back from the deploy play.
+            mounts.append({"name": "state", "mount_path": STATE_DIR})
+            volumes.append({"name": "state", "empty_dir": {}})
         k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
             f"{name}-{app.name}",
             metadata={"name": app.name, "namespace": self.args.namespace, "labels": labels},
@@ -158,7 +192,8 @@ class ControlWorkloads(pulumi.ComponentResource):
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": {
-                        "security_context": {"run_as_non_root": True, "run_as_user": 10001,
+                        "security_context": {"run_as_non_root": True, "run_as_user": RUNTIME_UID,
+                                             "run_as_group": RUNTIME_UID, "fs_group": RUNTIME_UID,
                                              "seccomp_profile": {"type": "RuntimeDefault"}},
                         "topology_spread_constraints": [{"max_skew": 1, "topology_key": "topology.kubernetes.io/zone",
                                                          "when_unsatisfiable": "ScheduleAnyway",
@@ -167,17 +202,17 @@ class ControlWorkloads(pulumi.ComponentResource):
                         "containers": [{
                             "name": app.name,
                             "image": self.args.images[app.name],
+                            "command": list(app.served.command[:1]),
+                            "args": list(app.served.args),
                             "ports": [{"name": "http", "container_port": app.port}],
                             "env": env,
                             "resources": {"requests": {"cpu": app.cpu, "memory": app.memory},
                                           "limits": {"memory": app.memory}},
-                            "volume_mounts": [{"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
-                                              {"name": "tmp", "mount_path": "/tmp"}],  # noqa: S108 (a private emptyDir)
+                            "volume_mounts": mounts,
                             "security_context": RESTRICTED_CONTAINER,
-                            **probes("http"),
+                            **probes("http", app.served.health_live, app.served.health_ready),
                         }],
-                        "volumes": [{"name": "config", "config_map": {"name": "pdstack-config"}},
-                                    {"name": "tmp", "empty_dir": {}}],
+                        "volumes": volumes,
                     },
                 },
             },
@@ -213,19 +248,23 @@ class ControlWorkloads(pulumi.ComponentResource):
             return [{"ip_block": {"cidr": c}} for c in sorted({*cidrs, a.cluster_cidr})]
 
         policy("default-deny-ingress", {}, [])
+        gateway_port = a.contract[Component.GATEWAY].port
         policy("gateway", {"match_labels": {"app": "gateway"}},
-               [{"from": blocks(a.client_cidrs), "ports": [{"port": a.ports.gateway, "protocol": "TCP"}]}])
+               [{"from": blocks(a.client_cidrs), "ports": [{"port": gateway_port, "protocol": "TCP"}]}])
         policy("scheduler", {"match_labels": {"app": "scheduler"}}, [
             {"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}},
                       {"pod_selector": {"match_labels": {"app": "prometheus"}}}, *blocks(a.datacenter_cidrs)],
-             "ports": [{"port": a.ports.scheduler, "protocol": "TCP"}]},
+             "ports": [{"port": a.contract[Component.SCHEDULER].port, "protocol": "TCP"}]},
         ])
         policy("gateway-metrics", {"match_labels": {"app": "gateway"}}, [
             {"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
-             "ports": [{"port": a.ports.gateway, "protocol": "TCP"}]},
+             "ports": [{"port": gateway_port, "protocol": "TCP"}]},
         ])
         policy("prometheus", {"match_labels": {"app": "prometheus"}},
-               [{"from": [{"pod_selector": {}}], "ports": [{"port": a.ports.prometheus, "protocol": "TCP"}]}])
+               [{"from": [{"pod_selector": {}}], "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
+        policy("alertmanager", {"match_labels": {"app": "alertmanager"}},
+               [{"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
+                 "ports": [{"port": a.contract.alertmanager.port, "protocol": "TCP"}]}])
 
     def _prometheus(self, name: str) -> None:
         a, ns = self.args, self.args.namespace
@@ -249,7 +288,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
         k8s.core.v1.ConfigMap(
             f"{name}-prometheus", metadata={"name": "prometheus", "namespace": ns},
-            data={"prometheus.yml": prometheus_yaml(a.prometheus_config)}, opts=self.opts,
+            data={"prometheus.yml": prometheus_yaml(a.prometheus_config), RULES_FILE: a.alert_rules}, opts=self.opts,
         )
         k8s.storage.v1.StorageClass(
             f"{name}-gp3",
@@ -263,7 +302,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             reclaim_policy="Retain",
             opts=self.opts,
         )
-        port = a.ports.prometheus
+        port = a.contract.prometheus.port
         k8s.apps.v1.StatefulSet(  # dict args (built in parts): schema-checked in tests
             f"{name}-prometheus",
             metadata={"name": "prometheus", "namespace": ns, "labels": labels},
@@ -286,9 +325,10 @@ class ControlWorkloads(pulumi.ComponentResource):
                                      f"--web.listen-address=:{port}"],
                             "ports": [{"name": "http", "container_port": port}],
                             "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
-                            "liveness_probe": {"http_get": {"path": "/-/healthy", "port": "http"},
+                            "liveness_probe": {"http_get": {"path": a.contract.prometheus.health_live, "port": "http"},
                                                "period_seconds": 15, "failure_threshold": 6},
-                            "readiness_probe": {"http_get": {"path": "/-/ready", "port": "http"},
+                            "readiness_probe": {"http_get": {"path": a.contract.prometheus.health_ready,
+                                                             "port": "http"},
                                                 "period_seconds": 5, "failure_threshold": 3},
                             "volume_mounts": [{"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
                                               {"name": "data", "mount_path": "/prometheus"}],
@@ -310,5 +350,57 @@ class ControlWorkloads(pulumi.ComponentResource):
             metadata={"name": "prometheus", "namespace": ns},
             spec={"type": "ClusterIP", "selector": labels,
                   "ports": [{"name": "http", "port": port, "target_port": "http", "protocol": "TCP"}]},
+            opts=self.opts,
+        )
+
+    def _alertmanager(self, name: str) -> None:
+        a, ns = self.args, self.args.namespace
+        labels = {"app": "alertmanager"}
+        listener = a.contract.alertmanager
+        k8s.core.v1.ConfigMap(
+            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": ns},
+            data={"alertmanager.yml": prometheus_yaml(a.alertmanager_config)}, opts=self.opts,
+        )
+        k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
+            f"{name}-alertmanager",
+            metadata={"name": "alertmanager", "namespace": ns, "labels": labels},
+            spec={  # pyright: ignore[reportArgumentType]
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"match_labels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "security_context": {"run_as_non_root": True, "run_as_user": 65534, "fs_group": 65534,
+                                             "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "containers": [{
+                            "name": "alertmanager",
+                            "image": ALERTMANAGER_IMAGE,
+                            "args": ["--config.file=/etc/alertmanager/alertmanager.yml",
+                                     "--storage.path=/alertmanager",
+                                     f"--web.listen-address=:{listener.port}"],
+                            "ports": [{"name": "http", "container_port": listener.port}],
+                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                                          "limits": {"memory": "256Mi"}},
+                            "liveness_probe": {"http_get": {"path": listener.health_live, "port": "http"},
+                                               "period_seconds": 15, "failure_threshold": 6},
+                            "readiness_probe": {"http_get": {"path": listener.health_ready, "port": "http"},
+                                                "period_seconds": 5, "failure_threshold": 3},
+                            "volume_mounts": [{"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
+                                              {"name": "data", "mount_path": "/alertmanager"}],
+                            "security_context": RESTRICTED_CONTAINER,
+                        }],
+                        "volumes": [{"name": "config", "config_map": {"name": "alertmanager"}},
+                                    {"name": "data", "empty_dir": {}}],
+                    },
+                },
+            },
+            opts=self.opts,
+        )
+        k8s.core.v1.Service(
+            f"{name}-alertmanager",
+            metadata={"name": "alertmanager", "namespace": ns},
+            spec={"type": "ClusterIP", "selector": labels,
+                  "ports": [{"name": "http", "port": listener.port, "target_port": "http", "protocol": "TCP"}]},
             opts=self.opts,
         )

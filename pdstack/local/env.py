@@ -19,6 +19,7 @@ from typing import Any
 from openai import OpenAI
 
 from pdstack import nodes
+from pdstack.contract import Component, ansible_vars, contract, write_ansible_vars
 from pdstack.local.images import Images, build_and_push
 from pdstack.local.inventory import write_inventory
 from pdstack.local.model import ensure_model
@@ -27,10 +28,7 @@ from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.topology import Node, Topology, load_topology
 from pdstack.model import PoolRole
-from pdstack.serving_env import pdserve_env
 
-GATEWAY_PORT = 8000
-PROMETHEUS_PORT = 9090
 # One user on one machine: the local tenant's rate limits stay out of the way of load tests and benchmarks.
 LOCAL_RATE_LIMITS = {
     "PDSERVE_REQUESTS_PER_SECOND": "10000",
@@ -101,6 +99,7 @@ class LocalEnv:
         for node in topology.nodes:
             ensure_node(node, key.with_suffix(".pub").read_text())
         write_inventory(topology, self.inventory)
+        write_ansible_vars(self.project, "local", topology.serving)
         self.write_release(topology, images, model)
         say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
         self.play("site.yml", say=say)
@@ -110,8 +109,10 @@ class LocalEnv:
         return status
 
     def write_release(self, topology: Topology, images: Images, model: Path) -> None:
-        settings = pdserve_env(topology.serving) | LOCAL_RATE_LIMITS
-        config_version = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+        # The serving settings travel in the contract (playbooks/vars/contract/local.yml); the release's config
+        # version follows them, so a changed limit or port is a new configuration.
+        rendered = {"contract": ansible_vars(contract(topology.serving)), "local": LOCAL_RATE_LIMITS}
+        config_version = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:8]
         release = {
             "pdstack_release": {"version": images.release_version, "image": images.runtime,
                                 "config_version": config_version},
@@ -119,7 +120,7 @@ class LocalEnv:
             "pdstack_model": {"name": topology.serving.model.name, "source": str(model)},
             "pdstack_model_dest": topology.serving.model.path,
             "pdstack_secrets_dir": str(self.secrets.folder),
-            "pdserve_env": settings,
+            "pdserve_env": LOCAL_RATE_LIMITS,
         }  # fmt: skip
         self.release_file.write_text(json.dumps(release, indent=2) + "\n")
 
@@ -159,6 +160,7 @@ class LocalEnv:
     def status(self, topology: Topology | None = None) -> dict[str, Any]:
         topology = topology or self.topology()
         gateway = topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip
+        served = contract(topology.serving)
         by_dc: dict[str, list[dict[str, Any]]] = {}
         for node in topology.nodes:
             by_dc.setdefault(node.datacenter, []).append(
@@ -170,9 +172,9 @@ class LocalEnv:
                 }
             )
         return {
-            "gateway_url": f"http://{gateway}:{GATEWAY_PORT}/v1",
+            "gateway_url": f"http://{gateway}:{served[Component.GATEWAY].port}/v1",
             "api_key_file": str(self.secrets.api_key),
-            "prometheus_url": f"http://{gateway}:{PROMETHEUS_PORT}",
+            "prometheus_url": f"http://{gateway}:{served.prometheus.port}",
             "registry": self.registry().endpoint,
             "nodes": by_dc,
             "leftovers": self.network(topology).leftovers(),

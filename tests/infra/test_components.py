@@ -12,7 +12,10 @@ from infra.prometheus import DatacenterTarget, scrape_config
 from infra.secrets import DAY_S, rotation_period
 from infra.security import NodeAccess, node_openings
 from infra.storage import bucket_name
-from pdstack.model import DatacenterRole, PoolRole, Ports
+from pdstack.contract import NODE_EXPORTER_PORT, contract
+from pdstack.model import DatacenterRole, Model, PoolRole, Ports, Serving
+
+CONTRACT = contract(Serving(model=Model(name="m", path="/m")))
 
 
 @pytest.mark.parametrize("cidr", ["10.31.0.0/16", "10.10.16.0/20", "10.210.1.0/24"])
@@ -28,7 +31,7 @@ def test_subnet_plan_fits_disjoint_subnets_of_at_least_slash_28(cidr: str) -> No
 
 def _access(role: DatacenterRole, pools: set[PoolRole], peers: tuple[str, ...], efa: bool = False) -> NodeAccess:
     return NodeAccess(
-        pool_roles=frozenset(pools), datacenter_role=role, ports=Ports(), own_cidr="10.1.0.0/16",
+        pool_roles=frozenset(pools), datacenter_role=role, contract=CONTRACT, own_cidr="10.1.0.0/16",
         control_cidr="10.0.0.0/20", kv_peer_cidrs=peers, management_cidrs=("10.1.160.0/20",), efa=efa,
     )
 
@@ -59,16 +62,20 @@ def test_no_opening_is_ever_to_the_internet() -> None:
         assert all(ip_network(c).prefixlen > 0 for c in opening.cidrs)
 
 
-def test_scrape_config_has_node_and_serving_jobs_per_datacenter() -> None:
-    config = scrape_config("prod", "pdstack-prod", Ports(), [
+def test_scrape_config_has_one_job_per_component_with_a_discovery_per_datacenter() -> None:
+    config = scrape_config("prod", "pdstack-prod", CONTRACT, [
         DatacenterTarget("a", "us-east-1", (PoolRole.PREFILL,)),
         DatacenterTarget("b", "us-west-2", (PoolRole.PREFILL, PoolRole.DECODE)),
     ])
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert set(jobs) == {"gateway", "scheduler", "node-a", "prefill-a", "node-b", "prefill-b", "decode-b"}
-    assert jobs["decode-b"]["ec2_sd_configs"][0]["port"] == Ports().decode
-    assert jobs["node-b"]["ec2_sd_configs"][0]["port"] == 9100
+    assert set(jobs) == {"prometheus", "pdserve-gateway", "pdserve-scheduler", "pdserve-prefill", "pdserve-decode",
+                         "node"}
+    assert [sd["region"] for sd in jobs["pdserve-prefill"]["ec2_sd_configs"]] == ["us-east-1", "us-west-2"]
+    assert jobs["pdserve-decode"]["ec2_sd_configs"][0]["port"] == Ports().decode
+    assert {sd["port"] for sd in jobs["node"]["ec2_sd_configs"]} == {NODE_EXPORTER_PORT}
     assert config["global"]["external_labels"] == {"environment": "prod"}
+    assert config["rule_files"] == ["alerts.yml"]
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager.pdstack-prod.svc:9093"]
 
 
 def test_rotation_period_changes_once_per_rotation_interval() -> None:

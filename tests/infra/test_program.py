@@ -15,6 +15,8 @@ from pdserve.scheduler import identity
 from pdstack.model import DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
 
+from tests.conftest import REPO
+
 from .conftest import CLOUD_STACKS, STACKS, stack_config
 
 INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
@@ -192,20 +194,22 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
     assert not any(v in repr(plain_outputs) for v in values)
 
 
-def test_control_workloads_read_the_hardened_credentials(graphs: dict[str, Synthesis]) -> None:
+def test_control_workloads_read_the_hardened_credentials_as_files(graphs: dict[str, Synthesis]) -> None:
     deployments = {d.inputs["metadata"]["name"]: d for d in graphs["prod-control"].of_type(
         "kubernetes:apps/v1:Deployment")}
 
-    def secret_env(app: str) -> dict[str, str]:
-        env = deployments[app].inputs["spec"]["template"]["spec"]["containers"][0]["env"]
-        return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in env if "valueFrom" in e}
+    def mounted(app: str) -> dict[str, str]:
+        """secret key -> file under /run/secrets"""
+        volumes = deployments[app].inputs["spec"]["template"]["spec"]["volumes"]
+        secret = next(v["secret"] for v in volumes if "secret" in v)
+        assert secret["optional"] is False
+        return {item["key"]: item["path"] for item in secret["items"]}
 
-    assert secret_env("scheduler") == {"PDSTACK_SCHEDULER_TOKEN": "scheduler-admin-token",
-                                       "PDSTACK_IDENTITY_KEY": "scheduler-identity-key"}
-    assert secret_env("gateway") == {"PDSTACK_API_KEYS": "gateway-api-keys",
-                                     "PDSTACK_SCHEDULER_TOKEN": "scheduler-gateway-token",
-                                     "PDSTACK_SERVER_TOKEN": "server-api-token",
-                                     "PDSTACK_RATE_LIMIT_PASSWORD": "ratelimit-store-password"}
+    env = deployments["gateway"].inputs["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert not any("valueFrom" in e for e in env)  # no secret value in an environment variable
+    assert mounted("scheduler") == {"scheduler-admin-token": "admin.token", "scheduler-identity-key": "identity.key"}
+    assert mounted("gateway") == {"gateway-api-keys": "api-keys.json", "scheduler-gateway-token": "scheduler.token",
+                                  "server-api-token": "server.token"}  # no shared store in the cloud: no password
 
 
 def test_each_link_is_built_once_by_its_later_end_with_routes_both_ways(graphs: dict[str, Synthesis]) -> None:
@@ -263,11 +267,12 @@ def test_prometheus_scrapes_every_datacenters_nodes(graphs: dict[str, Synthesis]
     config_map = next(c for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
                       if c.inputs["metadata"]["name"] == "prometheus")
     jobs = {j["job_name"]: j for j in yaml.safe_load(config_map.inputs["data"]["prometheus.yml"])["scrape_configs"]}
-    assert {"node-prefill-us-east-1", "node-decode-us-west-2", "prefill-prefill-us-east-1",
-            "decode-decode-us-west-2", "gateway", "scheduler"} <= set(jobs)
-    sd = jobs["decode-decode-us-west-2"]["ec2_sd_configs"][0]
+    assert {"node", "pdserve-prefill", "pdserve-decode", "pdserve-gateway", "pdserve-scheduler"} <= set(jobs)
+    assert {sd["region"] for sd in jobs["node"]["ec2_sd_configs"]} == {"us-east-1", "us-west-2"}
+    sd = jobs["pdserve-decode"]["ec2_sd_configs"][0]
     assert sd["region"] == "us-west-2" and sd["port"] == 8300
     assert {"name": "tag:pdstack:dc", "values": ["decode-us-west-2"]} in sd["filters"]
+    assert config_map.inputs["data"]["alerts.yml"] == (REPO / "monitoring" / "alerts.yml").read_text()
 
 
 def test_gateway_is_an_internal_nlb_open_only_to_the_environment(graphs: dict[str, Synthesis]) -> None:

@@ -1,0 +1,316 @@
+"""The deployment contract: what every component listens on, answers probes on, is started with, reads as
+PDSERVE_* settings and secret files, and is scraped as, derived once from the typed stack model (`Serving`) and
+pdserve's own settings names.
+
+Everything that deploys renders from here: the Ansible variables of the pdserve, prometheus and node_exporter roles
+(`ansible_vars`, committed per environment as playbooks/vars/contract/<env>.yml), the security groups and the policy
+pack's port rules (infra/security.py), the Kubernetes control plane (infra/workloads.py), the cloud scrape config
+(infra/prometheus.py) and the alert rules' job selectors (monitoring/alerts.yml, checked against `JOBS`).
+tests/unit/test_contract.py parses what is rendered with pdserve's own settings loaders.
+
+A module rather than a data file: the values are functions of the stack model (ports, limits, secrets), Pulumi and
+the toolkit import it directly, and Ansible gets a rendered file that a test keeps equal to it (as it does for
+inventories/local/hosts.yml), so the playbooks need neither the toolkit nor Python beyond Ansible's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdstack.model import Serving
+from pdstack.serving_env import gateway_settings, server_settings
+from pdstack.stackfile import load_stack_file
+
+# -- what pdserve itself fixes (serving/pdserve/*/settings.py, serving/Containerfile) --------------------------
+SETTING_PREFIX = "PDSERVE_"
+PDSERVE_BIN = "/opt/pdserve/bin/pdserve"  # the image's venv (serving/Containerfile); its base image has no PATH
+LISTEN_HOST = "0.0.0.0"  # noqa: S104 (containers listen on every address of their pod or host network)
+SECRETS_DIR = "/run/secrets"
+STATE_DIR = "/state"  # the scheduler's weights file lives here (a volume)
+HEALTH_LIVE = "/health/live"
+HEALTH_READY = "/health/ready"
+SERVER_HEALTH = "/health"  # model servers also answer the plain vLLM-style /health
+METRICS_PATH = "/metrics"
+RUNTIME_UID = 10001  # the image's pdserve user
+
+# -- what the other listeners fix --------------------------------------------------------------------------------
+NODE_EXPORTER_PORT = 9100  # Debian's prometheus-node-exporter (roles/node_exporter)
+PROMETHEUS_HEALTH_LIVE = "/-/healthy"
+PROMETHEUS_HEALTH_READY = "/-/ready"
+ALERTMANAGER_PORT = 9093
+
+# -- Prometheus job names: one scheme, used by the local and the cloud Prometheus ------------------------------
+PROMETHEUS_JOB = "prometheus"
+NODE_JOB = "node"
+
+
+class Component(StrEnum):
+    GATEWAY = "gateway"
+    SCHEDULER = "scheduler"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+    @property
+    def is_server(self) -> bool:
+        return self in (Component.PREFILL, Component.DECODE, Component.COLOCATED)
+
+    @property
+    def job(self) -> str:
+        """Its Prometheus job, locally and in the cloud (datacenter, pool, instance are labels, not job names)."""
+        return f"pdserve-{self}"
+
+
+SCRAPED = (Component.SCHEDULER, Component.GATEWAY, Component.PREFILL, Component.DECODE)
+JOBS = (PROMETHEUS_JOB, *(c.job for c in SCRAPED), NODE_JOB)
+"""Every scrape job either Prometheus has; alert rules may select only these."""
+
+
+def setting(name: str) -> str:
+    """The PDSERVE_* variable of a pdserve settings field (pdserve.scheduler.settings.load_settings,
+    pdserve.server.settings.env_name)."""
+    return SETTING_PREFIX + name.upper()
+
+
+@dataclass(frozen=True)
+class SecretFile:
+    """One credential a component reads from a file: which pdserve setting names it, which stack secret it comes
+    from, and the file it is mounted as. With `principal`, the file holds the scheduler token derived from
+    `secret` (the identity key) for that principal, never the key itself (serving/README.md, Trust)."""
+
+    setting: str  # pdserve settings field, e.g. api_keys_file
+    secret: str  # stack secret (pdstack.model.REQUIRED_SECRETS)
+    file: str  # file name under SECRETS_DIR
+    principal: str | None = None  # "gateway", or "instance" (a server's own instance:<id>, known at deploy time)
+    only_with_shared_store: bool = False  # the rate-limit store's password: only where a shared store is used
+
+    @property
+    def variable(self) -> str:
+        return setting(self.setting)
+
+    @property
+    def path(self) -> str:
+        return f"{SECRETS_DIR}/{self.file}"
+
+    @property
+    def key(self) -> str:
+        """Its key in the environment's Kubernetes Secret: the stack secret's name, or a derived token's."""
+        return self.secret if self.principal is None else f"scheduler-{self.principal}-token"
+
+
+KV_KEY = SecretFile("kv_key_file", "kv-channel-key", "kv.key")
+SERVER_TOKEN = SecretFile("api_token_file", "server-api-token", "server.token")
+INSTANCE_TOKEN = SecretFile("scheduler_token_file", "scheduler-identity-key", "scheduler.token", principal="instance")
+SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
+    Component.GATEWAY: (
+        SecretFile("api_keys_file", "gateway-api-keys", "api-keys.json"),
+        SecretFile("scheduler_token_file", "scheduler-identity-key", "scheduler.token", principal="gateway"),
+        SecretFile("server_token_file", "server-api-token", "server.token"),
+        SecretFile("rate_limit_password_file", "ratelimit-store-password", "ratelimit.password",
+                   only_with_shared_store=True),
+    ),
+    Component.SCHEDULER: (
+        SecretFile("admin_token_file", "scheduler-admin-token", "admin.token"),
+        SecretFile("identity_key_file", "scheduler-identity-key", "identity.key"),
+    ),
+    Component.PREFILL: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
+    Component.DECODE: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
+    Component.COLOCATED: (SERVER_TOKEN, INSTANCE_TOKEN),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ComponentContract:
+    component: Component
+    port: int  # HTTP: API, probes, /metrics
+    kv_port: int | None  # the KV channel (prefill)
+    settings: Mapping[str, str]  # PDSERVE_* values that do not depend on the host it runs on
+    secrets: tuple[SecretFile, ...]
+    health_live: str = HEALTH_LIVE
+    health_ready: str = HEALTH_READY
+    metrics_path: str = METRICS_PATH
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """What follows the image's entry point (`pdserve ROLE`)."""
+        return (str(self.component),)
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        return (PDSERVE_BIN, *self.args)
+
+    @property
+    def job(self) -> str:
+        return self.component.job
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"http": self.port} | ({"kv": self.kv_port} if self.kv_port is not None else {})
+
+    def env(self, shared_store: bool = True) -> dict[str, str]:
+        """Its PDSERVE_* settings including the secret files; without a shared rate-limit store the gateway reads
+        no store password."""
+        files = {s.variable: s.path for s in self.secrets if shared_store or not s.only_with_shared_store}
+        return {**self.settings, **files}
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listener that is not pdserve's: Prometheus, node_exporter, Alertmanager."""
+
+    port: int
+    job: str | None
+    health_live: str | None = None
+    health_ready: str | None = None
+
+
+@dataclass(frozen=True)
+class ScrapeGroup:
+    """One Prometheus job over the hosts of one inventory group (locally) or tagged role (in the cloud)."""
+
+    job: str
+    group: str  # inventory group = pdstack:role tag value
+    port: int
+
+
+@dataclass(frozen=True)
+class Contract:
+    components: Mapping[Component, ComponentContract]
+    prometheus: Listener
+    node_exporter: Listener
+    alertmanager: Listener
+    scrape_groups: tuple[ScrapeGroup, ...] = field(default=())
+
+    def __getitem__(self, component: Component | str) -> ComponentContract:
+        return self.components[Component(component)]
+
+    def scheduler_url(self, host: str) -> str:
+        return f"http://{host}:{self[Component.SCHEDULER].port}"
+
+
+def contract(serving: Serving) -> Contract:
+    ports = serving.ports
+    common = {setting("host"): LISTEN_HOST}
+    server = server_settings(serving)
+
+    def make(
+        component: Component, port: int, extra: Mapping[str, str], kv_port: int | None = None
+    ) -> ComponentContract:
+        values = {**common, setting("port"): str(port), **extra}
+        if kv_port is not None:
+            values[setting("kv_port")] = str(kv_port)
+        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component])
+
+    components = {
+        Component.GATEWAY: make(Component.GATEWAY, ports.gateway, gateway_settings(serving)),
+        Component.SCHEDULER: make(Component.SCHEDULER, ports.scheduler,
+                                  {setting("state_file"): f"{STATE_DIR}/weights.json"}),
+        Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_port=ports.kv),
+        Component.DECODE: make(Component.DECODE, ports.decode, server),
+        # colocated stands where decode stands (a mixed node serves both without the KV channel)
+        Component.COLOCATED: make(Component.COLOCATED, ports.decode, server),
+    }  # fmt: skip
+    scrape = tuple(ScrapeGroup(c.job, "control" if c in (Component.GATEWAY, Component.SCHEDULER) else str(c),
+                               components[c].port) for c in SCRAPED)  # fmt: skip
+    return Contract(
+        components=components,
+        prometheus=Listener(ports.prometheus, PROMETHEUS_JOB, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),
+        node_exporter=Listener(NODE_EXPORTER_PORT, NODE_JOB),
+        alertmanager=Listener(ALERTMANAGER_PORT, None, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),
+        scrape_groups=scrape,
+    )
+
+
+# -- Ansible ---------------------------------------------------------------------------------------------------------
+
+CONTRACT_VARS_DIR = Path("playbooks") / "vars" / "contract"
+HEADER = ("# Rendered by `python -m pdstack.contract` from stacks/Pulumi.{env}-*.yaml (pdstack/contract.py); "
+          "do not edit by hand.\n")  # fmt: skip
+
+
+def ansible_vars(c: Contract) -> dict[str, Any]:
+    """The role variables the contract fixes (pdserve, prometheus, node_exporter); playbooks/vars/serving.yml loads
+    them for the play's `pdstack_environment`."""
+    return {
+        "pdserve_components": {
+            str(name): {
+                "port": comp.port,
+                "kv_port": comp.kv_port,
+                "health_ready": comp.health_ready,
+                "health_live": comp.health_live,
+                "env": comp.env(shared_store=True),
+                "secrets": [
+                    {"secret": s.secret, "name": f"pdstack-{s.key}", "target": s.file, "setting": s.variable,
+                     **({"principal": s.principal} if s.principal else {}),
+                     **({"only_with_shared_store": True} if s.only_with_shared_store else {})}
+                    for s in comp.secrets
+                ],
+            }
+            for name, comp in c.components.items()
+        },
+        "prometheus_port": c.prometheus.port,
+        "prometheus_scrape_groups": [{"job": g.job, "group": g.group, "port": g.port} for g in c.scrape_groups],
+        "prometheus_job": c.prometheus.job,
+        "prometheus_node_job": c.node_exporter.job,
+        "node_exporter_port": c.node_exporter.port,
+    }  # fmt: skip
+
+
+def render_ansible_vars(env: str, serving: Serving) -> str:
+    return HEADER.format(env=env) + yaml.safe_dump(ansible_vars(contract(serving)), sort_keys=False)
+
+
+def environment_serving(stacks_dir: Path, env: str) -> Serving:
+    """The serving settings of an environment: its control-plane stack's `pdstack:serving`."""
+    for path in sorted(stacks_dir.glob(f"Pulumi.{env}-*.yaml")):
+        serving = load_stack_file(path).config.serving
+        if serving is not None:
+            return serving
+    raise LookupError(f"no stack of environment {env!r} in {stacks_dir} sets pdstack:serving")
+
+
+def environments(stacks_dir: Path) -> list[str]:
+    return sorted({p.name.removeprefix("Pulumi.").split("-", 1)[0] for p in stacks_dir.glob("Pulumi.*-*.yaml")})
+
+
+def write_ansible_vars(project: Path, env: str, serving: Serving | None = None) -> bool:
+    """Write playbooks/vars/contract/<env>.yml if it differs; True when it changed."""
+    text = render_ansible_vars(env, serving or environment_serving(project / "stacks", env))
+    path = project / CONTRACT_VARS_DIR / f"{env}.yml"
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdstack.contract", description="Render playbooks/vars/contract/<env>.yml for every environment."
+    )
+    parser.add_argument("--project", type=Path, default=Path.cwd())
+    parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for env in environments(args.project / "stacks"):
+        text = render_ansible_vars(env, environment_serving(args.project / "stacks", env))
+        path = args.project / CONTRACT_VARS_DIR / f"{env}.yml"
+        if not path.is_file() or path.read_text() != text:
+            stale.append(str(path))
+            if not args.check:
+                write_ansible_vars(args.project, env)
+    for path in stale:
+        print(("stale: " if args.check else "wrote: ") + path)
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
