@@ -1,4 +1,4 @@
-"""Prometheus's configuration in the cloud: the control-plane services through Kubernetes discovery, and every
+"""Prometheus's configuration in the cloud: the control-plane pods through their headless Services' DNS, and every
 datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto Scaling instances appear alone).
 
 Job names, ports and paths are the deployment contract's (pdstack/contract.py), the same as the local Prometheus
@@ -56,17 +56,21 @@ def _ec2_job(job: str, sd_configs: list[dict[str, Any]], metrics_path: str | Non
             "ec2_sd_configs": sd_configs, "relabel_configs": EC2_RELABEL}  # fmt: skip
 
 
-def _service_job(job: str, service: str, namespace: str, metrics_path: str) -> dict[str, Any]:
+def pods_service(service: str) -> str:
+    """The headless Service naming every pod of a control-plane Deployment (infra/workloads.py)."""
+    return f"{service}-pods"
+
+
+def _service_job(job: str, service: str, namespace: str, port: int, metrics_path: str) -> dict[str, Any]:
+    """Every pod of the Deployment, through its headless Service's DNS records (not Kubernetes discovery: no API
+    access for Prometheus, and Debian's promtool, which the tests check the config with, has no Kubernetes SD)."""
     return {
         "job_name": job,
         "metrics_path": metrics_path,
-        "kubernetes_sd_configs": [{"role": "endpoints", "namespaces": {"names": [namespace]}}],
-        "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_service_name"], "regex": service, "action": "keep"},
-            {"source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": "http", "action": "keep"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        ],
-    }
+        "dns_sd_configs": [{"names": [f"{pods_service(service)}.{namespace}.svc.cluster.local"], "type": "A",
+                            "port": port}],
+        "relabel_configs": [{"target_label": "role", "replacement": "control"}],
+    }  # fmt: skip
 
 
 def alertmanager_address(namespace: str, contract: Contract) -> str:
@@ -78,7 +82,7 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
     jobs: list[dict[str, Any]] = [{"job_name": contract.prometheus.job, "static_configs": [itself]}]
     for component in (Component.SCHEDULER, Component.GATEWAY):
         served = contract[component]
-        jobs.append(_service_job(served.job, str(component), namespace, served.metrics_path))
+        jobs.append(_service_job(served.job, str(component), namespace, served.port, served.metrics_path))
     for component, role in ((Component.PREFILL, PoolRole.PREFILL), (Component.DECODE, PoolRole.DECODE)):
         served = contract[component]
         sd = [_ec2_sd(env, dc, served.port, role) for dc in datacenters if role in dc.pool_roles]

@@ -19,7 +19,7 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from infra.control_plane import PROMETHEUS_SERVICE_ACCOUNT
-from infra.prometheus import RULES_FILE
+from infra.prometheus import RULES_FILE, pods_service
 from pdstack.contract import RUNTIME_UID, SECRET_FILES, SECRETS_DIR, STATE_DIR, Component, ComponentContract, Contract
 
 PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
@@ -159,6 +159,8 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
         self._load_balancer(name, gateway, sources=[*args.client_cidrs])
         self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
+        for app in (gateway, scheduler):
+            self._pods_service(name, app)
         self._network_policies(name)
         self._prometheus(name)
         self._alertmanager(name)
@@ -219,6 +221,16 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
 
+    def _pods_service(self, name: str, app: AppSpec) -> None:
+        """Headless: its DNS name resolves to every pod, ready or not, which is how Prometheus finds them."""
+        k8s.core.v1.Service(
+            f"{name}-{pods_service(app.name)}",
+            metadata={"name": pods_service(app.name), "namespace": self.args.namespace},
+            spec={"cluster_ip": "None", "publish_not_ready_addresses": True, "selector": {"app": app.name},
+                  "ports": [{"name": "http", "port": app.port, "target_port": "http", "protocol": "TCP"}]},
+            opts=self.opts,
+        )
+
     def _load_balancer(self, name: str, app: AppSpec, sources: list[str]) -> None:
         k8s.core.v1.Service(
             f"{name}-{app.name}",
@@ -271,20 +283,6 @@ class ControlWorkloads(pulumi.ComponentResource):
         labels = {"app": "prometheus"}
         k8s.core.v1.ServiceAccount(
             f"{name}-prometheus", metadata={"name": PROMETHEUS_SERVICE_ACCOUNT, "namespace": ns}, opts=self.opts
-        )
-        k8s.rbac.v1.Role(
-            f"{name}-prometheus",
-            metadata={"name": "prometheus", "namespace": ns},
-            rules=[{"api_groups": [""], "resources": ["services", "endpoints", "pods"],
-                    "verbs": ["get", "list", "watch"]}],
-            opts=self.opts,
-        )
-        k8s.rbac.v1.RoleBinding(
-            f"{name}-prometheus",
-            metadata={"name": "prometheus", "namespace": ns},
-            role_ref={"api_group": "rbac.authorization.k8s.io", "kind": "Role", "name": "prometheus"},
-            subjects=[{"kind": "ServiceAccount", "name": PROMETHEUS_SERVICE_ACCOUNT, "namespace": ns}],
-            opts=self.opts,
         )
         k8s.core.v1.ConfigMap(
             f"{name}-prometheus", metadata={"name": "prometheus", "namespace": ns},

@@ -14,6 +14,7 @@ from tests.deploy.conftest import ANSIBLE_PLAYBOOK, REPO
 
 ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
 DIGEST_IMAGE = "10.210.255.1:5000/pdstack/pdserve@sha256:" + "ab" * 32
+CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"  # what playbooks/vars/serving.yml loads
 
 
 def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, object]) -> tuple[int, str]:
@@ -21,7 +22,7 @@ def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, ob
     playbook.write_text(yaml.safe_dump([{"name": "test", "hosts": "localhost", "connection": "local",
                                          "gather_facts": False, "tasks": tasks}]))
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables),
+        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", f"@{CONTRACT_VARS}", "-e", json.dumps(variables),
          "-e", "ansible_python_interpreter=/usr/bin/python3"],
         capture_output=True, text=True, cwd=REPO, check=False,
         env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
@@ -95,12 +96,13 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
     out = tmp_path / f"{component}.json"
     task = {"name": "render", "ansible.builtin.copy": {
         "dest": str(out), "mode": "0600",
-        "content": "{{ {'env': pdserve__environment, 'secrets': pdserve__secrets_by_component[pdserve_component]}"
+        "content": "{{ {'env': pdserve__environment, 'secrets': pdserve__secrets}"
                    " | to_json }}"}}  # fmt: skip
     playbook = tmp_path / "render.yml"
     playbook.write_text(yaml.safe_dump([{
         "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(REPO / "roles/pdserve/defaults/main.yml"), str(REPO / "roles/pdserve/vars/main.yml")],
+        "vars_files": [str(REPO / "roles/pdserve/defaults/main.yml"), str(REPO / "roles/pdserve/vars/main.yml"),
+                       str(CONTRACT_VARS)],
         "tasks": [task],
     }]))  # fmt: skip
     variables = {**SECRET_FILES, "pdserve_component": component, "pdserve__engine_id": "node-1-0123abcd",
@@ -119,23 +121,23 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
 @pytest.mark.parametrize(("component", "env", "secrets"), [
     ("scheduler", {"PDSERVE_ADMIN_TOKEN_FILE": "/run/secrets/admin.token",
                    "PDSERVE_IDENTITY_KEY_FILE": "/run/secrets/identity.key"},
-     {("pdserve_admin_token_file", "admin.token", None), ("pdserve_identity_key_file", "identity.key", None)}),
+     {("scheduler-admin-token", "admin.token", None), ("scheduler-identity-key", "identity.key", None)}),
     ("decode", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
-     {("pdserve_kv_key_file", "kv.key", None), ("pdserve_identity_key_file", "scheduler.token", "instance"),
-      ("pdserve_server_token_file", "server.token", None)}),
+     {("kv-channel-key", "kv.key", None), ("scheduler-identity-key", "scheduler.token", "instance"),
+      ("server-api-token", "server.token", None)}),
     ("prefill", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
-     {("pdserve_kv_key_file", "kv.key", None), ("pdserve_identity_key_file", "scheduler.token", "instance"),
-      ("pdserve_server_token_file", "server.token", None)}),
-    ("colocated", SERVER_ENV, {("pdserve_identity_key_file", "scheduler.token", "instance"),
-                               ("pdserve_server_token_file", "server.token", None)}),
+     {("kv-channel-key", "kv.key", None), ("scheduler-identity-key", "scheduler.token", "instance"),
+      ("server-api-token", "server.token", None)}),
+    ("colocated", SERVER_ENV, {("scheduler-identity-key", "scheduler.token", "instance"),
+                               ("server-api-token", "server.token", None)}),
     ("gateway", {"PDSERVE_API_KEYS_FILE": "/run/secrets/api-keys.json",
                  "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
                  "PDSERVE_SERVER_TOKEN_FILE": "/run/secrets/server.token",
                  "PDSERVE_RATE_LIMIT_STORAGE": "redis://10.210.0.10:6379/0",
                  "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password"},
-     {("pdserve_api_keys_file", "api-keys.json", None), ("pdserve_identity_key_file", "scheduler.token", "gateway"),
-      ("pdserve_server_token_file", "server.token", None),
-      ("pdserve_rate_limit_password_file", "ratelimit.password", None)}),
+     {("gateway-api-keys", "api-keys.json", None), ("scheduler-identity-key", "scheduler.token", "gateway"),
+      ("server-api-token", "server.token", None),
+      ("ratelimit-store-password", "ratelimit.password", None)}),
 ])  # fmt: skip
 def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials(
     tmp_path: Path, component: str, env: dict[str, str], secrets: set[tuple[str, str, str | None]]
@@ -146,7 +148,7 @@ def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials
     assert env.items() <= environment.items(), environment
     assert not any("INSTANCE_TOKEN" in name for name in environment)
     # Only the scheduler gets the identity key itself; everyone else a token derived for one principal.
-    assert {(s["variable"], s["target"], s.get("principal")) for s in found["secrets"]} == secrets
+    assert {(s["secret"], s["target"], s.get("principal")) for s in found["secrets"]} == secrets
 
 
 def test_prometheus_needs_an_image_by_digest(tmp_path: Path) -> None:
@@ -194,3 +196,17 @@ def test_a_manifest_path_leaving_the_model_folder_is_refused(tmp_path: Path, mod
     code, output = play(tmp_path, include("model_artifacts"),
                         {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")})
     assert code != 0 and "../../etc/passwd" in output
+
+
+def test_a_gateway_without_a_shared_store_gets_no_store_password(tmp_path: Path) -> None:
+    global SECRET_FILES  # noqa: PLW0603 (one variation of the module's settings, restored below)
+    saved = SECRET_FILES
+    SECRET_FILES = {k: v for k, v in saved.items() if k != "pdserve_rate_limit_password_file"}
+    try:
+        found = rendered(tmp_path, "gateway")
+    finally:
+        SECRET_FILES = saved
+    environment, secrets = found["env"], found["secrets"]
+    assert isinstance(environment, dict) and isinstance(secrets, list)
+    assert "PDSERVE_RATE_LIMIT_PASSWORD_FILE" not in environment
+    assert "ratelimit-store-password" not in {s["secret"] for s in secrets}

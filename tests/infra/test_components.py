@@ -75,7 +75,8 @@ def test_scrape_config_has_one_job_per_component_with_a_discovery_per_datacenter
     assert {sd["port"] for sd in jobs["node"]["ec2_sd_configs"]} == {NODE_EXPORTER_PORT}
     assert config["global"]["external_labels"] == {"environment": "prod"}
     assert config["rule_files"] == ["alerts.yml"]
-    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager.pdstack-prod.svc:9093"]
+    alerting = config["alerting"]["alertmanagers"][0]["static_configs"][0]
+    assert alerting["targets"] == ["alertmanager.pdstack-prod.svc:9093"]
 
 
 def test_rotation_period_changes_once_per_rotation_interval() -> None:

@@ -14,7 +14,6 @@ from infra import outputs
 from pdserve.scheduler import identity
 from pdstack.model import DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
-
 from tests.conftest import REPO
 
 from .conftest import CLOUD_STACKS, STACKS, stack_config

@@ -1,0 +1,295 @@
+"""Every example environment rendered, and the rendered artifacts checked against pdserve itself: the settings a
+container is started with, parsed by pdserve's own loaders, give the ports the security groups open, the role the
+contract names and the files that are really mounted; the probes hit routes pdserve's apps serve; every alert's job
+selector matches a scrape job of both the local and the cloud Prometheus, and promtool accepts both configs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
+from pdserve.gateway.app import create_app as gateway_app
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.scheduler.app import create_app as scheduler_app
+from pdserve.scheduler.settings import SchedulerSettings, load_settings
+from pdserve.server.settings import ServerSettings, settings_from_args
+from pdstack.contract import (
+    JOBS,
+    NODE_EXPORTER_PORT,
+    PDSERVE_BIN,
+    SECRETS_DIR,
+    Component,
+    Contract,
+    contract,
+    environment_serving,
+)
+from pdstack.synth import Synthesis
+
+from .conftest import ROOT, STACKS
+
+ENVIRONMENTS = ("local", "dev", "staging", "prod")
+CLOUD = ("dev", "staging", "prod")
+ALERTS = ROOT / "monitoring" / "alerts.yml"
+ANSIBLE_PLAYBOOK = str(ROOT / ".venv" / "bin" / "ansible-playbook")
+PROMTOOL = shutil.which("promtool")
+
+
+def contract_of(env: str) -> Contract:
+    return contract(environment_serving(STACKS, env))
+
+
+def ansible_contract(env: str) -> dict[str, Any]:
+    """What the playbooks load for the environment (playbooks/vars/contract/<env>.yml)."""
+    loaded: dict[str, Any] = yaml.safe_load((ROOT / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text())
+    return loaded
+
+
+def server_settings(env: str, component: str) -> ServerSettings:
+    """A model server started as the pdserve role starts it: the contract's settings plus what only the node knows."""
+    rendered = ansible_contract(env)["pdserve_components"][component]["env"]
+    node = {"PDSERVE_MODEL": "/model", "PDSERVE_SCHEDULER_URL": "http://10.0.0.1:1",
+            "PDSERVE_ADVERTISE_HOST": "10.1.0.10"}  # fmt: skip
+    return settings_from_args(component, [], environ={**rendered, **node})
+
+
+def graphs_of(graphs: dict[str, Synthesis], env: str) -> dict[str, Synthesis]:
+    return {name: g for name, g in graphs.items() if name.startswith(f"{env}-")}
+
+
+def ingress_ports(graph: Synthesis) -> dict[str, set[int]]:
+    """purpose tag -> ports its security-group rules open."""
+    found: dict[str, set[int]] = {}
+    for rule in graph.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"):
+        purpose = rule.inputs["tags"].get("pdstack:purpose", "")
+        if rule.inputs.get("fromPort") is not None:
+            assert rule.inputs["fromPort"] == rule.inputs["toPort"], rule.name
+            found.setdefault(purpose, set()).add(int(rule.inputs["fromPort"]))
+    return found
+
+
+# -- the Ansible side: rendered vars parsed by pdserve ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", ENVIRONMENTS)
+def test_servers_started_from_the_rendered_vars_listen_where_the_contract_says(env: str) -> None:
+    served = contract_of(env)
+    for component in SERVER_ROLES:
+        settings = server_settings(env, component)
+        assert settings.port == served[component].port, component
+        expected_files = {s.variable: s.path for s in served[component].secrets}
+        for variable, path in expected_files.items():
+            field = variable.removeprefix("PDSERVE_").lower()
+            assert str(getattr(settings, field)) == path, (component, variable)
+    prefill = server_settings(env, "prefill")
+    assert prefill.kv_port == served[Component.PREFILL].kv_port == environment_serving(STACKS, env).ports.kv
+    policy = environment_serving(STACKS, env).kv_load_failure_policy
+    assert server_settings(env, "decode").kv_load_failure_policy == policy
+
+
+@pytest.mark.parametrize("env", CLOUD)
+def test_each_security_group_port_is_the_port_its_container_listens_on(graphs: dict[str, Synthesis], env: str) -> None:
+    prefill, decode = server_settings(env, "prefill"), server_settings(env, "decode")
+    seen = set()
+    for name, graph in graphs_of(graphs, env).items():
+        if name.endswith("-control"):
+            continue
+        ports = ingress_ports(graph)
+        assert ports["metrics"] == {NODE_EXPORTER_PORT}, name
+        if "serving-prefill" in ports:
+            assert ports["serving-prefill"] == {prefill.port}, name
+            assert ports["kv"] == {prefill.kv_port}, name  # what decode dials is what prefill listens on
+            seen.add("prefill")
+        if "serving-decode" in ports:
+            assert ports["serving-decode"] == {decode.port}, name
+            seen.add("decode")
+    assert seen == {"prefill", "decode"}
+
+
+# -- the Kubernetes side: container specs parsed by pdserve ---------------------------------------------------------
+
+
+def _objects(graph: Synthesis, kind: str) -> dict[str, dict[str, Any]]:
+    return {r.inputs["metadata"]["name"]: r.inputs for r in graph.of_type(kind)}
+
+
+def _started(container: dict[str, Any]) -> tuple[str, list[str], dict[str, str]]:
+    """The role pdserve's CLI would run, the rest of its argv, and the environment."""
+    argv = [*container["command"], *container["args"]]
+    assert argv[0] == PDSERVE_BIN
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert not any("valueFrom" in e for e in container["env"])  # secrets arrive as files, never as values
+    return argv[1], argv[2:], env
+
+
+def _mounted_files(pod: dict[str, Any], container: dict[str, Any], secret: dict[str, Any]) -> dict[str, str]:
+    """Path in the container -> the Secret key it holds."""
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == SECRETS_DIR)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+    assert volume["secretName"] == secret["metadata"]["name"] and volume["optional"] is False
+    assert mount["readOnly"] is True
+    files = {f"{SECRETS_DIR}/{item['path']}": item["key"] for item in volume["items"]}
+    assert set(files.values()) <= set(secret["stringData"]), "a mounted key the Secret does not hold"
+    return files
+
+
+def _routes(app: Any) -> set[str]:
+    return {route.path for route in app.routes}
+
+
+def _materialise(settings_env: dict[str, str], files: dict[str, str], tmp: Path) -> dict[str, str]:
+    """The same settings with the mounted files made real under `tmp`, so pdserve's app can be built on them."""
+    content = {"gateway-api-keys": json.dumps({"t": ["sha256:" + "0" * 64]}),
+               "scheduler-gateway-token": "pds1.gateway.x"}
+    out = dict(settings_env)
+    for path, key in files.items():
+        local = tmp / Path(path).name
+        local.write_text(content.get(key, f"{key}-value"))
+        for name, value in settings_env.items():
+            if value == path:
+                out[name] = str(local)
+    if "PDSERVE_STATE_FILE" in out:
+        out["PDSERVE_STATE_FILE"] = str(tmp / "weights.json")
+    return out
+
+
+@pytest.mark.parametrize("env", CLOUD)
+@pytest.mark.parametrize(("app", "model"), [("gateway", GatewaySettings), ("scheduler", SchedulerSettings)])
+def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_ports_and_files(
+    graphs: dict[str, Synthesis], env: str, app: str, model: type[GatewaySettings | SchedulerSettings], tmp_path: Path
+) -> None:
+    served = contract_of(env)[app]
+    graph = graphs[f"{env}-control"]
+    deployment = _objects(graph, "kubernetes:apps/v1:Deployment")[app]
+    secret = next(iter(_objects(graph, "kubernetes:core/v1:Secret").values()))
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    role, rest, environ = _started(container)
+    assert role == app and role in CONTROL_ROLES
+    settings = load_settings(model, rest, prog=f"pdserve {role}", env=environ)
+
+    assert settings.port == served.port == container["ports"][0]["containerPort"]
+    service = _objects(graph, "kubernetes:core/v1:Service")[app]
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+    files = _mounted_files(pod, container, secret)
+    file_settings = {name: str(getattr(settings, name)) for name in model.model_fields
+                     if name.endswith("_file") and name != "state_file"
+                     and getattr(settings, name) is not None}  # fmt: skip
+    assert set(file_settings.values()) <= set(files), "a setting names a file nothing mounts"
+    if isinstance(settings, SchedulerSettings):  # its weights file sits on a writable volume of its own
+        assert str(settings.state_file.parent) in {m["mountPath"] for m in container["volumeMounts"]}
+    assert {s.path for s in served.secrets if not s.only_with_shared_store} == set(files)
+    for s in served.secrets:
+        if s.path in files:
+            assert files[s.path] == s.key, s
+
+    built = (gateway_app if app == "gateway" else scheduler_app)(
+        load_settings(model, rest, prog=f"pdserve {role}", env=_materialise(environ, files, tmp_path)))  # type: ignore[arg-type]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "http"
+        assert container[probe]["httpGet"]["path"] in _routes(built), probe
+    assert (container["livenessProbe"]["httpGet"]["path"], container["readinessProbe"]["httpGet"]["path"]) == (
+        served.health_live, served.health_ready)
+
+
+def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dict[str, Synthesis]) -> None:
+    graph = graphs["prod-control"]
+    deployments = _objects(graph, "kubernetes:apps/v1:Deployment")
+    _, rest, environ = _started(deployments["gateway"]["spec"]["template"]["spec"]["containers"][0])
+    gateway = load_settings(GatewaySettings, rest, prog="pdserve gateway", env=environ)
+    _, rest, environ = _started(deployments["scheduler"]["spec"]["template"]["spec"]["containers"][0])
+    scheduler = load_settings(SchedulerSettings, rest, prog="pdserve scheduler", env=environ)
+    assert gateway.scheduler_url.endswith(f":{scheduler.port}")
+
+
+# -- monitoring: one job scheme, local and cloud ----------------------------------------------------------------------
+
+
+def local_prometheus_config(tmp_path: Path) -> Path:
+    """roles/prometheus's template rendered by Ansible for the local inventory with playbooks/vars/serving.yml."""
+    play_dir = tmp_path / "play"
+    play_dir.mkdir()
+    (play_dir / "vars").symlink_to(ROOT / "playbooks" / "vars")
+    out = tmp_path / "local" / "prometheus.yml"
+    out.parent.mkdir()
+    (play_dir / "render.yml").write_text(yaml.safe_dump([{
+        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
+        "vars_files": [str(ROOT / "roles" / "prometheus" / "defaults" / "main.yml"), "vars/serving.yml"],
+        "tasks": [{"name": "render", "ansible.builtin.template": {
+            "src": str(ROOT / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"), "dest": str(out),
+            "mode": "0644"}}],
+    }]))  # fmt: skip
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", str(ROOT / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
+         "-e", "ansible_python_interpreter=/usr/bin/python3"],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (out.parent / "rules").mkdir()
+    shutil.copy(ALERTS, out.parent / "rules" / "alerts.yml")
+    return out
+
+
+def cloud_prometheus_config(graph: Synthesis, tmp_path: Path) -> Path:
+    config_map = _objects(graph, "kubernetes:core/v1:ConfigMap")["prometheus"]
+    folder = tmp_path / "cloud"
+    folder.mkdir()
+    for name, text in config_map["data"].items():
+        (folder / name).write_text(text)
+    return folder / "prometheus.yml"
+
+
+def job_selectors() -> list[tuple[str, str, str]]:
+    """(alert, operator, value) of every `job` matcher in the alert rules."""
+    found = []
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            for op, value in re.findall(r'\bjob\s*(=~|!~|!=|=)\s*"([^"]*)"', rule["expr"]):
+                found.append((rule.get("alert") or rule.get("record"), op, value))
+    return found
+
+
+def _matches(op: str, value: str, job: str) -> bool:
+    return {"=": job == value, "=~": re.fullmatch(value, job) is not None}[op]
+
+
+def test_every_alert_job_selector_matches_a_scrape_job_of_the_local_and_the_cloud_prometheus(
+    graphs: dict[str, Synthesis], tmp_path: Path
+) -> None:
+    assert PROMTOOL is not None, "promtool is not installed: apt-get install prometheus"
+    local = local_prometheus_config(tmp_path)
+    cloud = cloud_prometheus_config(graphs["prod-control"], tmp_path)
+    selectors = job_selectors()
+    assert selectors, "the alert rules select no job at all"
+    for path in (local, cloud):
+        check = subprocess.run([PROMTOOL, "check", "config", str(path)], capture_output=True, text=True, check=False)
+        assert check.returncode == 0, f"{path}: {check.stdout}{check.stderr}"
+        assert "1 rule files found" in check.stdout + check.stderr, check.stdout + check.stderr
+        jobs = {j["job_name"] for j in yaml.safe_load(path.read_text())["scrape_configs"]}
+        assert jobs == set(JOBS), path
+        for alert, op, value in selectors:
+            assert op in ("=", "=~"), f"{alert}: a negative job matcher selects nothing the contract names"
+            assert any(_matches(op, value, job) for job in jobs), f"{alert}: job{op}{value!r} matches no job in {path}"
+
+
+def test_the_cloud_prometheus_sends_alerts_to_the_alertmanager_beside_it(graphs: dict[str, Synthesis]) -> None:
+    graph = graphs["prod-control"]
+    config = yaml.safe_load(_objects(graph, "kubernetes:core/v1:ConfigMap")["prometheus"]["data"]["prometheus.yml"])
+    target = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"][0]
+    service = _objects(graph, "kubernetes:core/v1:Service")["alertmanager"]
+    host, port = target.rsplit(":", 1)
+    assert host == f"alertmanager.{service['metadata']['namespace']}.svc"
+    assert int(port) == service["spec"]["ports"][0]["port"]
+    deployment = _objects(graph, "kubernetes:apps/v1:Deployment")["alertmanager"]
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    config_maps = _objects(graph, "kubernetes:core/v1:ConfigMap")
+    am_config = yaml.safe_load(config_maps["alertmanager"]["data"]["alertmanager.yml"])
+    assert am_config["route"]["receiver"] in {r["name"] for r in am_config["receivers"]}
