@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from pdstack import nodes
+from pdstack.contract import Component, contract, environment_serving
 from pdstack.local.inventory import NESTED_NODE_VARS
 from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
@@ -28,6 +29,8 @@ from pdstack.local.secrets import LocalSecrets
 from tests.serving.server.serverproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# The ports the playbooks deploy with: the local environment's contract (playbooks/vars/contract/local.yml).
+CONTRACT = contract(environment_serving(REPO / "stacks", "local"))
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
 NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
@@ -89,10 +92,10 @@ class Serving:
         return record
 
     def gateway(self) -> str:
-        return f"http://{self.address[NODE_A]}:8000"
+        return f"http://{self.address[NODE_A]}:{CONTRACT[Component.GATEWAY].port}"
 
     def scheduler(self) -> str:
-        return f"http://{self.address[NODE_A]}:8200"
+        return f"http://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
 
     def complete(self, prompt: str = LONG_PROMPT, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(f"{self.gateway()}/v1/completions", timeout=60,

@@ -11,8 +11,9 @@ import pytest
 import testinfra
 
 from pdserve.scheduler import identity
+from pdstack.contract import Component
 from pdstack.local.images import build_prometheus_image
-from tests.deploy.conftest import MODEL_NAME, NODE_A, NODE_B, REPO, Serving
+from tests.deploy.conftest import CONTRACT, MODEL_NAME, NODE_A, NODE_B, REPO, Serving
 
 # Each ansible-playbook run converges two nodes over `podman exec`; on a loaded 2-core host one run can take minutes.
 pytestmark = pytest.mark.timeout(1800)
@@ -117,13 +118,14 @@ def test_one_nodes_token_cannot_touch_another_instance(installed: Serving) -> No
 
 
 def test_servers_serve_only_callers_holding_the_server_token(installed: Serving) -> None:
-    url = f"http://{installed.address[NODE_B]}:8100/v1/completions"
+    decode = f"http://{installed.address[NODE_B]}:{CONTRACT[Component.DECODE].port}"
+    url = f"{decode}/v1/completions"
     body = {"model": MODEL_NAME, "prompt": "straight to decode", "max_tokens": 4}
     assert httpx.post(url, json=body, timeout=30).status_code == 401
     token = installed.secrets.server_api_token.read_text().strip()
     allowed = httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     assert allowed.status_code == 200, allowed.text
-    assert httpx.get(f"http://{installed.address[NODE_B]}:8100/health/ready", timeout=5).status_code == 200
+    assert httpx.get(f"{decode}{CONTRACT[Component.DECODE].health_ready}", timeout=5).status_code == 200
 
 
 def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Serving) -> None:

@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from pdstack import nodes
 from pdstack.bench.endpoint import Endpoint
+from pdstack.contract import Component, Contract, contract
 from pdstack.local.env import LocalEnv
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
@@ -59,19 +60,27 @@ class Local:
         return Endpoint(self.status["gateway_url"], "completions", self.topology.serving.model.name, self.api_key())
 
     def gateway_metrics(self) -> str:
-        return httpx.get(f"http://{self.control}:8000/metrics", timeout=10).text
+        return httpx.get(f"http://{self.control}:{self.contract[Component.GATEWAY].port}/metrics", timeout=10).text
+
+    @property
+    def contract(self) -> Contract:
+        return contract(self.topology.serving)
+
+    @property
+    def scheduler(self) -> str:
+        return self.contract.scheduler_url(self.control)
 
     def scheduler_admin(self) -> dict[str, str]:
         """The scheduler's read endpoints need a token (the gateway's or the admin's): the tests read as admin."""
         return {"Authorization": f"Bearer {self.env.secrets.scheduler_admin_token.read_text().strip()}"}
 
     def instances(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = httpx.get(f"http://{self.control}:8200/v1/instances",
+        found: list[dict[str, Any]] = httpx.get(f"{self.scheduler}/v1/instances",
                                                 headers=self.scheduler_admin(), timeout=10).json()["instances"]
         return found
 
     def weights(self) -> dict[str, int]:
-        weights: dict[str, int] = httpx.get(f"http://{self.control}:8200/v1/admin/weights",
+        weights: dict[str, int] = httpx.get(f"{self.scheduler}/v1/admin/weights",
                                             headers=self.scheduler_admin(), timeout=10).json()["weights"]
         return weights
 
