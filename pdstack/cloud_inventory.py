@@ -1,0 +1,148 @@
+"""What `inventories/aws/` needs from the stacks, rendered into two committed files:
+
+- `pdstack.aws_ec2.yml`, the `amazon.aws.aws_ec2` inventory: the regions every cloud environment's datacenters are in;
+  it groups the instances by the `pdstack:*` tags the Pulumi program puts on them (infra/tags.py).
+- `group_vars/all/stacks.yml`, per environment: its secrets' Secrets Manager names, the region holding them (the
+  control plane's) and, per
+  datacenter, its region and its widest link (the largest bandwidth-delay product, which sizes socket buffers), as
+  `pdstack local` renders them for inventories/local.
+
+`python -m pdstack.cloud_inventory [--stacks DIR]` rewrites both; a test checks that the committed files are current.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdstack.model import Environment as EnvName
+from pdstack.stacks import PROJECT_FILE, Environment, default_stacks_dir, environment_names, load_environment
+
+CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
+# Tag keys (infra/tags.py; a test checks they agree). Kept here so the toolkit does not import the Pulumi program.
+ENV_TAG, DC_TAG, ROLE_TAG, POOL_TAG = "pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool"
+ENV_VARIABLE = "PDSTACK_ENVIRONMENT"  # which environment's instances the inventory lists
+HEADER = (
+    "# Rendered by `python -m pdstack.cloud_inventory` from stacks/Pulumi.{dev,staging,prod}-*.yaml; do not edit.\n"
+)
+
+
+def secret_id(env: str, name: str) -> str:
+    return f"pdstack/{env}/{name}"
+
+
+def environments(stacks_dir: Path) -> list[Environment]:
+    present = environment_names(stacks_dir)
+    return [load_environment(stacks_dir, env) for env in CLOUD_ENVIRONMENTS if env in present]
+
+
+def stack_vars(envs: list[Environment]) -> dict[str, Any]:
+    cloud: dict[str, Any] = {}
+    for env in envs:
+        datacenters: dict[str, Any] = {}
+        links = [(s.config.datacenter.name, link) for s in env.stacks for link in s.config.datacenter.links]
+        for stack in env.stacks:
+            dc = stack.config.datacenter
+            mine = [link for owner, link in links if dc.name in (owner, link.peer)]
+            widest = max(mine, key=lambda link: link.bandwidth_gbps * link.rtt_ms, default=None)
+            entry: dict[str, Any] = {"region": dc.region}
+            if widest is not None:
+                entry |= {"link_bandwidth_gbps": widest.bandwidth_gbps, "link_rtt_ms": widest.rtt_ms}
+            datacenters[dc.name] = entry
+        control = env.control.config
+        cloud[env.name] = {
+            "secrets_region": control.datacenter.region,
+            # Secrets Manager names of the environment's secrets (infra/secrets.py secret_path; a test checks them
+            # against the names the program gives its aws.secretsmanager.Secret resources).
+            "secrets": {spec.name: secret_id(env.name, spec.name) for spec in control.secret_specs},
+            "datacenters": datacenters,
+        }
+    return {"pdstack_cloud": cloud}
+
+
+def plugin_config(envs: list[Environment]) -> dict[str, Any]:
+    regions = sorted({s.config.datacenter.region for env in envs for s in env.stacks})
+    return {
+        "plugin": "amazon.aws.aws_ec2",
+        "regions": regions,
+        # One environment at a time: the playbooks take groups['control'][0] as the environment's control plane.
+        "filters": {
+            f"tag:{ENV_TAG}": (
+                f"{{{{ lookup('ansible.builtin.env', '{ENV_VARIABLE}', "
+                f"default=undef('set {ENV_VARIABLE} to one of {', '.join(CLOUD_ENVIRONMENTS)}')) }}}}"
+            ),
+            "instance-state-name": "running",
+        },
+        # <datacenter>-<instance id>: unique, and says where the host is.
+        "hostnames": [{"name": "instance-id", "prefix": f"tag:{DC_TAG}", "separator": "-"}],
+        # The instance's own attributes as aws_* (aws_tags, aws_private_ip_address, ...): out of the way of the roles'
+        # variables (a bare `tags` is a name Ansible reserves).
+        "hostvars_prefix": "aws_",
+        "compose": {
+            # SSH runs through SSM Session Manager (group_vars/nodes.yml): the target is the instance id.
+            "ansible_host": "aws_instance_id",
+            "pdstack_address": "aws_private_ip_address",
+            "pdstack_region": "aws_placement.region",
+            "pdstack_environment": f"aws_tags['{ENV_TAG}']",
+            "pdstack_datacenter": f"aws_tags['{DC_TAG}']",
+            "pdstack_role": f"aws_tags['{ROLE_TAG}']",
+            "pdstack_pool": f"aws_tags['{POOL_TAG}']",
+        },
+        "groups": {"nodes": "true"},
+        # By role (prefill, decode, control: the playbooks' groups), datacenter (dc_<name>), environment (env_<name>);
+        # group names keep only letters, digits and `_`, so dc_prefill-us-east-1 becomes dc_prefill_us_east_1.
+        "keyed_groups": [
+            {"key": f"aws_tags['{ROLE_TAG}']", "prefix": "", "separator": ""},
+            {"key": f"aws_tags['{DC_TAG}']", "prefix": "dc"},
+            {"key": f"aws_tags['{ENV_TAG}']", "prefix": "env"},
+        ],
+        "strict": True,
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Lists indented under their key, as ansible-lint's yaml rule wants."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+def render(stacks_dir: Path) -> dict[str, str]:
+    """The files, by path relative to inventories/aws/."""
+    envs = environments(stacks_dir)
+
+    def dump(data: dict[str, Any]) -> str:
+        return HEADER + "---\n" + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=150)
+
+    return {"pdstack.aws_ec2.yml": dump(plugin_config(envs)), "group_vars/all/stacks.yml": dump(stack_vars(envs))}
+
+
+def write(stacks_dir: Path, inventory_dir: Path) -> list[Path]:
+    """Write the files that differ; the paths changed."""
+    changed = []
+    for name, text in render(stacks_dir).items():
+        path = inventory_dir / name
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--stacks", type=Path, default=None, help="stacks folder (default: the project's)")
+    args = parser.parse_args(argv)
+    stacks = args.stacks or default_stacks_dir()
+    project = stacks.resolve().parent
+    if not (project / PROJECT_FILE).is_file():
+        parser.error(f"{stacks} is not beside a {PROJECT_FILE}")
+    for path in write(stacks, project / "inventories" / "aws"):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

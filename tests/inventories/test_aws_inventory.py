@@ -1,0 +1,299 @@
+"""inventories/aws for real: a moto server on loopback holds EC2 instances launched with exactly the tags the Pulumi
+program's launch templates carry (from `pdstack synth --env prod --json`, run from a subfolder) and the secrets the
+program creates (by the names it gives them); `ansible-inventory -i inventories/aws --list` and a playbook on the
+controller then see them as the playbooks expect."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+import yaml
+
+from pdstack.cloud_inventory import render
+from pdstack.stacks import load_environment
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+INVENTORY = REPO / "inventories" / "aws"
+PROBE = Path(__file__).with_name("probe.yml")
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+SECRET = "aws:secretsmanager/secret:Secret"
+PER_TEMPLATE = {"prefill": 2, "decode": 2, "control": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{url}/moto-api/", timeout=1)
+                break
+            except httpx.TransportError:
+                assert server.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def aws_env(moto: str) -> dict[str, str]:
+    """What the controller has: fake credentials, the endpoint pointed at moto, the environment to list."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "ANSIBLE_", "PDSTACK_"))}
+    return env | {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": moto,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PDSTACK_ENVIRONMENT": "prod",
+        "ANSIBLE_INVENTORY_UNPARSED_FAILED": "true",
+        "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true",
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+    }
+
+
+@pytest.fixture(scope="module")
+def synthesised() -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [str(BIN / "pdstack"), "synth", "--env", "prod", "--json"],
+        cwd=REPO / "roles",
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    stacks: list[dict[str, Any]] = json.loads(result.stdout)["stacks"]
+    assert [s["stack"] for s in stacks] == ["prod-control", "prod-decode-us-west-2", "prod-prefill-us-east-1"]
+    return stacks
+
+
+def instance_tags(resource: dict[str, Any]) -> dict[str, str]:
+    specs = resource["inputs"]["tagSpecifications"]
+    return next(s["tags"] for s in specs if s["resourceType"] == "instance")
+
+
+@pytest.fixture(scope="module")
+def launched(synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Instances launched with each launch template's instance tags, in its stack's region; by instance id."""
+    out: dict[str, dict[str, Any]] = {}
+    for stack in synthesised:
+        region = stack["outputs"]["region"]
+        ec2 = boto3.client(
+            "ec2", region_name=region, endpoint_url=moto, aws_access_key_id="testing", aws_secret_access_key="testing"
+        )
+        image = ec2.describe_images()["Images"][0]["ImageId"]
+        for template in (r for r in stack["resources"] if r["type"] == LAUNCH_TEMPLATE):
+            tags = instance_tags(template)
+            count = PER_TEMPLATE[tags["pdstack:role"]]
+            made = ec2.run_instances(
+                ImageId=image,
+                MinCount=count,
+                MaxCount=count,
+                InstanceType="t3.micro",
+                TagSpecifications=[
+                    {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+                ],
+            )
+            for instance in made["Instances"]:
+                out[instance["InstanceId"]] = {"tags": tags, "region": region, "ip": instance["PrivateIpAddress"]}
+        if stack["stack"] == "prod-control":  # neighbours to leave out: another environment's, an untagged one
+            other = {
+                **instance_tags(next(r for r in stack["resources"] if r["type"] == LAUNCH_TEMPLATE)),
+                "pdstack:env": "staging",
+            }
+            ec2.run_instances(
+                ImageId=image,
+                MinCount=1,
+                MaxCount=1,
+                TagSpecifications=[
+                    {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in other.items()]}
+                ],
+            )
+            ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1)
+    assert {t["tags"]["pdstack:role"] for t in out.values()} == {"prefill", "decode", "control"}
+    return out
+
+
+def unwrap(value: Any) -> Any:
+    """ansible-inventory marks values that came from outside as {"__ansible_unsafe": value}."""
+    if isinstance(value, dict):
+        return (
+            value["__ansible_unsafe"]
+            if set(value) == {"__ansible_unsafe"}
+            else {k: unwrap(v) for k, v in value.items()}
+        )
+    return [unwrap(v) for v in value] if isinstance(value, list) else value
+
+
+def ansible_inventory(aws_env: dict[str, str], **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "ansible-inventory"), "-i", str(INVENTORY), "--list"],
+        cwd=REPO,
+        env=aws_env | extra,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def test_the_committed_inventory_is_rendered_from_the_stacks() -> None:
+    for name, text in render(REPO / "stacks").items():
+        assert (INVENTORY / name).read_text() == text, f"run `python -m pdstack.cloud_inventory` ({name})"
+
+
+def test_inventory_groups_and_describes_the_instances_as_the_playbooks_expect(
+    launched: dict[str, dict[str, Any]], aws_env: dict[str, str]
+) -> None:
+    result = ansible_inventory(aws_env)
+    assert result.returncode == 0, result.stderr
+    inv = unwrap(json.loads(result.stdout))
+    hostvars = inv["_meta"]["hostvars"]
+    members = lambda group: set(inv.get(group, {}).get("hosts", []))  # noqa: E731
+    by_id = {v["aws_instance_id"]: name for name, v in hostvars.items()}
+    assert set(by_id) == set(launched), "exactly the prod instances: not staging's, not the untagged one"
+    for instance_id, want in launched.items():
+        name, tags = by_id[instance_id], want["tags"]
+        assert name == f"{tags['pdstack:dc']}-{instance_id}"
+        got = hostvars[name]
+        assert got["pdstack_address"] == want["ip"]
+        assert got["ansible_host"] == instance_id  # SSH through SSM targets the instance id
+        assert (got["pdstack_environment"], got["pdstack_datacenter"], got["pdstack_role"], got["pdstack_pool"]) == (
+            "prod",
+            tags["pdstack:dc"],
+            tags["pdstack:role"],
+            tags["pdstack:pool"],
+        )
+        assert got["pdstack_region"] == want["region"]
+        assert name in members(tags["pdstack:role"])
+        assert name in members("dc_" + tags["pdstack:dc"].replace("-", "_"))
+        assert name in members("env_prod") and name in members("nodes")
+    for role in ("prefill", "decode", "control"):
+        assert len(members(role)) == sum(w["tags"]["pdstack:role"] == role for w in launched.values()), role
+    # The groups the playbooks name exist: site/serving/deploy/rollback plays and vars/serving.yml's lookups.
+    for play in ("baseline", "serving", "deploy", "rollback"):
+        for hosts in (p["hosts"] for p in yaml.safe_load((REPO / "playbooks" / f"{play}.yml").read_text())):
+            for group in str(hosts).split(":"):
+                if group not in ("localhost", "canary", "promote") and "{{" not in group:
+                    assert members(group), (play, group)
+
+
+def test_inventory_needs_the_environment_named(launched: dict[str, dict[str, Any]], aws_env: dict[str, str]) -> None:
+    env = {k: v for k, v in aws_env.items() if k != "PDSTACK_ENVIRONMENT"}
+    result = subprocess.run(
+        [str(BIN / "ansible-inventory"), "-i", str(INVENTORY), "--list"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "set PDSTACK_ENVIRONMENT to one of dev, staging, prod" in result.stderr
+    staging = ansible_inventory(aws_env, PDSTACK_ENVIRONMENT="staging")
+    assert staging.returncode == 0, staging.stderr
+    assert len(json.loads(staging.stdout)["_meta"]["hostvars"]) == 1
+
+
+def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manager(
+    launched: dict[str, dict[str, Any]],
+    synthesised: list[dict[str, Any]],
+    moto: str,
+    aws_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    control = next(s for s in synthesised if s["stack"] == "prod-control")
+    names = [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET]
+    assert len(names) == 6
+    manager = boto3.client(
+        "secretsmanager",
+        region_name=control["outputs"]["region"],
+        endpoint_url=moto,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    values = {}
+    for name in names:
+        values[name.rsplit("/", 1)[1]] = secrets.token_urlsafe(32)
+        manager.create_secret(Name=name, SecretString=values[name.rsplit("/", 1)[1]])
+    expected = json.dumps(values, sort_keys=True)
+
+    def probe(sha256: str) -> subprocess.CompletedProcess[str]:
+        run = subprocess.run(
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                str(INVENTORY),
+                str(PROBE),
+                "-e",
+                f"probe_out={tmp_path}",
+                "-e",
+                f"probe_expected_sha256={sha256}",
+                "-vvv",
+            ],
+            cwd=REPO,
+            env=aws_env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        for value in values.values():
+            assert value not in run.stdout + run.stderr, "a secret value was logged"
+        return run
+
+    wrong = probe(hashlib.sha256(b"not the secrets").hexdigest())  # the check can fail, and says nothing then either
+    assert wrong.returncode != 0 and "censored" in wrong.stdout
+    result = probe(hashlib.sha256(expected.encode()).hexdigest())
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    links = load_environment(REPO / "stacks", "prod").configs
+    for instance_id, want in launched.items():
+        dc = want["tags"]["pdstack:dc"]
+        seen = json.loads((tmp_path / f"{dc}-{instance_id}.json").read_text())
+        widest = max(
+            (link for name, cfg in links.items() for link in cfg.datacenter.links if dc in (name, link.peer)),
+            key=lambda link: link.bandwidth_gbps * link.rtt_ms,
+        )
+        assert (seen["bandwidth_gbps"], seen["rtt_ms"]) == (widest.bandwidth_gbps, widest.rtt_ms)
+        assert "aws ssm start-session --target %h" in seen["ssh_args"]
+        assert f"--region {want['region']}" in seen["ssh_args"]
+        assert seen["time_sync_aws"] is True
+
+
+def test_the_inventory_keys_on_the_tags_the_program_puts_on_instances() -> None:
+    from infra import tags  # noqa: PLC0415 (the program's module, plain Python)
+    from pdstack import cloud_inventory  # noqa: PLC0415
+
+    keys = (cloud_inventory.ENV_TAG, cloud_inventory.DC_TAG, cloud_inventory.ROLE_TAG, cloud_inventory.POOL_TAG)
+    assert keys == tags.INSTANCE_TAG_KEYS
