@@ -16,6 +16,7 @@ inventories/local/hosts.yml), so the playbooks need neither the toolkit nor Pyth
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pdstack.model import Serving
+from pdstack.model import Environment, Serving
 from pdstack.serving_env import gateway_settings, server_settings
 from pdstack.stackfile import load_stack_file
 
@@ -292,21 +293,46 @@ def write_ansible_vars(project: Path, env: str, serving: Serving | None = None) 
     return True
 
 
+# -- the policy pack -----------------------------------------------------------------------------------------------
+
+POLICY_CONFIG_DIR = Path("policy") / "config"
+KV_PORT_POLICY = "kv-port-peers-only"  # policy/rules.py: the rule that reads the KV port from the pack's config
+
+
+def policy_config(c: Contract) -> dict[str, Any]:
+    """The policy pack's config (`pulumi preview --policy-pack policy --policy-pack-config policy/config/<env>.json`):
+    the KV port its rule checks is the port prefill listens on."""
+    return {KV_PORT_POLICY: {"kvPort": c[Component.PREFILL].kv_port}}
+
+
+def render_policy_config(serving: Serving) -> str:
+    return json.dumps(policy_config(contract(serving)), indent=2, sort_keys=True) + "\n"
+
+
+def rendered_files(project: Path, env: str, serving: Serving) -> dict[Path, str]:
+    """Every file the contract renders for one environment."""
+    files = {project / CONTRACT_VARS_DIR / f"{env}.yml": render_ansible_vars(env, serving)}
+    if env != Environment.LOCAL:  # the local environment is deployed by Ansible alone, no Pulumi, no policy pack
+        files[project / POLICY_CONFIG_DIR / f"{env}.json"] = render_policy_config(serving)
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdstack.contract", description="Render playbooks/vars/contract/<env>.yml for every environment."
+        prog="python -m pdstack.contract",
+        description="Render playbooks/vars/contract/<env>.yml and policy/config/<env>.json for every environment.",
     )
     parser.add_argument("--project", type=Path, default=Path.cwd())
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)
     stale = []
     for env in environments(args.project / "stacks"):
-        text = render_ansible_vars(env, environment_serving(args.project / "stacks", env))
-        path = args.project / CONTRACT_VARS_DIR / f"{env}.yml"
-        if not path.is_file() or path.read_text() != text:
-            stale.append(str(path))
-            if not args.check:
-                write_ansible_vars(args.project, env)
+        for path, text in rendered_files(args.project, env, environment_serving(args.project / "stacks", env)).items():
+            if not path.is_file() or path.read_text() != text:
+                stale.append(str(path))
+                if not args.check:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(text)
     for path in stale:
         print(("stale: " if args.check else "wrote: ") + path)
     return 1 if args.check and stale else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from pdstack.contract import Component, contract, environment_serving
 from pdstack.synth import Resource, Synthesis
 
 from .conftest import ROOT
@@ -167,3 +169,17 @@ def test_the_kv_port_comes_from_the_pack_config(pack: list[Any], graphs: dict[st
     # The SSH rule covers port 22: with the KV port configured as 22 the pack must object to it.
     found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=22)
     assert {p for p, _ in found} == {"kv-port-peers-only"}
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
+    pack: list[Any], graphs: dict[str, Synthesis], env: str
+) -> None:
+    """policy/config/<env>.json (pdstack.contract) is what `pulumi preview --policy-pack-config` gets: its KV port is
+    the contract's, and the environment's stacks pass the pack under it."""
+    config = json.loads((ROOT / "policy" / "config" / f"{env}.json").read_text())
+    kv_port = config["kv-port-peers-only"]["kvPort"]
+    assert kv_port == contract(environment_serving(ROOT / "stacks", env))[Component.PREFILL].kv_port
+    for name, graph in graphs.items():
+        if name.startswith(f"{env}-"):
+            assert run_pack(pack, graph.resources, kv_port=kv_port) == [], name
