@@ -3,6 +3,8 @@ gated environment by environment, the policy pack on every preview and up, drift
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,62 @@ def test_the_shared_setup_action_installs_the_program_and_the_policy_pack() -> N
     script = "\n".join(s.get("run", "") for s in action["runs"]["steps"])
     assert "infra/requirements.txt" in script and "policy/requirements.txt" in script
     assert (ROOT / "infra" / "requirements.txt").is_file() and (ROOT / "policy" / "requirements.txt").is_file()
+
+
+def _compact(text: object) -> str:
+    """`${{ x }}` written without spaces, so that it stays one shell word."""
+    return re.sub(r"\$\{\{\s*(.*?)\s*\}\}", r"${{\1}}", str(text))
+
+
+def _commands(program: str) -> list[tuple[dict[str, Any], list[str]]]:
+    """Every `program` command the templates run, as (its step's and job's env, argv); `${{ x }}` stays one word."""
+    found = []
+    for path in sorted(TEMPLATES.rglob("*.yml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        jobs = data.get("jobs", {}) if isinstance(data, dict) else {}
+        for job in jobs.values():
+            for step in steps(job):
+                script = _compact(step.get("run", ""))
+                for line in script.replace("\\\n", " ").splitlines():
+                    argv = shlex.split(line) if program in line else []
+                    if argv and argv[0].endswith(f"/{program}"):
+                        env = {**data.get("env", {}), **job.get("env", {}), **step.get("env", {})}
+                        found.append(({k: _compact(v) for k, v in env.items()}, argv))
+    return found
+
+
+def _option_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+
+
+def _read_by_playbooks() -> str:
+    """Everything the playbooks (and the roles and vars they load) template from."""
+    files = [*(ROOT / "playbooks").rglob("*.yml"), *(ROOT / "roles").rglob("*.yml"), *(ROOT / "roles").rglob("*.j2")]
+    return "\n".join(p.read_text(encoding="utf-8") for p in files)
+
+
+def test_every_ansible_command_names_an_inventory_that_exists_and_variables_the_playbooks_read() -> None:
+    commands = _commands("ansible-playbook") + _commands("ansible-inventory")
+    assert len(commands) >= 3
+    read = _read_by_playbooks()
+    for env, argv in commands:
+        (inventory,) = _option_values(argv, "-i")
+        folder = ROOT / inventory
+        assert folder.is_dir() and [*folder.glob("*.aws_ec2.yml"), *folder.glob("hosts.yml")], inventory
+        if inventory == "inventories/aws":  # it lists the environment PDSTACK_ENVIRONMENT names
+            assert env.get("PDSTACK_ENVIRONMENT") == "${{inputs.environment}}", argv
+        for playbook in (a for a in argv if a.startswith("playbooks/")):
+            assert (ROOT / playbook).is_file(), playbook
+        for extra in _option_values(argv, "-e"):
+            if extra.startswith("@"):
+                continue  # a vars file the user keeps (the stage's release-vars input)
+            name = extra.split("=", 1)[0]
+            assert re.search(rf"\b{re.escape(name)}\b", read), f"-e {name}: no playbook or role reads it"
+            if name == "pdstack_environment":
+                assert extra.split("=", 1)[1] == env.get("PDSTACK_ENVIRONMENT"), "the inventory and -e must agree"
+
+
+def test_the_setup_action_installs_what_the_aws_inventory_needs() -> None:
+    action = yaml.safe_load((TEMPLATES / "actions" / "pdstack-setup" / "action.yml").read_text(encoding="utf-8"))
+    script = "\n".join(s.get("run", "") for s in action["runs"]["steps"])
+    assert ".[ansible]" in script  # ansible, ansible-core and boto3 at the versions pyproject pins
