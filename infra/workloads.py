@@ -33,7 +33,10 @@ GATEWAY_TOKEN = next(s.key for s in SECRET_FILES[Component.GATEWAY] if s.princip
 # The gateway replicas share no rate-limit store in the cloud yet: each keeps its own counters (pdserve's memory://),
 # so it mounts no store password.
 GATEWAY_RATE_LIMIT_STORAGE = "memory://"
-SECRET_FILE_MODE = 0o440  # readable by the runtime user through the pod's fsGroup, by nobody else
+# Read-only for everyone in the pod: the volume is the pod's own and its one container runs one non-root uid. Not 0440
+# with fsGroup alone: runtimes that do not chown volumes to the fsGroup (podman kube play) would leave the files
+# unreadable to that uid.
+SECRET_FILE_MODE = 0o444
 NLB_ANNOTATIONS = {
     "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
     "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
