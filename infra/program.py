@@ -25,13 +25,14 @@ from infra.storage import ModelStorage, ModelStorageArgs
 from infra.tags import datacenter_tags, pool_tags
 from infra.workloads import GATEWAY_TOKEN, ControlWorkloads, ControlWorkloadsArgs
 from pdstack.catalog import Catalog, load_catalog
-from pdstack.contract import contract
+from pdstack.contract import contract, gateway_keys_file
 from pdstack.model import DatacenterRole, Environment, Serving
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
 # scheduler's identity key: whoever holds it can mint any principal's token, so each node gets only its own derived
 # token from the deployer (roles/pdserve); the rest stay in the control plane.
 NODE_SECRETS = ("kv-channel-key", "server-api-token")
+API_KEYS = "gateway-api-keys"
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 
 
@@ -214,7 +215,12 @@ def build_control_plane(
                 "datacenters.json": json.dumps({d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role}
                                                 for d in serving_dcs}, indent=2),
             },
-            secret_values={**secrets.values, GATEWAY_TOKEN: secrets.principal_token("gateway")},
+            secret_values={
+                **secrets.values,
+                # the gateway reads a keys file holding the key's digest; clients use the key in Secrets Manager
+                API_KEYS: secrets.values[API_KEYS].apply(lambda key: gateway_keys_file(key, view.env)),  # still secret
+                GATEWAY_TOKEN: secrets.principal_token("gateway"),
+            },
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
             cluster_cidr=str(dc.cidr),

@@ -16,6 +16,7 @@ inventories/local/hosts.yml), so the playbooks need neither the toolkit nor Pyth
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Mapping
@@ -126,6 +127,12 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
     Component.DECODE: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
     Component.COLOCATED: (SERVER_TOKEN, INSTANCE_TOKEN),
 }  # fmt: skip
+
+
+def gateway_keys_file(key: str, tenant: str) -> str:
+    """The gateway's API keys file (pdserve.gateway.auth) for one tenant holding `key`: its sha256 digest only, so
+    the file the gateway reads never holds a key a client could present."""
+    return json.dumps({tenant: [f"sha256:{hashlib.sha256(key.encode()).hexdigest()}"]}, indent=2) + "\n"
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ Cloud environments take the same ones from Secrets Manager instead (infra/).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdstack.contract import gateway_keys_file
 
 TENANT = "local"
 
@@ -67,8 +67,7 @@ class LocalSecrets:
         for path in self.generated():
             if not path.exists():
                 _write_private(path, secrets.token_urlsafe(32))
-        digest = hashlib.sha256(self.api_key.read_text().encode()).hexdigest()
-        keys = json.dumps({TENANT: [f"sha256:{digest}"]}, indent=2) + "\n"
+        keys = gateway_keys_file(self.api_key.read_text(), TENANT)
         if not self.api_keys.exists() or self.api_keys.read_text() != keys:
             _write_private(self.api_keys, keys)
 

@@ -5,7 +5,6 @@ selector matches a scrape job of both the local and the cloud Prometheus, and pr
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -144,14 +143,15 @@ def _routes(app: Any) -> set[str]:
     return {route.path for route in app.routes}
 
 
-def _materialise(settings_env: dict[str, str], files: dict[str, str], tmp: Path) -> dict[str, str]:
-    """The same settings with the mounted files made real under `tmp`, so pdserve's app can be built on them."""
-    content = {"gateway-api-keys": json.dumps({"t": ["sha256:" + "0" * 64]}),
-               "scheduler-gateway-token": "pds1.gateway.x"}
+def _materialise(
+    settings_env: dict[str, str], files: dict[str, str], secret: dict[str, Any], tmp: Path
+) -> dict[str, str]:
+    """The same settings with the mounted files made real under `tmp`, holding what the Secret holds (mock values
+    under Pulumi mocks, in the formats the program renders), so pdserve's app is built on them."""
     out = dict(settings_env)
     for path, key in files.items():
         local = tmp / Path(path).name
-        local.write_text(content.get(key, f"{key}-value"))
+        local.write_text(secret["stringData"][key])
         for name, value in settings_env.items():
             if value == path:
                 out[name] = str(local)
@@ -191,7 +191,7 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
             assert files[s.path] == s.key, s
 
     built = (gateway_app if app == "gateway" else scheduler_app)(
-        load_settings(model, rest, prog=f"pdserve {role}", env=_materialise(environ, files, tmp_path)))  # type: ignore[arg-type]
+        load_settings(model, rest, prog=f"pdserve {role}", env=_materialise(environ, files, secret, tmp_path)))  # type: ignore[arg-type]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["port"] == "http"
         assert container[probe]["httpGet"]["path"] in _routes(built), probe
