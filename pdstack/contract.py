@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.check:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(text)
-    for path in stale:
-        print(("stale: " if args.check else "wrote: ") + path)
+    for name in stale:
+        print(("stale: " if args.check else "wrote: ") + name)
     return 1 if args.check and stale else 0
 
 
