@@ -38,10 +38,11 @@ class LinkSpec:
     @property
     def mathis_gbps_per_stream(self) -> float | None:
         """The TCP ceiling of one connection, or None when loss or RTT is zero (no ceiling from the formula)."""
-        probability = self.loss_pct / 100  # a subnormal loss_pct underflows to 0 here: no ceiling either
-        if probability == 0 or self.rtt_ms == 0:
+        # a subnormal loss_pct or rtt_ms underflows to 0 here: no ceiling either
+        probability, rtt_s = self.loss_pct / 100, self.rtt_ms / 1e3
+        if probability == 0 or rtt_s == 0:
             return None
-        return self.mss_bytes * 8 / (self.rtt_ms / 1e3) * MATHIS_C / math.sqrt(probability) / 1e9
+        return self.mss_bytes * 8 / rtt_s * MATHIS_C / math.sqrt(probability) / 1e9
 
     @property
     def effective_gbps(self) -> float:
