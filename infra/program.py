@@ -23,7 +23,13 @@ from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
 from infra.storage import ModelStorage, ModelStorageArgs
 from infra.tags import datacenter_tags, pool_tags
-from infra.workloads import GATEWAY_TOKEN, ControlWorkloads, ControlWorkloadsArgs
+from infra.workloads import (
+    GATEWAY_TOKEN,
+    RATELIMIT_STORE_CONFIG,
+    ControlWorkloads,
+    ControlWorkloadsArgs,
+    ratelimit_store_config,
+)
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.contract import contract, gateway_keys_file
 from pdstack.model import DatacenterRole, Environment, Serving
@@ -33,6 +39,7 @@ from pdstack.model import DatacenterRole, Environment, Serving
 # token from the deployer (roles/pdserve); the rest stay in the control plane.
 NODE_SECRETS = ("kv-channel-key", "server-api-token")
 API_KEYS = "gateway-api-keys"
+RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 
 
@@ -220,6 +227,8 @@ def build_control_plane(
                 # the gateway reads a keys file holding the key's digest; clients use the key in Secrets Manager
                 API_KEYS: secrets.values[API_KEYS].apply(lambda key: gateway_keys_file(key, view.env)),  # still secret
                 GATEWAY_TOKEN: secrets.principal_token("gateway"),
+                RATELIMIT_STORE_CONFIG: secrets.values[RATELIMIT_PASSWORD].apply(
+                    lambda password: ratelimit_store_config(password, contract(serving).ratelimit_store.port)),
             },
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],

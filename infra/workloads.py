@@ -30,9 +30,12 @@ CONFIG_DIR = "/etc/pdstack"
 SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
 # The key of that Secret holding the gateway's scheduler token (derived from the identity key for principal gateway)
 GATEWAY_TOKEN = next(s.key for s in SECRET_FILES[Component.GATEWAY] if s.principal == "gateway")
-# The gateway replicas share no rate-limit store in the cloud yet: each keeps its own counters (pdserve's memory://),
-# so it mounts no store password.
-GATEWAY_RATE_LIMIT_STORAGE = "memory://"
+# The gateways' shared rate-limit store: one in-cluster Redis, no persistence (a restart only forgets the current
+# windows' counts), reachable from the gateway pods alone, behind the ratelimit-store-password.
+RATELIMIT_STORE_IMAGE = "docker.io/library/redis:7.4.2-alpine"
+RATELIMIT_STORE = "ratelimit"
+RATELIMIT_STORE_UID = 999  # the image's redis user
+RATELIMIT_STORE_CONFIG = "ratelimit-store-redis.conf"  # its key in the Secret: redis.conf with requirepass
 # Read-only for everyone in the pod: the volume is the pod's own and its one container runs one non-root uid. Not 0440
 # with fsGroup alone: runtimes that do not chown volumes to the fsGroup (podman kube play) would leave the files
 # unreadable to that uid.
@@ -129,11 +132,11 @@ class ControlWorkloads(pulumi.ComponentResource):
         served = args.contract
         scheduler_url = f"http://scheduler.{ns}.svc.cluster.local:{served[Component.SCHEDULER].port}"
         gateway_contract = served[Component.GATEWAY]
+        store = served.ratelimit_storage(f"{RATELIMIT_STORE}.{ns}.svc.cluster.local")
         gateway = AppSpec(
             "gateway", gateway_contract, args.gateway_replicas, "1", "1Gi",
-            env={**gateway_contract.env(shared_store=False), "PDSERVE_SCHEDULER_URL": scheduler_url,
-                 "PDSERVE_RATE_LIMIT_STORAGE": GATEWAY_RATE_LIMIT_STORAGE},
-            shared_store=False,
+            env={**gateway_contract.env(), "PDSERVE_SCHEDULER_URL": scheduler_url,
+                 "PDSERVE_RATE_LIMIT_STORAGE": store},
         )
         # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
         # each see half the heartbeats behind the load balancer.
@@ -167,6 +170,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         self._network_policies(name)
         self._prometheus(name)
         self._alertmanager(name)
+        self._ratelimit_store(name)
         self.register_outputs({})
 
     def _deployment(self, name: str, app: AppSpec, recreate: bool) -> None:
@@ -277,6 +281,9 @@ class ControlWorkloads(pulumi.ComponentResource):
         ])
         policy("prometheus", {"match_labels": {"app": "prometheus"}},
                [{"from": [{"pod_selector": {}}], "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
+        policy(RATELIMIT_STORE, {"match_labels": {"app": RATELIMIT_STORE}},
+               [{"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}}],
+                 "ports": [{"port": a.contract.ratelimit_store.port, "protocol": "TCP"}]}])
         policy("alertmanager", {"match_labels": {"app": "alertmanager"}},
                [{"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
                  "ports": [{"port": a.contract.alertmanager.port, "protocol": "TCP"}]}])
@@ -405,3 +412,59 @@ class ControlWorkloads(pulumi.ComponentResource):
                   "ports": [{"name": "http", "port": listener.port, "target_port": "http", "protocol": "TCP"}]},
             opts=self.opts,
         )
+
+    def _ratelimit_store(self, name: str) -> None:
+        a, ns = self.args, self.args.namespace
+        labels = {"app": RATELIMIT_STORE}
+        port = a.contract.ratelimit_store.port
+        k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
+            f"{name}-{RATELIMIT_STORE}",
+            metadata={"name": RATELIMIT_STORE, "namespace": ns, "labels": labels},
+            spec={  # pyright: ignore[reportArgumentType]
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"match_labels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "security_context": {"run_as_non_root": True, "run_as_user": RATELIMIT_STORE_UID,
+                                             "run_as_group": RATELIMIT_STORE_UID, "fs_group": RATELIMIT_STORE_UID,
+                                             "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "containers": [{
+                            "name": "redis",
+                            "image": RATELIMIT_STORE_IMAGE,
+                            "command": ["redis-server", "/etc/redis/redis.conf"],
+                            "ports": [{"name": "redis", "container_port": port}],
+                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                                          "limits": {"memory": "320Mi"}},
+                            "readiness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 5},
+                            "liveness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 15,
+                                               "failure_threshold": 6},
+                            "volume_mounts": [{"name": "config", "mount_path": "/etc/redis", "read_only": True},
+                                              {"name": "data", "mount_path": "/data"}],
+                            "security_context": RESTRICTED_CONTAINER,
+                        }],
+                        "volumes": [
+                            {"name": "config", "secret": {
+                                "secret_name": SECRET_NAME, "optional": False, "default_mode": SECRET_FILE_MODE,
+                                "items": [{"key": RATELIMIT_STORE_CONFIG, "path": "redis.conf"}]}},
+                            {"name": "data", "empty_dir": {}},
+                        ],
+                    },
+                },
+            },
+            opts=self.opts,
+        )
+        k8s.core.v1.Service(
+            f"{name}-{RATELIMIT_STORE}",
+            metadata={"name": RATELIMIT_STORE, "namespace": ns},
+            spec={"type": "ClusterIP", "selector": labels,
+                  "ports": [{"name": "redis", "port": port, "target_port": "redis", "protocol": "TCP"}]},
+            opts=self.opts,
+        )
+
+
+def ratelimit_store_config(password: str, port: int) -> str:
+    """The in-cluster store's redis.conf: the password, no persistence, a memory ceiling (counters expire)."""
+    return (f"port {port}\nbind 0.0.0.0\nprotected-mode yes\nrequirepass {password}\nsave \"\"\n"
+            "appendonly no\nmaxmemory 256mb\nmaxmemory-policy volatile-ttl\n")

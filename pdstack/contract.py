@@ -48,6 +48,9 @@ NODE_EXPORTER_PORT = 9100  # Debian's prometheus-node-exporter (roles/node_expor
 PROMETHEUS_HEALTH_LIVE = "/-/healthy"
 PROMETHEUS_HEALTH_READY = "/-/ready"
 ALERTMANAGER_PORT = 9093
+# Redis: the gateways' shared rate-limit store (roles/redis locally, in-cluster in the cloud)
+RATELIMIT_STORE_PORT = 6379
+RATELIMIT_STORE_DB = 0
 
 # -- Prometheus job names: one scheme, used by the local and the cloud Prometheus ------------------------------
 PROMETHEUS_JOB = "prometheus"
@@ -195,6 +198,7 @@ class Contract:
     prometheus: Listener
     node_exporter: Listener
     alertmanager: Listener
+    ratelimit_store: Listener
     scrape_groups: tuple[ScrapeGroup, ...] = field(default=())
 
     def __getitem__(self, component: Component | str) -> ComponentContract:
@@ -202,6 +206,10 @@ class Contract:
 
     def scheduler_url(self, host: str) -> str:
         return f"http://{host}:{self[Component.SCHEDULER].port}"
+
+    def ratelimit_storage(self, host: str) -> str:
+        """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`."""
+        return f"redis://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"
 
 
 def contract(serving: Serving) -> Contract:
@@ -233,6 +241,7 @@ def contract(serving: Serving) -> Contract:
         prometheus=Listener(ports.prometheus, PROMETHEUS_JOB, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),
         node_exporter=Listener(NODE_EXPORTER_PORT, NODE_JOB),
         alertmanager=Listener(ALERTMANAGER_PORT, None, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),
+        ratelimit_store=Listener(RATELIMIT_STORE_PORT, None),
         scrape_groups=scrape,
     )
 
@@ -269,6 +278,8 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         "prometheus_job": c.prometheus.job,
         "prometheus_node_job": c.node_exporter.job,
         "node_exporter_port": c.node_exporter.port,
+        "redis_port": c.ratelimit_store.port,
+        "pdstack_ratelimit_store_db": RATELIMIT_STORE_DB,
     }  # fmt: skip
 
 

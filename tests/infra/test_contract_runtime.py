@@ -11,9 +11,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
+from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.gateway.app import create_app as gateway_app
 from pdserve.gateway.settings import GatewaySettings
@@ -185,7 +187,7 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
     assert set(file_settings.values()) <= set(files), "a setting names a file nothing mounts"
     if isinstance(settings, SchedulerSettings):  # its weights file sits on a writable volume of its own
         assert str(settings.state_file.parent) in {m["mountPath"] for m in container["volumeMounts"]}
-    assert {s.path for s in served.secrets if not s.only_with_shared_store} == set(files)
+    assert {s.path for s in served.secrets} == set(files)
     for s in served.secrets:
         if s.path in files:
             assert files[s.path] == s.key, s
@@ -197,6 +199,31 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
         assert container[probe]["httpGet"]["path"] in _routes(built), probe
     assert (container["livenessProbe"]["httpGet"]["path"], container["readinessProbe"]["httpGet"]["path"]) == (
         served.health_live, served.health_ready)
+
+
+def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: dict[str, Synthesis]) -> None:
+    """The cloud half of issue 13's shared limits: every gateway replica points at one Redis, on the port that
+    Redis listens on, with the password that Redis requires, and only the gateways may reach it."""
+    graph = graphs["prod-control"]
+    deployments = _objects(graph, "kubernetes:apps/v1:Deployment")
+    secret_object = next(iter(_objects(graph, "kubernetes:core/v1:Secret").values()))
+    secret = secret_object["stringData"]
+    pod = deployments["gateway"]["spec"]["template"]["spec"]
+    _, rest, environ = _started(pod["containers"][0])
+    gateway = load_settings(GatewaySettings, rest, prog="pdserve gateway", env=environ)
+    store = httpx.URL(gateway.rate_limit_storage)
+    service = _objects(graph, "kubernetes:core/v1:Service")[RATELIMIT_STORE]
+    redis = deployments[RATELIMIT_STORE]["spec"]["template"]["spec"]
+    config = dict(line.split(" ", 1) for line in secret[RATELIMIT_STORE_CONFIG].splitlines())
+
+    assert store.scheme == "redis" and store.host.startswith(f"{RATELIMIT_STORE}.")
+    assert store.port == service["spec"]["ports"][0]["port"] == redis["containers"][0]["ports"][0]["containerPort"]
+    assert int(config["port"]) == store.port
+    files = _mounted_files(pod, pod["containers"][0], secret_object)
+    assert config["requirepass"] == secret[files[str(gateway.rate_limit_password_file)]]
+    policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")[RATELIMIT_STORE]["spec"]
+    assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+                                  "ports": [{"port": store.port, "protocol": "TCP"}]}]
 
 
 def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dict[str, Synthesis]) -> None:

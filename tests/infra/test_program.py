@@ -208,7 +208,8 @@ def test_control_workloads_read_the_hardened_credentials_as_files(graphs: dict[s
     assert not any("valueFrom" in e for e in env)  # no secret value in an environment variable
     assert mounted("scheduler") == {"scheduler-admin-token": "admin.token", "scheduler-identity-key": "identity.key"}
     assert mounted("gateway") == {"gateway-api-keys": "api-keys.json", "scheduler-gateway-token": "scheduler.token",
-                                  "server-api-token": "server.token"}  # no shared store in the cloud: no password
+                                  "server-api-token": "server.token", "ratelimit-store-password": "ratelimit.password"}
+    assert mounted("ratelimit") == {"ratelimit-store-redis.conf": "redis.conf"}  # requirepass: a file, not an arg
 
 
 def test_each_link_is_built_once_by_its_later_end_with_routes_both_ways(graphs: dict[str, Synthesis]) -> None:
