@@ -90,10 +90,10 @@ def test_secrets_are_podman_secrets_never_environment_or_logs(installed: Serving
     assert "PDSERVE_API_TOKEN_FILE=/run/secrets/server.token" in inspect
     # The decode node holds its own scheduler token, never the identity key that mints everyone's.
     names = installed.node(NODE_B, "podman", "secret", "ls", "--format", "{{.Name}}").split()
-    assert sorted(name.rsplit("-", 1)[0] for name in names) == [
-        "pdstack-kv-key", "pdstack-scheduler-token", "pdstack-server-token"], names
+    decode_secrets = CONTRACT[Component.DECODE].secrets  # kv key, server token, its own scheduler token
+    assert sorted(name.rsplit("-", 1)[0] for name in names) == sorted(f"pdstack-{s.key}" for s in decode_secrets), names
     mounted = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "ls", "/run/secrets").split()
-    assert sorted(mounted) == ["kv.key", "scheduler.token", "server.token"]
+    assert sorted(mounted) == sorted(s.file for s in decode_secrets) == ["kv.key", "scheduler.token", "server.token"]
     held = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "cat", "/run/secrets/scheduler.token")
     assert held.strip() == own_token
     mode = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "stat", "-c", "%a %u", "/run/secrets/kv.key")
