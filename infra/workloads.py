@@ -362,64 +362,58 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
 
     def _alertmanager(self, name: str) -> None:
-        a, ns = self.args, self.args.namespace
-        labels = {"app": "alertmanager"}
+        a = self.args
         listener = a.contract.alertmanager
         k8s.core.v1.ConfigMap(
-            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": ns},
+            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": a.namespace},
             data={"alertmanager.yml": prometheus_yaml(a.alertmanager_config)}, opts=self.opts,
         )
-        k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
-            f"{name}-alertmanager",
-            metadata={"name": "alertmanager", "namespace": ns, "labels": labels},
-            spec={  # pyright: ignore[reportArgumentType]
-                "replicas": 1,
-                "strategy": {"type": "Recreate"},
-                "selector": {"match_labels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "security_context": {"run_as_non_root": True, "run_as_user": 65534, "fs_group": 65534,
-                                             "seccomp_profile": {"type": "RuntimeDefault"}},
-                        "containers": [{
-                            "name": "alertmanager",
-                            "image": ALERTMANAGER_IMAGE,
-                            "args": ["--config.file=/etc/alertmanager/alertmanager.yml",
-                                     "--storage.path=/alertmanager",
-                                     f"--web.listen-address=:{listener.port}"],
-                            "ports": [{"name": "http", "container_port": listener.port}],
-                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                                          "limits": {"memory": "256Mi"}},
-                            "liveness_probe": {"http_get": {"path": listener.health_live, "port": "http"},
-                                               "period_seconds": 15, "failure_threshold": 6},
-                            "readiness_probe": {"http_get": {"path": listener.health_ready, "port": "http"},
-                                                "period_seconds": 5, "failure_threshold": 3},
-                            "volume_mounts": [{"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
-                                              {"name": "data", "mount_path": "/alertmanager"}],
-                            "security_context": RESTRICTED_CONTAINER,
-                        }],
-                        "volumes": [{"name": "config", "config_map": {"name": "alertmanager"}},
-                                    {"name": "data", "empty_dir": {}}],
-                    },
-                },
-            },
-            opts=self.opts,
-        )
-        k8s.core.v1.Service(
-            f"{name}-alertmanager",
-            metadata={"name": "alertmanager", "namespace": ns},
-            spec={"type": "ClusterIP", "selector": labels,
-                  "ports": [{"name": "http", "port": listener.port, "target_port": "http", "protocol": "TCP"}]},
-            opts=self.opts,
-        )
+        container: dict[str, Any] = {
+            "name": "alertmanager",
+            "image": ALERTMANAGER_IMAGE,
+            "args": ["--config.file=/etc/alertmanager/alertmanager.yml", "--storage.path=/alertmanager",
+                     f"--web.listen-address=:{listener.port}"],
+            "ports": [{"name": "http", "container_port": listener.port}],
+            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+            "liveness_probe": {"http_get": {"path": listener.health_live, "port": "http"},
+                               "period_seconds": 15, "failure_threshold": 6},
+            "readiness_probe": {"http_get": {"path": listener.health_ready, "port": "http"},
+                                "period_seconds": 5, "failure_threshold": 3},
+            "volume_mounts": [{"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
+                              {"name": "data", "mount_path": "/alertmanager"}],
+        }
+        volumes: list[Any] = [{"name": "config", "config_map": {"name": "alertmanager"}},
+                              {"name": "data", "empty_dir": {}}]
+        self._single_pod(name, "alertmanager", 65534, container, volumes)
 
     def _ratelimit_store(self, name: str) -> None:
-        a, ns = self.args, self.args.namespace
-        labels = {"app": RATELIMIT_STORE}
-        port = a.contract.ratelimit_store.port
+        port = self.args.contract.ratelimit_store.port
+        container: dict[str, Any] = {
+            "name": "redis",
+            "image": RATELIMIT_STORE_IMAGE,
+            "command": ["redis-server", "/etc/redis/redis.conf"],
+            "ports": [{"name": "redis", "container_port": port}],
+            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "320Mi"}},
+            "readiness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 5},
+            "liveness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 15, "failure_threshold": 6},
+            "volume_mounts": [{"name": "config", "mount_path": "/etc/redis", "read_only": True},
+                              {"name": "data", "mount_path": "/data"}],
+        }
+        volumes: list[Any] = [
+            {"name": "config", "secret": {"secret_name": SECRET_NAME, "optional": False,
+                                          "default_mode": SECRET_FILE_MODE,
+                                          "items": [{"key": RATELIMIT_STORE_CONFIG, "path": "redis.conf"}]}},
+            {"name": "data", "empty_dir": {}},
+        ]
+        self._single_pod(name, RATELIMIT_STORE, RATELIMIT_STORE_UID, container, volumes)
+
+    def _single_pod(self, name: str, app: str, uid: int, container: dict[str, Any], volumes: list[Any]) -> None:
+        """One replica (replaced, not rolled: it holds state) of a non-pdserve service, behind a ClusterIP Service
+        on its container's first port."""
+        ns, labels = self.args.namespace, {"app": app}
         k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
-            f"{name}-{RATELIMIT_STORE}",
-            metadata={"name": RATELIMIT_STORE, "namespace": ns, "labels": labels},
+            f"{name}-{app}",
+            metadata={"name": app, "namespace": ns, "labels": labels},
             spec={  # pyright: ignore[reportArgumentType]
                 "replicas": 1,
                 "strategy": {"type": "Recreate"},
@@ -427,42 +421,24 @@ class ControlWorkloads(pulumi.ComponentResource):
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": {
-                        "security_context": {"run_as_non_root": True, "run_as_user": RATELIMIT_STORE_UID,
-                                             "run_as_group": RATELIMIT_STORE_UID, "fs_group": RATELIMIT_STORE_UID,
-                                             "seccomp_profile": {"type": "RuntimeDefault"}},
-                        "containers": [{
-                            "name": "redis",
-                            "image": RATELIMIT_STORE_IMAGE,
-                            "command": ["redis-server", "/etc/redis/redis.conf"],
-                            "ports": [{"name": "redis", "container_port": port}],
-                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                                          "limits": {"memory": "320Mi"}},
-                            "readiness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 5},
-                            "liveness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 15,
-                                               "failure_threshold": 6},
-                            "volume_mounts": [{"name": "config", "mount_path": "/etc/redis", "read_only": True},
-                                              {"name": "data", "mount_path": "/data"}],
-                            "security_context": RESTRICTED_CONTAINER,
-                        }],
-                        "volumes": [
-                            {"name": "config", "secret": {
-                                "secret_name": SECRET_NAME, "optional": False, "default_mode": SECRET_FILE_MODE,
-                                "items": [{"key": RATELIMIT_STORE_CONFIG, "path": "redis.conf"}]}},
-                            {"name": "data", "empty_dir": {}},
-                        ],
+                        "security_context": {"run_as_non_root": True, "run_as_user": uid, "run_as_group": uid,
+                                             "fs_group": uid, "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "containers": [{**container, "security_context": RESTRICTED_CONTAINER}],
+                        "volumes": volumes,
                     },
                 },
             },
             opts=self.opts,
         )
+        port = container["ports"][0]
         k8s.core.v1.Service(
-            f"{name}-{RATELIMIT_STORE}",
-            metadata={"name": RATELIMIT_STORE, "namespace": ns},
+            f"{name}-{app}",
+            metadata={"name": app, "namespace": ns},
             spec={"type": "ClusterIP", "selector": labels,
-                  "ports": [{"name": "redis", "port": port, "target_port": "redis", "protocol": "TCP"}]},
+                  "ports": [{"name": port["name"], "port": port["container_port"], "target_port": port["name"],
+                             "protocol": "TCP"}]},
             opts=self.opts,
         )
-
 
 def ratelimit_store_config(password: str, port: int) -> str:
     """The in-cluster store's redis.conf: the password, no persistence, a memory ceiling (counters expire)."""
