@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -268,7 +268,7 @@ class _ThreadedServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         self._thread.start()
         assert self._ready.wait(10)
         return self
@@ -300,37 +300,15 @@ class SilentServer(_ThreadedServer):
         writer.close()
 
 
-class FlippingProxy:
+class FlippingProxy(_ThreadedServer):
     """A TCP relay to a KV server that flips one byte of what the server sends, `flip_at` bytes into each
     connection's reply stream (when the reply is that long); it counts the connections it accepts."""
 
     def __init__(self, target_port: int, flip_at: int) -> None:
-        self.target_port = target_port
-        self.flip_at = flip_at
-        self.connections = 0
-        self.flipped = 0
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
+        self.target_port, self.flip_at, self.flipped = target_port, flip_at, 0
 
-    def __enter__(self) -> FlippingProxy:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", self.port))
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+    async def serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(
             self._pipe(client_reader, server_writer, flip=False),
