@@ -8,6 +8,7 @@ environment's stack files. The policy pack's rules (policy/rules.py) then judge 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import json
@@ -154,13 +155,16 @@ def _run(
     mocks = GraphMocks(stack.config.datacenter.region, environment)
     monitor = RecordingMonitor(mocks)
     settings.ROOT.set(None)  # a fresh root stack resource per run: outputs of an earlier run must not leak
+    # The SDK registers resources on the thread's current event loop; an earlier asyncio.run() in the same process
+    # (a caller, or another test) leaves none set, and then the mocks refuse to start.
+    asyncio.set_event_loop(asyncio.new_event_loop())
     pulumi.runtime.set_mocks(
         mocks, project=PROJECT, stack=stack.stack_name, preview=False, monitor=monitor, organization=ORGANIZATION
     )
     set_all_config(_config_strings(config))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    # Imported by name, once the project root is on sys.path; mypy checks infra/ on its own (slow SDK types).
+    # Imported by name, once the project root is on sys.path; basedpyright checks infra/ on its own.
     main = importlib.import_module("infra.program").main
 
     # The SDK's own test runner: runs the program, then waits for every registration and output to settle.
