@@ -9,6 +9,8 @@ import httpx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS
+
 # Bounded in count and time: a standing suite, not an exploration. derandomize keeps CI runs identical.
 FUZZ = settings(
     max_examples=100,
@@ -79,21 +81,15 @@ COMPLETION_FIELDS = [
     "stream",
     "stream_options",
     "n",
-    "best_of",
     "logprobs",
     "echo",
     "user",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "logit_bias",
-    "repetition_penalty",
-    "guided_json",
     "return_token_ids",
     "kv_transfer_params",
     "messages",
     "suffix",
     "presence_penalty",
+    *ENGINE_OPTIONAL_PARAMS,
 ]
 KV_FIELDS = [
     "do_remote_decode",

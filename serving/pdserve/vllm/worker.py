@@ -198,16 +198,22 @@ class ConsumerWorker(_Worker):
                 int(params["remote_port"]),
                 str(params["remote_request_id"]),
                 str(params["kv_checksum"]),
-                key=self.settings.key,
                 streams=self.settings.streams,
                 expected_fingerprint=self.fingerprint,
-                ssl_context=self._tls,
-                server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
-                connect_timeout_s=self.settings.connect_timeout_seconds,
-                read_timeout_s=self.settings.read_timeout_seconds,
-                metrics=self.metrics,
-                pool=self.pool,
+                **self._channel_options(params),
             )
+
+    def _channel_options(self, params: dict[str, Any]) -> dict[str, Any]:
+        """What every call to the prefill's KV channel (pull, ack) is made with."""
+        return {
+            "key": self.settings.key,
+            "ssl_context": self._tls,
+            "server_hostname": self.settings.tls_server_name or str(params["remote_host"]),
+            "connect_timeout_s": self.settings.connect_timeout_seconds,
+            "read_timeout_s": self.settings.read_timeout_seconds,
+            "metrics": self.metrics,
+            "pool": self.pool,
+        }
 
     def _check(self, spec: LoadSpec) -> dict[str, Any]:
         """Refuse params before any connection: unsigned or edited, incomplete, another prompt, another layout."""
@@ -284,13 +290,7 @@ class ConsumerWorker(_Worker):
                     str(params["remote_host"]),
                     int(params["remote_port"]),
                     str(params["remote_request_id"]),
-                    key=self.settings.key,
-                    ssl_context=self._tls,
-                    server_hostname=self.settings.tls_server_name or str(params["remote_host"]),
-                    connect_timeout_s=self.settings.connect_timeout_seconds,
-                    read_timeout_s=self.settings.read_timeout_seconds,
-                    metrics=self.metrics,
-                    pool=self.pool,
+                    **self._channel_options(params),
                 )
             except KVTransferError as error:  # the lease then expires on prefill instead
                 log.info("pdstack connector: ack of %s failed: %s", params["remote_request_id"], error)
