@@ -233,11 +233,13 @@ def test_a_hundred_disconnecting_clients_leak_nothing(pair: Pair) -> None:
     aborted = {server.name: server.aborted() for server in (pair.prefill, pair.decode)}
     for index in range(100):
         prompt = prompt_of(20 + index, seed=100 + index)
-        # Half hang up on prefill (its KV is then held for nobody), half on decode (which may be pulling).
+        # Half hang up on prefill (its KV is then held for nobody), half on decode (which may be pulling). Both
+        # generate long enough that vLLM is still at work when the client goes: a one-token prefill can finish
+        # before the hang-up is noticed, and then nothing is aborted.
         if index % 2:
-            hang_up(pair.prefill, prompt, 1, kv_transfer_params=DO_REMOTE_DECODE)
+            hang_up(pair.prefill, prompt, 8 * MAX_TOKENS, kv_transfer_params=DO_REMOTE_DECODE)
         else:
-            hang_up(pair.decode, prompt, MAX_TOKENS, kv_transfer_params=pair.prefill_params(prompt))
+            hang_up(pair.decode, prompt, 8 * MAX_TOKENS, kv_transfer_params=pair.prefill_params(prompt))
     for server in (pair.prefill, pair.decode):  # vLLM saw clients go and aborted their requests
         assert server.aborted() > aborted[server.name], server.name
     assert_decode_serves_disaggregated(pair)
