@@ -15,6 +15,7 @@ from pdserve.scheduler.settings import load_settings
 
 from .app import create_app
 from .auth import KeysFileError
+from .early import ParamsKeyError
 from .settings import GatewaySettings
 
 
@@ -23,6 +24,6 @@ def main(argv: Sequence[str]) -> None:
     configure("gateway", settings.log_level)
     try:
         app = create_app(settings)
-    except KeysFileError as exc:
+    except (KeysFileError, ParamsKeyError) as exc:
         sys.exit(f"pdserve gateway: {exc}")
     serve(app, settings.host, settings.port, log_level=settings.log_level, graceful_shutdown_seconds=30)

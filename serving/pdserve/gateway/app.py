@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,10 +22,11 @@ from pdserve.scheduler.protocol import RoutingTable
 
 from .accounting import CLIENT_CLOSED, Accounting, Record, record_of
 from .auth import KeyStore, TenantLimits
+from .early import EarlyDispatch, read_params_key, streams_kv
 from .metrics import GatewayMetrics
 from .proxy import Context, PDProxy, Stream, UpstreamError
 from .ratelimit import RateLimiter
-from .routing import Router
+from .routing import Plan, Router
 from .settings import GatewaySettings
 from .validation import Endpoint, PromptCounter, RequestError, check_fleet, parse_body, validate
 
@@ -60,6 +62,9 @@ class Gateway:
                               max_keepalive_connections=settings.max_connections, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, connect=settings.connect_timeout))
         self.proxy = PDProxy(settings, self.client, self.router, self.metrics, self.server_auth)
+        self.early: EarlyDispatch | None = None
+        if settings.kv_params_key_file is not None:
+            self.early = EarlyDispatch(self.proxy, read_params_key(settings.kv_params_key_file))
 
     def authenticate(self, request: Request, record: Record) -> Response | None:
         tenant = self.keys.tenant_for(request.headers.get("authorization"))
@@ -140,7 +145,22 @@ class Gateway:
 
     async def _start(self, ctx: Context) -> Stream | httpx.Response:
         plan = self.proxy.plan(ctx)
+        if self.early is not None and streams_kv(plan):
+            return await self._start_early(ctx, plan)
         plan, kv_params = await self.proxy.prefill(ctx, plan)
+        return await self._decode(ctx, plan, kv_params)
+
+    async def _start_early(self, ctx: Context, plan: Plan) -> Stream | httpx.Response:
+        """Prefill and decode at once; prefill is abandoned if decode fails or the client leaves first."""
+        assert self.early is not None
+        kv_params, prefill = self.early.start(ctx, plan)
+        try:
+            return await self._decode(ctx, plan, kv_params)
+        except BaseException:
+            prefill.cancel()
+            raise
+
+    async def _decode(self, ctx: Context, plan: Plan, kv_params: dict[str, Any] | None) -> Stream | httpx.Response:
         if ctx.request.stream:
             return await self.proxy.open_stream(ctx, plan, kv_params)
         return await self.proxy.decode_json(ctx, plan, kv_params)

@@ -48,6 +48,10 @@ class GatewayMetrics:
         self.kv_source = Counter("pdserve_gateway_kv_sources",
                                  "Where decode got each request KV: remote, recompute, local", ["source"],
                                  registry=r)
+        self.early_prefills = Counter("pdserve_gateway_early_dispatch_prefills",
+                                      "Prefills sent alongside their decode (early dispatch), by outcome: ok, "
+                                      "finished_early, cancelled, or the upstream error's cause", ["outcome"],
+                                      registry=r)
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in progress", registry=r)
         self.rate_limit_shared = Gauge("pdserve_gateway_rate_limit_shared",
                                        "1 while rate limits are kept in the store shared by the replicas; 0 while "

@@ -142,7 +142,7 @@ class PDProxy:
                     ctx.route = "prefill_finished"
                 return plan, params
             except UpstreamError as exc:
-                self._failed(plan.prefill, exc)
+                self.failed(plan.prefill, exc)
                 if attempt == 2 or not exc.retriable:
                     raise
                 tried.add(plan.prefill.instance_id)
@@ -225,7 +225,7 @@ class PDProxy:
             raise UpstreamError("decode", "connection_lost", type(exc).__name__) from None
 
     def _retry_target(self, ctx: Context, failed: RoutedInstance, exc: UpstreamError, attempt: int) -> RoutedInstance:
-        self._failed(failed, exc)
+        self.failed(failed, exc)
         if attempt == 2 or not exc.retriable:
             raise exc
         exclude = frozenset({failed.instance_id}) | self.router.suspended_ids()
@@ -237,7 +237,7 @@ class PDProxy:
         ctx.decode_id = other.instance_id
         return other
 
-    def _failed(self, instance: RoutedInstance, exc: UpstreamError) -> None:
+    def failed(self, instance: RoutedInstance, exc: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(exc.role, exc.cause).inc()
         if exc.cause in SUSPENDING_CAUSES or (exc.cause.startswith("http_5") and exc.cause != "http_503"):
             self.router.suspend(instance.instance_id, SUSPEND_SECONDS)
@@ -260,7 +260,7 @@ class PDProxy:
         started = time.perf_counter()
         ctx.prefill_id = prefill.instance_id
         with self.router.dispatched(prefill, ctx.request.prompt_tokens):
-            response = await self._post("prefill", url, prefill_body(ctx.request.body), ctx, timeout)
+            response = await self.post("prefill", url, prefill_body(ctx.request.body), ctx, timeout)
         self.metrics.prefill.labels(ctx.version).observe(time.perf_counter() - started)
         ctx.mark("prefill_done")
         try:
@@ -282,11 +282,11 @@ class PDProxy:
         url = decode.info.url + PATHS[ctx.request.endpoint]
         timeout = httpx.Timeout(self.settings.decode_timeout, connect=self.settings.connect_timeout)
         with self.router.dispatched(decode):
-            response = await self._post("decode", url, decode_body(ctx.request.body, kv_params), ctx, timeout)
+            response = await self.post("decode", url, decode_body(ctx.request.body, kv_params), ctx, timeout)
         self._observe_kv(response.text)
         return response
 
-    async def _post(self, role: str, url: str, body: dict[str, Any], ctx: Context,
+    async def post(self, role: str, url: str, body: dict[str, Any], ctx: Context,
                     timeout: httpx.Timeout) -> httpx.Response:
         try:
             response = await self.client.post(url, json=body, headers=self._headers(ctx), timeout=timeout)

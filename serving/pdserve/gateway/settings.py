@@ -43,6 +43,11 @@ class GatewaySettings(BaseModel):
     first_token_timeout: float = Field(60.0, gt=0, description="seconds until decode's first event")
     inter_token_timeout: float = Field(30.0, gt=0, description="seconds allowed between streamed events")
     decode_timeout: float = Field(600.0, gt=0, description="seconds a non-streaming decode call may take")
+    kv_params_key_file: Path | None = Field(
+        None, description="file holding the kv_transfer_params key (64 hex characters, derived from the KV channel "
+        "key by pdserve.kv.params.derive_params_key); with it, pairs that both registered kv_streaming get prefill "
+        "and decode at once (early dispatch)",
+    )
     max_connections: int = Field(512, ge=1, description="upstream connection pool size")
     log_level: str = Field("info", description="debug | info | warning | error")
     log_prompts: bool = Field(False, description="log prompt text (debugging only; never on in production)")

@@ -74,6 +74,10 @@ class InstanceInfo(BaseModel):
         default_factory=list, max_length=64, description="ENGINE_OPTIONAL_PARAMS this backend honours"
     )
     max_model_len: int | None = Field(None, ge=1, description="context length: prompt + generated tokens")
+    kv_streaming: bool = Field(
+        False, description="serves KV while prefill computes (early dispatch): the gateway may send prefill and "
+        "decode at once when both instances of a pair declare it",
+    )
 
 
 class Heartbeat(BaseModel):

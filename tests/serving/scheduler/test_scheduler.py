@@ -122,6 +122,20 @@ def test_routing_table_lists_only_ready_instances_and_supports_etag(scheduler: S
     assert {i["instance_id"] for i in changed.json()["instances"]} == {"p1", "d1", "d2"}
 
 
+def test_kv_streaming_is_registered_and_routed(scheduler: Scheduler) -> None:
+    """Gateways dispatch prefill and decode at once only to pairs that declared kv_streaming: the routing table
+    carries it as registered, false for an instance that did not say (pdserve's servers, older connectors)."""
+    register(scheduler, {**instance("p-stream", role="prefill"), "kv_streaming": True})
+    register(scheduler, instance("d-plain"))
+    bad = register(scheduler, {**instance("d-bad"), "kv_streaming": "sometimes"})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "kv_streaming"
+    beat(scheduler, "p-stream")
+    beat(scheduler, "d-plain")
+    routed = {i["instance_id"]: i["info"] for i in scheduler.get("/v1/routing").json()["instances"]}
+    assert routed["p-stream"]["kv_streaming"] is True
+    assert routed["d-plain"]["kv_streaming"] is False
+
+
 def test_deregister_and_unknown_heartbeat(scheduler: Scheduler) -> None:
     url = scheduler.url
     register(scheduler, instance("d1"))
