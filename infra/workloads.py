@@ -26,6 +26,8 @@ PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
 ALERTMANAGER_IMAGE = "quay.io/prometheus/alertmanager:v0.28.1"
 PROMETHEUS_RETENTION = "15d"
 PROMETHEUS_VOLUME_GIB = 100
+SCHEDULER_STATE_CLAIM = "scheduler-state"
+SCHEDULER_STATE_SIZE = "1Gi"  # one weights file; gp3's smallest volume
 CONFIG_DIR = "/etc/pdstack"
 SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
 # The key of that Secret holding the gateway's scheduler token (derived from the identity key for principal gateway)
@@ -91,6 +93,11 @@ class AppSpec:
     def secret_items(self) -> list[dict[str, str]]:
         return [{"key": s.key, "path": s.file} for s in self.served.secrets
                 if self.shared_store or not s.only_with_shared_store]  # fmt: skip
+
+
+def storage_class(env: str) -> str:
+    """The environment's StorageClass: gp3 encrypted under its volume key (Prometheus' and the scheduler's data)."""
+    return f"pdstack-{env}-gp3"
 
 
 def prometheus_yaml(config: Mapping[str, Any]) -> str:
@@ -187,9 +194,9 @@ class ControlWorkloads(pulumi.ComponentResource):
             {"name": "tmp", "empty_dir": {}},
         ]
         if app.served.component is Component.SCHEDULER:
-            # The weights file: the registry itself is soft state; the weights come back from the deploy play.
+            # The weights file outlives the pod (the registry itself is soft state, rebuilt from heartbeats).
             mounts.append({"name": "state", "mount_path": STATE_DIR})
-            volumes.append({"name": "state", "empty_dir": {}})
+            volumes.append({"name": "state", "persistent_volume_claim": {"claim_name": self._state_claim(name)}})
         k8s.apps.v1.Deployment(  # dict args (built in parts): schema-checked in tests
             f"{name}-{app.name}",
             metadata={"name": app.name, "namespace": self.args.namespace, "labels": labels},
@@ -227,6 +234,21 @@ class ControlWorkloads(pulumi.ComponentResource):
             },
             opts=self.opts,
         )
+
+    def _state_claim(self, name: str) -> str:
+        """The scheduler's weights volume: a PersistentVolumeClaim on the environment's encrypted gp3 class, not an
+        emptyDir (lost with the pod, so a rescheduled scheduler would route by no weights until the next deploy)
+        and not a ConfigMap (the scheduler would need API credentials and RBAC to write its own file). One
+        ReadWriteOnce volume fits the one scheduler replica and its Recreate strategy: the old pod lets go of the
+        volume before the new one mounts it. The cost: the pod stays in the volume's zone."""
+        k8s.core.v1.PersistentVolumeClaim(
+            f"{name}-{SCHEDULER_STATE_CLAIM}",
+            metadata={"name": SCHEDULER_STATE_CLAIM, "namespace": self.args.namespace},
+            spec={"access_modes": ["ReadWriteOnce"], "storage_class_name": storage_class(self.args.env),
+                  "resources": {"requests": {"storage": SCHEDULER_STATE_SIZE}}},
+            opts=self.opts,
+        )
+        return SCHEDULER_STATE_CLAIM
 
     def _pods_service(self, name: str, app: AppSpec) -> None:
         """Headless: its DNS name resolves to every pod, ready or not, which is how Prometheus finds them."""
@@ -300,7 +322,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
         k8s.storage.v1.StorageClass(
             f"{name}-gp3",
-            metadata={"name": f"pdstack-{a.env}-gp3"},
+            metadata={"name": storage_class(a.env)},
             provisioner="ebs.csi.aws.com",
             parameters=pulumi.Output.from_input(a.volume_key_arn).apply(
                 lambda arn: {"type": "gp3", "encrypted": "true", "kmsKeyId": arn}
@@ -347,7 +369,7 @@ class ControlWorkloads(pulumi.ComponentResource):
                 },
                 "volume_claim_templates": [{
                     "metadata": {"name": "data"},
-                    "spec": {"access_modes": ["ReadWriteOnce"], "storage_class_name": f"pdstack-{a.env}-gp3",
+                    "spec": {"access_modes": ["ReadWriteOnce"], "storage_class_name": storage_class(a.env),
                              "resources": {"requests": {"storage": f"{PROMETHEUS_VOLUME_GIB}Gi"}}},
                 }],
             },

@@ -320,3 +320,33 @@ def test_the_cloud_prometheus_sends_alerts_to_the_alertmanager_beside_it(graphs:
     config_maps = _objects(graph, "kubernetes:core/v1:ConfigMap")
     am_config = yaml.safe_load(config_maps["alertmanager"]["data"]["alertmanager.yml"])
     assert am_config["route"]["receiver"] in {r["name"] for r in am_config["receivers"]}
+
+
+@pytest.mark.parametrize("env", CLOUD)
+def test_the_schedulers_weights_file_is_on_a_claim_that_outlives_the_pod(
+    graphs: dict[str, Synthesis], env: str
+) -> None:
+    """Not an emptyDir: a rescheduled scheduler keeps its weights (tests/infra/test_kube_play.py restarts it)."""
+    graph = graphs[f"{env}-control"]
+    deployment = _objects(graph, "kubernetes:apps/v1:Deployment")["scheduler"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    _, rest, environ = _started(container)
+    settings = load_settings(SchedulerSettings, rest, prog="pdserve scheduler", env=environ)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(settings.state_file.parent))
+    assert not mount.get("readOnly", False)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    claim = _objects(graph, "kubernetes:core/v1:PersistentVolumeClaim")[volume["persistentVolumeClaim"]["claimName"]]
+    assert claim["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    # one writer: one replica, and the old pod lets go of the volume before the new one mounts it
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    storage = _objects(graph, "kubernetes:storage.k8s.io/v1:StorageClass")[claim["spec"]["storageClassName"]]
+    assert storage["parameters"]["encrypted"] == "true" and storage["reclaimPolicy"] == "Retain"
+    assert pod["securityContext"]["fsGroup"] == settings_uid(container, pod)
+
+
+def settings_uid(container: dict[str, Any], pod: dict[str, Any]) -> int:
+    """The uid the container runs as: the volume's group must let it write."""
+    uid: int = container.get("securityContext", {}).get("runAsUser", pod["securityContext"]["runAsUser"])
+    return uid
