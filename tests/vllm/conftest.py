@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from ipaddress import IPv4Interface
 from pathlib import Path
 from typing import Any, Self
 
@@ -27,6 +28,7 @@ from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.worker import VLLM_ADDED_FIELDS
+from pdstack.wanlink import LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace, run_ip
 from tests.serving.ports import free_port
 
 START_TIMEOUT_S = 420
@@ -42,6 +44,9 @@ MODEL_CONFIG = {
     "intermediate_size": 512,
     "max_position_embeddings": 2048,
 }
+# The same llama with a long context, for ~4K-token prompts in the tests and 8K in bench/vllm_ttft.py.
+LONG_CONTEXT = 16384
+LONG_MODEL_CONFIG = {**MODEL_CONFIG, "max_position_embeddings": LONG_CONTEXT}
 DO_REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -71,6 +76,22 @@ def kv_key(key_file: Path) -> SecretKey:
     return SecretKey.from_file(key_file)
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where an instance runs: its network namespace (None: the test's own), the address its API server binds
+    (reachable from the test process) and the address its KV listener binds and advertises."""
+
+    netns: str | None = None
+    http_host: str = "127.0.0.1"
+    kv_host: str = "127.0.0.1"
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
+
+
+LOOPBACK = Site()
+
+
 @dataclass
 class VLLMServer:
     """One `python -m vllm.entrypoints.openai.api_server` with PdstackConnector, its log in a file."""
@@ -83,12 +104,14 @@ class VLLMServer:
     log_path: Path
     args: tuple[str, ...] = ()
     policy: str = "recompute"
+    max_model_len: int = 2048
+    site: Site = LOOPBACK
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.site.http_host}:{self.port}"
 
     def start(self) -> None:
         config = {
@@ -106,10 +129,10 @@ class VLLMServer:
             "VLLM_NO_USAGE_STATS": "1",
         }
         command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
-            "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config),
-            "--enable-log-requests", *self.args,
+            *self.site.exec_prefix(), sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--host", self.site.http_host, "--port", str(self.port), "--enforce-eager",
+            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
+            "--kv-transfer-config", json.dumps(config), "--enable-log-requests", *self.args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
@@ -235,18 +258,24 @@ def start_pair(
     *,
     prefill_extra: dict[str, Any] | None = None,
     decode_extra: dict[str, Any] | None = None,
+    max_model_len: int = 2048,
+    batched_tokens: int = 256,
+    sites: tuple[Site, Site] = (LOOPBACK, LOOPBACK),
 ) -> Iterator[Pair]:
-    """A prefill on core 0 and a decode (with kv_load_failure_policy `policy`) on core 1, stopped at the end."""
+    """A prefill on core 0 and a decode (with kv_load_failure_policy `policy`) on core 1, stopped at the end;
+    `sites` places them (by default both on this namespace's loopback)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
+    common = {"kv_key_file": str(key_file), "advertise_host": sites[0].kv_host, "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
-    # Prefill computes at most 256 tokens a step, so long prompts take several steps (chunked prefill).
+    # Prefill computes at most `batched_tokens` tokens a step, so long prompts take several steps (chunked prefill).
     prefill_config = {**common, "port": kv_port, **(prefill_extra or {})}
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, prefill_config, logs / "prefill.log",
-                         args=("--max-num-batched-tokens", "256"))  # fmt: skip
+                         args=("--max-num-batched-tokens", str(batched_tokens)), max_model_len=max_model_len,
+                         site=sites[0])  # fmt: skip
     decode_config = {**common, **(decode_extra or {})}
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, decode_config, logs / "decode.log", policy=policy)
+    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, decode_config, logs / "decode.log", policy=policy,
+                        max_model_len=max_model_len, site=sites[1])  # fmt: skip
     try:
         prefill.start()
         decode.start()
@@ -330,3 +359,61 @@ class FlippingProxy(_ThreadedServer):
                 await writer.drain()
         finally:
             writer.close()
+
+
+class WanSites:
+    """Two network namespaces joined by pdstack's emulated WAN link, each also joined to the test's namespace by
+    a veth pair with no shaping (the way in for HTTP, as a gateway beside each datacenter would have): KV between
+    the two crosses the link, nothing else does. A context manager; needs root, /dev/net/tun and iproute2.
+
+    `sites` places a prefill in the first namespace and a decode in the second; `link_bytes()` reads the
+    counters of the link's TUN devices."""
+
+    def __init__(self, spec: LinkSpec, tag: str = "") -> None:
+        self.tag = tag or str(os.getpid() % 100000)
+        self.namespaces = (f"pdw-{self.tag}-p", f"pdw-{self.tag}-d")
+        self.wan = default_endpoints(*self.namespaces)
+        third = 10 + os.getpid() % 240
+        self.veth = tuple(IPv4Interface(f"10.234.{third}.{4 * side + 2}/30") for side in (0, 1))
+        self.sites = tuple(Site(ns, str(veth.ip), str(wan.address.ip))
+                           for ns, veth, wan in zip(self.namespaces, self.veth, self.wan, strict=True))  # fmt: skip
+        self.link = LinkProcess(*self.wan, spec)
+
+    def __enter__(self) -> Self:
+        try:
+            for side, namespace in enumerate(self.namespaces):
+                create_namespace(namespace)
+                self._join_host(side, namespace)
+            self.link.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.link.stop()
+        for namespace in self.namespaces:
+            delete_namespace(namespace)  # takes its end of the veth pair, and with it the host's end
+
+    def _join_host(self, side: int, namespace: str) -> None:
+        host_end, ns_end = f"pdw{self.tag}{side}h", f"pdw{self.tag}{side}n"
+        host_address = IPv4Interface(f"{self.veth[side].ip - 1}/30")
+        run_ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+        run_ip("link", "set", ns_end, "netns", namespace)
+        run_ip("addr", "add", str(host_address), "dev", host_end)
+        run_ip("link", "set", host_end, "up")
+        run_ip("-n", namespace, "addr", "add", str(self.veth[side]), "dev", ns_end)
+        run_ip("-n", namespace, "link", "set", ns_end, "up")
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes the link carried so far: prefill to decode, and decode to prefill (the TUN devices' counters)."""
+        sent = {ns: _device_counters(ns, endpoint.device)["tx_bytes"]
+                for ns, endpoint in zip(self.namespaces, self.wan, strict=True)}  # fmt: skip
+        return {"prefill_to_decode": sent[self.namespaces[0]], "decode_to_prefill": sent[self.namespaces[1]]}
+
+
+def _device_counters(namespace: str, device: str) -> dict[str, int]:
+    listing = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", device], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    stats = json.loads(listing)[0]["stats64"]
+    return {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
