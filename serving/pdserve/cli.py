@@ -1,7 +1,8 @@
 """`pdserve ROLE [options]`: run one pdserve component.
 
-ROLE is prefill, decode or colocated (the model servers in pdserve.server), or gateway or scheduler (the control
-plane, each a module exposing main(argv)). `pdserve ROLE --help` lists a role's options and their PDSERVE_* variables.
+ROLE is prefill, decode or colocated (the model servers in pdserve.server), gateway or scheduler (the control
+plane), or agent (the sidecar registering a vLLM instance with the scheduler); each of the last three is a module
+exposing main(argv). `pdserve ROLE --help` lists a role's options and their PDSERVE_* variables.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 SERVER_ROLES = ("prefill", "decode", "colocated")
-CONTROL_ROLES = ("gateway", "scheduler")
+CONTROL_ROLES = ("gateway", "scheduler", "agent")
 USAGE = f"usage: pdserve ROLE [options]   (ROLE: {' | '.join(SERVER_ROLES + CONTROL_ROLES)}; pdserve ROLE --help)"
 
 
