@@ -5,6 +5,7 @@ controller then see them as the playbooks expect."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
 from pdstack.stacks import load_environment
 
@@ -226,6 +228,14 @@ def test_inventory_needs_the_environment_named(launched: dict[str, dict[str, Any
     assert len(json.loads(staging.stdout)["_meta"]["hostvars"]) == 1
 
 
+def stored_secrets(manager: Any, names: list[str]) -> dict[str, str]:
+    """The secrets by the names the program gives them, stored in moto once (random values); by stack secret name."""
+    present = {s["Name"] for s in manager.list_secrets()["SecretList"]}
+    for name in set(names) - present:
+        manager.create_secret(Name=name, SecretString=secrets.token_urlsafe(32))
+    return {name.rsplit("/", 1)[1]: manager.get_secret_value(SecretId=name)["SecretString"] for name in names}
+
+
 def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manager(
     launched: dict[str, dict[str, Any]],
     synthesised: list[dict[str, Any]],
@@ -243,10 +253,7 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     )
-    values = {}
-    for name in names:
-        values[name.rsplit("/", 1)[1]] = secrets.token_urlsafe(32)
-        manager.create_secret(Name=name, SecretString=values[name.rsplit("/", 1)[1]])
+    values = stored_secrets(manager, names)
     expected = json.dumps(values, sort_keys=True)
 
     def probe(sha256: str) -> subprocess.CompletedProcess[str]:
@@ -297,3 +304,59 @@ def test_the_inventory_keys_on_the_tags_the_program_puts_on_instances() -> None:
 
     keys = (cloud_inventory.ENV_TAG, cloud_inventory.DC_TAG, cloud_inventory.ROLE_TAG, cloud_inventory.POOL_TAG)
     assert keys == tags.INSTANCE_TAG_KEYS
+
+
+def podman_store(folder: Path) -> dict[str, str]:
+    """Point podman at a store of the test's own (its secrets, locks and temporary files), so nothing here touches
+    the host's containers or secrets."""
+    (folder / "storage.conf").write_text(
+        f'[storage]\ndriver = "vfs"\ngraphroot = "{folder}/root"\nrunroot = "{folder}/run"\n'
+    )
+    (folder / "containers.conf").write_text(f'[engine]\ntmp_dir = "{folder}/tmp"\nvolume_path = "{folder}/volumes"\n')
+    return {"CONTAINERS_STORAGE_CONF": str(folder / "storage.conf"), "CONTAINERS_CONF": str(folder / "containers.conf")}
+
+
+def podman_secrets(store: dict[str, str], folder: Path) -> dict[str, str]:
+    """name -> content of the secrets in the test's podman store (its file driver's data)."""
+    listed = subprocess.run(
+        ["podman", "secret", "ls", "--format", "{{.ID}} {{.Name}}"],
+        env={**os.environ, **store}, capture_output=True, text=True, check=True,
+    ).stdout.split("\n")  # fmt: skip
+    data = json.loads((folder / "root" / "secrets" / "filedriver" / "secretsdata.json").read_text())
+    return {name: base64.b64decode(data[ident]).decode() for ident, name in (line.split() for line in listed if line)}
+
+
+def test_the_pdserve_role_makes_podman_secrets_from_secrets_manager_without_logging_them(
+    synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A prefill node's secrets: the KV key and the server token as stored, the identity key only as the token
+    derived for this instance (the key itself never reaches the node), mounted where the contract says."""
+    control = next(s for s in synthesised if s["stack"] == "prod-control")
+    manager = boto3.client("secretsmanager", region_name=control["outputs"]["region"], endpoint_url=moto,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    values = stored_secrets(manager, [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET])
+    store = podman_store(tmp_path)
+    engine_id = "prefill-us-east-1-0123abcd"
+    try:
+        run = subprocess.run(
+            [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(PROBE.with_name("role_secrets.yml")),
+             "-e", "@" + str(REPO / "playbooks" / "vars" / "contract" / "prod.yml"), "-e", "probe_component=prefill",
+             "-e", f"probe_engine_id={engine_id}", "-e", f"probe_out={tmp_path}", "-vvv"],
+            cwd=REPO, env=aws_env | store, capture_output=True, text=True, check=False, timeout=300,
+        )  # fmt: skip
+        for value in values.values():
+            assert value not in run.stdout + run.stderr, "a secret value was logged"
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+        made = podman_secrets(store, tmp_path)
+    finally:
+        subprocess.run(["podman", "secret", "rm", "--all"], env={**os.environ, **store}, capture_output=True,
+                       check=False)  # fmt: skip
+    contract = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / "prod.yml").read_text())
+    wanted = contract["pdserve_components"]["prefill"]["secrets"]
+    token = derive_token(values["scheduler-identity-key"], f"instance:prefill-{engine_id}")
+    expected = {s["name"]: token if s.get("principal") == "instance" else values[s["secret"]] for s in wanted}
+    assert {name.rsplit("-", 1)[0]: content for name, content in made.items()} == expected
+    assert values["scheduler-identity-key"] not in made.values()
+    mounts = json.loads((tmp_path / "mounts.json").read_text())
+    targets = {part.removeprefix("target=") for m in mounts for part in m.split(",") if part.startswith("target=")}
+    assert targets == {s["target"] for s in wanted}
