@@ -77,7 +77,7 @@ def disaggregated_ttft(pair: Pair, sites: WanSites, prompt: list[int]) -> dict[s
     prefill_s = time.perf_counter() - started
     ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=params)
     kv_bytes = pair.decode.wait_metric(RECEIVED[0], lambda v: v > received, RECEIVED[1]) - received
-    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "kv_bytes": kv_bytes,
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s, "kv_bytes": kv_bytes,
             "link_bytes": sites.link_bytes()["prefill_to_decode"] - link,
             "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds}  # fmt: skip
 
@@ -169,22 +169,26 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_num_batched_tokens']}; medians of {report['repeats']} rounds. Connector at "
         f"`{report['connector_commit']}`.",
         "",
-        "| prompt tokens | colocated TTFT | PD TTFT | prefill leg | KV MiB | ideal transfer | bound | PD / colocated "
-        "| PD / bound | link bytes / KV bytes |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt tokens | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
+        "| ideal transfer | bound | PD / colocated | PD / bound | link bytes / KV bytes |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for point in report["points"]:
         m = point["median"]
         lines.append(
             f"| {point['prompt_tokens']} | {m['colocated_ttft_s'] * 1e3:.0f} ms | {m['ttft_s'] * 1e3:.0f} ms "
-            f"| {m['prefill_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} "
+            f"| {m['prefill_leg_s'] * 1e3:.0f} ms | {m['decode_leg_s'] * 1e3:.0f} ms "
+            f"| {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
             f"| {point['ideal_transfer_s'] * 1e3:.0f} ms "
             f"| {point['bound_s'] * 1e3:.0f} ms | {point['pd_over_colocated']:.2f}x | {point['pd_over_bound']:.2f}x "
             f"| {point['link_over_kv_bytes']:.3f} |"
         )
     load = report["load_average_1min"]
-    lines += ["", f"Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Load average (1 min) "
-              f"{load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.", ""]  # fmt: skip
+    lines += ["", "Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Prefill leg: the prefill request "
+              "(max_tokens 1) as the client saw it; decode leg: from its answer to decode's first token; connector "
+              "transfer: decode's pdserve_kv_transfer_seconds for the pull.",
+              f"Load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.",
+              ""]  # fmt: skip
     return "\n".join(lines)
 
 
