@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.agent.instance import InstanceFileError, find
 from tests.serving.scheduler.services import Service
 from tests.vllm.agenthelpers import API_KEY, MODEL_NAME, Fleet, prompt_of, start_fleet
 
@@ -152,3 +155,26 @@ def test_sigterm_drains_then_deregisters(fleet: Fleet, gateway: Service) -> None
     fleet.wait_state(agent.instance_id, {"ready"})
     fleet.wait_routable(gateway, instances=2)
     assert stream_tokens(gateway, 4) == {"tokens": 4, "finish_reason": "length"}
+
+
+def test_a_missing_instance_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "e1-0").mkdir()
+    (tmp_path / "e1-0" / "instance.json").write_text(json.dumps({"role": "kv_producer", "fingerprint": "sha256:a"}))
+    with pytest.raises(InstanceFileError, match=r"no instance\.json of a kv_consumer") as missing:
+        find(tmp_path, "decode")
+    assert str(tmp_path) in str(missing.value)
+    (tmp_path / "e1-0" / "instance.json").write_text(json.dumps({"role": "kv_consumer", "kv_port": 0,
+                                                                 "fingerprint": "sha256:a"}))  # fmt: skip
+    with pytest.raises(InstanceFileError, match=r"instance\.json: kv_port: must be a port number"):
+        find(tmp_path, "decode")
+
+
+def test_an_unreadable_token_file_stops_the_agent_naming_it(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "agent", "--engine-url", "http://127.0.0.1:9", "--role", "decode",
+         "--scheduler-url", "http://127.0.0.1:9", "--scheduler-token-file", str(tmp_path / "absent.token"),
+         "--advertise-url", "http://127.0.0.1:9", "--version", "v1", "--connector-run-dir", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "scheduler_token_file" in done.stderr and "absent.token" in done.stderr
