@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.gateway.auth import KeysFileError, KeyStore, TenantLimits
+from pdserve.gateway.early import streams_kv
 from pdserve.gateway.ratelimit import RateLimiter
-from pdserve.gateway.routing import NoRouteError, Router
+from pdserve.gateway.routing import NoRouteError, Plan, Router
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad, RoutedInstance, RoutingTable
 
 
@@ -148,3 +149,17 @@ def test_bad_keys_files_name_the_problem(tmp_path: Path, content: str, message: 
     path.write_text(content)
     with pytest.raises(KeysFileError, match=message.replace("(", r"\(")):
         KeyStore.from_file(path)
+
+
+def test_early_dispatch_only_when_both_ends_stream_kv() -> None:
+    def plan(prefill_streams: bool, decode_streams: bool, kv_port: int | None = 14600) -> Plan:
+        prefill, decode = routed("p", "prefill"), routed("d", "decode")
+        prefill.info.kv_streaming, prefill.info.kv_host, prefill.info.kv_port = prefill_streams, "10.0.0.1", kv_port
+        decode.info.kv_streaming = decode_streams
+        return Plan("v1", decode, prefill, "remote_prefill")
+
+    assert streams_kv(plan(True, True))
+    assert not streams_kv(plan(True, False)) and not streams_kv(plan(False, True))
+    assert not streams_kv(plan(True, True, kv_port=None)), "no registered KV endpoint to name"
+    offload = plan(True, True)
+    assert not streams_kv(Plan("v1", offload.decode, None, "offload"))
