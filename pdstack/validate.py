@@ -12,6 +12,7 @@ from pdstack.catalog import Catalog, load_catalog
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, LinkKind, PoolRole
 from pdstack.plan import link_problems
 from pdstack.stackfile import Problem, StackFile, StackFileError, load_stack_file, stack_name_of
+from pdstack.vllm_checks import vllm_problems
 
 POOL_ROLES_BY_DATACENTER = {
     DatacenterRole.PREFILL: {PoolRole.PREFILL},
@@ -66,7 +67,7 @@ def validate(paths: Iterable[Path], catalog: Catalog | None = None) -> Report:
         report.stacks.append(stack)
         report.problems += check_stack(stack, catalog)
     for env, stacks in report.environments().items():
-        report.problems += check_environment(stacks, complete=env not in unreadable)
+        report.problems += check_environment(stacks, complete=env not in unreadable, catalog=catalog)
     return report
 
 
@@ -127,7 +128,7 @@ def check_stack(stack: StackFile, catalog: Catalog) -> list[Problem]:
     return problems
 
 
-def check_environment(stacks: list[StackFile], complete: bool = True) -> list[Problem]:
+def check_environment(stacks: list[StackFile], complete: bool = True, catalog: Catalog | None = None) -> list[Problem]:
     """Checks across the stacks of one environment: names, address plans, links and roles.
 
     When some file of the environment did not load (`complete=False`), only the pairwise checks run: a missing peer
@@ -156,6 +157,7 @@ def check_environment(stacks: list[StackFile], complete: bool = True) -> list[Pr
     if complete:
         problems += _check_roles(where, stacks)
         problems += link_problems(stacks)
+        problems += vllm_problems(stacks, catalog or load_catalog())
     return problems
 
 

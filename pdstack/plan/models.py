@@ -84,6 +84,8 @@ class ModelSpec:
     linear: LinearShape | None = None
     moe: MoeShape | None = None
     attention_output_gate: bool = False  # Qwen3-Next's full-attention layers gate their output (doubles q_proj)
+    max_position_embeddings: int | None = None  # the longest context the checkpoint is made for
+    fp8_weights: bool = False  # the checkpoint stores its linear weights in FP8 (quantization_config quant_method)
 
     @property
     def num_layers(self) -> int:
@@ -163,12 +165,19 @@ def parse_config(raw: dict[str, Any], name: str, source: str) -> ModelSpec:
         "vocab_size": cfg.integer("vocab_size"),
         "intermediate_size": cfg.integer("intermediate_size", 0 if cfg.model_type in HYBRID_LINEAR_TYPES else None),
         "tie_word_embeddings": cfg.flag("tie_word_embeddings", False),
+        "max_position_embeddings": cfg.optional_int("max_position_embeddings"),
+        "fp8_weights": _fp8_weights(raw),
     }
     if cfg.model_type in MLA_TYPES:
         return _mla_model(cfg, num_layers, common)
     if cfg.model_type in HYBRID_LINEAR_TYPES:
         return _hybrid_linear_model(cfg, num_layers, common)
     return _gqa_model(cfg, num_layers, common)
+
+
+def _fp8_weights(raw: dict[str, Any]) -> bool:
+    quant = raw.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "fp8"
 
 
 def _gqa_model(cfg: _Config, num_layers: int, common: dict[str, Any]) -> ModelSpec:

@@ -25,6 +25,7 @@ from pdstack.plan.models import (
     ("name", "per_token"),
     [
         ("Llama-3-70B", 327_680),  # 80 layers x 8 kv heads x 128 head_dim x 2 (K,V) x 2 B
+        ("Llama-3.1-70B", 327_680),  # the same layers; only RoPE scaling and context differ
         ("Llama-3-8B", 131_072),  # 32 x 8 x 128 x 2 x 2
         ("Qwen2.5-72B", 327_680),  # 80 x 8 x 128 x 2 x 2 (use_sliding_window false: all layers full)
         ("Mixtral-8x7B", 131_072),  # 32 x 8 x 128 x 2 x 2 (sliding_window null)
@@ -104,7 +105,9 @@ def test_malformed_config_file_is_reported(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("served", "builtin"),
     [
-        ("llama-3.1-70b-instruct", "Llama-3-70B"),
+        ("llama-3.1-70b-instruct", "Llama-3.1-70B"),
+        ("meta-llama/Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
+        ("meta-llama/Meta-Llama-3-70B-Instruct", "Llama-3-70B"),
         ("meta-llama/Meta-Llama-3-8B-Instruct", "Llama-3-8B"),
         ("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5-72B"),
         ("deepseek-ai/DeepSeek-V3", "DeepSeek-V3"),
