@@ -10,11 +10,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from pdstack.model import PoolRole
+from pdstack.model import Engine, PoolRole, Serving
 from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
 from pdstack.plan.hardware import HardwareError
 from pdstack.plan.link import LinkSpec
-from pdstack.plan.models import ModelError, resolve_model
+from pdstack.plan.models import ModelError, ModelSpec, resolve_model
+from pdstack.plan.parallel import Parallelism
 from pdstack.plan.planner import PlanInputs, Slo, make_plan
 from pdstack.plan.render import plan_json, render_plan
 from pdstack.plan.stacks import control_of, kv_links, link_checks, model_for
@@ -43,6 +44,7 @@ def stack_defaults(stacks_dir: Path, env: str) -> StackDefaults:
         values["model"] = model.name if model is not None else serving.model.name
         values["streams"] = serving.kv_streams
         values["offload_threshold"] = serving.offload_threshold_tokens
+        values.update(vllm_defaults(serving))
         cap = control.config.capacity
         if cap is not None:
             values.update(
@@ -62,6 +64,55 @@ def stack_defaults(stacks_dir: Path, env: str) -> StackDefaults:
         link = links[0][2]
         values.update(bandwidth_gbps=link.bandwidth_gbps, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
     return StackDefaults(values, stacks)
+
+
+def vllm_defaults(serving: Serving) -> dict[str, Any]:
+    """What a vLLM serving block says about the plan: each side's parallelism, memory share, block, context."""
+    v = serving.vllm
+    if serving.engine is not Engine.VLLM or v is None:
+        return {}
+    values: dict[str, Any] = {
+        "gpu_memory_utilization": v.setting(PoolRole.DECODE, "gpu_memory_utilization")[0],
+        "block_size": v.setting(PoolRole.DECODE, "block_size")[0],
+        "context_tokens": v.max_model_len,
+    }
+    if v.kv_cache_dtype == "fp8":
+        values["kv_dtype"] = "fp8"
+    for role in (PoolRole.PREFILL, PoolRole.DECODE):
+        r = v.role(role)
+        values[f"{role}_parallel"] = Parallelism(
+            r.tensor_parallel_size, r.data_parallel_size, r.enable_expert_parallel, r.num_redundant_experts
+        )
+    return values
+
+
+def parallelism(
+    side: str,
+    defaults: dict[str, Any],
+    *,
+    tp: int | None,
+    dp: int | None,
+    ep: bool | None,
+    redundant: int | None,
+) -> Parallelism | None:
+    """A side's engine shape: the options given, over what the stacks say; None when neither says anything."""
+    base: Parallelism | None = defaults.get(f"{side}_parallel")
+    if base is None and tp is None and dp is None and ep is None and redundant is None:
+        return None
+    base = base or Parallelism()
+    return Parallelism(
+        tp if tp is not None else base.tensor_parallel_size,
+        dp if dp is not None else base.data_parallel_size,
+        ep if ep is not None else base.enable_expert_parallel,
+        redundant if redundant is not None else base.num_redundant_experts,
+    )
+
+
+def weight_dtype_of(model: ModelSpec, given: str | None) -> str:
+    """The weights' precision: as given, else the checkpoint's (FP8 checkpoints say so in quantization_config)."""
+    if given is not None:
+        return given
+    return "fp8" if model.fp8_weights else "bf16"
 
 
 def _pick(name: str, given: Any, defaults: dict[str, Any], fallback: Any = None) -> Any:
@@ -91,8 +142,23 @@ def plan_command(
     slo_target: Annotated[float, typer.Option(help="share of requests that must meet each SLO")] = 0.9,
     headroom_pct: Annotated[float | None, typer.Option(help="spare capacity, 20-30 %")] = None,
     offload_threshold: Annotated[int | None, typer.Option(help="prompts shorter than this prefill on decode")] = None,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache precision: bf16, fp16, fp8")] = "bf16",
-    weight_dtype: Annotated[str, typer.Option(help="weight precision: bf16, fp16, fp8")] = "bf16",
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision: bf16, fp16, fp8 [default: bf16]")] = None,
+    weight_dtype: Annotated[
+        str | None, typer.Option(help="weight precision: bf16, fp16, fp8 [default: the checkpoint's]")
+    ] = None,
+    prefill_tp: Annotated[int | None, typer.Option(help="vLLM prefill tensor_parallel_size")] = None,
+    prefill_dp: Annotated[int | None, typer.Option(help="vLLM prefill data_parallel_size")] = None,
+    prefill_ep: Annotated[bool | None, typer.Option(help="vLLM prefill enable_expert_parallel")] = None,
+    prefill_redundant_experts: Annotated[int | None, typer.Option(help="prefill EPLB redundant experts")] = None,
+    decode_tp: Annotated[int | None, typer.Option(help="vLLM decode tensor_parallel_size")] = None,
+    decode_dp: Annotated[int | None, typer.Option(help="vLLM decode data_parallel_size")] = None,
+    decode_ep: Annotated[bool | None, typer.Option(help="vLLM decode enable_expert_parallel")] = None,
+    decode_redundant_experts: Annotated[int | None, typer.Option(help="decode EPLB redundant experts")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(help="vLLM's share of GPU memory")] = None,
+    block_size: Annotated[int | None, typer.Option(help="vLLM KV block size, tokens")] = None,
+    context_tokens: Annotated[
+        int | None, typer.Option(help="vLLM max_model_len: the context one sequence holds")
+    ] = None,
     prefill_mfu: Annotated[float, typer.Option(help="achieved share of dense FLOP/s in prefill")] = 0.5,
     decode_mbu: Annotated[float, typer.Option(help="achieved share of memory bandwidth in decode")] = 0.7,
     max_batch: Annotated[int, typer.Option(help="most sequences in one decode step")] = 256,
@@ -110,6 +176,9 @@ def plan_command(
     defaults = stack_defaults(folder, env) if folder is not None and env else StackDefaults({}, [])
     d = defaults.values
     try:
+        spec = resolve_model(_pick("model", model, d))
+        kv_dtype = _pick("kv_dtype", kv_dtype, d, "bf16")
+        weight_dtype = weight_dtype_of(spec, weight_dtype)
         for name, dtype in (("--kv-dtype", kv_dtype), ("--weight-dtype", weight_dtype)):
             if dtype not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -125,7 +194,7 @@ def plan_command(
             )
         )
         inputs = PlanInputs(
-            model=resolve_model(_pick("model", model, d)),
+            model=spec,
             prefill_instance=_pick("prefill", prefill, d),
             decode_instance=_pick("decode", decode, d),
             link=LinkSpec(
@@ -142,6 +211,15 @@ def plan_command(
             kv_bytes=DTYPE_BYTES[kv_dtype],
             weight_bytes=DTYPE_BYTES[weight_dtype],
             efficiency=Efficiency(prefill_mfu, decode_mbu),
+            prefill_parallel=parallelism(
+                "prefill", d, tp=prefill_tp, dp=prefill_dp, ep=prefill_ep, redundant=prefill_redundant_experts
+            ),
+            decode_parallel=parallelism(
+                "decode", d, tp=decode_tp, dp=decode_dp, ep=decode_ep, redundant=decode_redundant_experts
+            ),
+            gpu_memory_utilization=_pick("gpu_memory_utilization", gpu_memory_utilization, d, 0.92),
+            block_size=_pick("block_size", block_size, d, 16),
+            context_tokens=_pick("context_tokens", context_tokens, d, 0) or None,
         )
         plan = make_plan(inputs)
     except (ModelError, HardwareError, WorkloadError, ValueError) as exc:

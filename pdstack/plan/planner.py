@@ -7,6 +7,9 @@ prefilled remotely (the rest on decode, as the gateway does):
   W has P(W > t) ~ rho x exp(-rho t / E[W]) with E[W] from Pollaczek-Khinchine, lambda E[S^2] / (2 (1 - rho)).
 - decode replicas: ceil((lambda x E[output] / tokens-per-second-per-replica + local-prefill busy share)
   x (1 + headroom)), where a replica runs the largest batch whose step time meets the TPOT SLO and whose KV fits.
+- with vLLM parallelism (`prefill_parallel`, `decode_parallel`), a replica is one engine of TP x DP GPUs: its
+  per-GPU weights and KV, the batch its KV holds and its decode step come from parallel.py, and a setting that
+  cannot load or cannot hold one `context_tokens` sequence is a reason the plan is not viable, naming the setting.
 - link: the planned KV rate lambda x E[KV bytes of remote prompts], times (1 + headroom), against what the link
   carries (see link.py).
 - viable: the link carries that rate, and with enough prefill replicas to remove queueing the TTFT target is
@@ -22,13 +25,22 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from pdstack.plan.hardware import Replica, replica_for
+from pdstack.plan.hardware import Replica, engine_replica, gpu_instance, replica_for
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelSpec
+from pdstack.plan.parallel import (
+    EngineMemory,
+    Parallelism,
+    engine_memory,
+    memory_misfits,
+    resolved_block_size,
+    shape_misfits,
+)
 from pdstack.plan.timing import (
     Efficiency,
     ModelCosts,
     decode_step_seconds,
+    engine_step_seconds,
     exposed_transfer_seconds,
     model_costs,
     prefill_seconds,
@@ -65,12 +77,21 @@ class PlanInputs:
     kv_bytes: int = 2
     weight_bytes: float = 2.0
     efficiency: Efficiency = field(default_factory=Efficiency)
+    prefill_parallel: Parallelism | None = None  # a vLLM engine's TP/DP/EP; None: whole instances, TP across all
+    decode_parallel: Parallelism | None = None
+    gpu_memory_utilization: float = 0.92  # vLLM's default
+    block_size: int = 16
+    context_tokens: int | None = None  # vLLM's max_model_len; None: the workload's longest request
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom_pct <= 100:
             raise ValueError(f"headroom_pct must be in [0, 100], got {self.headroom_pct}")
         if self.max_batch < 1 or self.kv_bytes < 1 or self.weight_bytes <= 0:
             raise ValueError("max_batch and kv_bytes must be at least 1, weight_bytes positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size < 1 or (self.context_tokens is not None and self.context_tokens < 1):
+            raise ValueError("block_size and context_tokens must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,9 @@ class Plan:
     link_ok: bool
     offload_threshold: int | None
     reasons: tuple[str, ...]
+    context_tokens: int = 0
+    prefill_memory: EngineMemory | None = None  # per-GPU figures, when the inputs give vLLM parallelism
+    decode_memory: EngineMemory | None = None
 
     @property
     def viable(self) -> bool:
@@ -119,12 +143,46 @@ class Planner:
     def __init__(self, inputs: PlanInputs) -> None:
         self.inputs = inputs
         self.costs = model_costs(inputs.model, inputs.kv_bytes, inputs.weight_bytes)
-        self.prefill = replica_for(inputs.prefill_instance, self.costs.weight_bytes)
-        self.decode = replica_for(inputs.decode_instance, self.costs.weight_bytes)
-        self.eff = inputs.efficiency
         self.requests = inputs.workload.requests
+        self.context = inputs.context_tokens or max(i + o for i, o in self.requests)
+        self.prefill, self.prefill_memory = self._side(inputs.prefill_instance, inputs.prefill_parallel)
+        self.decode, self.decode_memory = self._side(inputs.decode_instance, inputs.decode_parallel)
+        self.eff = inputs.efficiency
         self.h = inputs.headroom_pct / 100
         self._prefill_memo: dict[int, float] = {}
+
+    def _side(self, instance: str, par: Parallelism | None) -> tuple[Replica, EngineMemory | None]:
+        if par is None:
+            return replica_for(instance, self.costs.weight_bytes), None
+        _, gpu = gpu_instance(instance)
+        replica = engine_replica(instance, par.gpus)
+        inp = self.inputs
+        block = resolved_block_size(inp.model, par.tensor_parallel_size, inp.block_size, inp.kv_bytes)
+        memory = engine_memory(
+            inp.model,
+            replica.gpu,
+            gpu,
+            par,
+            weight_bytes=inp.weight_bytes,
+            kv_bytes=inp.kv_bytes,
+            utilization=inp.gpu_memory_utilization,
+            block_size=block,
+        )
+        return replica, memory
+
+    def misfits(self) -> list[str]:
+        """Each side's vLLM settings that cannot load the model or hold one `context` sequence, by setting."""
+        out: list[str] = []
+        sides = (
+            ("prefill", self.inputs.prefill_parallel, self.prefill_memory),
+            ("decode", self.inputs.decode_parallel, self.decode_memory),
+        )
+        for side, par, memory in sides:
+            if par is None or memory is None:
+                continue
+            found = shape_misfits(self.inputs.model, par) or memory_misfits(memory, self.context)
+            out += [f"{side} {m.setting}: {m.reason}" for m in found]
+        return out
 
     # ------------------------------------------------------------------ per-request figures
 
@@ -165,15 +223,29 @@ class Planner:
 
     def step_s(self, batch: int, kv_read: float | None = None) -> float:
         read = batch * self.mean_kv_read if kv_read is None else kv_read
+        if self.decode_memory is not None:
+            return engine_step_seconds(
+                self.costs,
+                self.decode_memory,
+                self.decode,
+                batch,
+                kv_bytes_read=read,
+                mean_context=self.mean_context,
+                eff=self.eff,
+            )
         return decode_step_seconds(
             self.costs, self.decode, batch, kv_bytes_read=read, mean_context=self.mean_context, eff=self.eff
         )
 
     def decode_point(self) -> DecodePoint:
         """The largest batch at which the target share of requests meets the TPOT SLO and whose KV fits."""
-        kv_room = self.decode.usable_memory - self.costs.weight_bytes
-        peak_kv = max(sum(self.kv_bytes(i + o) for i, o in self.requests) / len(self.requests), 1.0)
-        fits = max(1, min(self.inputs.max_batch, int(kv_room // peak_kv)))
+        if self.decode_memory is not None:
+            held = self.decode_memory.max_batch(round(sum(i + o for i, o in self.requests) / len(self.requests)))
+        else:
+            kv_room = self.decode.usable_memory - self.costs.weight_bytes
+            peak_kv = max(sum(self.kv_bytes(i + o) for i, o in self.requests) / len(self.requests), 1.0)
+            held = int(kv_room // peak_kv)
+        fits = max(1, min(self.inputs.max_batch, held))
         low, high = 1, fits
         while low < high:
             mid = (low + high + 1) // 2
@@ -282,7 +354,10 @@ class Planner:
             required_link_gbps=required,
             link_ok=link_ok,
             offload_threshold=self.offload_threshold(slack),
-            reasons=tuple(self.reasons(link_ok, required, unqueued, point)),
+            reasons=tuple(self.misfits() + self.reasons(link_ok, required, unqueued, point)),
+            context_tokens=self.context,
+            prefill_memory=self.prefill_memory,
+            decode_memory=self.decode_memory,
         )
 
     def tpot_ok(self, batch: int, prompt: int, output: int) -> bool:

@@ -13,6 +13,7 @@ from pdstack.plan.kv import (
     mla_bytes_per_token_per_layer,
 )
 from pdstack.plan.models import Attention
+from pdstack.plan.parallel import EngineMemory
 from pdstack.plan.planner import Plan, Planner
 
 
@@ -55,6 +56,35 @@ def kv_rows(plan: Plan) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def engine_json(memory: EngineMemory, plan: Plan, nodes: int) -> dict[str, Any]:
+    """One side's vLLM engine, per GPU (see parallel.py for the formulas)."""
+    par, gb = memory.parallelism, 1e9
+    mean_context = round(sum(i + o for i, o in plan.inputs.workload.requests) / len(plan.inputs.workload.requests))
+    return {
+        "tensor_parallel_size": par.tensor_parallel_size,
+        "data_parallel_size": par.data_parallel_size,
+        "expert_parallel_size": par.ep_size,
+        "num_redundant_experts": par.num_redundant_experts,
+        "gpus": par.gpus,
+        "nodes": nodes,
+        "gpu": memory.gpu,
+        "budget_gb_per_gpu": memory.budget_bytes / gb,
+        "weights_gb_per_gpu": memory.weight_bytes / gb,
+        "shared_weights_gb_per_gpu": memory.shared_weight_bytes / gb,
+        "expert_weights_gb_per_gpu": memory.expert_weight_bytes / gb,
+        "experts_per_gpu": memory.experts_per_gpu,
+        "kv_heads_per_gpu": memory.kv_heads_per_gpu,
+        "kv_bytes_per_token_per_gpu": memory.kv_bytes_per_token,
+        "kv_room_gb_per_gpu": memory.kv_room_bytes / gb,
+        "kv_tokens_per_dp_group": memory.tokens_per_group(),
+        "block_size": memory.block_size,
+        "context_tokens": plan.context_tokens,
+        "max_batch_at_context": memory.max_batch(plan.context_tokens),
+        "max_batch_at_mean_context": memory.max_batch(mean_context),
+        "mean_context_tokens": mean_context,
+    }
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -157,6 +187,14 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "tpot_attainment": plan.tpot_attainment,
             "goodput_rps": plan.goodput_rps,
         },
+        "parallelism": {
+            side: engine_json(memory, plan, replica.nodes)
+            for side, memory, replica in (
+                ("prefill", plan.prefill_memory, plan.prefill),
+                ("decode", plan.decode_memory, plan.decode),
+            )
+            if memory is not None
+        },
         "verdict": {
             "viable": plan.viable,
             "reasons": list(plan.reasons),
@@ -198,6 +236,8 @@ def render_plan(plan: Plan, console: Console) -> None:
     for name, value, how in _figure_rows(data):
         figures.add_row(name, value, how)
     console.print(figures)
+    if data["parallelism"]:
+        console.print(_engine_table(data["parallelism"]))
     verdict = data["verdict"]
     colour = "green" if verdict["viable"] else "red"
     console.print(f"[{colour}]cross-datacenter split {'viable' if verdict['viable'] else 'NOT viable'}[/{colour}]")
@@ -268,3 +308,28 @@ def _figure_rows(d: dict[str, Any]) -> list[tuple[str, str, str]]:
             "shortest prompt from which remote prefill gives the lower TTFT",
         ),
     ]
+
+
+def _engine_table(engines: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="vLLM engine, per GPU")
+    table.add_column("figure")
+    for side in engines:
+        table.add_column(side, justify="right")
+    table.add_column("how")
+    rows: list[tuple[str, str, str]] = [
+        ("shape", "{tensor_parallel_size} TP x {data_parallel_size} DP, EP {expert_parallel_size}", "GPUs = TP x DP"),
+        ("GPUs / nodes", "{gpus} x {gpu} / {nodes}", "nodes = ceil(GPUs / GPUs per node)"),
+        ("budget", "{budget_gb_per_gpu:.1f} GB", "gpu_memory_utilization x GPU memory"),
+        ("weights", "{weights_gb_per_gpu:.2f} GB", "shared / TP (+ replicated) + routed experts on the busiest GPU"),
+        ("experts", "{experts_per_gpu}", "ceil((experts + redundant) / EP) whole experts per GPU"),
+        ("KV heads", "{kv_heads_per_gpu}", "max(1, kv_heads // TP); MLA keeps its latent on every GPU"),
+        ("KV per token", "{kv_bytes_per_token_per_gpu:,.0f} B", "growing layers, this GPU's heads"),
+        ("KV room", "{kv_room_gb_per_gpu:.2f} GB", "budget - weights"),
+        ("KV tokens", "{kv_tokens_per_dp_group:,}", "per DP group, whole blocks of {block_size}"),
+        ("batch at context", "{max_batch_at_context:,}", "DP x sequences of context_tokens a group holds"),
+        ("batch at mean", "{max_batch_at_mean_context:,}", "the same at the workload's mean context"),
+    ]
+    first = next(iter(engines.values()))
+    for name, value, how in rows:
+        table.add_row(name, *(value.format(**e) for e in engines.values()), how.format(**first))
+    return table

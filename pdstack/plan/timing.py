@@ -4,6 +4,9 @@
 - A decode step is bound by the slower of memory and compute: bytes read (the weights the batch touches, MoE
   experts counted by expected distinct hits, plus every sequence's KV) / (replica bandwidth x decode efficiency),
   against 2 FLOPs per active weight per sequence plus attention, at the prefill efficiency.
+- On a vLLM engine (TP x DP GPUs, see parallel.py) a decode step is timed per GPU: each GPU reads its shard of
+  the weights outside the routed experts (its DP group's copy), its share of the experts the whole batch routes
+  to, and the KV of its DP group's sequences, against one GPU's bandwidth; FLOPs are split over all GPUs.
 - A remote prefill's KV streams layer by layer while later layers compute, so only what is left after the prefill
   finishes is exposed: max(transfer - prefill, transfer / layers), plus one RTT for the pull.
 """
@@ -17,6 +20,7 @@ from pdstack.plan.hardware import Replica
 from pdstack.plan.kv import KvFootprint, kv_footprint
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelSpec
+from pdstack.plan.parallel import EngineMemory
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,30 @@ def decode_step_seconds(
     memory_s = (streamed * costs.weight_bytes_per_param + kv_bytes_read) / (replica.memory_bandwidth * eff.decode_mbu)
     flops = batch * (2.0 * costs.params.active_per_token + attention_flops(costs.model, 1, mean_context))
     compute_s = flops / (replica.dense_flops * eff.prefill_mfu)
+    return max(memory_s, compute_s)
+
+
+def engine_step_seconds(
+    costs: ModelCosts,
+    mem: EngineMemory,
+    replica: Replica,
+    batch: int,
+    *,
+    kv_bytes_read: float,
+    mean_context: int,
+    eff: Efficiency,
+) -> float:
+    """One decode step over `batch` sequences on a vLLM engine, timed on its busiest GPU."""
+    par, params, wbytes = mem.parallelism, costs.params, costs.weight_bytes_per_param
+    lookup = 0.0 if costs.model.tie_word_embeddings else params.embedding * wbytes / par.tensor_parallel_size
+    routed = (params.touched_by_batch(batch) - params.always_active) * wbytes / par.gpus
+    growing = costs.kv.growing_per_token
+    kv_share = mem.kv_bytes_per_token / growing if growing else 1 / par.tensor_parallel_size
+    kv = kv_bytes_read * kv_share / par.data_parallel_size
+    gpu_bandwidth = replica.memory_bandwidth / replica.gpus
+    memory_s = (mem.shared_weight_bytes - lookup + routed + kv) / (gpu_bandwidth * eff.decode_mbu)
+    flops = batch * (2.0 * params.active_per_token + attention_flops(costs.model, 1, mean_context)) / par.gpus
+    compute_s = flops / (replica.dense_flops / replica.gpus * eff.prefill_mfu)
     return max(memory_s, compute_s)
 
 
