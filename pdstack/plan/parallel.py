@@ -187,7 +187,7 @@ def shape_misfits(model: ModelSpec, par: Parallelism) -> list[Misfit]:
         reason = f"{tp} does not divide {model.name}'s {model.num_attention_heads} attention heads"
         out.append(Misfit("tensor_parallel_size", reason))
     kv = model.num_kv_heads
-    if kv_heads_per_gpu(model, tp) is not None and (kv % tp if kv >= tp else tp % kv):
+    if kv and kv_heads_per_gpu(model, tp) is not None and (kv % tp if kv >= tp else tp % kv):
         reason = (
             f"{tp} and {model.name}'s {kv} KV heads must divide one another "
             "(heads are split when kv_heads >= TP, replicated when kv_heads < TP)"
@@ -245,6 +245,8 @@ def resolved_block_size(model: ModelSpec, tp: int, block_size: int, kv_bytes: in
     lin = model.linear
     state_page = lin.conv_dim * (lin.conv_kernel - 1) + lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
     state_page = state_page * kv_bytes // tp
+    if attention_page == 0:
+        return block_size  # a degenerate config (head_dim 0) has no pages to align
     align = max(kernel_multiple, block_size)
     needed = align * math.ceil(state_page / (align * attention_page))
     needed = kernel_multiple * math.ceil(needed / kernel_multiple)
