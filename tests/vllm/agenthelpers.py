@@ -173,6 +173,11 @@ class Fleet:
         info = {"instance_id": instance_id, "role": role, "version": "v1", "kv_fingerprint": fingerprint, "url": url,
                 "model": MODEL_NAME, "kv_host": "127.0.0.1", "kv_port": free_port()}  # fmt: skip
         assert httpx.post(f"{self.scheduler.url}/v1/instances", json=info, headers=auth).status_code == 201
+        self.beat_fake(instance_id)
+
+    def beat_fake(self, instance_id: str) -> None:
+        """A ready, idle heartbeat for a fake instance (the scheduler declares silent ones dead after 10 s)."""
+        auth = bearer(principal_token(self.tmp, f"instance:{instance_id}"))
         beat = {"load": {"ready": True, "max_concurrency": 128}}
         assert httpx.post(f"{self.scheduler.url}/v1/instances/{instance_id}/heartbeat", json=beat,
                           headers=auth).status_code == 200  # fmt: skip

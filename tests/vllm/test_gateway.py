@@ -106,6 +106,7 @@ def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.O
         try:
             fleet.wait_routable(fleet.gateways[0], instances=3)
             for _ in range(8):
+                fleet.beat_fake("prefill-other-layout")
                 assert complete(client, prompt) == expected
             assert other.connections == 0
         finally:

@@ -130,7 +130,7 @@ def start_gateway(tmp: Path, scheduler: Service, name: str, *flags: str) -> Serv
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("early")
-    scheduler, _ = start_scheduler(tmp, heartbeat_interval=10.0)
+    scheduler, _ = start_scheduler(tmp, heartbeat_interval=60.0)  # dead only after 3 min without heartbeats
     arrived = threading.Event()
     prefill, decode = Upstream("prefill", decode_arrived=arrived), Upstream("decode", decode_arrived=arrived)
     servers = [prefill.serve(), decode.serve()]
