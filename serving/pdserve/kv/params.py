@@ -1,8 +1,13 @@
 """Signed kv_transfer_params: prefill signs what it returns, decode verifies it before connecting anywhere.
 
-The params name the host and port decode pulls KV from, so they must come from a prefill server holding the KV
-channel key, not from a client. The signature is an HMAC-SHA256, keyed by the KV channel key, over the canonical
-JSON of every other field (sorted keys, no spaces); any edit of any field (a host, a port, a request id) breaks it.
+The params name the host and port decode pulls KV from, so they must come from a party holding the params key
+(a prefill server, or the gateway for early dispatch), not from a client. The signature is an HMAC-SHA256 over the
+canonical JSON of every other field (sorted keys, no spaces); any edit of any field (a host, a port, a request id)
+breaks it.
+
+The params key is derived from the KV channel key (`derive_params_key`), never the channel key itself: the gateway
+is given only the derived key, so it can direct decode's pulls but cannot authenticate to any KV channel (the
+channel's handshake is keyed by the channel key, and HMAC-SHA256 does not give the key back from the derived one).
 """
 
 from __future__ import annotations
@@ -14,6 +19,14 @@ from typing import Any
 
 SIGNATURE_FIELD = "pdstack_signature"
 _LABEL = b"pdstack-kv-params\0"
+PARAMS_KEY_LABEL = b"pdstack kv_transfer_params v1"
+
+
+def derive_params_key(kv_key_material: bytes) -> bytes:
+    """The key that signs and verifies kv_transfer_params: HMAC-SHA256(kv channel key, PARAMS_KEY_LABEL)."""
+    if not kv_key_material:
+        raise ValueError("kv_key_material: must be the non-empty KV channel key")
+    return hmac.new(kv_key_material, PARAMS_KEY_LABEL, hashlib.sha256).digest()
 
 
 class ParamsSignatureError(ValueError):

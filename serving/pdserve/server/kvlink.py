@@ -87,7 +87,7 @@ class PrefillExporter:
 
     def response_params(self, remote_request_id: str, stored: StoredKV, num_tokens: int) -> dict[str, object]:
         """What prefill returns for decode, signed: decode pulls only from where a prefill server said to."""
-        return signed_params.sign(self.key.material, {
+        return signed_params.sign(signed_params.derive_params_key(self.key.material), {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.settings.engine_id,
@@ -146,7 +146,8 @@ class DecodeImporter:
         if missing:
             raise RequestError(f"kv_transfer_params: missing {', '.join(missing)}", param="kv_transfer_params")
         try:
-            signed_params.verify(self.key.material, params.model_dump(mode="json", exclude_unset=True))
+            signed = params.model_dump(mode="json", exclude_unset=True)
+            signed_params.verify(signed_params.derive_params_key(self.key.material), signed)
         except signed_params.ParamsSignatureError as error:
             raise RequestError(str(error), param=error.param) from None
         if params.num_tokens != prompt_tokens:

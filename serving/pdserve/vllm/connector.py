@@ -15,7 +15,7 @@ Load it with vLLM's own flag:
   same code serves CUDA tensors) as the layer is computed; wait_for_save puts the whole blob in pdserve's
   LeaseStore, served by a KVServer in the worker process. request_finished returns do_remote_prefill,
   remote_engine_id, remote_request_id, remote_host, remote_port, remote_block_ids, plus kv_checksum, num_tokens
-  and the KV fingerprint, signed with pdserve.kv.params under the KV channel key.
+  and the KV fingerprint, signed with pdserve.kv.params under the params key derived from the KV channel key.
 - Both report the KV channel's metrics (bytes, seconds, goodput, failures by cause, auth refusals, leases)
   through vLLM's connector-stats path into the API server's /metrics, under pdserve's names (see stats.py).
 - Decode (kv_consumer) gets those params. get_num_new_matched_tokens claims the prompt tokens it lacks as an
@@ -247,7 +247,7 @@ class PdstackConnector(KVConnectorBase_V1):
             "kv_fingerprint": fingerprint["digest"],
             "kv_fingerprint_fields": fingerprint["fields"],
         }
-        return False, signed_params.sign(self.settings.key.material, returned)
+        return False, signed_params.sign(self.settings.params_key, returned)
 
     def _take_result(self, request_id: str) -> dict[str, Any] | None:
         self._sweep()

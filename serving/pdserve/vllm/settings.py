@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.kv.auth import SecretKey
+from pdserve.kv.params import derive_params_key
 
 _KNOWN = {
     "kv_key_file",
@@ -53,6 +54,11 @@ class ConnectorSettings:
     tls_ca: str | None
     tls_server_name: str | None
     run_dir: Path
+
+    @property
+    def params_key(self) -> bytes:
+        """Signs (prefill) and verifies (decode) kv_transfer_params; the gateway holds only this derived key."""
+        return derive_params_key(self.key.material)
 
     def server_tls(self) -> ssl.SSLContext | None:
         """TLS for prefill's KV listener; with tls_ca too, clients must present a certificate signed by it."""

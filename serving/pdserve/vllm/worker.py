@@ -218,7 +218,7 @@ class ConsumerWorker(_Worker):
     def _check(self, spec: LoadSpec) -> dict[str, Any]:
         """Refuse params before any connection: unsigned or edited, incomplete, another prompt, another layout."""
         signed = {name: value for name, value in spec.params.items() if name not in VLLM_ADDED_FIELDS}
-        params = signed_params.verify(self.settings.key.material, signed)
+        params = signed_params.verify(self.settings.params_key, signed)
         missing = [name for name in REQUIRED_PARAMS if params.get(name) in (None, "")]
         if missing:
             raise ValueError(f"kv_transfer_params.{missing[0]}: missing")

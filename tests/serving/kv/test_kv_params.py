@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.kv.params import ParamsSignatureError, sign, verify
+from pdserve.kv.params import ParamsSignatureError, derive_params_key, sign, verify
 
 KEY = b"0123456789abcdef0123456789abcdef"
 PARAMS = {
@@ -54,3 +54,18 @@ def test_unsigned_and_other_key_fail() -> None:
         verify(KEY, PARAMS)
     with pytest.raises(ParamsSignatureError, match="does not match"):
         verify(KEY, sign(b"another key, also 32 bytes long!", PARAMS))
+
+
+def test_params_key_is_the_contract_derivation_and_not_the_channel_key() -> None:
+    derived = derive_params_key(KEY)
+    assert derived == hmac.new(KEY, b"pdstack kv_transfer_params v1", hashlib.sha256).digest()
+    assert derived != KEY and derive_params_key(b"another key, also 32 bytes long!") != derived
+    # Params signed with the derived key (as the gateway signs early-dispatch params) verify only under it.
+    verify(derived, sign(derived, PARAMS))
+    with pytest.raises(ParamsSignatureError, match="does not match"):
+        verify(derived, sign(KEY, PARAMS))
+
+
+def test_params_key_needs_a_channel_key() -> None:
+    with pytest.raises(ValueError, match="kv_key_material"):
+        derive_params_key(b"")
