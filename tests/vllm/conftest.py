@@ -237,9 +237,10 @@ class Pair:
         return params
 
     def resign(self, params: dict[str, Any], **changes: Any) -> dict[str, Any]:
-        """Params as a prefill holding the key would have issued them with `changes` (a test stands in for one)."""
+        """Params as a prefill holding the key would have issued them with `changes` (a test stands in for one):
+        signed with the params key derived from the KV channel key, as the connector signs them."""
         issued = {name: value for name, value in params.items() if name not in VLLM_ADDED_FIELDS}
-        return signed_params.sign(self.key.material, {**issued, **changes})
+        return signed_params.sign(signed_params.derive_params_key(self.key.material), {**issued, **changes})
 
 
 @pytest.fixture(scope="module")
