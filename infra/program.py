@@ -31,7 +31,7 @@ from infra.workloads import (
     ratelimit_store_config,
 )
 from pdstack.catalog import Catalog, load_catalog
-from pdstack.contract import contract, gateway_keys_file
+from pdstack.contract import contract, gateway_keys_file, scheduler_url_parameter
 from pdstack.model import DatacenterRole, Environment, Serving
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
@@ -209,7 +209,7 @@ def build_control_plane(
     images = {name: registry.repositories[name].repository_url.apply(lambda u: f"{u}:{view.settings.release}")
               for name in ("gateway", "scheduler")}
     replicas = 2 if cfg.environment is Environment.DEV else 3
-    ControlWorkloads(
+    workloads = ControlWorkloads(
         "workloads",
         ControlWorkloadsArgs(
             env=view.env,
@@ -251,6 +251,14 @@ def build_control_plane(
     pulumi.export(outputs.REPOSITORY_ARNS, {k: r.arn for k, r in registry.repositories.items()})
     pulumi.export(outputs.REPOSITORY_URLS, {k: r.repository_url for k, r in registry.repositories.items()})
     pulumi.export(outputs.CLUSTER_NAME, plane.cluster.name)
+    # The scheduler's URL, for the GPU nodes' deploy: in SSM Parameter Store, where inventories/aws reads it on the
+    # controller (which needs no access to the Pulumi state), and as an output.
+    aws.ssm.Parameter(
+        "scheduler-url", name=scheduler_url_parameter(view.env), type="String", value=workloads.scheduler_url,
+        description=f"pdstack {view.env}: the scheduler's load balancer URL (the GPU nodes' PDSERVE_SCHEDULER_URL)",
+        tags=tags,
+    )
+    pulumi.export(outputs.SCHEDULER_URL, workloads.scheduler_url)
 
 
 def _serving(view: EnvironmentView) -> Serving:

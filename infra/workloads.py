@@ -95,6 +95,19 @@ class AppSpec:
                 if self.shared_store or not s.only_with_shared_store]  # fmt: skip
 
 
+def ingress_host(status: k8s.core.v1.outputs.ServiceStatus | None) -> str | None:
+    """A LoadBalancer Service's address: the NLB's DNS name (or an address), None until it has one."""
+    balancer = status.load_balancer if status is not None else None
+    ingress = (balancer.ingress if balancer is not None else None) or []
+    return next((i.hostname or i.ip for i in ingress if i.hostname or i.ip), None)
+
+
+def load_balancer_url(status: k8s.core.v1.outputs.ServiceStatus | None, served: Contract) -> str | None:
+    """The scheduler's URL behind its load balancer (the Service listens on the scheduler's own port)."""
+    host = ingress_host(status)
+    return None if host is None else served.scheduler_url(host)
+
+
 def storage_class(env: str) -> str:
     """The environment's StorageClass: gp3 encrypted under its volume key (Prometheus' and the scheduler's data)."""
     return f"pdstack-{env}-gp3"
@@ -171,7 +184,10 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
         self._load_balancer(name, gateway, sources=[*args.client_cidrs])
-        self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
+        scheduler_service = self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
+        # What the GPU nodes call: the scheduler's internal load balancer (known once AWS has made it)
+        self.scheduler_url: pulumi.Output[str | None] = scheduler_service.status.apply(
+            lambda status: load_balancer_url(status, served))
         for app in (gateway, scheduler):
             self._pods_service(name, app)
         self._network_policies(name)
@@ -260,8 +276,8 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
 
-    def _load_balancer(self, name: str, app: AppSpec, sources: list[str]) -> None:
-        k8s.core.v1.Service(
+    def _load_balancer(self, name: str, app: AppSpec, sources: list[str]) -> k8s.core.v1.Service:
+        return k8s.core.v1.Service(
             f"{name}-{app.name}",
             metadata={"name": app.name, "namespace": self.args.namespace, "annotations": NLB_ANNOTATIONS},
             spec={

@@ -18,13 +18,16 @@ from typing import Any
 
 import yaml
 
+from pdstack.contract import scheduler_url_parameter
 from pdstack.model import Environment as EnvName
+from pdstack.model import PoolRole
 from pdstack.stacks import PROJECT_FILE, Environment, default_stacks_dir, environment_names, load_environment
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
 # Tag keys (infra/tags.py; a test checks they agree). Kept here so the toolkit does not import the Pulumi program.
 ENV_TAG, DC_TAG, ROLE_TAG, POOL_TAG = "pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool"
 ENV_VARIABLE = "PDSTACK_ENVIRONMENT"  # which environment's instances the inventory lists
+SERVING_ROLES = [str(r) for r in PoolRole if r.needs_gpu]  # the pdstack:role values of the hosts Ansible manages
 HEADER = (
     "# Rendered by `python -m pdstack.cloud_inventory` from stacks/Pulumi.{dev,staging,prod}-*.yaml; do not edit.\n"
 )
@@ -59,6 +62,8 @@ def stack_vars(envs: list[Environment]) -> dict[str, Any]:
             # against the names the program gives its aws.secretsmanager.Secret resources).
             "secrets": {spec.name: secret_id(env.name, spec.name) for spec in control.secret_specs},
             "datacenters": datacenters,
+            # where the control plane stack writes the EKS scheduler's URL (group_vars/all/control_plane.yml)
+            "scheduler_url_parameter": scheduler_url_parameter(env.name),
         }
     return {"pdstack_cloud": cloud}
 
@@ -68,13 +73,16 @@ def plugin_config(envs: list[Environment]) -> dict[str, Any]:
     return {
         "plugin": "amazon.aws.aws_ec2",
         "regions": regions,
-        # One environment at a time: the playbooks take groups['control'][0] as the environment's control plane.
+        # One environment at a time.
         "filters": {
             f"tag:{ENV_TAG}": (
                 f"{{{{ lookup('ansible.builtin.env', '{ENV_VARIABLE}', "
                 f"default=undef('set {ENV_VARIABLE} to one of {', '.join(CLOUD_ENVIRONMENTS)}')) }}}}"
             ),
             "instance-state-name": "running",
+            # GPU nodes only. The control plane's instances are EKS system nodes: EKS manages them and they run the
+            # scheduler and gateway as pods, so no play may take them for its `control` hosts (or baseline them).
+            f"tag:{ROLE_TAG}": SERVING_ROLES,
         },
         # <datacenter>-<instance id>: unique, and says where the host is.
         "hostnames": [{"name": "instance-id", "prefix": f"tag:{DC_TAG}", "separator": "-"}],
@@ -92,7 +100,8 @@ def plugin_config(envs: list[Environment]) -> dict[str, Any]:
             "pdstack_pool": f"aws_tags['{POOL_TAG}']",
         },
         "groups": {"nodes": "true"},
-        # By role (prefill, decode, control: the playbooks' groups), datacenter (dc_<name>), environment (env_<name>);
+        # By role (prefill, decode: the playbooks' groups; no `control`, the control plane is in EKS), datacenter
+        # (dc_<name>), environment (env_<name>);
         # group names keep only letters, digits and `_`, so dc_prefill-us-east-1 becomes dc_prefill_us_east_1.
         "keyed_groups": [
             {"key": f"aws_tags['{ROLE_TAG}']", "prefix": "", "separator": ""},

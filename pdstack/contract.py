@@ -52,6 +52,10 @@ ALERTMANAGER_PORT = 9093
 RATELIMIT_STORE_PORT = 6379
 RATELIMIT_STORE_DB = 0
 
+# -- where the cloud's scheduler is: its load balancer's URL, which the control-plane stack writes to SSM Parameter
+# Store under this name (infra/program.py) and inventories/aws reads for the GPU nodes (pdstack_scheduler_endpoint)
+SCHEDULER_URL_PARAMETER = "/pdstack/{env}/scheduler-url"
+
 # -- Prometheus job names: one scheme, used by the local and the cloud Prometheus ------------------------------
 PROMETHEUS_JOB = "prometheus"
 NODE_JOB = "node"
@@ -130,6 +134,10 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
     Component.DECODE: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
     Component.COLOCATED: (SERVER_TOKEN, INSTANCE_TOKEN),
 }  # fmt: skip
+
+
+def scheduler_url_parameter(env: str) -> str:
+    return SCHEDULER_URL_PARAMETER.format(env=env)
 
 
 def gateway_keys_file(key: str, tenant: str) -> str:

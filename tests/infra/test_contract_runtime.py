@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
-from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG
+from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, load_balancer_url
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.gateway.app import create_app as gateway_app
 from pdserve.gateway.settings import GatewaySettings
@@ -31,6 +32,7 @@ from pdstack.contract import (
     Contract,
     contract,
     environment_serving,
+    scheduler_url_parameter,
 )
 from pdstack.synth import Synthesis
 
@@ -350,3 +352,36 @@ def settings_uid(container: dict[str, Any], pod: dict[str, Any]) -> int:
     """The uid the container runs as: the volume's group must let it write."""
     uid: int = container.get("securityContext", {}).get("runAsUser", pod["securityContext"]["runAsUser"])
     return uid
+
+
+@pytest.mark.parametrize("env", CLOUD)
+def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inventory_reads(
+    graphs: dict[str, Synthesis], env: str
+) -> None:
+    """The control-plane stack writes the scheduler's load-balancer URL where inventories/aws reads it, and that URL
+    reaches the port the scheduler listens on (tests/inventories reads it through the inventory from moto)."""
+    graph = graphs[f"{env}-control"]
+    (parameter,) = graph.of_type("aws:ssm/parameter:Parameter")
+    stacks = yaml.safe_load((ROOT / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
+    assert parameter.inputs["name"] == scheduler_url_parameter(env) == stacks["pdstack_cloud"][env][
+        "scheduler_url_parameter"]
+    assert parameter.inputs["type"] == "String"  # an address, not a SecureString
+    assert "scheduler_url" in graph.outputs
+    service = _objects(graph, "kubernetes:core/v1:Service")["scheduler"]
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
+    deployment = _objects(graph, "kubernetes:apps/v1:Deployment")["scheduler"]
+    _, rest, environ = _started(deployment["spec"]["template"]["spec"]["containers"][0])
+    scheduler = load_settings(SchedulerSettings, rest, prog="pdserve scheduler", env=environ)
+    nlb = "internal-a1b2c3-0123456789.elb.us-east-1.amazonaws.com"
+    status = k8s_outputs.ServiceStatus(load_balancer=k8s_outputs.LoadBalancerStatus(
+        ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)]))
+    url = load_balancer_url(status, contract_of(env))
+    assert url is not None
+    rendered = ansible_contract(env)["pdserve_components"]["prefill"]["env"]
+    server = settings_from_args("prefill", [], environ={**rendered, "PDSERVE_MODEL": "/model",
+                                                      "PDSERVE_SCHEDULER_URL": url})
+    parsed = httpx.URL(server.scheduler_url)
+    assert parsed.host == nlb
+    assert parsed.port == service["spec"]["ports"][0]["port"] == scheduler.port
+    assert load_balancer_url(k8s_outputs.ServiceStatus(), contract_of(env)) is None  # not made yet: no URL

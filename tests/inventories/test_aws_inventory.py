@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import yaml
 
 from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
+from pdstack.contract import contract, environment_serving
 from pdstack.stacks import load_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +130,7 @@ def launched(synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, st
             )
             for instance in made["Instances"]:
                 out[instance["InstanceId"]] = {"tags": tags, "region": region, "ip": instance["PrivateIpAddress"]}
-        if stack["stack"] == "prod-control":  # neighbours to leave out: another environment's, an untagged one
+        if stack["stack"] == "prod-prefill-us-east-1":  # neighbours to leave out: another environment's, untagged
             other = {
                 **instance_tags(next(r for r in stack["resources"] if r["type"] == LAUNCH_TEMPLATE)),
                 "pdstack:env": "staging",
@@ -183,8 +185,11 @@ def test_inventory_groups_and_describes_the_instances_as_the_playbooks_expect(
     hostvars = inv["_meta"]["hostvars"]
     members = lambda group: set(inv.get(group, {}).get("hosts", []))  # noqa: E731
     by_id = {v["aws_instance_id"]: name for name, v in hostvars.items()}
-    assert set(by_id) == set(launched), "exactly the prod instances: not staging's, not the untagged one"
-    for instance_id, want in launched.items():
+    gpu = {i: w for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"}
+    assert len(gpu) < len(launched), "the control stack's EKS system nodes were launched too"
+    # exactly the prod GPU nodes: not staging's, not the untagged one, not the EKS system nodes (EKS manages those)
+    assert set(by_id) == set(gpu)
+    for instance_id, want in gpu.items():
         name, tags = by_id[instance_id], want["tags"]
         assert name == f"{tags['pdstack:dc']}-{instance_id}"
         got = hostvars[name]
@@ -200,13 +205,15 @@ def test_inventory_groups_and_describes_the_instances_as_the_playbooks_expect(
         assert name in members(tags["pdstack:role"])
         assert name in members("dc_" + tags["pdstack:dc"].replace("-", "_"))
         assert name in members("env_prod") and name in members("nodes")
-    for role in ("prefill", "decode", "control"):
+    for role in ("prefill", "decode"):
         assert len(members(role)) == sum(w["tags"]["pdstack:role"] == role for w in launched.values()), role
-    # The groups the playbooks name exist: site/serving/deploy/rollback plays and vars/serving.yml's lookups.
+    # The groups the playbooks name exist (site/serving/deploy/rollback plays and vars/serving.yml's lookups), but
+    # `control`: the control plane runs in EKS, and no play may run on its nodes.
+    assert "control" not in inv
     for play in ("baseline", "serving", "deploy", "rollback"):
         for hosts in (p["hosts"] for p in yaml.safe_load((REPO / "playbooks" / f"{play}.yml").read_text())):
             for group in str(hosts).split(":"):
-                if group not in ("localhost", "canary", "promote") and "{{" not in group:
+                if group not in ("localhost", "canary", "promote", "control") and "{{" not in group:
                     assert members(group), (play, group)
 
 
@@ -285,7 +292,7 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
     result = probe(hashlib.sha256(expected.encode()).hexdigest())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     links = load_environment(REPO / "stacks", "prod").configs
-    for instance_id, want in launched.items():
+    for instance_id, want in ((i, w) for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"):
         dc = want["tags"]["pdstack:dc"]
         seen = json.loads((tmp_path / f"{dc}-{instance_id}.json").read_text())
         widest = max(
@@ -360,3 +367,62 @@ def test_the_pdserve_role_makes_podman_secrets_from_secrets_manager_without_logg
     mounts = json.loads((tmp_path / "mounts.json").read_text())
     targets = {part.removeprefix("target=") for m in mounts for part in m.split(",") if part.startswith("target=")}
     assert targets == {s["target"] for s in wanted}
+
+
+def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_balancer(
+    launched: dict[str, dict[str, Any]], synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The control-plane stack's SSM parameter (as `pdstack synth` names it) holds the scheduler's load-balancer URL;
+    through inventories/aws, serving.yml runs no control play and the GPU nodes and the controller's weights calls
+    use that URL."""
+    from pulumi_kubernetes.core.v1 import outputs  # noqa: PLC0415
+
+    from infra.workloads import load_balancer_url  # noqa: PLC0415 (the program's module, plain Python)
+
+    control = next(s for s in synthesised if s["stack"] == "prod-control")
+    (parameter,) = [r for r in control["resources"] if r["type"] == "aws:ssm/parameter:Parameter"]
+    nlb = "internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"
+    status = outputs.ServiceStatus(load_balancer=outputs.LoadBalancerStatus(
+        ingress=[outputs.LoadBalancerIngress(hostname=nlb)]))
+    url = load_balancer_url(status, contract(environment_serving(REPO / "stacks", "prod")))
+    assert url is not None
+    ssm = boto3.client("ssm", region_name=control["outputs"]["region"], endpoint_url=moto,
+                       aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    ssm.put_parameter(Name=parameter["inputs"]["name"], Value=url, Type=parameter["inputs"]["type"], Overwrite=True)
+
+    listed = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(REPO / "playbooks" / "serving.yml"), "--list-hosts",
+         "-e", "pdstack_environment=prod"],
+        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    plays = re.findall(r"pattern: \[(.*?)\]\n\s+hosts \((\d+)\)", listed.stdout)
+    by_pattern = {pattern.strip("'"): int(count) for pattern, count in plays}
+    assert by_pattern["control"] == 0, listed.stdout  # no control play runs on the EKS nodes
+    for role in ("prefill", "decode"):
+        assert by_pattern[role] == sum(w["tags"]["pdstack:role"] == role for w in launched.values())
+
+    play_dir = tmp_path / "play"  # beside playbooks/vars, as the playbooks are
+    play_dir.mkdir()
+    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
+    (play_dir / "probe.yml").write_text(yaml.safe_dump([
+        {"name": "Where each party calls the scheduler", "hosts": "prefill:decode:localhost", "gather_facts": False,
+         "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
+         "tasks": [{"name": "Write it on the controller", "delegate_to": "localhost", "ansible.builtin.copy": {
+             "content": "{{ {'scheduler_url': pdserve_scheduler_url, 'weights_host': pdserve_weights_host}"
+                        " | to_json }}",
+             "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600"}}]},
+    ]))  # fmt: skip
+    probe = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(play_dir / "probe.yml"),
+         "-e", "pdstack_environment=prod"],
+        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stdout[-4000:] + probe.stderr[-2000:]
+    seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    gpu = [i for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"]
+    assert len(seen) == len(gpu) + 1
+    for name, got in seen.items():  # the role's weights calls run where they are templated: on the controller
+        assert got == {"scheduler_url": url, "weights_host": name}, name
+    assert seen["localhost"]["weights_host"] == "localhost"
