@@ -96,6 +96,7 @@ def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None
     prompt = first[: 4 * BLOCK_SIZE] + prompt_of(50, seed=6)
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
     hits_before = pair.decode.metric("vllm:external_prefix_cache_hits_total")
+    received_before = pair.decode.metric("pdserve_kv_transfer_bytes_total", 'role="receiver"')
 
     params = pair.prefill_params(prompt)
     disaggregated = token_ids(pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params))
@@ -103,6 +104,10 @@ def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None
     assert disaggregated == colocated
     assert loaded(pair, params["remote_request_id"])
     assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == 50
+    # Only the 2 blocks past the 4-block local hit cross the wire (a range pull), 4 layers of them.
+    lacking_bytes = 2 * 4 * 2 * BLOCK_SIZE * 128 * 4
+    pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == lacking_bytes,
+                            'role="receiver"')  # fmt: skip
 
 
 def test_chat_streamed_from_decode_equals_colocated(pair: Pair) -> None:

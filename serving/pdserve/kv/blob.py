@@ -1,20 +1,27 @@
 """The unit the KV channel moves: L layers of (K, V) numpy arrays plus request metadata.
 
-The blob checksum is sha256 over the canonical manifest (metadata, dtypes, shapes) followed by one sha256 digest
-per layer (over K's bytes then V's bytes). Per-layer digests let decode verify layers as they complete instead of
-hashing the whole blob after the last byte arrives.
+Each array is cut into digest units: the whole array (`unit_rows` 0, pdserve's own servers) or `unit_rows` leading
+rows at a time (vLLM's connector: one unit per KV block, so a pull of blocks [first, n) can be verified). Every unit
+has a BLAKE3-256 digest (SIMD, several times sha256's speed, same 128-bit collision resistance); the blob checksum
+is sha256 over the canonical manifest (metadata, dtypes, shapes, unit_rows) followed by every unit's digest in
+order. So the checksum decode has from signed params (or from the authenticated server's END) pins every unit, and
+decode verifies exactly the units it received against the digests that hash to it.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 
 CHECKSUM_PREFIX = "sha256:"
+DIGEST_BYTES = 32
 ALLOWED_DTYPE_KINDS = "biuf"
 
 Layer = tuple[np.ndarray, np.ndarray]
@@ -52,13 +59,18 @@ class Manifest:
     layers: tuple[tuple[ArraySpec, ArraySpec], ...]
     chunk_bytes: int
     checksum: str
+    unit_rows: int = 0
 
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
 
+    @property
+    def units(self) -> Units:
+        return Units(self.layers, self.unit_rows)
+
     def to_bytes(self) -> bytes:
-        body = _layout_json(self.meta, self.layers)
+        body = _layout_json(self.meta, self.layers, self.unit_rows)
         body["chunk_bytes"] = self.chunk_bytes
         body["checksum"] = self.checksum
         return json.dumps(body, sort_keys=True).encode()
@@ -70,13 +82,62 @@ class Manifest:
         layers = tuple(
             (_spec_from_json(layer["k"]), _spec_from_json(layer["v"])) for layer in body["layers"]
         )
-        return cls(meta, layers, int(body["chunk_bytes"]), str(body["checksum"]))
+        return cls(meta, layers, int(body["chunk_bytes"]), str(body["checksum"]), int(body["unit_rows"]))
+
+
+class Units:
+    """The digest units of a layout: array a (= 2 * layer + part) has `count[a]` units of `size[a]` bytes (the last
+    may be shorter), numbered from `first[a]` in one flat sequence over all arrays."""
+
+    def __init__(self, layers: tuple[tuple[ArraySpec, ArraySpec], ...], unit_rows: int) -> None:
+        if unit_rows < 0:
+            raise ValueError(f"unit_rows: must be 0 (whole arrays) or positive, got {unit_rows}")
+        self.unit_rows = unit_rows
+        self.nbytes = [spec.nbytes for pair in layers for spec in pair]
+        self.size: list[int] = []
+        self.count: list[int] = []
+        self.first: list[int] = []
+        for pair in layers:
+            for spec in pair:
+                rows = spec.shape[0] if spec.shape else 1
+                whole = unit_rows == 0 or rows == 0
+                size = spec.nbytes if whole else unit_rows * (spec.nbytes // rows)
+                self.first.append(sum(self.count))
+                self.size.append(size)
+                self.count.append(math.ceil(spec.nbytes / size) if size else 0)
+        self.total = sum(self.count)
+
+    def covering(self, array: int, start: int, end: int) -> range:
+        """Flat indices of the units holding any byte of [start, end) of `array`."""
+        size = self.size[array]
+        if end <= start or not size:
+            return range(0)
+        return range(self.first[array] + start // size, self.first[array] + math.ceil(end / size))
+
+    def span(self, unit: int) -> tuple[int, int, int]:
+        """(array, start byte, end byte) of a flat unit index."""
+        array = bisect.bisect_right(self.first, unit) - 1  # arrays without units share their successor's first
+        start = (unit - self.first[array]) * self.size[array]
+        return array, start, min(start + self.size[array], self.nbytes[array])
+
+    def row_offset(self, array: int, row: int) -> int:
+        """Where a pull from leading row `row` (a block) starts in `array`: the start of the unit holding it."""
+        if row == 0:
+            return 0
+        if self.unit_rows == 0:
+            raise ValueError(f"first_row {row}: this blob is verified in whole arrays, so it is pulled whole")
+        # From the unit holding that row, so every unit sent is whole and can be verified.
+        return min((row // self.unit_rows) * self.size[array], self.nbytes[array])
 
 
 @dataclass(frozen=True)
 class KVBlob:
+    """What a pull returns; with `first_row` > 0 the leading rows before it were not sent (their bytes are
+    undefined: decode had them already)."""
+
     meta: KVMeta
     layers: list[Layer]
+    first_row: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -90,12 +151,13 @@ def _spec_from_json(raw: dict[str, Any]) -> ArraySpec:
     return ArraySpec(dtype.str, tuple(int(d) for d in raw["shape"]))
 
 
-def _layout_json(meta: KVMeta, layers: tuple[tuple[ArraySpec, ArraySpec], ...]) -> dict[str, Any]:
+def _layout_json(meta: KVMeta, layers: tuple[tuple[ArraySpec, ArraySpec], ...], unit_rows: int) -> dict[str, Any]:
     return {
         "request_id": meta.request_id,
         "token_count": meta.token_count,
         "fingerprint": meta.fingerprint,
         "layers": [{"k": k.to_json(), "v": v.to_json()} for k, v in layers],
+        "unit_rows": unit_rows,
     }
 
 
@@ -105,18 +167,25 @@ def as_bytes(array: np.ndarray) -> memoryview:
     return flat
 
 
-def layer_digest(layer: Layer) -> bytes:
-    digest = hashlib.sha256()
-    digest.update(as_bytes(layer[0]))
-    digest.update(as_bytes(layer[1]))
-    return digest.digest()
+def unit_digests(views: list[memoryview], units: Units, indices: list[int] | range) -> list[bytes]:
+    """The BLAKE3 digests of these units (views: one flat byte view per array); blake3 releases the GIL, so a
+    worker thread may run this beside the event loop."""
+    digests = []
+    for unit in indices:
+        array, start, end = units.span(unit)
+        digests.append(blake3.blake3(views[array][start:end]).digest())
+    return digests
 
 
-def blob_checksum(meta: KVMeta, specs: tuple[tuple[ArraySpec, ArraySpec], ...], layer_digests: list[bytes]) -> str:
-    digest = hashlib.sha256(json.dumps(_layout_json(meta, specs), sort_keys=True).encode())
-    for item in layer_digests:
-        digest.update(item)
+def blob_checksum(meta: KVMeta, specs: tuple[tuple[ArraySpec, ArraySpec], ...], unit_rows: int,
+                  digests: list[bytes] | bytes) -> str:
+    digest = hashlib.sha256(json.dumps(_layout_json(meta, specs, unit_rows), sort_keys=True).encode())
+    digest.update(b"".join(digests) if isinstance(digests, list) else digests)
     return CHECKSUM_PREFIX + digest.hexdigest()
+
+
+def flat_views(layers: list[Layer]) -> list[memoryview]:
+    return [as_bytes(array) for pair in layers for array in pair]
 
 
 def validate_layers(layers: list[Layer]) -> list[Layer]:
@@ -136,9 +205,3 @@ def validate_layers(layers: list[Layer]) -> list[Layer]:
             pair.append(np.ascontiguousarray(array))
         checked.append((pair[0], pair[1]))
     return checked
-
-
-def build_manifest(meta: KVMeta, layers: list[Layer], chunk_bytes: int) -> Manifest:
-    specs = tuple((ArraySpec.of(k), ArraySpec.of(v)) for k, v in layers)
-    checksum = blob_checksum(meta, specs, [layer_digest(layer) for layer in layers])
-    return Manifest(meta, specs, chunk_bytes, checksum)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.kv import auth
-from pdserve.kv.blob import KVBlob, Layer, Manifest, as_bytes, blob_checksum, layer_digest
+from pdserve.kv.blob import DIGEST_BYTES, KVBlob, Layer, Manifest, blob_checksum, flat_views, unit_digests
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
@@ -30,6 +30,7 @@ from pdserve.kv.protocol import (
     chunk_plan,
     expect,
     read_frame,
+    read_reply,
     write_frame,
     write_json,
 )
@@ -99,52 +100,93 @@ class Connector:
 
 
 class _Assembly:
-    """Destination arrays for one pull; hashes each layer (in a worker thread) as soon as its last byte lands."""
+    """Destination arrays for one pull from row `first_row` on; hashes each digest unit (in a worker thread, the
+    digests release the GIL) as soon as its last byte lands, and checks them against the announced ones at the end."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, first_row: int) -> None:
         self.manifest = manifest
-        self.plan = chunk_plan(manifest)
+        self.units = manifest.units
+        self.plan = chunk_plan(manifest, first_row)
         self.layers: list[Layer] = [
             (np.empty(k.shape, np.dtype(k.dtype)), np.empty(v.shape, np.dtype(v.dtype))) for k, v in manifest.layers
         ]
-        self._views = [(as_bytes(k), as_bytes(v)) for k, v in self.layers]
-        self._missing = [k.nbytes + v.nbytes for k, v in manifest.layers]
-        self._digests: list[asyncio.Future[bytes] | None] = [None] * len(self.layers)
-        for index, missing in enumerate(self._missing):
-            if missing == 0:
-                self._start_digest(index)
+        self._views = flat_views(self.layers)
+        self._missing: dict[int, int] = {}  # unit -> bytes of it still to come
+        for chunk in self.plan:
+            for unit, overlap in self._overlaps(chunk):
+                self._missing[unit] = self._missing.get(unit, 0) + overlap
+        self._hashes: list[asyncio.Future[list[bytes]]] = []
+        self._hashed: list[list[int]] = []
 
-    def place(self, payload: bytes, expected: Chunk) -> None:
+    def _overlaps(self, chunk: Chunk) -> list[tuple[int, int]]:
+        array, end = 2 * chunk.layer + chunk.part, chunk.offset + chunk.length
+        overlaps = []
+        for unit in self.units.covering(array, chunk.offset, end):
+            _array, start, stop = self.units.span(unit)
+            overlaps.append((unit, min(stop, end) - max(start, chunk.offset)))
+        return overlaps
+
+    def place(self, payload: bytes, expected: dict[tuple[int, int, int], Chunk]) -> None:
+        """Write a DATA payload where its sub-header says, if that is one of the `expected` chunks (then removed)."""
         layer, part, offset = DATA_HEADER.unpack_from(payload)
         data = memoryview(payload)[DATA_HEADER.size :]
-        if (layer, part, offset, len(data)) != (expected.layer, expected.part, expected.offset, expected.length):
+        chunk = expected.pop((layer, part, offset), None)
+        if chunk is None or chunk.length != len(data):
             raise KVTransferError(
                 "protocol",
-                f"got chunk (layer {layer}, part {part}, offset {offset}, {len(data)} bytes), expected {expected}",
+                f"got chunk (layer {layer}, part {part}, offset {offset}, {len(data)} bytes), which this stream was "
+                "not to receive (or received twice)",
             )
-        self._views[layer][part][offset : offset + len(data)] = data
-        self._missing[layer] -= len(data)
-        if self._missing[layer] == 0:
-            self._start_digest(layer)
+        self._views[2 * layer + part][offset : offset + len(data)] = data
+        complete = []
+        for unit, overlap in self._overlaps(chunk):
+            self._missing[unit] -= overlap
+            if self._missing[unit] == 0:
+                complete.append(unit)
+        if complete:
+            loop = asyncio.get_running_loop()
+            self._hashes.append(loop.run_in_executor(None, unit_digests, self._views, self.units, complete))
+            self._hashed.append(complete)
 
-    def _start_digest(self, index: int) -> None:
-        self._digests[index] = asyncio.get_running_loop().run_in_executor(None, layer_digest, self.layers[index])
-
-    async def checksum(self) -> str:
-        if any(digest is None for digest in self._digests):
-            raise KVTransferError("protocol", "transfer ended with layers still missing bytes")
-        digests = await asyncio.gather(*(d for d in self._digests if d is not None))
-        return blob_checksum(self.manifest.meta, self.manifest.layers, list(digests))
+    async def verify(self, digests: bytes, checksum: str) -> None:
+        """The announced unit digests hash to the announced checksum, and every unit received has its digest."""
+        if len(digests) != self.units.total * DIGEST_BYTES:
+            raise KVTransferError("protocol", f"DIGESTS carries {len(digests)} bytes, expected "
+                                  f"{self.units.total * DIGEST_BYTES}")
+        manifest = self.manifest
+        if blob_checksum(manifest.meta, manifest.layers, manifest.unit_rows, digests) != checksum:
+            raise KVTransferError("checksum", "the announced unit digests do not match the blob checksum")
+        if any(self._missing.values()):
+            raise KVTransferError("protocol", "transfer ended with units still missing bytes")
+        for units, computed in zip(self._hashed, await asyncio.gather(*self._hashes), strict=True):
+            for unit, digest in zip(units, computed, strict=True):
+                if digest != digests[unit * DIGEST_BYTES : (unit + 1) * DIGEST_BYTES]:
+                    array, start, _end = self.units.span(unit)
+                    raise KVTransferError("checksum", f"layer {array // 2} {'KV'[array % 2]} bytes from {start} do "
+                                          "not match their digest")
 
 
 @dataclass
 class _Pull:
     request_id: str
-    expected_checksum: str
+    expected_checksum: str | None
     expected_fingerprint: str | None
     streams: int
+    first_row: int = 0
     assembly: _Assembly | None = None
     manifest_bytes: bytes | None = None
+    announced: str | None = None  # the checksum END announced
+    digests: bytes | None = None  # the unit digests stream 0 received
+
+    def end_checksum(self, checksum: object) -> None:
+        """Every stream's END must announce the same checksum (the one expected, when the caller knows it)."""
+        if not isinstance(checksum, str) or not checksum:
+            raise KVTransferError("protocol", "END carries no blob checksum")
+        if self.expected_checksum is not None and checksum != self.expected_checksum:
+            raise KVTransferError("checksum", "the prefill server's END announces a different checksum")
+        if self.announced is not None and checksum != self.announced:
+            raise KVTransferError("protocol", "streams of one pull ended with different checksums")
+        self.announced = checksum
 
     def assembly_for(self, manifest_bytes: bytes) -> _Assembly:
         """The shared destination, created by whichever stream's manifest arrives first; all must agree."""
@@ -157,8 +199,12 @@ class _Pull:
         except (ValueError, KeyError, TypeError) as error:
             raise KVTransferError("protocol", f"malformed manifest: {error}") from error
         self._check(manifest)
+        try:
+            assembly = _Assembly(manifest, self.first_row)
+        except ValueError as error:
+            raise KVTransferError("protocol", f"cannot pull from row {self.first_row}: {error}") from error
         self.manifest_bytes = manifest_bytes
-        self.assembly = _Assembly(manifest)
+        self.assembly = assembly
         return self.assembly
 
     def _check(self, manifest: Manifest) -> None:
@@ -170,7 +216,8 @@ class _Pull:
                 f"KV fingerprint {manifest.meta.fingerprint!r} does not match this decoder's "
                 f"{self.expected_fingerprint!r}",
             )
-        if manifest.checksum != self.expected_checksum:
+        # A blob still being computed has no checksum yet (its END carries it).
+        if manifest.checksum and self.expected_checksum is not None and manifest.checksum != self.expected_checksum:
             raise KVTransferError("checksum", "the prefill server's manifest announces a different checksum")
 
 
@@ -355,7 +402,7 @@ class _Route:
         while True:
             try:
                 write_json(connection.writer, frame_type, body)
-                return connection, await read_frame(connection.reader, self.connector.read_timeout_s)
+                return connection, await read_reply(connection.reader, self.connector.read_timeout_s)
             except KVTransferError as error:
                 if self.pool is None or not connection.reused or error.cause != "connection":
                     self.give_back(connection, clean=False)
@@ -370,7 +417,7 @@ async def pull(
     host: str,
     port: int,
     request_id: str,
-    expected_checksum: str,
+    expected_checksum: str | None,
     *,
     key: auth.SecretKey,
     streams: int = 4,
@@ -383,28 +430,40 @@ async def pull(
     backoff_s: float = 0.2,
     metrics: KVMetrics | None = None,
     pool: KVConnectionPool | None = None,
+    first_row: int = 0,
 ) -> KVBlob:
     """Pull the KV of `request_id`, verify every frame and the whole blob, and return it (the lease stays held).
+
+    `expected_checksum` is the one prefill's signed params announced; None for a pull started before prefill ended
+    (early dispatch): the blob must then match the checksum the authenticated server announces at END, and the
+    caller checks the manifest's token count.
+
+    With `first_row` > 0 only leading rows (blocks) from that one on are sent (decode has the others); every unit
+    sent is verified against the digests that make up the blob checksum.
 
     With a `pool`, each stream borrows a connection from it (the pool's metrics count those connections) and gives
     it back after a clean END; without one, each stream opens and closes its own.
     """
     if streams < 1:
         raise ValueError(f"streams: must be at least 1, got {streams}")
+    if first_row < 0:
+        raise ValueError(f"first_row: must be at least 0, got {first_row}")
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s)
     recorder = metrics if metrics is not None else default_metrics()
-    state = _Pull(request_id, expected_checksum, expected_fingerprint, streams)
+    state = _Pull(request_id, expected_checksum, expected_fingerprint, streams, first_row)
     started = time.perf_counter()
     try:
         await _run_streams(_Route(connector, host, port, pool, recorder), state)
-        assert state.assembly is not None
-        if await state.assembly.checksum() != expected_checksum:
-            raise KVTransferError("checksum", "assembled KV does not match the checksum prefill announced")
+        assert state.assembly is not None and state.announced is not None
+        if state.digests is None:
+            raise KVTransferError("protocol", "no stream received the unit digests")
+        await state.assembly.verify(state.digests, state.announced)
     except KVTransferError as error:
         recorder.observe_failure("receiver", error.cause)
         raise
-    blob = KVBlob(state.assembly.manifest.meta, state.assembly.layers)
-    recorder.observe_transfer("receiver", blob.nbytes, time.perf_counter() - started)
+    blob = KVBlob(state.assembly.manifest.meta, state.assembly.layers, first_row)
+    received = sum(chunk.length for chunk in state.assembly.plan)
+    recorder.observe_transfer("receiver", received, time.perf_counter() - started)
     return blob
 
 
@@ -420,7 +479,7 @@ async def _run_streams(route: _Route, state: _Pull) -> None:
 
 
 async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
-    request = {"request_id": state.request_id, "stream": index, "streams": state.streams}
+    request = {"request_id": state.request_id, "stream": index, "streams": state.streams, "first_row": state.first_row}
     connection, first = await route.request(FrameType.PULL, request)
     timeout = route.connector.read_timeout_s
     clean = False
@@ -428,12 +487,17 @@ async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
         assembly = state.assembly_for(expect(first, FrameType.MANIFEST).payload)
         max_payload = DATA_HEADER.size + assembly.manifest.chunk_bytes
         chunks = assembly.plan[index :: state.streams]
-        for chunk in chunks:
-            frame = expect(await read_frame(connection.reader, timeout, max_payload), FrameType.DATA)
-            assembly.place(frame.payload, chunk)
-        end = expect(await read_frame(connection.reader, timeout), FrameType.END).json()
+        expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
+        while expected:
+            frame = expect(await read_reply(connection.reader, timeout, max_payload), FrameType.DATA)
+            assembly.place(frame.payload, expected)
+        if index == 0:
+            size = assembly.units.total * DIGEST_BYTES
+            state.digests = expect(await read_reply(connection.reader, timeout, size), FrameType.DIGESTS).payload
+        end = expect(await read_reply(connection.reader, timeout), FrameType.END).json()
         if end.get("chunks") != len(chunks):
             raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
+        state.end_checksum(end.get("checksum"))
         clean = True
     finally:
         route.give_back(connection, clean=clean)

@@ -49,7 +49,10 @@ class KVMetrics:
         self.lease_bytes = Gauge("pdserve_kv_lease_bytes", "KV bytes held under lease", registry=reg)
         self.leases = Gauge("pdserve_kv_leases", "KV blobs held under lease", registry=reg)
         self.lease_released = Counter(
-            "pdserve_kv_leases_released", "KV leases released, by reason (ack or expired)", ["reason"], registry=reg
+            "pdserve_kv_leases_released",
+            "KV leases released, by reason (ack, expired, aborted: never completed, replaced: prefilled again)",
+            ["reason"],
+            registry=reg,
         )
 
     def observe_transfer(self, role: str, nbytes: int, seconds: float) -> None:
@@ -61,6 +64,19 @@ class KVMetrics:
 
     def observe_failure(self, role: str, cause: str) -> None:
         self.failures.labels(role, cause).inc()
+
+    # The KV channel records everything through these observe_* methods (never by touching a metric itself), so a
+    # subclass can see each event too: vLLM's connector forwards them to the API server that is scraped.
+
+    def observe_auth_refused(self) -> None:
+        self.auth_refused.inc()
+
+    def observe_lease_released(self, reason: str) -> None:
+        self.lease_released.labels(reason).inc()
+
+    def observe_leases(self, nbytes: int, count: int) -> None:
+        self.lease_bytes.set(nbytes)
+        self.leases.set(count)
 
 
 @lru_cache(maxsize=1)

@@ -12,6 +12,7 @@ import time
 
 from pdserve.kv import auth
 from pdserve.kv.blob import as_bytes
+from pdserve.kv.entry import StoredKV, Watch
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
@@ -20,6 +21,7 @@ from pdserve.kv.protocol import (
     MAX_REQUEST_PAYLOAD,
     NONCE_BYTES,
     PROOF_BYTES,
+    Chunk,
     Frame,
     FrameType,
     chunk_plan,
@@ -53,9 +55,14 @@ class KVServer:
         max_handshakes: int = 256,
         metrics: KVMetrics | None = None,
         tcp_congestion: str | None = None,
+        open_wait_s: float = 0.0,
+        keepalive_s: float = 1.0,
     ) -> None:
         """`handshake_timeout_s` bounds the whole handshake (HELLO to AUTH); at most `max_handshakes` connections
-        may be authenticating at once (more are refused at once), so unauthenticated clients hold little."""
+        may be authenticating at once (more are refused at once), so unauthenticated clients hold little.
+
+        A pull of an id not held yet waits up to `open_wait_s` for prefill to open it (early dispatch: decode may
+        ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`."""
         self.store = store
         self._key = key
         self._host = host
@@ -68,6 +75,8 @@ class KVServer:
         self._handshakes = 0
         self._metrics = metrics if metrics is not None else default_metrics()
         self._tcp_congestion = tcp_congestion
+        self._open_wait = open_wait_s
+        self._keepalive = keepalive_s
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
@@ -120,7 +129,7 @@ class KVServer:
         try:
             await self._bounded_handshake(reader, writer)
         except KVTransferError as error:
-            self._metrics.auth_refused.inc()
+            self._metrics.observe_auth_refused()
             log.warning("kv: refused connection from %s: %s", peer, error.message)
             await self._send_error(writer, error)
             return
@@ -195,24 +204,76 @@ class KVServer:
     async def _serve_pull(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
         body = frame.json()
         request_id, stream, streams = body.get("request_id"), body.get("stream"), body.get("streams")
-        if not isinstance(request_id, str) or not isinstance(stream, int) or not isinstance(streams, int):
-            raise KVTransferError("protocol", "PULL needs request_id (string), stream and streams (integers)")
-        if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams:
-            raise KVTransferError("protocol", f"PULL stream {stream} of {streams} is out of range")
-        stored = self.store.get(request_id)
+        first_row = body.get("first_row", 0)
+        if not isinstance(request_id, str) or not isinstance(stream, int) or not isinstance(streams, int) \
+                or not isinstance(first_row, int):
+            raise KVTransferError("protocol", "PULL needs request_id (string), stream, streams and first_row "
+                                  "(integers)")
+        if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
+            raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
+        stored = await self._wait_open(request_id, writer)
         started = time.perf_counter()
         write_frame(writer, FrameType.MANIFEST, stored.manifest.to_bytes())
-        sent = 0
-        chunks = chunk_plan(stored.manifest)[stream::streams]
-        for chunk in chunks:
-            array = stored.layers[chunk.layer][chunk.part]
-            payload = as_bytes(array)[chunk.offset : chunk.offset + chunk.length]
-            write_frame(writer, FrameType.DATA, DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)
-            await self._drain(writer)
-            sent += chunk.length
-        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent})
+        try:
+            plan = chunk_plan(stored.manifest, first_row)
+        except ValueError as error:
+            raise KVTransferError("protocol", f"PULL first_row: {error}") from None
+        chunks = plan[stream::streams]
+        sent = await self._send_chunks(stored, chunks, writer)
+        with stored.watch() as changed:
+            while not stored.checksum:  # sealed and hashed
+                await self._wait_change(stored, changed, writer)
+        if stream == 0:
+            write_frame(writer, FrameType.DIGESTS, stored.digests)
+        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum})
         await self._drain(writer)
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
+
+    async def _wait_open(self, request_id: str, writer: asyncio.StreamWriter) -> StoredKV:
+        """The blob of `request_id`, waiting up to open_wait_s for prefill to open it (then `not_found`)."""
+        deadline = time.monotonic() + self._open_wait
+        with self.store.watch() as opened:
+            while True:
+                try:
+                    return self.store.get(request_id)
+                except KVTransferError as error:
+                    if error.cause != "not_found" or self.store.gone(request_id) or time.monotonic() >= deadline:
+                        raise
+                if not await opened.wait(min(self._keepalive, max(0.0, deadline - time.monotonic()))):
+                    write_frame(writer, FrameType.KEEPALIVE)
+                    await self._drain(writer)
+
+    async def _send_chunks(self, stored: StoredKV, chunks: list[Chunk], writer: asyncio.StreamWriter) -> int:
+        """Send each chunk as soon as prefill has added its bytes; return the bytes sent."""
+        pending, sent = list(chunks), 0
+        with stored.watch() as changed:
+            while pending:
+                ready = [chunk for chunk in pending if stored.ready(chunk.layer, chunk.part, chunk.offset,
+                                                                      chunk.length)]
+                if not ready:
+                    await self._wait_change(stored, changed, writer)
+                    continue
+                for chunk in ready:
+                    payload = as_bytes(stored.layers[chunk.layer][chunk.part])[chunk.offset:chunk.offset + chunk.length]
+                    header = DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset)
+                    write_frame(writer, FrameType.DATA, header, payload)
+                    await self._drain(writer)
+                    sent += chunk.length
+                done = set(ready)
+                pending = [chunk for chunk in pending if chunk not in done]
+        return sent
+
+    async def _wait_change(self, stored: StoredKV, changed: Watch, writer: asyncio.StreamWriter) -> None:
+        """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
+        failed (aborted, replaced) or its lease ran out before it was complete."""
+        stored.check()
+        if not await changed.wait(self._keepalive):
+            if stored.expires_at <= self.store.clock():
+                raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
+                                      "before prefill completed it")
+            write_frame(writer, FrameType.KEEPALIVE)
+            await self._drain(writer)
+        stored.check()
 
     async def _drain(self, writer: asyncio.StreamWriter) -> None:
         try:

@@ -1,6 +1,6 @@
 """PdstackConnector: a vLLM v1 KV connector that moves KV between a vLLM prefill and a vLLM decode over pdstack's
-KV channel (pdserve.kv: framed TCP over N streams, crc32 per frame, sha256 per layer, mutual HMAC, optional TLS,
-leases), the same protocol and code pdserve's own servers speak.
+KV channel (pdserve.kv: framed TCP over N streams, CRC-32C per frame, a BLAKE3 digest per KV block, mutual HMAC,
+optional TLS, leases), the same protocol and code pdserve's own servers speak.
 
 Load it with vLLM's own flag:
 
@@ -20,8 +20,9 @@ Load it with vLLM's own flag:
   through vLLM's connector-stats path into the API server's /metrics, under pdserve's names (see stats.py).
 - Decode (kv_consumer) gets those params. get_num_new_matched_tokens claims the prompt tokens it lacks as an
   async load; the worker verifies the signature and the fingerprint (naming the field that differs) BEFORE any
-  connection, pulls in a background event loop, verifies crc32 per frame and the blob checksum, writes the blocks
-  it lacks (a local prefix-cache hit is kept), reports finished_recving and acknowledges so prefill frees the
+  connection, pulls in a background event loop only the blocks it lacks (a range pull: a local prefix-cache hit
+  does not cross the wire), verifies each frame's CRC-32C and each block's digest against the blob checksum, writes
+  them, reports finished_recving and acknowledges so prefill frees the
   lease. Any failure is reported in failed_recving (and finished_recving), so vLLM's kv_load_failure_policy
   recomputes or fails the request; every request the worker is given is reported exactly once, so the scheduler
   never sees an unknown id.

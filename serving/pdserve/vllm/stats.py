@@ -26,13 +26,13 @@ def _empty() -> dict[str, Any]:
 
 
 class RecordingKVMetrics(KVMetrics):
-    """pdserve.kv's metrics on a private registry, remembering each transfer and failure until taken."""
+    """pdserve.kv's metrics on a private registry, remembering each event (through KVMetrics' observe_* hooks)
+    until taken."""
 
     def __init__(self) -> None:
         super().__init__(CollectorRegistry())
         self._lock = threading.Lock()
         self._news = _empty()
-        self._reported: dict[str, float] = {}
 
     def observe_transfer(self, role: str, nbytes: int, seconds: float) -> None:
         super().observe_transfer(role, nbytes, seconds)
@@ -44,26 +44,27 @@ class RecordingKVMetrics(KVMetrics):
         with self._lock:
             self._news["failures"].append([role, cause])
 
+    def observe_auth_refused(self) -> None:
+        super().observe_auth_refused()
+        with self._lock:
+            self._news["auth_refused"] += 1
+
+    def observe_lease_released(self, reason: str) -> None:
+        super().observe_lease_released(reason)
+        with self._lock:
+            released = self._news["released"]
+            released[reason] = released.get(reason, 0) + 1
+
+    def observe_leases(self, nbytes: int, count: int) -> None:
+        super().observe_leases(nbytes, count)
+        with self._lock:
+            self._news["gauges"].update({"lease_bytes": nbytes, "leases": count})
+
     def take(self) -> dict[str, Any]:
-        """What happened since the last call (counter increments, changed gauges), as plain data."""
+        """What happened since the last call (counter increments, the gauges' latest values), as plain data."""
         with self._lock:
             news, self._news = self._news, _empty()
-        news["auth_refused"] = int(self._delta("auth_refused", self.auth_refused._value.get()))
-        for reason in ("ack", "expired"):
-            delta = self._delta("released_" + reason, self.lease_released.labels(reason)._value.get())
-            if delta:
-                news["released"][reason] = int(delta)
-        for name, gauge in (("lease_bytes", self.lease_bytes), ("leases", self.leases)):
-            value = gauge._value.get()
-            if self._reported.get(name) != value:
-                self._reported[name] = value
-                news["gauges"][name] = value
         return news
-
-    def _delta(self, name: str, value: float) -> float:
-        delta = value - self._reported.get(name, 0.0)
-        self._reported[name] = value
-        return delta
 
 
 @dataclass
@@ -135,7 +136,8 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
         )  # fmt: skip
         self.auth_refused = create_metric_per_engine(auth_refused, per_engine_labelvalues)
         self.released = self._counter_cls(
-            name="pdserve_kv_leases_released", documentation="KV leases released, by reason (ack or expired)",
+            name="pdserve_kv_leases_released",
+            documentation="KV leases released, by reason (ack, expired, aborted, replaced)",
             labelnames=[*labelnames, "reason"],
         )  # fmt: skip
         lease_bytes = self._gauge_cls(

@@ -1,5 +1,6 @@
 """The connector's worker side: prefill copies KV blocks into pdserve's lease store and serves them over the KV
-channel; decode pulls, verifies and writes them into its own blocks.
+channel; decode pulls the blocks its prefix cache lacks (a range pull, each block verified by its own digest),
+and writes them into its own blocks.
 
 Runs in vLLM's (spawned) worker process. The KV channel is asyncio; it runs on one event loop in a daemon thread
 so the forward never waits for the network. Tensors are touched only on vLLM's own thread (inside save_kv_layer,
@@ -146,9 +147,10 @@ class ProducerWorker(_Worker):
                 continue
             layers = [(copied[name], np.empty(0, np.uint8)) for name in self.layer_names]
             meta = KVMeta(spec.request_id, spec.num_tokens, self.fingerprint)
-            self.store.ack(spec.request_id)  # a request saved again (preempted and rerun) replaces its old KV
-            try:
-                stored = self.store.put(spec.request_id, layers, meta)
+            try:  # a request saved again (preempted and rerun) replaces its old KV
+                # One digest unit per KV block (dim 0 of each copied layer), so decode can pull only the blocks
+                # its prefix cache lacks and still verify each of them.
+                stored = self.store.put(spec.request_id, layers, meta, replace=True, unit_rows=1)
             except KVTransferError as error:
                 log.error("pdstack connector: request %s: cannot hold its KV: %s", spec.request_id, error)
                 continue
@@ -200,6 +202,7 @@ class ConsumerWorker(_Worker):
                 str(params["kv_checksum"]),
                 streams=self.settings.streams,
                 expected_fingerprint=self.fingerprint,
+                first_row=spec.skip_blocks,  # decode's local prefix-cache hit does not cross the wire
                 **self._channel_options(params),
             )
 

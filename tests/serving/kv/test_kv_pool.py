@@ -325,7 +325,7 @@ def test_corrupted_request_frame_on_an_open_connection_is_answered_with_an_error
             reader, writer = await Connector(key).connect("127.0.0.1", server.port)
             body = b'{"request_id": "bad-1", "stream": 0, "streams": 1}'
             header = bytearray(encode_header(FrameType.PULL, body))
-            header[-1] ^= 0xFF  # the frame's crc32 no longer matches
+            header[-1] ^= 0xFF  # the frame's crc32c no longer matches
             writer.write(bytes(header) + body)
             reply = await read_frame(reader, 5)
             writer.close()

@@ -7,7 +7,6 @@ import asyncio
 import struct
 import subprocess
 import sys
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pdserve.kv.protocol import (
     VERSION,
     Frame,
     FrameType,
+    crc32c,
     encode_header,
     read_frame,
 )
@@ -48,7 +48,7 @@ def frame_bytes(
     good_crc: bool = True,
 ) -> bytes:
     length = len(payload) if claimed is None else claimed
-    crc = zlib.crc32(payload, zlib.crc32(HEADER.pack(magic, version, frame_type, 0, length, 0)[:16]))
+    crc = crc32c(payload, crc32c(HEADER.pack(magic, version, frame_type, 0, length, 0)[:16]))
     return HEADER.pack(magic, version, frame_type, 0, length, crc if good_crc else crc ^ 1) + payload
 
 
