@@ -1,15 +1,21 @@
-"""KV channel goodput over an emulated WAN link, against the link rate and against iperf3 on the same link.
+"""KV channel goodput on loopback and over an emulated WAN link, against iperf3 on the same path in the same run.
 
-Creates two network namespaces (prefill, decode) joined by pdstack.wanlink, serves one KV blob from a KV server in the
+Loopback first (the channel's own ceiling, issue 14 item 4): a KV server process on 127.0.0.1 and one decode process
+pulling with 1, 2, 4 and 8 streams, cold then warm, against iperf3 -P N on loopback. Then the WAN: creates two network
+namespaces (prefill, decode) joined by pdstack.wanlink, serves one KV blob from a KV server in the
 prefill namespace and pulls it from the decode namespace with 1, 2, 4 and 8 streams; runs iperf3 (prefill -> decode)
 with the same stream counts. For each stream count one decode process pulls through one connection pool, as a decode
 server does: the first pull is cold (it opens and authenticates its connections, and TCP starts from its initial
 window), the `--repeats` after it are warm (they reuse those connections). The warm median is the headline; the cold
-pull is reported beside it. Writes bench/results/kv_channel.json and prints a table. Needs root, iperf3 and ip.
+pull is reported beside it. Writes bench/results/kv_channel-<date>.json and .md and prints the tables. Needs root,
+iperf3 and ip (the loopback part alone, --no-wan, needs only iperf3).
 
     .venv/bin/python bench/kv_channel.py [--rate-mbit 1000] [--rtt-ms 20] [--mib 256] [--repeats 3]
         [--tcp-congestion cubic] [--gap-seconds 0] [--chunk-bytes 1048576] [--stream-counts 1,2,4,8]
-        [--sysctl NAME=VALUE ...] [--output PATH]
+        [--sysctl NAME=VALUE ...] [--no-loopback] [--no-wan] [--output PATH]
+
+Integrity checks are on in every pull: CRC-32C per frame, a BLAKE3 digest per unit verified against the blob
+checksum (see pdserve.kv.protocol and pdserve.kv.blob).
 
 --sysctl sets namespaced sysctls in both namespaces (for instance what roles/kernel_tuning sets on real nodes:
 net.ipv4.tcp_slow_start_after_idle=0, larger tcp_rmem/tcp_wmem maxima); by default the namespaces keep the kernel's
@@ -40,10 +46,11 @@ from pdserve.kv import KVConnectionPool, KVMeta, KVMetrics, KVServer, LeaseStore
 from pdserve.kv.store import DEFAULT_CHUNK_BYTES
 from pdstack.wanlink import LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace
 
-RESULTS = Path(__file__).parent / "results" / "kv_channel.json"
+RESULTS = Path(__file__).parent / "results"
 STREAM_COUNTS = (1, 2, 4, 8)
 LAYERS = 32
 KV_PORT = 7800
+LOOPBACK = "127.0.0.1"
 REQUEST_ID = "bench-kv"
 
 
@@ -57,7 +64,7 @@ def synthetic_layers(mib: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None, chunk_bytes: int) -> None:
-    """Run inside the prefill namespace: hold one blob and serve it until killed."""
+    """Run inside the prefill namespace (or on loopback): hold one blob and serve it until killed."""
     store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600, chunk_bytes=chunk_bytes)
     stored = store.put(REQUEST_ID, synthetic_layers(mib), KVMeta(REQUEST_ID, 4096, "bench"))
     server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion)
@@ -90,12 +97,12 @@ async def pull_repeatedly(  # noqa: PLR0917
     print(json.dumps({"seconds": seconds, "bytes": nbytes, "connections": counts}), flush=True)
 
 
-def in_ns(namespace: str, argv: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", namespace, *argv]
+def in_ns(namespace: str | None, argv: list[str]) -> list[str]:
+    return argv if namespace is None else ["ip", "netns", "exec", namespace, *argv]
 
 
-def iperf3_mbit(ns_server: str, ns_client: str, server_ip: str, streams: int, seconds: int) -> float:
-    server = subprocess.Popen(in_ns(ns_server, ["iperf3", "-s", "-1"]), stdout=subprocess.DEVNULL)
+def iperf3_mbit(ns_server: str | None, ns_client: str | None, server_ip: str, streams: int, seconds: int) -> float:
+    server = subprocess.Popen(in_ns(ns_server, ["iperf3", "-s", "-1", "-B", server_ip]), stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         argv = ["iperf3", "-c", server_ip, "-R", "-P", str(streams), "-t", str(seconds), "-J"]
@@ -107,7 +114,7 @@ def iperf3_mbit(ns_server: str, ns_client: str, server_ip: str, streams: int, se
 
 
 def kv_pulls(
-    ns_client: str, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float
+    ns_client: str | None, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float
 ) -> dict[str, Any]:
     argv = [sys.executable, __file__, "pull", "--key-file", key_file, "--host", server_ip, "--checksum", checksum,
             "--streams", str(streams), "--repeats", str(repeats), "--gap-seconds", str(gap_s)]  # fmt: skip
@@ -117,6 +124,36 @@ def kv_pulls(
     return {"bytes": result["bytes"], "cold_seconds": cold, "warm_seconds": warm,
             "cold_mbit": result["bytes"] * 8 / cold / 1e6, "warm_mbit_median": statistics.median(warm_mbit),
             "warm_mbit_best": max(warm_mbit), "connections": result["connections"]}  # fmt: skip
+
+
+def start_server(namespace: str | None, key_file: str, host: str, args: argparse.Namespace) -> tuple[Any, str]:
+    """A KV server process holding the bench blob; returns it and the blob's checksum."""
+    argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", host, "--mib", str(args.mib),
+            "--chunk-bytes", str(args.chunk_bytes)]  # fmt: skip
+    if args.tcp_congestion:
+        argv += ["--tcp-congestion", args.tcp_congestion]
+    server = subprocess.Popen(in_ns(namespace, argv), stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    return server, server.stdout.readline().strip()
+
+
+def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
+    """One pull process against one server process on 127.0.0.1, beside iperf3 -P N on 127.0.0.1."""
+    rows = []
+    server, checksum = start_server(None, key_file, LOOPBACK, args)
+    try:
+        for streams in args.stream_counts:
+            iperf = iperf3_mbit(None, None, LOOPBACK, streams, args.iperf_seconds)
+            kv = kv_pulls(None, key_file, LOOPBACK, checksum, streams=streams, repeats=args.repeats,
+                          gap_s=args.gap_seconds)  # fmt: skip
+            rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
+                         "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
+                         "cold_share_of_iperf3": kv["cold_mbit"] / iperf})  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+    return {"kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes, "warm_repeats": args.repeats,
+            "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
 
 def set_sysctl(namespace: str, name: str, value: str) -> None:
@@ -137,13 +174,7 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
             for name, value in args.sysctl:
                 set_sysctl(namespace, name, value)
         with LinkProcess(prefill, decode, spec):
-            serve_argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", str(prefill.address.ip),
-                          "--mib", str(args.mib), "--chunk-bytes", str(args.chunk_bytes)]  # fmt: skip
-            if args.tcp_congestion:
-                serve_argv += ["--tcp-congestion", args.tcp_congestion]
-            server = subprocess.Popen(in_ns(ns_prefill, serve_argv), stdout=subprocess.PIPE, text=True)
-            assert server.stdout is not None
-            checksum = server.stdout.readline().strip()
+            server, checksum = start_server(ns_prefill, key_file, str(prefill.address.ip), args)
             for streams in args.stream_counts:
                 iperf = iperf3_mbit(ns_prefill, ns_decode, str(prefill.address.ip), streams, args.iperf_seconds)
                 kv = kv_pulls(ns_decode, key_file, str(prefill.address.ip), checksum, streams=streams,
@@ -167,18 +198,46 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
             "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
 
-def print_table(report: dict[str, Any]) -> None:
-    link = report["link"]
-    print(f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT; warm = median of "
-          f"{report['warm_repeats']} pulls on reused connections, cold = the first pull")  # fmt: skip
-    print(f"{'streams':>7} {'iperf3 Mbit/s':>14} {'warm Mbit/s':>12} {'warm/link':>10} {'warm/iperf3':>12} "
-          f"{'cold Mbit/s':>12} {'cold/link':>10} {'cold/iperf3':>12}")  # fmt: skip
+def loopback_table(report: dict[str, Any]) -> list[str]:
+    lines = [f"KV {report['kv_mib']} MiB on loopback (one server process, one pull process), against iperf3 -P N on "
+             f"loopback in the same run; warm = median of {report['warm_repeats']} pulls on reused connections",
+             "", "| streams | iperf3 Gbit/s | warm Gbit/s | warm/iperf3 | cold Gbit/s | cold/iperf3 |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for row in report["rows"]:
-        print(f"{row['streams']:>7} {row['iperf3_mbit']:>14.0f} {row['warm_mbit_median']:>12.0f} "
-              f"{row['kv_share_of_link']:>10.1%} {row['kv_share_of_iperf3']:>12.1%} {row['cold_mbit']:>12.0f} "
-              f"{row['cold_share_of_link']:>10.1%} {row['cold_share_of_iperf3']:>12.1%}")  # fmt: skip
-    load = report["load_average_1min"]
-    print(f"load average (1 min) before {load['before']:.2f}, after {load['after']:.2f}")
+        lines.append(f"| {row['streams']} | {row['iperf3_mbit'] / 1e3:.1f} | {row['warm_mbit_median'] / 1e3:.2f} | "
+                     f"{row['kv_share_of_iperf3']:.1%} | {row['cold_mbit'] / 1e3:.2f} | "
+                     f"{row['cold_share_of_iperf3']:.1%} |")  # fmt: skip
+    return lines
+
+
+def wan_table(report: dict[str, Any]) -> list[str]:
+    link = report["link"]
+    lines = [f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT (emulated, "
+             f"pdstack.wanlink); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
+             "first pull", "",
+             "| streams | iperf3 Mbit/s | warm Mbit/s | warm/link | warm/iperf3 | cold Mbit/s | cold/link | "
+             "cold/iperf3 |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in report["rows"]:
+        lines.append(f"| {row['streams']} | {row['iperf3_mbit']:.0f} | {row['warm_mbit_median']:.0f} | "
+                     f"{row['kv_share_of_link']:.1%} | {row['kv_share_of_iperf3']:.1%} | {row['cold_mbit']:.0f} | "
+                     f"{row['cold_share_of_link']:.1%} | {row['cold_share_of_iperf3']:.1%} |")  # fmt: skip
+    return lines
+
+
+def write_results(folder: Path, report: dict[str, Any]) -> None:
+    stem = folder / f"kv_channel-{time.strftime('%Y-%m-%d', time.gmtime())}"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"`{report['command']}`; {report['machine']['cpus']} CPUs, kernel {report['machine']['kernel']}, load "
+             f"average {report['load_average_1min']['before']:.1f} before, {report['load_average_1min']['after']:.1f} "
+             "after (other work on the machine lowers the KV figures more than iperf3's)."]  # fmt: skip
+    if "loopback" in report:
+        lines += ["", "## Loopback", "", *loopback_table(report["loopback"])]
+    if "wan" in report:
+        lines += ["", "## Emulated WAN", "", *wan_table(report["wan"])]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def sysctl_setting(text: str) -> tuple[str, str]:
@@ -196,7 +255,9 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iperf-seconds", type=int, default=5)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS, help="folder for kv_channel-<date>.json and .md")
+    parser.add_argument("--no-loopback", dest="loopback", action="store_false", help="skip the loopback part")
+    parser.add_argument("--no-wan", dest="wan", action="store_false", help="skip the emulated WAN part")
     parser.add_argument("--key-file")
     parser.add_argument("--host")
     parser.add_argument("--checksum")
@@ -220,15 +281,16 @@ def main() -> None:
             key_file.write_text(secrets.token_hex(32))
             key_file.chmod(0o600)
             load_before = os.getloadavg()[0]
-            report = run_benchmark(args, str(key_file))
+            report: dict[str, Any] = {}
+            if args.loopback:
+                report["loopback"] = run_loopback(args, str(key_file))
+            if args.wan:
+                report["wan"] = run_benchmark(args, str(key_file))
         # Python moves the KV and the link, so other work on the machine lowers KV goodput more than iperf3's.
         report["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
         report["command"] = shlex.join([Path(sys.executable).name, *sys.argv])
         report["machine"] = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
-        print_table(report)
-
+        write_results(args.output, report)
 
 if __name__ == "__main__":
     main()
