@@ -94,12 +94,14 @@ class Agent:
         )
 
     async def load(self) -> InstanceLoad:
-        """What each heartbeat reports; ready only while /health is 200 and the registered connector instance is
-        still the current one (a new one, after a vLLM restart, makes the agent register again)."""
+        """What each heartbeat reports; ready only while /health is 200 and no other connector instance replaced
+        the registered one (a new one, after a vLLM restart, makes the agent register again). The instance file
+        must exist to register; its later removal alone says nothing about vLLM (/health does)."""
         current = self._current_connector()
-        if current is not None and current != self.connector:
+        replaced = current is not None and current != self.connector
+        if replaced:
             self.replaced.set()
-        ready = await self.engine.healthy() and current is not None and current == self.connector
+        ready = await self.engine.healthy() and not replaced
         try:
             engine = await self.engine.load()
         except EngineError as exc:
