@@ -5,9 +5,6 @@ connector's run_dir (`<run_dir>/<engine id>-<port>/`, or `<run_dir>` itself):
 
     {"role": "kv_producer" | "kv_consumer", "fingerprint": "sha256:...", "fingerprint_fields": {...},
      "connector_version": "1", "kv_streaming": true, "kv_host": "10.0.1.5" | null, "kv_port": 14600 | null}
-
-Connectors that predate it write only `fingerprint.json` ({"digest", "fields"}), on prefill: read as an
-instance without a KV endpoint in the scheduler (prefill names it in its kv_transfer_params) and without streaming.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 INSTANCE_FILE = "instance.json"
-LEGACY_FILE = "fingerprint.json"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
                "int8": 1}
@@ -54,11 +50,7 @@ def find(run_dir: Path, role: str) -> ConnectorInstance:
     candidates = [run_dir / INSTANCE_FILE, *run_dir.glob(f"*/{INSTANCE_FILE}")]
     matching = [path for path in candidates if _role_of(path) == kv_role]
     if matching:
-        return read(max(matching, key=lambda path: path.stat().st_mtime))
-    legacy = [run_dir / LEGACY_FILE, *run_dir.glob(f"*/{LEGACY_FILE}")] if role == "prefill" else []
-    legacy = [path for path in legacy if path.is_file()]
-    if legacy:
-        return read_legacy(max(legacy, key=lambda path: path.stat().st_mtime))
+        return read(max(matching, key=_mtime))
     raise InstanceFileError(
         f"connector_run_dir {run_dir}: no {INSTANCE_FILE} of a {kv_role} in it or its subfolders (PdstackConnector's "
         f"worker writes {run_dir}/<engine id>-<port>/{INSTANCE_FILE} once its KV caches are registered; is "
@@ -82,13 +74,11 @@ def read(path: Path) -> ConnectorInstance:
                              body.get("kv_streaming") is True)
 
 
-def read_legacy(path: Path) -> ConnectorInstance:
-    body = _load(path)
-    digest = body.get("digest")
-    if not isinstance(digest, str) or not digest:
-        raise InstanceFileError(f"{path}: digest: missing or not a string")
-    fields = body.get("fields")
-    return ConnectorInstance(path, digest, fields if isinstance(fields, dict) else {})
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed since it was listed
+        return -1.0
 
 
 def _role_of(path: Path) -> str | None:
