@@ -23,11 +23,13 @@ Needs root, /dev/net/tun and iproute2. Results go to bench/results/vllm_ttft-<da
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
 import platform
 import random
+import secrets
 import statistics
 import subprocess
 import tempfile
@@ -39,13 +41,15 @@ from typing import Any
 import httpx
 
 from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdstack.wanlink import LinkSpec
-from tests.vllm.conftest import LONG_MODEL_CONFIG, Pair, VLLMServer, WanSites, start_pair
+from tests.vllm.conftest import DO_REMOTE_DECODE, LONG_MODEL_CONFIG, Pair, VLLMServer, WanSites, start_pair
 
 RESULTS = Path(__file__).parent / "results"
 RECEIVED = ("pdserve_kv_transfer_bytes_total", 'role="receiver"')
 TRANSFER_SECONDS = ("pdserve_kv_transfer_seconds_sum", 'role="receiver"')
+FLOWS = ("proxy", "early")
 
 
 def first_token_seconds(server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
@@ -69,41 +73,93 @@ def colocated_ttft(pair: Pair, prompt: list[int]) -> float:
 
 
 def disaggregated_ttft(pair: Pair, sites: WanSites, prompt: list[int]) -> dict[str, float]:
-    """vLLM's proxy flow through the connector: TTFT, the prefill leg, and what decode and the link moved."""
-    received, link = pair.decode.metric(*RECEIVED), sites.link_bytes()["prefill_to_decode"]
-    seconds = pair.decode.metric(*TRANSFER_SECONDS)
+    """vLLM's proxy flow through the connector: prefill answers, then decode starts; TTFT, the legs, and what
+    decode and the link moved."""
+    before = _counters(pair, sites)
     started = time.perf_counter()
     params = pair.prefill_params(prompt)
     prefill_s = time.perf_counter() - started
     ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=params)
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
+            **_moved(pair, sites, before)}  # fmt: skip
+
+
+def early_ttft(pair: Pair, sites: WanSites, prompt: list[int], fingerprint: str) -> dict[str, float]:
+    """The pdstack gateway's early dispatch (pdserve.gateway.early): prefill and decode sent at once, decode's
+    params naming a transfer id and signed with the params key, so decode pulls while prefill computes."""
+    before = _counters(pair, sites)
+    transfer_id = secrets.token_hex(16)
+    decode_params = signed_params.sign(signed_params.derive_params_key(pair.key.material), {
+        "do_remote_prefill": True, "remote_request_id": transfer_id, "remote_engine_id": "bench-prefill",
+        "remote_host": pair.prefill.extra["advertise_host"], "remote_port": pair.kv_port, "remote_block_ids": None,
+        "kv_fingerprint": fingerprint, "pdstack_streamed": True,
+    })  # fmt: skip
+    prefill_params = {**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer_id}
+
+    def prefill() -> float:
+        pair.prefill.complete(prompt, 1, timeout=600, kv_transfer_params=prefill_params)
+        return time.perf_counter() - started
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.perf_counter()
+        prefill_done = pool.submit(prefill)
+        ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=decode_params)
+        prefill_s = prefill_done.result()
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
+            **_moved(pair, sites, before)}  # fmt: skip
+
+
+def _counters(pair: Pair, sites: WanSites) -> tuple[float, float, float]:
+    return (pair.decode.metric(*RECEIVED), pair.decode.metric(*TRANSFER_SECONDS),
+            sites.link_bytes()["prefill_to_decode"])  # fmt: skip
+
+
+def _moved(pair: Pair, sites: WanSites, before: tuple[float, float, float]) -> dict[str, float]:
+    """KV bytes decode received (once its stats arrived), its transfer seconds and the bytes the link carried."""
+    received, seconds, link = before
     kv_bytes = pair.decode.wait_metric(RECEIVED[0], lambda v: v > received, RECEIVED[1]) - received
-    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s, "kv_bytes": kv_bytes,
-            "link_bytes": sites.link_bytes()["prefill_to_decode"] - link,
-            "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds}  # fmt: skip
+    return {"kv_bytes": kv_bytes, "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds,
+            "link_bytes": sites.link_bytes()["prefill_to_decode"] - link}  # fmt: skip
 
 
 def random_prompt(length: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(length)]
 
 
-def measure_point(pair: Pair, sites: WanSites, length: int, repeats: int, seed: int = 0) -> dict[str, Any]:
-    """One prompt length: a warm-up of each flow, then `repeats` rounds; medians, the bound and the ratios."""
+def measure_point(
+    pair: Pair, sites: WanSites, length: int, repeats: int, *, seed: int = 0, flows: tuple[str, ...] = ("proxy",)
+) -> dict[str, Any]:
+    """One prompt length: a warm-up of each flow, then `repeats` rounds of colocated and each flow on fresh
+    prompts; medians, the bound and the ratios per flow. A flow whose warm-up fails is reported with its error."""
     rng = random.Random(seed * 1_000_003 + length)
+    fingerprint = pair.prefill_params(random_prompt(length, rng))["kv_fingerprint"]
+    runners = {"proxy": lambda prompt: disaggregated_ttft(pair, sites, prompt),
+               "early": lambda prompt: early_ttft(pair, sites, prompt, fingerprint)}  # fmt: skip
     colocated_ttft(pair, random_prompt(length, rng))
-    disaggregated_ttft(pair, sites, random_prompt(length, rng))
+    errors: dict[str, str] = {}
+    for flow in flows:
+        try:
+            runners[flow](random_prompt(length, rng))
+        except (RuntimeError, AssertionError, httpx.HTTPError) as error:
+            errors[flow] = f"{type(error).__name__}: {error}"[:400]
+    working = [flow for flow in flows if flow not in errors]
     rounds = []
     for _ in range(repeats):
-        colocated = colocated_ttft(pair, random_prompt(length, rng))
-        rounds.append({"colocated_ttft_s": colocated, **disaggregated_ttft(pair, sites, random_prompt(length, rng))})
-    median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+        round_ = {"colocated_ttft_s": colocated_ttft(pair, random_prompt(length, rng))}
+        for flow in working:
+            round_[flow] = runners[flow](random_prompt(length, rng))
+        rounds.append(round_)
+    colocated = statistics.median(r["colocated_ttft_s"] for r in rounds)
     spec = sites.link.spec
-    ideal_transfer_s = median["kv_bytes"] * 8 / (spec.rate_mbit * 1e6)
-    bound = max(median["colocated_ttft_s"], ideal_transfer_s) + spec.rtt_ms / 1000
-    return {"prompt_tokens": length, "rounds": rounds, "median": median,
-            "ideal_transfer_s": ideal_transfer_s, "bound_s": bound,
-            "pd_over_colocated": median["ttft_s"] / median["colocated_ttft_s"],
-            "pd_over_bound": median["ttft_s"] / bound,
-            "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"]}  # fmt: skip
+    results: dict[str, Any] = {flow: {"error": error} for flow, error in errors.items()}
+    for flow in working:
+        median = {name: statistics.median(r[flow][name] for r in rounds) for name in rounds[0][flow]}
+        ideal_transfer_s = median["kv_bytes"] * 8 / (spec.rate_mbit * 1e6)
+        bound = max(colocated, ideal_transfer_s) + spec.rtt_ms / 1000
+        results[flow] = {"median": median, "ideal_transfer_s": ideal_transfer_s, "bound_s": bound,
+                         "pd_over_colocated": median["ttft_s"] / colocated, "pd_over_bound": median["ttft_s"] / bound,
+                         "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"]}  # fmt: skip
+    return {"prompt_tokens": length, "colocated_ttft_s": colocated, "flows": results, "rounds": rounds}
 
 
 class _Factory:
@@ -137,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pairs = wan_pair(Path(tmp), sites, args)
         pair = next(pairs)
         try:
-            points = [measure_point(pair, sites, length, args.repeats) for length in args.lengths]
+            points = [measure_point(pair, sites, length, args.repeats, flows=args.flows) for length in args.lengths]
         finally:
             pairs.close()
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -169,27 +225,41 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_num_batched_tokens']}; medians of {report['repeats']} rounds. Connector at "
         f"`{report['connector_commit']}`.",
         "",
-        "| prompt tokens | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
+        "| prompt tokens | flow | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
         "| ideal transfer | bound | PD / colocated | PD / bound | link bytes / KV bytes |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for point in report["points"]:
-        m = point["median"]
-        lines.append(
-            f"| {point['prompt_tokens']} | {m['colocated_ttft_s'] * 1e3:.0f} ms | {m['ttft_s'] * 1e3:.0f} ms "
-            f"| {m['prefill_leg_s'] * 1e3:.0f} ms | {m['decode_leg_s'] * 1e3:.0f} ms "
-            f"| {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
-            f"| {point['ideal_transfer_s'] * 1e3:.0f} ms "
-            f"| {point['bound_s'] * 1e3:.0f} ms | {point['pd_over_colocated']:.2f}x | {point['pd_over_bound']:.2f}x "
-            f"| {point['link_over_kv_bytes']:.3f} |"
-        )
+        for flow, result in point["flows"].items():
+            lines.append(_row(point, flow, result))
     load = report["load_average_1min"]
     lines += ["", "Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Prefill leg: the prefill request "
-              "(max_tokens 1) as the client saw it; decode leg: from its answer to decode's first token; connector "
-              "transfer: decode's pdserve_kv_transfer_seconds for the pull.",
+              "(max_tokens 1) as the client saw it; decode leg: from its answer to decode's first token (early "
+              "dispatch: negative when decode's first token came first); connector transfer: decode's "
+              "pdserve_kv_transfer_seconds for the pull.",
               f"Load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.",
               ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def flows(text: str) -> tuple[str, ...]:
+    chosen = tuple(part for part in text.split(",") if part)
+    unknown = [flow for flow in chosen if flow not in FLOWS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"--flows: expected some of {','.join(FLOWS)}, got {text!r}")
+    return chosen
+
+
+def _row(point: dict[str, Any], flow: str, result: dict[str, Any]) -> str:
+    head = f"| {point['prompt_tokens']} | {flow} | {point['colocated_ttft_s'] * 1e3:.0f} ms "
+    if "error" in result:
+        return head + f"| failed: {result['error'][:160]} |" + " |" * 9
+    m = result["median"]
+    return (head + f"| {m['ttft_s'] * 1e3:.0f} ms | {m['prefill_leg_s'] * 1e3:.0f} ms "
+            f"| {m['decode_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
+            f"| {result['ideal_transfer_s'] * 1e3:.0f} ms "
+            f"| {result['bound_s'] * 1e3:.0f} ms | {result['pd_over_colocated']:.2f}x | {result['pd_over_bound']:.2f}x "
+            f"| {result['link_over_kv_bytes']:.3f} |")  # fmt: skip
 
 
 def lengths(text: str) -> list[int]:
@@ -209,6 +279,7 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, default=1000)
     parser.add_argument("--rtt-ms", type=float, default=20)
     parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--flows", type=flows, default=FLOWS, help="proxy (vLLM's proxy flow), early (early dispatch)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     report = run(args)
