@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import socket
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +31,7 @@ from tests.vllm.conftest import (
     SilentServer,
     VLLMServer,
 )
-from tests.vllm.kvhelpers import resign
+from tests.vllm.kvhelpers import early_dispatch_params, resign
 
 MAX_TOKENS = 16
 
@@ -274,3 +277,51 @@ def hang_up(server: VLLMServer, prompt: list[int], max_tokens: int, after: float
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
         connection.sendall(head + body)
         time.sleep(after)
+
+
+def test_early_dispatch_decode_asked_first_equals_colocated(pair: Pair) -> None:
+    """The gateway's early dispatch: decode gets params naming a transfer id before prefill has even seen the
+    request; its pull waits for prefill to hold the KV under that id, and the output equals colocated greedy."""
+    prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=41)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    fingerprint = pair.prefill_params(prompt_of(5, seed=42))["kv_fingerprint"]
+    transfer = secrets.token_hex(16)
+    answers: dict[str, dict[str, object]] = {}
+    decoding = threading.Thread(target=lambda: answers.update(decode=pair.decode.complete(
+        prompt, MAX_TOKENS, kv_transfer_params=early_dispatch_params(pair, transfer, fingerprint))))
+    decoding.start()
+    time.sleep(0.5)  # decode asks first
+    prefilled = pair.prefill.complete(prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE,
+                                                                     "pdstack_transfer_id": transfer})
+    decoding.join(timeout=120)
+    assert prefilled["kv_transfer_params"]["remote_request_id"] == transfer
+    assert token_ids(answers["decode"]) == colocated
+    assert loaded(pair, transfer), pair.decode.log_tail()
+
+
+def test_early_dispatch_for_a_transfer_that_never_comes_is_recomputed(pair: Pair) -> None:
+    """Prefill never gets the request (it failed, or the gateway's call to it did): decode's pull waits
+    open_wait_seconds, ends not_found, and vLLM's recompute policy still gives the colocated output."""
+    prompt = prompt_of(2 * BLOCK_SIZE, seed=43)
+    colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
+    fingerprint = pair.prefill_params(prompt_of(5, seed=44))["kv_fingerprint"]
+    not_found = pair.decode.metric("pdserve_kv_transfer_failures_total", 'cause="not_found"')
+    params = early_dispatch_params(pair, secrets.token_hex(16), fingerprint)
+    answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
+    assert token_ids(answer) == colocated
+    assert "not_found" in failure_line(pair, answer)
+    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v > not_found, 'cause="not_found"')
+
+
+def test_both_workers_describe_their_instance_for_the_agent(pair: Pair) -> None:
+    """<run_dir>/<engine>-<port>/instance.json, which `pdserve agent --connector-run-dir` registers."""
+    run_dir = Path(pair.prefill.extra["run_dir"])
+    instances = {body["role"]: body for body in
+                 (json.loads(path.read_text()) for path in run_dir.glob("*/instance.json"))}  # fmt: skip
+    producer, consumer = instances["kv_producer"], instances["kv_consumer"]
+    assert (producer["kv_host"], producer["kv_port"]) == ("127.0.0.1", pair.kv_port)
+    assert (consumer["kv_host"], consumer["kv_port"]) == (None, None)
+    assert producer["fingerprint"] == consumer["fingerprint"] == pair.prefill_params([7, 8, 9])["kv_fingerprint"]
+    assert producer["fingerprint_fields"]["block_size"] == BLOCK_SIZE
+    assert producer["kv_streaming"] is consumer["kv_streaming"] is True
+    assert producer["connector_version"] == consumer["connector_version"] == "2"

@@ -14,6 +14,7 @@ def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
     settings = parse({"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)}, producer=True,
                      engine_id="e1")  # fmt: skip
     assert (settings.streams, settings.lease_seconds, settings.advertise_host) == (4, 30.0, "127.0.0.1")
+    assert settings.open_wait_seconds == 10.0
     assert settings.bind_host == "127.0.0.1"
     assert settings.run_dir == tmp_path / "e1-14600"
     assert settings.server_tls() is None and settings.client_tls() is None
@@ -26,6 +27,7 @@ def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
         ({"port": 14600}, True, "kv_key_file"),
         ({}, True, "port"),
         ({"port": 14600, "streams": 0}, True, "streams"),
+        ({"open_wait_seconds": -1}, False, "open_wait_seconds"),
         ({"lease_seconds": "soon"}, False, "lease_seconds"),
         ({"tls_cert": "/c.pem"}, False, "tls_cert"),
     ],

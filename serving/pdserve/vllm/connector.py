@@ -41,9 +41,15 @@ blob checksum the worker computed in the same step. The worker leaves it in a sm
 request_finished reads and removes it. vLLM's worker-to-scheduler metadata arrives only after request_finished in
 the same step, too late.
 
-Limits of this first version: tensor_parallel_size 1 (one KV server per instance), one KV cache group (no hybrid
-or sliding-window models), and decode starts pulling only after prefill's forward ends (the lease store takes
-whole blobs; see the report of issue 14 for the API layer-wise serving needs).
+Early dispatch (the gateway sends prefill and decode the request at once, see README): prefill holds the KV under
+the request's `pdstack_transfer_id` instead of its vLLM request id, and its KV server lets a pull wait
+`open_wait_seconds` for an id not held yet; decode accepts the gateway-signed params without kv_checksum and
+num_tokens (the checksum comes at the end of the authenticated pull, the token count in its manifest).
+
+Limits of this version: tensor_parallel_size 1 (one KV server per instance), one KV cache group (no hybrid or
+sliding-window models), and the KV is put in the lease store after the forward that completes the prompt, not layer
+by layer (pdserve.kv's LeaseStore.open / StoredKV.add serve pulls while an entry is filled; wiring save_kv_layer to
+them is the next step).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,6 +88,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers print these lines
+TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+KEPT_FILES = ("fingerprint.json", "instance.json")  # the worker's, for this process and the agent; never swept
 
 
 @dataclass
@@ -89,6 +98,15 @@ class PdstackConnectorMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+
+
+def lease_id(request: Request) -> str:
+    """What prefill holds a request's KV under: the gateway's pdstack_transfer_id (early dispatch: decode was told
+    it before prefill ran) when it is one (32 hex characters, never a vLLM request id), else vLLM's request id."""
+    transfer = (request.kv_transfer_params or {}).get("pdstack_transfer_id")
+    if isinstance(transfer, str) and TRANSFER_ID.fullmatch(transfer):
+        return transfer
+    return request.request_id
 
 
 class PdstackConnector(KVConnectorBase_V1):
@@ -215,7 +233,7 @@ class PdstackConnector(KVConnectorBase_V1):
                 assert self._kv_cache_manager is not None
                 num_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
                 block_ids = list(self._kv_cache_manager.get_block_ids(request_id)[0][:num_blocks])
-                metadata.saves.append(SaveSpec(request_id, block_ids, request.num_prompt_tokens))
+                metadata.saves.append(SaveSpec(request_id, block_ids, request.num_prompt_tokens, lease_id(request)))
                 del self._to_save[request_id]
         return metadata
 
@@ -239,7 +257,7 @@ class PdstackConnector(KVConnectorBase_V1):
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": lease_id(request),
             "remote_host": self.settings.advertise_host,
             "remote_port": self.settings.port,
             "remote_block_ids": list(block_ids),
@@ -269,7 +287,7 @@ class PdstackConnector(KVConnectorBase_V1):
         self._next_sweep = now + self.settings.lease_seconds
         for path in self.settings.run_dir.glob("*.json"):
             with contextlib.suppress(OSError):
-                if path.name != "fingerprint.json" and path.stat().st_mtime < now - 2 * self.settings.lease_seconds:
+                if path.name not in KEPT_FILES and path.stat().st_mtime < now - 2 * self.settings.lease_seconds:
                     path.unlink()
 
     def _own_fingerprint(self) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.platforms import current_platform
 
-CONNECTOR_VERSION = "1"
+CONNECTOR_VERSION = "2"  # 2: KV channel protocol v2 (CRC-32C, per-block digests, range and streamed pulls)
 FIELDS = (
     "vllm_version",
     "connector_version",

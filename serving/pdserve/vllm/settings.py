@@ -24,6 +24,7 @@ _KNOWN = {
     "connect_timeout_seconds",
     "read_timeout_seconds",
     "transfer_timeout_seconds",
+    "open_wait_seconds",
     "store_bytes",
     "tls_cert",
     "tls_key",
@@ -48,6 +49,7 @@ class ConnectorSettings:
     connect_timeout_seconds: float
     read_timeout_seconds: float
     transfer_timeout_seconds: float
+    open_wait_seconds: float
     store_bytes: int
     tls_cert: str | None
     tls_key: str | None
@@ -112,6 +114,7 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
         connect_timeout_seconds=_number(extra, "connect_timeout_seconds", 5.0, float),
         read_timeout_seconds=_number(extra, "read_timeout_seconds", 10.0, float),
         transfer_timeout_seconds=_number(extra, "transfer_timeout_seconds", 120.0, float),
+        open_wait_seconds=_number(extra, "open_wait_seconds", 10.0, float),
         store_bytes=_number(extra, "store_bytes", 1 << 30, int),
         tls_cert=tls_cert,
         tls_key=tls_key,
@@ -122,6 +125,8 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
     for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):
         if getattr(settings, name) <= 0:
             raise SettingsError(f"kv_connector_extra_config.{name}: must be positive")
+    if settings.open_wait_seconds < 0:
+        raise SettingsError("kv_connector_extra_config.open_wait_seconds: must be 0 or more")
     return settings
 
 

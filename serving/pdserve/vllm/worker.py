@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +38,20 @@ log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers 
 # reads them for usage reporting only, so they are left out of the signature check.
 VLLM_ADDED_FIELDS = ("remote_prefill_cached_tokens",)
 REQUIRED_PARAMS = ("remote_request_id", "remote_host", "remote_port", "kv_checksum", "kv_fingerprint", "num_tokens")
+# Early dispatch (the gateway signs these before prefill ran): the token count and checksum come in-band instead.
+STREAMED_PARAMS = ("remote_request_id", "remote_host", "remote_port", "kv_fingerprint")
+OWNERS_KEPT = 4096
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Prefill: this step completes the prompt of `request_id`; copy its first `num_blocks` blocks."""
+    """Prefill: this step completes the prompt of `request_id`; copy its first `num_blocks` blocks and hold them
+    under `lease_id` (the gateway's pdstack_transfer_id under early dispatch, else the request id)."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    lease_id: str
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,17 @@ class _Worker:
         self.metrics = RecordingKVMetrics()
         self.loop = _Loop()
 
+    def write_instance(self, role: str, kv_host: str | None, kv_port: int | None) -> None:
+        """<run_dir>/instance.json for `pdserve agent --connector-run-dir` (see pdserve.agent.instance): what the
+        scheduler needs to pair this instance. kv_streaming: it takes the gateway's early-dispatch params (decode)
+        and holds KV under their transfer id, waiting pulls for it (prefill)."""
+        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(self.settings.run_dir / "instance.json", {
+            "role": role, "fingerprint": self.fingerprint, "fingerprint_fields": self.fields,
+            "connector_version": fingerprint.CONNECTOR_VERSION, "kv_streaming": True, "kv_host": kv_host,
+            "kv_port": kv_port,
+        })  # fmt: skip
+
     def shutdown(self) -> None:
         self.loop.loop.call_soon_threadsafe(self.loop.loop.stop)
 
@@ -119,9 +136,12 @@ class ProducerWorker(_Worker):
             ssl_context=settings.server_tls(),
             io_timeout_s=settings.read_timeout_seconds,
             metrics=self.metrics,
+            open_wait_s=settings.open_wait_seconds,  # early dispatch: decode may ask before prefill saved
         )
         self.loop.run(self._start())
+        self.write_instance("kv_producer", settings.advertise_host, settings.port)
         self._copied: dict[str, dict[str, np.ndarray]] = {}
+        self._owners: OrderedDict[str, str] = OrderedDict()  # lease id -> the request that saved it
         log.info(
             "pdstack connector: KV server on %s:%d, fingerprint %s", settings.bind_host, settings.port, self.fingerprint
         )
@@ -146,14 +166,19 @@ class ProducerWorker(_Worker):
                 log.error("pdstack connector: request %s: no KV saved for layers %s", spec.request_id, missing[:3])
                 continue
             layers = [(copied[name], np.empty(0, np.uint8)) for name in self.layer_names]
-            meta = KVMeta(spec.request_id, spec.num_tokens, self.fingerprint)
-            try:  # a request saved again (preempted and rerun) replaces its old KV
+            meta = KVMeta(spec.lease_id, spec.num_tokens, self.fingerprint)
+            # A request saved again (preempted and rerun) replaces its old KV; another request's is never replaced.
+            replace = self._owners.get(spec.lease_id) == spec.request_id
+            try:
                 # One digest unit per KV block (dim 0 of each copied layer), so decode can pull only the blocks
                 # its prefix cache lacks and still verify each of them.
-                stored = self.store.put(spec.request_id, layers, meta, replace=True, unit_rows=1)
-            except KVTransferError as error:
+                stored = self.store.put(spec.lease_id, layers, meta, replace=replace, unit_rows=1)
+            except (KVTransferError, ValueError) as error:
                 log.error("pdstack connector: request %s: cannot hold its KV: %s", spec.request_id, error)
                 continue
+            self._owners[spec.lease_id] = spec.request_id
+            while len(self._owners) > OWNERS_KEPT:
+                self._owners.popitem(last=False)
             write_json_atomically(
                 result_path(self.settings.run_dir, spec.request_id),
                 {"checksum": stored.checksum, "num_tokens": spec.num_tokens},
@@ -181,6 +206,7 @@ class ConsumerWorker(_Worker):
         self.pool: KVConnectionPool = self.loop.run(self._make_pool())
         self._pending: dict[str, _Pending] = {}
         self._acks: set[concurrent.futures.Future[Any]] = set()
+        self.write_instance("kv_consumer", None, None)
         log.info("pdstack connector: decode worker ready, fingerprint %s", self.fingerprint)
 
     async def _make_pool(self) -> KVConnectionPool:
@@ -194,12 +220,13 @@ class ConsumerWorker(_Worker):
 
     async def _fetch(self, spec: LoadSpec) -> Any:
         params = self._check(spec)
+        streamed = bool(params.get("pdstack_streamed"))
         async with asyncio.timeout(self.settings.transfer_timeout_seconds):
             return await pull(
                 str(params["remote_host"]),
                 int(params["remote_port"]),
                 str(params["remote_request_id"]),
-                str(params["kv_checksum"]),
+                None if streamed else str(params["kv_checksum"]),  # streamed: END's checksum, token count checked
                 streams=self.settings.streams,
                 expected_fingerprint=self.fingerprint,
                 first_row=spec.skip_blocks,  # decode's local prefix-cache hit does not cross the wire
@@ -222,9 +249,16 @@ class ConsumerWorker(_Worker):
         """Refuse params before any connection: unsigned or edited, incomplete, another prompt, another layout."""
         signed = {name: value for name, value in spec.params.items() if name not in VLLM_ADDED_FIELDS}
         params = signed_params.verify(self.settings.params_key, signed)
-        missing = [name for name in REQUIRED_PARAMS if params.get(name) in (None, "")]
+        streamed = bool(params.get("pdstack_streamed"))
+        required = STREAMED_PARAMS if streamed else REQUIRED_PARAMS
+        missing = [name for name in required if params.get(name) in (None, "")]
         if missing:
             raise ValueError(f"kv_transfer_params.{missing[0]}: missing")
+        if streamed:
+            # The gateway signs only the digest prefill registered; the manifest's token count is checked on arrival.
+            if params["kv_fingerprint"] != self.fingerprint:
+                raise fingerprint.FingerprintMismatch("digest", params["kv_fingerprint"], self.fingerprint)
+            return params
         fingerprint.compare(params.get("kv_fingerprint_fields"), self.fields)
         if params["kv_fingerprint"] != self.fingerprint:
             raise ValueError("kv_transfer_params.kv_fingerprint: does not match its fields")
