@@ -112,6 +112,7 @@ def use_pause_image(runtime: str, folder: Path) -> None:
     if not nodes.image_exists(image):
         (folder / "Containerfile").write_text(PAUSE_CONTAINERFILE.format(runtime=runtime))
         podman("build", "-t", image, str(folder))
+        remove_older_builds(image)
     host = Path("/etc/containers/containers.conf")
     text = host.read_text() if host.is_file() else ""
     line = f'infra_image = "{image}"\n'
