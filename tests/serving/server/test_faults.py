@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.kv import KVTransferError, SecretKey, pull
-from pdserve.kv.params import sign
+from pdserve.kv.params import derive_params_key, sign
 
 from .conftest import Deployment
 from .faultproxy import ByteFlipProxy
@@ -39,9 +39,10 @@ def decode(server: ServerProcess, params: dict[str, Any]) -> httpx.Response:
 
 
 def resigned(params: dict[str, Any], key_file: Path, **edits: object) -> dict[str, Any]:
-    """Params edited as a faulty prefill would have issued them (signed with the shared KV key), so that decode
-    gets as far as the KV channel; edited and unsigned, decode refuses them before connecting (test_hardening)."""
-    return sign(SecretKey.from_file(key_file).material, {**params, **edits})
+    """Params edited as a faulty prefill would have issued them (signed with the params key derived from the shared
+    KV key), so that decode gets as far as the KV channel; edited and unsigned, decode refuses them before connecting
+    (test_hardening)."""
+    return sign(derive_params_key(SecretKey.from_file(key_file).material), {**params, **edits})
 
 
 def assert_clean_failure(response: httpx.Response, cause: str) -> None:
