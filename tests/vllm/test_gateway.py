@@ -1,16 +1,22 @@
 """pdstack's gateway in front of a real vLLM prefill and decode, registered with pdstack's scheduler by two
 `pdserve agent` processes: the official openai client through the gateway gets vLLM's colocated greedy output,
-token for token, and the KV really crossed (decode's connector logged the load for each request).
+token for token, and the KV really crossed (decode's connector logged the load for each request), both with vLLM's
+sequential proxy flow and with early dispatch (prefill and decode sent at once).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from pdserve.kv.auth import SecretKey
+from pdserve.kv.params import derive_params_key
+from tests.serving.gateway.cluster import metric, wait_for
 from tests.serving.scheduler.services import Service
 from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of, start_fleet
 from tests.vllm.conftest import SilentServer
@@ -112,3 +118,36 @@ def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.O
         finally:
             fleet.remove_fake("prefill-other-layout")
     fleet.wait_routable(fleet.gateways[0], instances=2)
+
+
+@pytest.fixture(scope="module")
+def early_gateway(fleet: Fleet, key_file: Path) -> Service:
+    """A gateway holding the params key (derived from the KV channel key, never the key itself): early dispatch."""
+    path = fleet.tmp / "kv-params.key"
+    path.write_text(derive_params_key(SecretKey.from_file(key_file).material).hex())
+    service = fleet.start_gateway("--kv-params-key-file", str(path))
+    fleet.wait_routable(service)
+    return service
+
+
+@pytest.mark.parametrize("length", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_early_dispatch_equals_colocated(fleet: Fleet, early_gateway: Service, length: int, streamed: bool) -> None:
+    """Prefill and decode sent at once (both registered kv_streaming): decode pulls the transfer the gateway named
+    while prefill computes it, and the answer is still vLLM's colocated one."""
+    assert all(entry["info"]["kv_streaming"] for entry in fleet.instances().values())
+    client = openai.OpenAI(base_url=early_gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    prompt = prompt_of(length, seed=100 + length)
+    expected = fleet.colocated(prompt, MAX_TOKENS)
+    loads, before = fleet.loads(), early_prefills(early_gateway)
+    got = complete_streamed(client, prompt) if streamed else complete(client, prompt)
+    assert got == expected
+    assert fleet.loads() == loads + 1, "decode did not load the KV from prefill"
+    last_load = [line for line in fleet.decode.log().splitlines() if "pdstack connector: loaded the KV" in line][-1]
+    assert re.search(r"\([0-9a-f]{32}\)$", last_load), f"not a transfer the gateway named: {last_load}"
+    wait_for(lambda: early_prefills(early_gateway) == before + 1, what="the early prefill counted as ok")
+
+
+def early_prefills(gateway: Service) -> float:
+    return metric(httpx.get(gateway.url + "/metrics").text, "pdserve_gateway_early_dispatch_prefills_total",
+                  outcome="ok")
