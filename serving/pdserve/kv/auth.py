@@ -1,8 +1,13 @@
-"""Shared-key authentication: HMAC-SHA256 challenge-response in both directions; the key never crosses the wire."""
+"""Shared-key authentication: HMAC-SHA256 challenge-response in both directions; the key never crosses the wire.
+
+Both sides then derive a session key from the key and both nonces, under which the server MACs what decode accepts
+(END: the manifest it sent and the blob checksum), so without TLS an attacker on the path who rewrites KV, digests,
+checksums and CRCs is still caught; fresh nonces make a MAC from another connection worthless here."""
 
 from __future__ import annotations
 
 import hmac
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +16,8 @@ from pdserve.kv.errors import KVTransferError
 MIN_KEY_BYTES = 16
 _SERVER_LABEL = b"pdkv1 server proof"
 _CLIENT_LABEL = b"pdkv1 client proof"
+_SESSION_LABEL = b"pdkv3 session key"
+_END_LABEL = b"pdkv3 END"
 
 
 class SecretKey:
@@ -54,6 +61,18 @@ def server_proof(key: SecretKey, client_nonce: bytes, server_nonce: bytes) -> by
 
 def client_proof(key: SecretKey, client_nonce: bytes, server_nonce: bytes) -> bytes:
     return key.proof(_CLIENT_LABEL, server_nonce, client_nonce)
+
+
+def session_key(key: SecretKey, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return key.proof(_SESSION_LABEL, client_nonce, server_nonce)
+
+
+def end_mac(session: bytes, manifest: bytes, request: dict[str, object], checksum: str, chunks: int) -> str:
+    """The MAC a stream's END carries: over the manifest bytes that stream got, its PULL (id, stream, streams,
+    first_row), the chunk count and the blob checksum, which pins every unit's digest and so every byte."""
+    fields = json.dumps({"request": request, "checksum": checksum, "chunks": chunks}, sort_keys=True).encode()
+    message = _END_LABEL + len(manifest).to_bytes(8, "big") + manifest + fields
+    return hmac.new(session, message, "sha256").hexdigest()
 
 
 def verify(expected: bytes, received: bytes, who: str) -> None:

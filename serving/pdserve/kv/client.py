@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ssl
 import time
 from collections.abc import Callable
@@ -51,7 +52,13 @@ class Connector:
     backoff_s: float = 0.2
 
     async def connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Open an authenticated connection, retrying refused or timed-out connects with exponential backoff."""
+        """Open an authenticated connection (see `connect_session`)."""
+        reader, writer, _session = await self.connect_session(host, port)
+        return reader, writer
+
+    async def connect_session(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+        """Open an authenticated connection and return it with its session key, retrying refused or timed-out
+        connects with exponential backoff."""
         for attempt in range(self.retries + 1):
             try:
                 return await self._connect_once(host, port)
@@ -61,7 +68,7 @@ class Connector:
             await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _connect_once(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect_once(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(
@@ -80,13 +87,13 @@ class Connector:
             message = f"cannot connect to {host}:{port}: {error.strerror or error}"
             raise KVTransferError("connection", message) from error
         try:
-            await self._handshake(reader, writer)
+            session = await self._handshake(reader, writer)
         except BaseException:
             writer.close()
             raise
-        return reader, writer
+        return reader, writer, session
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         client_nonce = auth.new_nonce()
         write_frame(writer, FrameType.HELLO, client_nonce)
         challenge = expect(await read_frame(reader, self.read_timeout_s), FrameType.CHALLENGE).payload
@@ -97,6 +104,7 @@ class Connector:
         auth.verify(auth.server_proof(self.key, client_nonce, server_nonce), proof, "server")
         # The AUTH frame is not answered; the request that follows it is, which saves a round trip.
         write_frame(writer, FrameType.AUTH, auth.client_proof(self.key, client_nonce, server_nonce))
+        return auth.session_key(self.key, client_nonce, server_nonce)
 
 
 class _Assembly:
@@ -233,6 +241,7 @@ class KVConnection:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     peer: PeerKey
+    session: bytes  # the key the server MACs END under (pdserve.kv.auth.session_key)
     reused: bool = False
     idle_since: float = 0.0
 
@@ -336,8 +345,8 @@ class KVConnectionPool:
                 await connection.writer.wait_closed()
 
     async def _connect(self, connector: Connector, host: str, port: int) -> KVConnection:
-        reader, writer = await connector.connect(host, port)
-        connection = KVConnection(reader, writer, peer_key(connector, host, port))
+        reader, writer, session = await connector.connect_session(host, port)
+        connection = KVConnection(reader, writer, peer_key(connector, host, port), session)
         if self._closed:  # closed while this connect was under way
             connection.close()
             self._check_open()
@@ -379,9 +388,9 @@ class _Route:
     async def open(self) -> KVConnection:
         if self.pool is not None:
             return await self.pool.acquire(self.connector, self.host, self.port)
-        reader, writer = await self.connector.connect(self.host, self.port)
+        reader, writer, session = await self.connector.connect_session(self.host, self.port)
         self.metrics.connections.labels("receiver", "new").inc()
-        return KVConnection(reader, writer, peer_key(self.connector, self.host, self.port))
+        return KVConnection(reader, writer, peer_key(self.connector, self.host, self.port), session)
 
     def give_back(self, connection: KVConnection, *, clean: bool) -> None:
         if self.pool is not None:
@@ -484,7 +493,8 @@ async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
     timeout = route.connector.read_timeout_s
     clean = False
     try:
-        assembly = state.assembly_for(expect(first, FrameType.MANIFEST).payload)
+        manifest = expect(first, FrameType.MANIFEST).payload
+        assembly = state.assembly_for(manifest)
         max_payload = DATA_HEADER.size + assembly.manifest.chunk_bytes
         chunks = assembly.plan[index :: state.streams]
         expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
@@ -497,10 +507,22 @@ async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
         end = expect(await read_reply(connection.reader, timeout), FrameType.END).json()
         if end.get("chunks") != len(chunks):
             raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
+        _check_end_mac(connection.session, manifest, request, end, len(chunks))
         state.end_checksum(end.get("checksum"))
         clean = True
     finally:
         route.give_back(connection, clean=clean)
+
+
+def _check_end_mac(session: bytes, manifest: bytes, request: dict[str, Any], end: dict[str, Any], chunks: int) -> None:
+    """END's MAC must be the server's, under this connection's session key, over what this stream received."""
+    checksum, mac = end.get("checksum"), end.get("mac")
+    if not isinstance(checksum, str) or not isinstance(mac, str):
+        raise KVTransferError("protocol", "END needs checksum and mac (strings)")
+    expected = auth.end_mac(session, manifest, request, checksum, chunks)
+    if not hmac.compare_digest(expected, mac):
+        raise KVTransferError("auth", "END's MAC does not match: the manifest or blob checksum was not sent by the "
+                              "authenticated server (rewritten on the path?)")
 
 
 async def ack(

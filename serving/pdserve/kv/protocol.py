@@ -8,7 +8,7 @@ The CRC-32C (Castagnoli, hardware-accelerated through google-crc32c: SSE4.2 / AR
 times zlib's crc32) covers the first 16 header bytes and the payload. It detects every error burst of up to 32 bits
 and every 1-3 bit error in frames up to ~16 MiB (our frames are <= chunk_bytes, 1 MiB by default), and misses a
 random corruption with probability 2^-32: it catches what a NIC, a middlebox or memory does to a frame in transit.
-It is no defence against a deliberate edit (that is the unit digests' job, and TLS's).
+It is no defence against a deliberate edit (the digests, the checksum and END's MAC are; and TLS).
 DATA payloads start with a 13-byte sub-header (layer u32, part u8 (0 = K, 1 = V), byte offset u64).
 Control payloads (PULL, MANIFEST, ACK, ERROR, END) are JSON.
 
@@ -17,6 +17,21 @@ layout with an empty checksum, each stream sends its chunks as they are computed
 says where each goes), KEEPALIVE frames while it waits, and END carries the blob checksum once prefill sealed it.
 PULL may name a `first_row` (block): only bytes from that leading row of each array on are sent, and stream 0
 sends DIGESTS (every unit's digest) before END, so decode verifies the units it got against the blob checksum.
+
+What each check detects:
+- CRC-32C per frame (above): accidental corruption of any frame in transit or in a buffer; not an attacker.
+- BLAKE3-256 per digest unit (unit_rows blocks of one layer's K or V, pdserve.kv.blob): any change to a unit's bytes,
+  accidental or deliberate (collision resistance 2^128), once the unit digests are known to be genuine.
+- Blob checksum (sha256 over manifest meta, layout and the unit digests): pins the digests, so one 64-hex string from
+  signed kv_transfer_params (or from END) pins every byte, dtype, shape and the fingerprint.
+- END MAC (HMAC-SHA256 under the connection's session key, derived from the KV key and both handshake nonces): that
+  the manifest this stream received and the blob checksum END announces come from the authenticated server on this
+  connection. With early dispatch decode has no checksum from signed params, so without it an active attacker on a
+  non-TLS path could swap the KV together with its digests, checksum and CRCs. Decode verifies every stream's MAC
+  before it accepts any KV. (DATA, DIGESTS, KEEPALIVE, ERROR and ACK_OK are not MACed: data frames are pinned by the
+  MACed checksum; a forged ERROR or ACK_OK can only fail a transfer or mislead about a lease, which an on-path attacker
+  can do anyway by dropping packets.)
+- HMAC challenge-response (pdserve.kv.auth): both ends hold the key; a replayed handshake fails (fresh nonces).
 
 A connection opens with HELLO (client nonce) -> CHALLENGE (server nonce + proof) -> AUTH (client proof). Until AUTH
 is verified the server reads only frames of at most MAX_HANDSHAKE_PAYLOAD bytes (a longer one is refused from its
@@ -39,7 +54,7 @@ from pdserve.kv.blob import Manifest
 from pdserve.kv.errors import Cause, KVTransferError
 
 MAGIC = b"PDKV"
-VERSION = 2  # 2: crc32c frames, streamed blobs, range pulls, per-block BLAKE3 digests
+VERSION = 3  # 2: crc32c frames, streamed blobs, range pulls, per-block BLAKE3 digests; 3: END MACed
 HEADER = struct.Struct("!4sBBHQI")
 DATA_HEADER = struct.Struct("!IBQ")
 MAX_CONTROL_PAYLOAD = 4 << 20

@@ -127,7 +127,7 @@ class KVServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            await self._bounded_handshake(reader, writer)
+            session = await self._bounded_handshake(reader, writer)
         except KVTransferError as error:
             self._metrics.observe_auth_refused()
             log.warning("kv: refused connection from %s: %s", peer, error.message)
@@ -147,28 +147,29 @@ class KVServer:
                 return
             self._metrics.connections.labels("sender", "reused" if served else "new").inc()
             try:
-                await self._dispatch(frame, reader, writer)
+                await self._dispatch(frame, writer, session)
             except KVTransferError as error:
                 self._metrics.observe_failure("sender", error.cause)
                 log.info("kv: request from %s failed: %s", peer, error)
                 await self._send_error(writer, error)
                 return
 
-    async def _bounded_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _bounded_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        """Authenticate the client; return the session key END frames are MACed under."""
         if self._handshakes >= self._max_handshakes:
             raise KVTransferError("capacity", f"expected at most {self._max_handshakes} connections authenticating "
                                   "at once, got one more; retry later")
         self._handshakes += 1
         try:
             async with asyncio.timeout(self._handshake_timeout):
-                await self._authenticate(reader, writer)
+                return await self._authenticate(reader, writer)
         except TimeoutError as error:
             raise KVTransferError("auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the "
                                   "handshake took longer") from error
         finally:
             self._handshakes -= 1
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         hello = await self._handshake_frame(reader, FrameType.HELLO, NONCE_BYTES, "nonce")
         server_nonce = auth.new_nonce()
         write_frame(
@@ -177,6 +178,7 @@ class KVServer:
         await self._drain(writer)
         proof = await self._handshake_frame(reader, FrameType.AUTH, PROOF_BYTES, "proof")
         auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
+        return auth.session_key(self._key, hello.payload, server_nonce)
 
     async def _handshake_frame(self, reader: asyncio.StreamReader, wanted: FrameType, size: int,
                                what: str) -> Frame:
@@ -190,9 +192,9 @@ class KVServer:
             raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
         return frame
 
-    async def _dispatch(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _dispatch(self, frame: Frame, writer: asyncio.StreamWriter, session: bytes) -> None:
         if frame.type is FrameType.PULL:
-            await self._serve_pull(frame, writer)
+            await self._serve_pull(frame, writer, session)
         elif frame.type is FrameType.ACK:
             request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
             released = self.store.ack(request_id)
@@ -201,7 +203,7 @@ class KVServer:
         else:
             raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
 
-    async def _serve_pull(self, frame: Frame, writer: asyncio.StreamWriter) -> None:
+    async def _serve_pull(self, frame: Frame, writer: asyncio.StreamWriter, session: bytes) -> None:
         body = frame.json()
         request_id, stream, streams = body.get("request_id"), body.get("stream"), body.get("streams")
         first_row = body.get("first_row", 0)
@@ -213,7 +215,8 @@ class KVServer:
             raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
         stored = await self._wait_open(request_id, writer)
         started = time.perf_counter()
-        write_frame(writer, FrameType.MANIFEST, stored.manifest.to_bytes())
+        manifest = stored.manifest.to_bytes()
+        write_frame(writer, FrameType.MANIFEST, manifest)
         try:
             plan = chunk_plan(stored.manifest, first_row)
         except ValueError as error:
@@ -225,7 +228,10 @@ class KVServer:
                 await self._wait_change(stored, changed, writer)
         if stream == 0:
             write_frame(writer, FrameType.DIGESTS, stored.digests)
-        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum})
+        request = {"request_id": request_id, "stream": stream, "streams": streams, "first_row": first_row}
+        mac = auth.end_mac(session, manifest, request, stored.checksum, len(chunks))
+        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum,
+                                           "mac": mac})
         await self._drain(writer)
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
 
