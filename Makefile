@@ -47,7 +47,7 @@ $(VLLM_STAMP): serving/pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet pytest==9.2.0 pytest-timeout==2.4.0
 	touch $@
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: venv $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm
 
 host:
