@@ -98,6 +98,16 @@ class PdstackConnectorMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # requests finished before their prompt was complete
+
+
+@dataclass
+class _Prefilling:
+    """Scheduler side: a do_remote_decode request whose prompt is being streamed, and how far."""
+
+    request: Request
+    sent_blocks: int = 0  # the prompt's blocks already given to the worker (complete when computed)
+    opened: bool = False
 
 
 def lease_id(request: Request) -> str:
@@ -124,7 +134,9 @@ class PdstackConnector(KVConnectorBase_V1):
         )
         self.block_size = int(vllm_config.cache_config.block_size)
         # Scheduler side.
-        self._to_save: dict[str, Request] = {}
+        self._to_save: dict[str, _Prefilling] = {}
+        self._sealed: set[str] = set()  # prompts streamed whole; a request preempted later is not streamed again
+        self._aborts: list[str] = []
         self._to_load: list[LoadSpec] = []
         self._local_hits: dict[str, int] = {}
         self._fingerprint: dict[str, Any] | None = None
@@ -159,8 +171,8 @@ class PdstackConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, PdstackConnectorMetadata)
-        if metadata.saves and isinstance(self._worker, ProducerWorker):
-            self._worker.finish_step(metadata.saves)
+        if (metadata.saves or metadata.aborts) and isinstance(self._worker, ProducerWorker):
+            self._worker.finish_step(metadata.saves, metadata.aborts)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if not isinstance(self._worker, ConsumerWorker):
@@ -210,8 +222,9 @@ class PdstackConnector(KVConnectorBase_V1):
         if not params:
             return
         if self.producer:
-            if params.get("do_remote_decode"):
-                self._to_save[request.request_id] = request
+            rid = request.request_id
+            if params.get("do_remote_decode") and rid not in self._to_save and rid not in self._sealed:
+                self._to_save[rid] = _Prefilling(request)  # a preempted request resumes where its stream was
             return
         local_hit = self._local_hits.pop(request.request_id, 0)
         if not params.get("do_remote_prefill") or num_external_tokens <= 0:
@@ -225,20 +238,44 @@ class PdstackConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # loaded once: a preempted and resumed request recomputes instead
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = PdstackConnectorMetadata(loads=self._to_load)
-        self._to_load = []
-        for request_id, request in list(self._to_save.items()):
+        metadata = PdstackConnectorMetadata(loads=self._to_load, aborts=self._aborts)
+        self._to_load, self._aborts = [], []
+        for request_id, prefilling in list(self._to_save.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
-                assert self._kv_cache_manager is not None
-                num_blocks = math.ceil(request.num_prompt_tokens / self.block_size)
-                block_ids = list(self._kv_cache_manager.get_block_ids(request_id)[0][:num_blocks])
-                metadata.saves.append(SaveSpec(request_id, block_ids, request.num_prompt_tokens, lease_id(request)))
+            if not scheduled:
+                continue
+            spec = self._save_spec(prefilling, scheduled)
+            metadata.saves.append(spec)
+            if spec.seal:
                 del self._to_save[request_id]
+                self._sealed.add(request_id)
         return metadata
 
+    def _save_spec(self, prefilling: _Prefilling, scheduled: int) -> SaveSpec:
+        """What the worker adds this step: the blocks that become complete (a block half filled at this chunk's
+        end waits for the next; the prompt's last block is complete with the prompt). A request preempted and
+        rescheduled recomputes from its start: blocks it already sent are not sent again (their KV is the same)."""
+        request = prefilling.request
+        prompt = request.num_prompt_tokens
+        computed = min(request.num_computed_tokens + scheduled, prompt)  # num_computed_tokens: before this step
+        total = math.ceil(prompt / self.block_size)
+        complete = total if computed >= prompt else computed // self.block_size
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        first = prefilling.sent_blocks
+        spec = SaveSpec(
+            request.request_id, lease_id(request), prompt, total, computed, first, list(block_ids[first:complete]),
+            open=not prefilling.opened, seal=computed >= prompt,
+        )  # fmt: skip
+        prefilling.sent_blocks = max(first, complete)
+        prefilling.opened = True
+        return spec
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._to_save.pop(request.request_id, None)
+        prefilling = self._to_save.pop(request.request_id, None)
+        if prefilling is not None and prefilling.opened:
+            self._aborts.append(request.request_id)  # the worker aborts its unsealed entry next step
+        self._sealed.discard(request.request_id)
         self._local_hits.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not self.producer or not params or not params.get("do_remote_decode"):

@@ -1,6 +1,6 @@
-"""The connector's worker side: prefill copies KV blocks into pdserve's lease store and serves them over the KV
-channel; decode pulls the blocks its prefix cache lacks (a range pull, each block verified by its own digest),
-and writes them into its own blocks.
+"""The connector's worker side: prefill streams each prompt's completed KV blocks, layer by layer as vLLM computes
+them, into a lease entry of pdserve's store, which its KV server serves while it is filled; decode pulls the blocks
+its prefix cache lacks (a range pull, each block verified by its own digest), and writes them into its own blocks.
 
 Runs in vLLM's (spawned) worker process. The KV channel is asyncio; it runs on one event loop in a daemon thread
 so the forward never waits for the network. Tensors are touched only on vLLM's own thread (inside save_kv_layer,
@@ -29,6 +29,8 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from pdserve.kv import KVConnectionPool, KVMeta, KVServer, KVTransferError, LeaseStore, ack, pull
 from pdserve.kv import params as signed_params
+from pdserve.kv.blob import ArraySpec
+from pdserve.kv.entry import StoredKV
 from pdserve.vllm import fingerprint
 from pdserve.vllm.settings import ConnectorSettings
 from pdserve.vllm.stats import RecordingKVMetrics
@@ -45,13 +47,21 @@ OWNERS_KEPT = 4096
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Prefill: this step completes the prompt of `request_id`; copy its first `num_blocks` blocks and hold them
-    under `lease_id` (the gateway's pdstack_transfer_id under early dispatch, else the request id)."""
+    """Prefill, one step of a request's prompt: add the blocks this step completes (`block_ids`, the prompt's
+    blocks first_block, first_block + 1, ...) to the lease entry `lease_id` (the gateway's pdstack_transfer_id
+    under early dispatch, else the request id), opening it on the request's first step (`open`) and sealing it in
+    the step that completes the prompt (`seal`). A block half filled at a chunk boundary comes in a later step; the
+    prompt's last, partial block comes with the seal."""
 
     request_id: str
-    block_ids: list[int]
-    num_tokens: int
     lease_id: str
+    num_tokens: int  # the prompt's
+    total_blocks: int  # ceil(num_tokens / block_size): the entry's layout
+    computed_tokens: int  # prompt tokens computed once this step ran
+    first_block: int
+    block_ids: list[int]
+    open: bool
+    seal: bool
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,36 @@ class _Worker:
         self.loop.loop.call_soon_threadsafe(self.loop.loop.stop)
 
 
+@dataclass
+class _Stream:
+    """A request whose prompt is being streamed into its lease entry, step by step."""
+
+    request_id: str
+    lease_id: str
+    stored: StoredKV
+    served: list[int]  # bytes the KV server sent from the entry while it was open (see _count_served)
+    steps: int = 0
+
+
+def _count_served(stored: StoredKV) -> list[int]:
+    """Count the bytes the KV server takes from `stored` before it is sealed: it asks `ready` for each chunk it is
+    about to send. The count is what the seal's log line reports (decode had them while prefill computed)."""
+    served = [0]
+    ready = stored.ready
+
+    def counting(layer: int, part: int, offset: int, length: int) -> bool:
+        found = ready(layer, part, offset, length)
+        if found and not stored.sealed:
+            served[0] += length
+        return found
+
+    stored.ready = counting  # type: ignore[method-assign]
+    return served
+
+
 class ProducerWorker(_Worker):
-    """Prefill: copies each finished prompt's blocks out of vLLM layer by layer, then holds them under a lease."""
+    """Prefill: streams each prompt's completed blocks out of vLLM layer by layer into a lease entry, which the KV
+    server serves while it is filled; seals it when the prompt is complete."""
 
     def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> None:
         super().__init__(settings, vllm_config, kv_caches)
@@ -127,6 +165,7 @@ class ProducerWorker(_Worker):
         write_json_atomically(
             settings.run_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
         )
+        # The store digests each added block on its own threads (BLAKE3), never on vLLM's forward thread.
         self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds, metrics=self.metrics)
         self.server = KVServer(
             self.store,
@@ -136,12 +175,15 @@ class ProducerWorker(_Worker):
             ssl_context=settings.server_tls(),
             io_timeout_s=settings.read_timeout_seconds,
             metrics=self.metrics,
-            open_wait_s=settings.open_wait_seconds,  # early dispatch: decode may ask before prefill saved
+            open_wait_s=settings.open_wait_seconds,  # early dispatch: decode may ask before prefill opened it
         )
         self.loop.run(self._start())
         self.write_instance("kv_producer", settings.advertise_host, settings.port)
-        self._copied: dict[str, dict[str, np.ndarray]] = {}
-        self._owners: OrderedDict[str, str] = OrderedDict()  # lease id -> the request that saved it
+        self.layer_index = {name: index for index, name in enumerate(self.layer_names)}
+        self.block_bytes = {name: int(t[0].numel() * t.element_size()) for name, t in kv_caches.items()}
+        self._streams: dict[str, _Stream] = {}
+        self._step_begun = False
+        self._owners: OrderedDict[str, str] = OrderedDict()  # lease id -> the request that opened it
         log.info(
             "pdstack connector: KV server on %s:%d, fingerprint %s", settings.bind_host, settings.port, self.fingerprint
         )
@@ -151,44 +193,115 @@ class ProducerWorker(_Worker):
         self.store.start_reaper()
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, saves: list[SaveSpec]) -> None:
+        """Inside the forward, once `layer_name` is computed: add this step's completed blocks of that layer."""
+        if not self._step_begun:  # the step's first layer: open the entries of requests starting their prefill
+            self._step_begun = True
+            for spec in saves:
+                if spec.open and spec.request_id not in self._streams:
+                    self._open(spec)
+        index = self.layer_index[layer_name]
         for spec in saves:
+            stream = self._streams.get(spec.request_id)
+            if stream is None or not spec.block_ids:
+                continue
             ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
             with gpu_sync_allowed():
                 blocks = kv_layer.index_select(0, ids).cpu().contiguous()
-            self._copied.setdefault(spec.request_id, {})[layer_name] = blocks.view(torch.uint8).numpy()
-
-    def finish_step(self, saves: list[SaveSpec]) -> None:
-        """After the forward: every layer of each saved request is in host memory; hold it and tell the scheduler."""
-        for spec in saves:
-            copied = self._copied.pop(spec.request_id, {})
-            missing = [name for name in self.layer_names if name not in copied]
-            if missing:
-                log.error("pdstack connector: request %s: no KV saved for layers %s", spec.request_id, missing[:3])
-                continue
-            layers = [(copied[name], np.empty(0, np.uint8)) for name in self.layer_names]
-            meta = KVMeta(spec.lease_id, spec.num_tokens, self.fingerprint)
-            # A request saved again (preempted and rerun) replaces its old KV; another request's is never replaced.
-            replace = self._owners.get(spec.lease_id) == spec.request_id
             try:
-                # One digest unit per KV block (dim 0 of each copied layer), so decode can pull only the blocks
-                # its prefix cache lacks and still verify each of them.
-                stored = self.store.put(spec.lease_id, layers, meta, replace=replace, unit_rows=1)
-            except (KVTransferError, ValueError) as error:
-                log.error("pdstack connector: request %s: cannot hold its KV: %s", spec.request_id, error)
+                stream.stored.add(index, 0, spec.first_block * self.block_bytes[layer_name],
+                                  blocks.view(torch.uint8).numpy().reshape(-1))  # fmt: skip
+            except ValueError as error:  # sealed or failed under us (lease expired, replaced): it is over
+                self._drop(spec.request_id, f"cannot add layer {layer_name}: {error}")
+
+    def _open(self, spec: SaveSpec) -> _Stream | None:
+        specs = tuple(
+            (ArraySpec(np.dtype(np.uint8).str, (spec.total_blocks, self.block_bytes[name])),
+             ArraySpec(np.dtype(np.uint8).str, (0,)))
+            for name in self.layer_names
+        )  # fmt: skip
+        meta = KVMeta(spec.lease_id, spec.num_tokens, self.fingerprint)
+        replace = self._owners.get(spec.lease_id) == spec.request_id  # never another request's KV
+        try:
+            # One digest unit per KV block (a row), so decode can pull only the blocks its prefix cache lacks.
+            stored = self.store.open(spec.lease_id, meta, specs, replace=replace, unit_rows=1)
+        except (KVTransferError, ValueError) as error:
+            log.error("pdstack connector: request %s: cannot hold its KV: %s", spec.request_id, error)
+            return None
+        self._owners[spec.lease_id] = spec.request_id
+        while len(self._owners) > OWNERS_KEPT:
+            self._owners.popitem(last=False)
+        stream = _Stream(spec.request_id, spec.lease_id, stored, _count_served(stored))
+        self._streams[spec.request_id] = stream
+        return stream
+
+    def finish_step(self, saves: list[SaveSpec], aborts: list[str]) -> None:
+        """After the forward: log what each request streamed, seal the prompts this step completed, drop the
+        entries of requests the scheduler finished before their prompt was complete."""
+        self._step_begun = False
+        for request_id in aborts:
+            if self._drop(request_id, "its request ended before its prompt was prefilled (aborted or failed)"):
+                log.info("pdstack connector: request %s ended mid-prefill; its KV entry is aborted", request_id)
+        for spec in saves:
+            stream = self._streams.get(spec.request_id)
+            if stream is None:
                 continue
-            self._owners[spec.lease_id] = spec.request_id
-            while len(self._owners) > OWNERS_KEPT:
-                self._owners.popitem(last=False)
-            write_json_atomically(
-                result_path(self.settings.run_dir, spec.request_id),
-                {"checksum": stored.checksum, "num_tokens": spec.num_tokens},
-            )
+            stream.steps += 1
+            log.info(
+                "pdstack connector: lease %s step %d: blocks [%d, %d) of %d added, %d prompt tokens computed, %d "
+                "bytes served so far", spec.lease_id, stream.steps, spec.first_block,
+                spec.first_block + len(spec.block_ids), spec.total_blocks, spec.computed_tokens, stream.served[0],
+            )  # fmt: skip
+            if spec.seal:
+                self._seal(stream, spec)
+        self._forget_ended()
+
+    def _seal(self, stream: _Stream, spec: SaveSpec) -> None:
+        try:
+            stream.stored.seal()
+            # Only the last step's blocks are still being hashed: the checksum follows within that time.
+            checksum = self.loop.run(_checksum_of(stream.stored), timeout=self.settings.read_timeout_seconds)
+        except (ValueError, KVTransferError, TimeoutError) as error:
+            self._drop(spec.request_id, f"cannot seal its KV: {error}")
+            log.error("pdstack connector: request %s: cannot seal its KV: %s", spec.request_id, error)
+            return
+        del self._streams[spec.request_id]
+        write_json_atomically(
+            result_path(self.settings.run_dir, spec.request_id), {"checksum": checksum, "num_tokens": spec.num_tokens}
+        )
+        log.info(
+            "pdstack connector: lease %s sealed after %d steps: %d of %d bytes were already served while prefill "
+            "computed", stream.lease_id, stream.steps, stream.served[0], stream.stored.nbytes,
+        )  # fmt: skip
+
+    def _drop(self, request_id: str, why: str) -> bool:
+        """Abort a request's unsealed entry (pulls streaming it end not_found: decode recomputes)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        if not stream.stored.sealed:
+            self.store.abort(stream.lease_id, f"prefill of request {request_id!r}: {why}")
+        return True
+
+    def _forget_ended(self) -> None:
+        """Streams whose entry the store already let go of (lease run out, replaced): nothing more to add."""
+        now = self.store.clock()
+        for request_id, stream in list(self._streams.items()):
+            if stream.stored.failure is not None or stream.stored.expires_at <= now:
+                self._drop(request_id, "its lease ran out before its prompt was complete")
 
     def shutdown(self) -> None:
         try:
             self.loop.run(self.server.close(), timeout=5.0)
         finally:
             super().shutdown()
+
+
+async def _checksum_of(stored: StoredKV) -> str:
+    with stored.watch() as changed:
+        while not stored.checksum:
+            stored.check()
+            await changed.wait(1.0)
+    return stored.checksum
 
 
 @dataclass
