@@ -10,10 +10,18 @@ Load it with vLLM's own flag:
 
 (keys in pdserve.vllm.settings). The flow is vLLM's disaggregated-prefill proxy flow, with vLLM's field names:
 
-- Prefill (kv_producer) gets a request with kv_transfer_params {"do_remote_decode": true}. In the step that
-  completes its prompt, save_kv_layer copies the request's blocks of each layer to host memory (`.cpu()`, so the
-  same code serves CUDA tensors) as the layer is computed; wait_for_save puts the whole blob in pdserve's
-  LeaseStore, served by a KVServer in the worker process. request_finished returns do_remote_prefill,
+- Prefill (kv_producer) gets a request with kv_transfer_params {"do_remote_decode": true}. On its first prefill
+  step the worker opens a lease entry in pdserve's LeaseStore (served by a KVServer in the worker process); in
+  every step, save_kv_layer copies the blocks that step completed of each layer to host memory (`.cpu()`, so the
+  same code serves CUDA tensors) and adds them to the entry as the layer is computed, so a pull already waiting
+  streams them while prefill computes the next layers and chunks; the step that completes the prompt seals it.
+  The scheduler side tells the worker, each step, the prompt tokens computed and which blocks became complete: with
+  chunked prefill a block half filled at a chunk's end waits for the next step, the prompt's last partial block
+  comes with the prompt. The store digests each block (BLAKE3) on its own threads, off the forward thread; the
+  sealing step waits only for its own blocks' digests, to hand the checksum over. A request that ends before its
+  prompt is complete (aborted, client gone) has its entry aborted in the next step (pulls end not_found, decode
+  recomputes); a preempted one keeps its entry and resumes after the blocks already added (their KV does not
+  change). request_finished returns do_remote_prefill,
   remote_engine_id, remote_request_id, remote_host, remote_port, remote_block_ids, plus kv_checksum, num_tokens
   and the KV fingerprint, signed with pdserve.kv.params under the params key derived from the KV channel key.
 - Both report the KV channel's metrics (bytes, seconds, goodput, failures by cause, auth refusals, leases)
@@ -47,9 +55,7 @@ the request's `pdstack_transfer_id` instead of its vLLM request id, and its KV s
 num_tokens (the checksum comes at the end of the authenticated pull, the token count in its manifest).
 
 Limits of this version: tensor_parallel_size 1 (one KV server per instance), one KV cache group (no hybrid or
-sliding-window models), and the KV is put in the lease store after the forward that completes the prompt, not layer
-by layer (pdserve.kv's LeaseStore.open / StoredKV.add serve pulls while an entry is filled; wiring save_kv_layer to
-them is the next step).
+sliding-window models).
 """
 
 from __future__ import annotations
