@@ -274,12 +274,11 @@ class ProducerWorker(_Worker):
         )  # fmt: skip
 
     def _drop(self, request_id: str, why: str) -> bool:
-        """Abort a request's unsealed entry (pulls streaming it end not_found: decode recomputes)."""
+        """Abort a request's entry that will never be whole (pulls streaming it end not_found: decode recomputes)."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return False
-        if not stream.stored.sealed:
-            self.store.abort(stream.lease_id, f"prefill of request {request_id!r}: {why}")
+        self.store.abort(stream.lease_id, f"prefill of request {request_id!r}: {why}")
         return True
 
     def _forget_ended(self) -> None:
