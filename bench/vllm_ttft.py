@@ -147,18 +147,26 @@ def measure_point(
     for _ in range(repeats):
         round_ = {"colocated_ttft_s": colocated_ttft(pair, random_prompt(length, rng))}
         for flow in working:
-            round_[flow] = runners[flow](random_prompt(length, rng))
+            try:
+                round_[flow] = runners[flow](random_prompt(length, rng))
+            except (RuntimeError, AssertionError, httpx.HTTPError) as error:
+                round_[flow] = {"error": f"{type(error).__name__}: {error}"[:400]}
         rounds.append(round_)
     colocated = statistics.median(r["colocated_ttft_s"] for r in rounds)
     spec = sites.link.spec
     results: dict[str, Any] = {flow: {"error": error} for flow, error in errors.items()}
     for flow in working:
-        median = {name: statistics.median(r[flow][name] for r in rounds) for name in rounds[0][flow]}
+        measured = [r[flow] for r in rounds if "error" not in r[flow]]
+        if not measured:
+            results[flow] = {"error": rounds[-1][flow]["error"]}
+            continue
+        median = {name: statistics.median(m[name] for m in measured) for name in measured[0]}
         ideal_transfer_s = median["kv_bytes"] * 8 / (spec.rate_mbit * 1e6)
         bound = max(colocated, ideal_transfer_s) + spec.rtt_ms / 1000
         results[flow] = {"median": median, "ideal_transfer_s": ideal_transfer_s, "bound_s": bound,
                          "pd_over_colocated": median["ttft_s"] / colocated, "pd_over_bound": median["ttft_s"] / bound,
-                         "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"]}  # fmt: skip
+                         "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"],
+                         "failed_rounds": len(rounds) - len(measured)}  # fmt: skip
     return {"prompt_tokens": length, "colocated_ttft_s": colocated, "flows": results, "rounds": rounds}
 
 
@@ -226,8 +234,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{report['connector_commit']}`.",
         "",
         "| prompt tokens | flow | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
-        "| ideal transfer | bound | PD / colocated | PD / bound | link bytes / KV bytes |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ideal transfer | bound | PD / colocated | PD / bound | link bytes / KV bytes | failed rounds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for point in report["points"]:
         for flow, result in point["flows"].items():
@@ -253,13 +261,13 @@ def flows(text: str) -> tuple[str, ...]:
 def _row(point: dict[str, Any], flow: str, result: dict[str, Any]) -> str:
     head = f"| {point['prompt_tokens']} | {flow} | {point['colocated_ttft_s'] * 1e3:.0f} ms "
     if "error" in result:
-        return head + f"| failed: {result['error'][:160]} |" + " |" * 9
+        return head + f"| failed: {result['error'][:160]} |" + " |" * 10
     m = result["median"]
     return (head + f"| {m['ttft_s'] * 1e3:.0f} ms | {m['prefill_leg_s'] * 1e3:.0f} ms "
             f"| {m['decode_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
             f"| {result['ideal_transfer_s'] * 1e3:.0f} ms "
             f"| {result['bound_s'] * 1e3:.0f} ms | {result['pd_over_colocated']:.2f}x | {result['pd_over_bound']:.2f}x "
-            f"| {result['link_over_kv_bytes']:.3f} |")  # fmt: skip
+            f"| {result['link_over_kv_bytes']:.3f} | {result['failed_rounds']} |")  # fmt: skip
 
 
 def lengths(text: str) -> list[int]:
