@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ssl
 import time
@@ -15,10 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from pdserve.kv import auth
-from pdserve.kv.blob import DIGEST_BYTES, KVBlob, Layer, Manifest, blob_checksum, flat_views, unit_digests
+from pdserve.kv.blob import (
+    DIGEST_BYTES,
+    KVBlob,
+    Layer,
+    Manifest,
+    blob_checksum,
+    flat_views,
+    unit_digests,
+)
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
@@ -30,13 +37,19 @@ from pdserve.kv.protocol import (
     FrameType,
     chunk_plan,
     expect,
+    frame_errors,
     read_frame,
+    read_header,
     read_reply,
     write_frame,
     write_json,
 )
-
-STREAM_BUFFER_LIMIT = 8 << 20
+from pdserve.kv.recv import (
+    KVStreamReader,
+    destination_arrays,
+    open_kv_connection,
+    read_into,
+)
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,12 @@ class Connector:
     retries: int = 2
     backoff_s: float = 0.2
 
-    async def connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def connect(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter]:
         """Open an authenticated connection (see `connect_session`)."""
         reader, writer, _session = await self.connect_session(host, port)
         return reader, writer
 
-    async def connect_session(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    async def connect_session(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter, bytes]:
         """Open an authenticated connection and return it with its session key, retrying refused or timed-out
         connects with exponential backoff."""
         for attempt in range(self.retries + 1):
@@ -68,15 +81,14 @@ class Connector:
             await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _connect_once(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    async def _connect_once(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter, bytes]:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(
+                reader, writer = await open_kv_connection(
                     host,
                     port,
-                    ssl=self.ssl_context,
+                    ssl_context=self.ssl_context,
                     server_hostname=self.server_hostname if self.ssl_context else None,
-                    limit=STREAM_BUFFER_LIMIT,
                 )
         except TimeoutError as error:
             message = f"connect to {host}:{port} took over {self.connect_timeout_s:g} s"
@@ -93,7 +105,7 @@ class Connector:
             raise
         return reader, writer, session
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    async def _handshake(self, reader: KVStreamReader, writer: asyncio.StreamWriter) -> bytes:
         client_nonce = auth.new_nonce()
         write_frame(writer, FrameType.HELLO, client_nonce)
         challenge = expect(await read_frame(reader, self.read_timeout_s), FrameType.CHALLENGE).payload
@@ -115,9 +127,8 @@ class _Assembly:
         self.manifest = manifest
         self.units = manifest.units
         self.plan = chunk_plan(manifest, first_row)
-        self.layers: list[Layer] = [
-            (np.empty(k.shape, np.dtype(k.dtype)), np.empty(v.shape, np.dtype(v.dtype))) for k, v in manifest.layers
-        ]
+        arrays = destination_arrays([(spec.shape, spec.dtype) for pair in manifest.layers for spec in pair])
+        self.layers: list[Layer] = [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
         self._views = flat_views(self.layers)
         self._missing: dict[int, int] = {}  # unit -> bytes of it still to come
         for chunk in self.plan:
@@ -134,18 +145,21 @@ class _Assembly:
             overlaps.append((unit, min(stop, end) - max(start, chunk.offset)))
         return overlaps
 
-    def place(self, payload: bytes, expected: dict[tuple[int, int, int], Chunk]) -> None:
-        """Write a DATA payload where its sub-header says, if that is one of the `expected` chunks (then removed)."""
-        layer, part, offset = DATA_HEADER.unpack_from(payload)
-        data = memoryview(payload)[DATA_HEADER.size :]
+    def target(self, layer: int, part: int, offset: int, length: int,
+               expected: dict[tuple[int, int, int], Chunk]) -> tuple[Chunk, memoryview]:
+        """Where a DATA payload goes, if it is one of the `expected` chunks (then removed): the chunk and the slice
+        of its destination array."""
         chunk = expected.pop((layer, part, offset), None)
-        if chunk is None or chunk.length != len(data):
+        if chunk is None or chunk.length != length:
             raise KVTransferError(
                 "protocol",
-                f"got chunk (layer {layer}, part {part}, offset {offset}, {len(data)} bytes), which this stream was "
+                f"got chunk (layer {layer}, part {part}, offset {offset}, {length} bytes), which this stream was "
                 "not to receive (or received twice)",
             )
-        self._views[2 * layer + part][offset : offset + len(data)] = data
+        return chunk, self._views[2 * layer + part][offset : offset + length]
+
+    def landed(self, chunk: Chunk) -> None:
+        """A chunk's bytes are in place (and passed their frame CRC): hash every unit it completed."""
         complete = []
         for unit, overlap in self._overlaps(chunk):
             self._missing[unit] -= overlap
@@ -155,6 +169,29 @@ class _Assembly:
             loop = asyncio.get_running_loop()
             self._hashes.append(loop.run_in_executor(None, unit_digests, self._views, self.units, complete))
             self._hashed.append(complete)
+
+    async def receive(self, reader: KVStreamReader, timeout: float,
+                      expected: dict[tuple[int, int, int], Chunk]) -> None:
+        """Read the next DATA frame (skipping KEEPALIVEs) straight into its destination and check its CRC there."""
+        max_payload = DATA_HEADER.size + self.manifest.chunk_bytes
+        while True:
+            async with frame_errors(timeout):
+                header = await read_header(reader, max_payload)
+                if header.type is FrameType.DATA and header.length >= DATA_HEADER.size:
+                    sub = await reader.readexactly(DATA_HEADER.size)
+                    chunk, view = self.target(*DATA_HEADER.unpack(sub), header.length - DATA_HEADER.size, expected)
+                    await read_into(reader, view)
+                else:
+                    payload = await reader.readexactly(header.length)
+            if header.type is FrameType.DATA and header.length >= DATA_HEADER.size:
+                header.check_crc(sub, view)
+                self.landed(chunk)
+                return
+            header.check_crc(payload)
+            if header.type is not FrameType.KEEPALIVE:
+                expect(Frame(header.type, payload), FrameType.DATA)
+                raise KVTransferError("protocol", f"a DATA frame of {header.length} bytes is shorter than its "
+                                      "sub-header")
 
     async def verify(self, digests: bytes, checksum: str) -> None:
         """The announced unit digests hash to the announced checksum, and every unit received has its digest."""
@@ -198,14 +235,16 @@ class _Pull:
 
     def assembly_for(self, manifest_bytes: bytes) -> _Assembly:
         """The shared destination, created by whichever stream's manifest arrives first; all must agree."""
-        if self.assembly is not None:
-            if manifest_bytes != self.manifest_bytes:
-                raise KVTransferError("protocol", "streams of one pull received different manifests")
-            return self.assembly
         try:
             manifest = Manifest.from_bytes(manifest_bytes)
         except (ValueError, KeyError, TypeError) as error:
             raise KVTransferError("protocol", f"malformed manifest: {error}") from error
+        if self.assembly is not None:
+            # A stream whose PULL came after prefill sealed a streamed blob sees its checksum, the others an empty
+            # one; everything else must agree (END's MAC covers each stream's manifest and END's checksum).
+            if dataclasses.replace(manifest, checksum="") != dataclasses.replace(self.assembly.manifest, checksum=""):
+                raise KVTransferError("protocol", "streams of one pull received different manifests")
+            return self.assembly
         self._check(manifest)
         try:
             assembly = _Assembly(manifest, self.first_row)
@@ -238,7 +277,7 @@ PeerKey = tuple[str, int, str | None, auth.SecretKey, ssl.SSLContext | None]
 class KVConnection:
     """One authenticated connection to a KV server; `reused` is True when it came out of a pool's idle set."""
 
-    reader: asyncio.StreamReader
+    reader: KVStreamReader
     writer: asyncio.StreamWriter
     peer: PeerKey
     session: bytes  # the key the server MACs END under (pdserve.kv.auth.session_key)
@@ -495,12 +534,10 @@ async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
     try:
         manifest = expect(first, FrameType.MANIFEST).payload
         assembly = state.assembly_for(manifest)
-        max_payload = DATA_HEADER.size + assembly.manifest.chunk_bytes
         chunks = assembly.plan[index :: state.streams]
         expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
         while expected:
-            frame = expect(await read_reply(connection.reader, timeout, max_payload), FrameType.DATA)
-            assembly.place(frame.payload, expected)
+            await assembly.receive(connection.reader, timeout, expected)
         if index == 0:
             size = assembly.units.total * DIGEST_BYTES
             state.digests = expect(await read_reply(connection.reader, timeout, size), FrameType.DIGESTS).payload
@@ -508,6 +545,9 @@ async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
         if end.get("chunks") != len(chunks):
             raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
         _check_end_mac(connection.session, manifest, request, end, len(chunks))
+        announced = Manifest.from_bytes(manifest).checksum
+        if announced and announced != end.get("checksum"):
+            raise KVTransferError("protocol", f"stream {index}'s manifest and END announce different checksums")
         state.end_checksum(end.get("checksum"))
         clean = True
     finally:

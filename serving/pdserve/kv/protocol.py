@@ -41,9 +41,11 @@ header, unread) within one handshake deadline; afterwards request frames of at m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import struct
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,21 +152,50 @@ def write_error(writer: asyncio.StreamWriter, cause: Cause, message: str) -> Non
     write_json(writer, FrameType.ERROR, {"cause": cause, "message": message})
 
 
-async def read_frame(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
-    """Read one frame and verify its checksum; raise KVTransferError with the cause on any failure."""
+@dataclass(frozen=True)
+class Header:
+    """A frame header read and checked (magic, version, type, length bound), its payload not yet read."""
+
+    type: FrameType
+    length: int
+    crc: int
+    raw: bytes
+
+    def check_crc(self, *payload_parts: bytes | memoryview) -> None:
+        crc = crc32c(self.raw[:16])
+        for part in payload_parts:
+            crc = crc32c(part, crc)
+        if crc != self.crc:
+            raise KVTransferError("checksum", f"frame crc32c mismatch in a {self.type.name} frame")
+
+
+@contextlib.asynccontextmanager
+async def frame_errors(timeout: float) -> AsyncIterator[None]:
+    """Bound a frame read by `timeout`, and report timeouts and lost connections as KVTransferError."""
     try:
         async with asyncio.timeout(timeout):
-            header = await reader.readexactly(HEADER.size)
-            magic, version, raw_type, _flags, length, crc = HEADER.unpack(header)
-            _check_header(magic, version, raw_type, length, max_payload)
-            payload = await reader.readexactly(length)
+            yield
     except TimeoutError as error:
         raise KVTransferError("timeout", f"no complete frame within {timeout:g} s") from error
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as error:
         raise KVTransferError("connection", f"connection lost while reading a frame: {error!r}") from error
-    if crc32c(payload, crc32c(header[:16])) != crc:
-        raise KVTransferError("checksum", f"frame crc32c mismatch in a {FrameType(raw_type).name} frame")
-    return Frame(FrameType(raw_type), payload)
+
+
+async def read_header(reader: asyncio.StreamReader, max_payload: int) -> Header:
+    """The next frame's header (inside `frame_errors`)."""
+    raw = await reader.readexactly(HEADER.size)
+    magic, version, raw_type, _flags, length, crc = HEADER.unpack(raw)
+    _check_header(magic, version, raw_type, length, max_payload)
+    return Header(FrameType(raw_type), length, crc, raw)
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
+    """Read one frame and verify its checksum; raise KVTransferError with the cause on any failure."""
+    async with frame_errors(timeout):
+        header = await read_header(reader, max_payload)
+        payload = await reader.readexactly(header.length)
+    header.check_crc(payload)
+    return Frame(header.type, payload)
 
 
 async def read_reply(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
