@@ -11,6 +11,7 @@ and `read_into`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import ssl
 from asyncio.streams import FlowControlMixin
@@ -177,9 +178,7 @@ def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndar
     if total < HUGE_PAGE_BYTES or advice is None:
         return [np.empty(shape, np.dtype(dtype)) for shape, dtype in specs]
     region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
+    with contextlib.suppress(OSError):  # THP disabled: plain pages
         region.madvise(advice)
-    except OSError:
-        pass  # THP disabled: plain pages
     return [np.frombuffer(region, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
             for (shape, dtype), offset in zip(specs, offsets, strict=True)]

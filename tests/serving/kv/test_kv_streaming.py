@@ -182,7 +182,8 @@ def test_an_aborted_entry_ends_its_pulls_at_once(key: SecretKey, metrics: KVMetr
             pulling = asyncio.create_task(pull("127.0.0.1", server.port, "gone", None, key=key, **FAST))
             await asyncio.sleep(0.2)
             assert store.abort("gone", "prefill aborted the request")
-            with pytest.raises(KVTransferError, match="prefill aborted the request") as caught:
+            # Whether the pull was already waiting for data or arrives after the abort, it ends at once.
+            with pytest.raises(KVTransferError, match="prefill aborted") as caught:
                 await pulling
             assert caught.value.cause == "not_found"
             # Asked again, an id whose KV is gone fails without waiting for it to be opened.
