@@ -18,6 +18,7 @@ REPOSITORY_ARNS = "repository_arns"
 REPOSITORY_URLS = "repository_urls"
 CLUSTER_NAME = "cluster_name"
 SCHEDULER_URL = "scheduler_url"  # also in SSM Parameter Store (pdstack.contract.SCHEDULER_URL_PARAMETER)
+PROMETHEUS_URL = "prometheus_url"  # also in SSM Parameter Store (pdstack.contract.PROMETHEUS_URL_PARAMETER)
 
 # Exported by datacenter stacks only.
 MODEL_BUCKET = "model_bucket"

@@ -31,7 +31,7 @@ from infra.workloads import (
     ratelimit_store_config,
 )
 from pdstack.catalog import Catalog, load_catalog
-from pdstack.contract import contract, gateway_keys_file, scheduler_url_parameter
+from pdstack.contract import contract, gateway_keys_file, prometheus_url_parameter, scheduler_url_parameter
 from pdstack.model import DatacenterRole, Environment, Serving
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
@@ -232,6 +232,9 @@ def build_control_plane(
             },
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
+            # The controller queries Prometheus (canary judge) from where it calls the scheduler's admin API: the
+            # serving datacenters' networks, the only ones the scheduler's load balancer admits besides the pods.
+            prometheus_cidrs=[str(d.cidr) for d in serving_dcs],
             cluster_cidr=str(dc.cidr),
             prometheus_config=scrape_config(
                 view.env, namespace, contract(serving),
@@ -259,6 +262,13 @@ def build_control_plane(
         tags=tags,
     )
     pulumi.export(outputs.SCHEDULER_URL, workloads.scheduler_url)
+    # Prometheus' URL, for the controller's canary judge (deploy.yml), the same way.
+    aws.ssm.Parameter(
+        "prometheus-url", name=prometheus_url_parameter(view.env), type="String", value=workloads.prometheus_url,
+        description=f"pdstack {view.env}: Prometheus' load balancer URL (the canary judge's --prometheus)",
+        tags=tags,
+    )
+    pulumi.export(outputs.PROMETHEUS_URL, workloads.prometheus_url)
 
 
 def _serving(view: EnvironmentView) -> Serving:

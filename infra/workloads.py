@@ -66,6 +66,7 @@ class ControlWorkloadsArgs:
     secret_values: Mapping[str, pulumi.Input[str]]  # secret Outputs
     client_cidrs: Sequence[str]  # who may call the gateway: the environment's networks
     datacenter_cidrs: Sequence[str]  # who heartbeats to the scheduler: the serving datacenters
+    prometheus_cidrs: Sequence[str]  # who queries Prometheus through its load balancer: the controller's networks
     cluster_cidr: str  # the control VPC: NLB health checks come from it
     prometheus_config: Mapping[str, Any]
     alert_rules: str  # monitoring/alerts.yml, loaded by Prometheus
@@ -106,6 +107,12 @@ def load_balancer_url(status: k8s.core.v1.outputs.ServiceStatus | None, served: 
     """The scheduler's URL behind its load balancer (the Service listens on the scheduler's own port)."""
     host = ingress_host(status)
     return None if host is None else served.scheduler_url(host)
+
+
+def prometheus_load_balancer_url(status: k8s.core.v1.outputs.ServiceStatus | None, served: Contract) -> str | None:
+    """Prometheus' URL behind its load balancer (the Service listens on Prometheus' own port)."""
+    host = ingress_host(status)
+    return None if host is None else served.prometheus_url(host)
 
 
 def storage_class(env: str) -> str:
@@ -191,7 +198,9 @@ class ControlWorkloads(pulumi.ComponentResource):
         for app in (gateway, scheduler):
             self._pods_service(name, app)
         self._network_policies(name)
-        self._prometheus(name)
+        # What the controller's canary judge queries: Prometheus' internal load balancer
+        self.prometheus_url: pulumi.Output[str | None] = self._prometheus(name).status.apply(
+            lambda status: prometheus_load_balancer_url(status, served))
         self._alertmanager(name)
         self._ratelimit_store(name)
         self.register_outputs({})
@@ -277,15 +286,20 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
 
     def _load_balancer(self, name: str, app: AppSpec, sources: list[str]) -> k8s.core.v1.Service:
+        return self._internal_load_balancer(name, app.name, app.port, sources)
+
+    def _internal_load_balancer(self, name: str, app: str, port: int, sources: list[str]) -> k8s.core.v1.Service:
+        """An internal NLB on the pods of `app`, admitting only `sources` (the node security-group rules the
+        cloud controller makes from loadBalancerSourceRanges; the app's NetworkPolicy admits the same blocks)."""
         return k8s.core.v1.Service(
-            f"{name}-{app.name}",
-            metadata={"name": app.name, "namespace": self.args.namespace, "annotations": NLB_ANNOTATIONS},
+            f"{name}-{app}",
+            metadata={"name": app, "namespace": self.args.namespace, "annotations": NLB_ANNOTATIONS},
             spec={
                 "type": "LoadBalancer",
-                "external_traffic_policy": "Local",  # keeps the client address for rate limits and logs
+                "external_traffic_policy": "Local",  # keeps the client address for rate limits, logs and policies
                 "load_balancer_source_ranges": sorted(set(sources)),
-                "selector": {"app": app.name},
-                "ports": [{"name": "http", "port": app.port, "target_port": "http", "protocol": "TCP"}],
+                "selector": {"app": app},
+                "ports": [{"name": "http", "port": port, "target_port": "http", "protocol": "TCP"}],
             },
             opts=self.opts,
         )
@@ -318,7 +332,8 @@ class ControlWorkloads(pulumi.ComponentResource):
              "ports": [{"port": gateway_port, "protocol": "TCP"}]},
         ])
         policy("prometheus", {"match_labels": {"app": "prometheus"}},
-               [{"from": [{"pod_selector": {}}], "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
+               [{"from": [{"pod_selector": {}}, *blocks(a.prometheus_cidrs)],
+                 "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
         policy(RATELIMIT_STORE, {"match_labels": {"app": RATELIMIT_STORE}},
                [{"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}}],
                  "ports": [{"port": a.contract.ratelimit_store.port, "protocol": "TCP"}]}])
@@ -326,7 +341,7 @@ class ControlWorkloads(pulumi.ComponentResource):
                [{"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
                  "ports": [{"port": a.contract.alertmanager.port, "protocol": "TCP"}]}])
 
-    def _prometheus(self, name: str) -> None:
+    def _prometheus(self, name: str) -> k8s.core.v1.Service:
         a, ns = self.args, self.args.namespace
         labels = {"app": "prometheus"}
         k8s.core.v1.ServiceAccount(
@@ -391,13 +406,9 @@ class ControlWorkloads(pulumi.ComponentResource):
             },
             opts=self.opts,
         )
-        k8s.core.v1.Service(
-            f"{name}-prometheus",
-            metadata={"name": "prometheus", "namespace": ns},
-            spec={"type": "ClusterIP", "selector": labels,
-                  "ports": [{"name": "http", "port": port, "target_port": "http", "protocol": "TCP"}]},
-            opts=self.opts,
-        )
+        # In-cluster clients keep calling prometheus.<ns>.svc on its ClusterIP; the controller, outside the
+        # cluster, calls its internal load balancer.
+        return self._internal_load_balancer(name, "prometheus", port, [*a.prometheus_cidrs])
 
     def _alertmanager(self, name: str) -> None:
         a = self.args

@@ -55,6 +55,11 @@ RATELIMIT_STORE_DB = 0
 # -- where the cloud's scheduler is: its load balancer's URL, which the control-plane stack writes to SSM Parameter
 # Store under this name (infra/program.py) and inventories/aws reads for the GPU nodes (pdstack_scheduler_endpoint)
 SCHEDULER_URL_PARAMETER = "/pdstack/{env}/scheduler-url"
+# -- and the cloud's Prometheus, which the controller's canary judge queries: its internal load balancer's URL, under
+# this name (infra/program.py), read by inventories/aws as pdstack_prometheus_endpoint; the name reaches Ansible in
+# the cloud environments' rendered contract vars (PROMETHEUS_URL_PARAMETER_VAR)
+PROMETHEUS_URL_PARAMETER = "/pdstack/{env}/prometheus-url"
+PROMETHEUS_URL_PARAMETER_VAR = "pdstack_prometheus_url_parameter"
 
 # -- Prometheus job names: one scheme, used by the local and the cloud Prometheus ------------------------------
 PROMETHEUS_JOB = "prometheus"
@@ -140,6 +145,10 @@ def scheduler_url_parameter(env: str) -> str:
     return SCHEDULER_URL_PARAMETER.format(env=env)
 
 
+def prometheus_url_parameter(env: str) -> str:
+    return PROMETHEUS_URL_PARAMETER.format(env=env)
+
+
 def gateway_keys_file(key: str, tenant: str) -> str:
     """The gateway's API keys file (pdserve.gateway.auth) for one tenant holding `key`: its sha256 digest only, so
     the file the gateway reads never holds a key a client could present."""
@@ -214,6 +223,9 @@ class Contract:
 
     def scheduler_url(self, host: str) -> str:
         return f"http://{host}:{self[Component.SCHEDULER].port}"
+
+    def prometheus_url(self, host: str) -> str:
+        return f"http://{host}:{self.prometheus.port}"
 
     def ratelimit_storage(self, host: str) -> str:
         """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`."""
@@ -292,7 +304,10 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
 
 
 def render_ansible_vars(env: str, serving: Serving) -> str:
-    return HEADER.format(env=env) + yaml.safe_dump(ansible_vars(contract(serving)), sort_keys=False)
+    rendered = ansible_vars(contract(serving))
+    if env != Environment.LOCAL:  # only the cloud's Prometheus is behind a load balancer whose URL is in SSM
+        rendered[PROMETHEUS_URL_PARAMETER_VAR] = prometheus_url_parameter(env)
+    return HEADER.format(env=env) + yaml.safe_dump(rendered, sort_keys=False)
 
 
 def environment_serving(stacks_dir: Path, env: str) -> Serving:

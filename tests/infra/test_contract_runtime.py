@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
-from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, load_balancer_url
+from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, load_balancer_url, prometheus_load_balancer_url
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.gateway.app import create_app as gateway_app
 from pdserve.gateway.settings import GatewaySettings
@@ -32,6 +32,7 @@ from pdstack.contract import (
     Contract,
     contract,
     environment_serving,
+    prometheus_url_parameter,
     scheduler_url_parameter,
 )
 from pdstack.synth import Synthesis
@@ -361,7 +362,7 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     """The control-plane stack writes the scheduler's load-balancer URL where inventories/aws reads it, and that URL
     reaches the port the scheduler listens on (tests/inventories reads it through the inventory from moto)."""
     graph = graphs[f"{env}-control"]
-    (parameter,) = graph.of_type("aws:ssm/parameter:Parameter")
+    (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "scheduler-url"]
     stacks = yaml.safe_load((ROOT / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
     assert parameter.inputs["name"] == scheduler_url_parameter(env) == stacks["pdstack_cloud"][env][
         "scheduler_url_parameter"]
@@ -385,3 +386,42 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     assert parsed.host == nlb
     assert parsed.port == service["spec"]["ports"][0]["port"] == scheduler.port
     assert load_balancer_url(k8s_outputs.ServiceStatus(), contract_of(env)) is None  # not made yet: no URL
+
+
+@pytest.mark.parametrize("env", CLOUD)
+def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_name_the_inventory_reads(
+    graphs: dict[str, Synthesis], env: str
+) -> None:
+    """The control-plane stack writes Prometheus' load-balancer URL where inventories/aws reads it (the name in the
+    environment's rendered contract vars), the load balancer is internal and admits only the serving datacenters'
+    networks (those the scheduler's admits; the NetworkPolicy the same), and the URL reaches the port Prometheus
+    listens on."""
+    graph = graphs[f"{env}-control"]
+    (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "prometheus-url"]
+    assert parameter.inputs["name"] == prometheus_url_parameter(env) == f"/pdstack/{env}/prometheus-url"
+    assert parameter.inputs["name"] == ansible_contract(env)["pdstack_prometheus_url_parameter"]
+    assert parameter.inputs["type"] == "String"
+    assert "prometheus_url" in graph.outputs
+    services = _objects(graph, "kubernetes:core/v1:Service")
+    service = services["prometheus"]
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
+    sources = set(service["spec"]["loadBalancerSourceRanges"])
+    assert sources == set(services["scheduler"]["spec"]["loadBalancerSourceRanges"])
+    assert sources and not any(c.endswith("/0") for c in sources)
+    policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")["prometheus"]
+    blocks = {f["ipBlock"]["cidr"] for rule in policy["spec"]["ingress"] for f in rule["from"] if "ipBlock" in f}
+    assert sources <= blocks and not any(c.endswith("/0") for c in blocks)
+    statefulset = _objects(graph, "kubernetes:apps/v1:StatefulSet")["prometheus"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    listen = next(a for a in container["args"] if a.startswith("--web.listen-address="))
+    nlb = "internal-e5f6a7-0123456789.elb.us-east-1.amazonaws.com"
+    status = k8s_outputs.ServiceStatus(load_balancer=k8s_outputs.LoadBalancerStatus(
+        ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)]))
+    url = prometheus_load_balancer_url(status, contract_of(env))
+    assert url is not None
+    parsed = httpx.URL(url)
+    assert parsed.scheme == "http" and parsed.host == nlb
+    assert parsed.port == service["spec"]["ports"][0]["port"] == contract_of(env).prometheus.port
+    assert listen == f"--web.listen-address=:{parsed.port}"
+    assert prometheus_load_balancer_url(k8s_outputs.ServiceStatus(), contract_of(env)) is None

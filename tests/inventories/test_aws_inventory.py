@@ -26,7 +26,7 @@ import yaml
 
 from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
-from pdstack.contract import contract, environment_serving
+from pdstack.contract import contract, environment_serving, prometheus_url_parameter
 from pdstack.stacks import load_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -369,27 +369,39 @@ def test_the_pdserve_role_makes_podman_secrets_from_secrets_manager_without_logg
     assert targets == {s["target"] for s in wanted}
 
 
+def load_balancer_status(hostname: str) -> Any:
+    """A LoadBalancer Service's status once AWS has made its NLB, as Kubernetes reports it."""
+    from pulumi_kubernetes.core.v1 import outputs  # noqa: PLC0415
+
+    return outputs.ServiceStatus(load_balancer=outputs.LoadBalancerStatus(
+        ingress=[outputs.LoadBalancerIngress(hostname=hostname)]))  # fmt: skip
+
+
 def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_balancer(
     launched: dict[str, dict[str, Any]], synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    """The control-plane stack's SSM parameter (as `pdstack synth` names it) holds the scheduler's load-balancer URL;
-    through inventories/aws, serving.yml runs no control play and the GPU nodes and the controller's weights calls
-    use that URL."""
-    from pulumi_kubernetes.core.v1 import outputs  # noqa: PLC0415
-
-    from infra.workloads import load_balancer_url  # noqa: PLC0415 (the program's module, plain Python)
+    """The control-plane stack's SSM parameters (as `pdstack synth` names them) hold the scheduler's and Prometheus'
+    load-balancer URLs; through inventories/aws, serving.yml runs no control play, the GPU nodes and the controller's
+    weights calls use the scheduler's URL, and the controller's canary judge (deploy.yml) queries Prometheus' URL."""
+    from infra.workloads import (  # noqa: PLC0415 (the program's module, plain Python)
+        load_balancer_url,
+        prometheus_load_balancer_url,
+    )
 
     control = next(s for s in synthesised if s["stack"] == "prod-control")
-    (parameter,) = [r for r in control["resources"] if r["type"] == "aws:ssm/parameter:Parameter"]
-    nlb = "internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"
-    status = outputs.ServiceStatus(load_balancer=outputs.LoadBalancerStatus(
-        ingress=[outputs.LoadBalancerIngress(hostname=nlb)]))
-    url = load_balancer_url(status, contract(environment_serving(REPO / "stacks", "prod")))
-    assert url is not None
+    parameters = {r["name"]: r["inputs"] for r in control["resources"] if r["type"] == "aws:ssm/parameter:Parameter"}
+    assert parameters["prometheus-url"]["name"] == prometheus_url_parameter("prod")
+    served = contract(environment_serving(REPO / "stacks", "prod"))
+    url = load_balancer_url(load_balancer_status("internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"),
+                            served)
+    prometheus_url = prometheus_load_balancer_url(
+        load_balancer_status("internal-e5f6a7b8-0123456789abcdef.elb.us-east-1.amazonaws.com"), served)
+    assert url is not None and prometheus_url is not None
     ssm = boto3.client("ssm", region_name=control["outputs"]["region"], endpoint_url=moto,
                        aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
-    ssm.put_parameter(Name=parameter["inputs"]["name"], Value=url, Type=parameter["inputs"]["type"], Overwrite=True)
+    for name, value in (("scheduler-url", url), ("prometheus-url", prometheus_url)):
+        ssm.put_parameter(Name=parameters[name]["name"], Value=value, Type=parameters[name]["type"], Overwrite=True)
 
     listed = subprocess.run(
         [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(REPO / "playbooks" / "serving.yml"), "--list-hosts",
@@ -410,8 +422,8 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
         {"name": "Where each party calls the scheduler", "hosts": "prefill:decode:localhost", "gather_facts": False,
          "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
          "tasks": [{"name": "Write it on the controller", "delegate_to": "localhost", "ansible.builtin.copy": {
-             "content": "{{ {'scheduler_url': pdserve_scheduler_url, 'weights_host': pdserve_weights_host}"
-                        " | to_json }}",
+             "content": "{{ {'scheduler_url': pdserve_scheduler_url, 'weights_host': pdserve_weights_host,"
+                        " 'prometheus_url': pdstack_prometheus_url} | to_json }}",
              "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600"}}]},
     ]))  # fmt: skip
     probe = subprocess.run(
@@ -424,5 +436,5 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     gpu = [i for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"]
     assert len(seen) == len(gpu) + 1
     for name, got in seen.items():  # the role's weights calls run where they are templated: on the controller
-        assert got == {"scheduler_url": url, "weights_host": name}, name
+        assert got == {"scheduler_url": url, "weights_host": name, "prometheus_url": prometheus_url}, name
     assert seen["localhost"]["weights_host"] == "localhost"

@@ -1,6 +1,6 @@
 """The same serving plays through inventories/local, where the control plane is an inventory host: every server and
-the controller call the scheduler on the first control node, and the weights calls are delegated to it (the cloud
-counterpart is in test_aws_inventory.py)."""
+the controller call the scheduler on the first control node, the weights calls are delegated to it, and the canary
+judge queries the Prometheus on it (the cloud counterpart is in test_aws_inventory.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ BIN = Path(sys.executable).parent
 INVENTORY = REPO / "inventories" / "local" / "hosts.yml"
 
 
-def test_local_plays_reach_the_scheduler_on_the_first_control_node(tmp_path: Path) -> None:
+def test_local_plays_reach_the_scheduler_and_prometheus_on_the_first_control_node(tmp_path: Path) -> None:
     listed = subprocess.run([str(BIN / "ansible-inventory"), "-i", str(INVENTORY), "--list"], cwd=REPO,
                             capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
     first = json.loads(listed.stdout)["control"]["hosts"][0]
-    port = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / "local.yml").read_text())[
-        "pdserve_components"]["scheduler"]["port"]
+    rendered = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / "local.yml").read_text())
+    port = rendered["pdserve_components"]["scheduler"]["port"]
+    assert "pdstack_prometheus_url_parameter" not in rendered  # no SSM locally
     play_dir = tmp_path / "play"  # beside playbooks/vars, as the playbooks are
     play_dir.mkdir()
     (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
@@ -30,6 +31,7 @@ def test_local_plays_reach_the_scheduler_on_the_first_control_node(tmp_path: Pat
          "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
          "tasks": [{"name": "Write it on the controller", "delegate_to": "localhost", "ansible.builtin.copy": {
              "content": "{{ {'scheduler_url': pdserve_scheduler_url, 'weights_host': pdserve_weights_host,"
+                        " 'prometheus_url': pdstack_prometheus_url,"
                         " 'address': hostvars[groups['control'][0]]['pdstack_address']} | to_json }}",
              "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600"}}]},
     ]))  # fmt: skip
@@ -43,3 +45,4 @@ def test_local_plays_reach_the_scheduler_on_the_first_control_node(tmp_path: Pat
     for name, got in seen.items():
         assert got["scheduler_url"] == f"http://{got['address']}:{port}", name
         assert got["weights_host"] == first, name  # the admin token goes to the control node only
+        assert got["prometheus_url"] == f"http://{got['address']}:{rendered['prometheus_port']}", name
