@@ -232,9 +232,7 @@ def build_control_plane(
             },
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
-            # The controller queries Prometheus (canary judge) from where it calls the scheduler's admin API: the
-            # serving datacenters' networks, the only ones the scheduler's load balancer admits besides the pods.
-            prometheus_cidrs=[str(d.cidr) for d in serving_dcs],
+            controller_cidrs=[str(c) for c in network.plan.management],
             cluster_cidr=str(dc.cidr),
             prometheus_config=scrape_config(
                 view.env, namespace, contract(serving),

@@ -66,7 +66,10 @@ class ControlWorkloadsArgs:
     secret_values: Mapping[str, pulumi.Input[str]]  # secret Outputs
     client_cidrs: Sequence[str]  # who may call the gateway: the environment's networks
     datacenter_cidrs: Sequence[str]  # who heartbeats to the scheduler: the serving datacenters
-    prometheus_cidrs: Sequence[str]  # who queries Prometheus through its load balancer: the controller's networks
+    # Where the controller (ansible-playbook) runs: the control VPC's management subnets. It calls the scheduler's
+    # admin API (weights) and Prometheus (canary judge) through their load balancers, and the decode servers
+    # (golden outputs) on ports the GPU nodes open to the control VPC only.
+    controller_cidrs: Sequence[str]
     cluster_cidr: str  # the control VPC: NLB health checks come from it
     prometheus_config: Mapping[str, Any]
     alert_rules: str  # monitoring/alerts.yml, loaded by Prometheus
@@ -191,7 +194,8 @@ class ControlWorkloads(pulumi.ComponentResource):
             opts=self.opts,
         )
         self._load_balancer(name, gateway, sources=[*args.client_cidrs])
-        scheduler_service = self._load_balancer(name, scheduler, sources=[*args.datacenter_cidrs])
+        scheduler_service = self._load_balancer(name, scheduler,
+                                                sources=[*args.datacenter_cidrs, *args.controller_cidrs])
         # What the GPU nodes call: the scheduler's internal load balancer (known once AWS has made it)
         self.scheduler_url: pulumi.Output[str | None] = scheduler_service.status.apply(
             lambda status: load_balancer_url(status, served))
@@ -332,7 +336,7 @@ class ControlWorkloads(pulumi.ComponentResource):
              "ports": [{"port": gateway_port, "protocol": "TCP"}]},
         ])
         policy("prometheus", {"match_labels": {"app": "prometheus"}},
-               [{"from": [{"pod_selector": {}}, *blocks(a.prometheus_cidrs)],
+               [{"from": [{"pod_selector": {}}, *blocks(a.controller_cidrs)],
                  "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
         policy(RATELIMIT_STORE, {"match_labels": {"app": RATELIMIT_STORE}},
                [{"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}}],
@@ -408,7 +412,7 @@ class ControlWorkloads(pulumi.ComponentResource):
         )
         # In-cluster clients keep calling prometheus.<ns>.svc on its ClusterIP; the controller, outside the
         # cluster, calls its internal load balancer.
-        return self._internal_load_balancer(name, "prometheus", port, [*a.prometheus_cidrs])
+        return self._internal_load_balancer(name, "prometheus", port, [*a.controller_cidrs])
 
     def _alertmanager(self, name: str) -> None:
         a = self.args

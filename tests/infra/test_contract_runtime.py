@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import yaml
 from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
+from infra.network import plan_subnets
 from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, load_balancer_url, prometheus_load_balancer_url
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.gateway.app import create_app as gateway_app
@@ -37,7 +39,7 @@ from pdstack.contract import (
 )
 from pdstack.synth import Synthesis
 
-from .conftest import ROOT, STACKS
+from .conftest import ROOT, STACKS, stack_config
 
 ENVIRONMENTS = ("local", "dev", "staging", "prod")
 CLOUD = ("dev", "staging", "prod")
@@ -393,9 +395,8 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     graphs: dict[str, Synthesis], env: str
 ) -> None:
     """The control-plane stack writes Prometheus' load-balancer URL where inventories/aws reads it (the name in the
-    environment's rendered contract vars), the load balancer is internal and admits only the serving datacenters'
-    networks (those the scheduler's admits; the NetworkPolicy the same), and the URL reaches the port Prometheus
-    listens on."""
+    environment's rendered contract vars), the load balancer is internal and admits only the controller's networks
+    (the NetworkPolicy the same), and the URL reaches the port Prometheus listens on."""
     graph = graphs[f"{env}-control"]
     (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "prometheus-url"]
     assert parameter.inputs["name"] == prometheus_url_parameter(env) == f"/pdstack/{env}/prometheus-url"
@@ -406,12 +407,20 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     service = services["prometheus"]
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
+    # Only the controller's networks: the control VPC's management subnets, from which it also reaches the
+    # scheduler's admin API and the decode servers' ports (golden outputs)
+    control_vpc = stack_config(f"{env}-control").datacenter.cidr
     sources = set(service["spec"]["loadBalancerSourceRanges"])
-    assert sources == set(services["scheduler"]["spec"]["loadBalancerSourceRanges"])
-    assert sources and not any(c.endswith("/0") for c in sources)
+    assert sources == {str(c) for c in plan_subnets(control_vpc).management}
+    assert sources <= set(services["scheduler"]["spec"]["loadBalancerSourceRanges"])
+    decode_rules = [r.inputs["cidrIpv4"] for g in graphs_of(graphs, env).values()
+                    for r in g.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+                    if r.inputs["tags"].get("pdstack:purpose") == "serving-decode"]
+    assert decode_rules
+    assert all(any(ip_network(c).subnet_of(ip_network(rule)) for rule in decode_rules) for c in sources)
     policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")["prometheus"]
     blocks = {f["ipBlock"]["cidr"] for rule in policy["spec"]["ingress"] for f in rule["from"] if "ipBlock" in f}
-    assert sources <= blocks and not any(c.endswith("/0") for c in blocks)
+    assert sources <= blocks and not any(ip_network(c).prefixlen == 0 for c in blocks)
     statefulset = _objects(graph, "kubernetes:apps/v1:StatefulSet")["prometheus"]
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     listen = next(a for a in container["args"] if a.startswith("--web.listen-address="))

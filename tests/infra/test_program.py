@@ -280,12 +280,15 @@ def test_gateway_is_an_internal_nlb_open_only_to_the_environment(graphs: dict[st
     gateway = services["gateway"].inputs
     assert gateway["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
     assert set(gateway["spec"]["loadBalancerSourceRanges"]) == {"10.30.0.0/20", "10.31.0.0/16", "10.32.0.0/16"}
-    assert set(services["scheduler"].inputs["spec"]["loadBalancerSourceRanges"]) == {"10.31.0.0/16", "10.32.0.0/16"}
-    # Prometheus: internal too, for the controller's canary judge, from the networks the scheduler's NLB admits
+    # the scheduler: the serving datacenters (heartbeats) and the controller in the control VPC's management
+    # subnets (weights); Prometheus, internal too: the controller alone (canary judge)
+    controller = {"10.30.10.0/24", "10.30.11.0/24"}
+    assert set(services["scheduler"].inputs["spec"]["loadBalancerSourceRanges"]) == {
+        "10.31.0.0/16", "10.32.0.0/16", *controller}
     prometheus = services["prometheus"].inputs
     assert prometheus["spec"]["type"] == "LoadBalancer"
     assert prometheus["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"
-    assert set(prometheus["spec"]["loadBalancerSourceRanges"]) == {"10.31.0.0/16", "10.32.0.0/16"}
+    assert set(prometheus["spec"]["loadBalancerSourceRanges"]) == controller
 
 
 def test_deployments_have_distinct_probes_requests_and_disruption_budgets(graphs: dict[str, Synthesis]) -> None:
