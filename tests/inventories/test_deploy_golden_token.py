@@ -1,0 +1,67 @@
+"""deploy.yml's golden-output check holds the server token wherever the inventory keeps it: a file in
+pdstack_secrets_dir locally, a Secrets Manager value in the cloud (inventories/aws: pdserve_secret_values), which it
+hands to `pdstack canary golden` in a private file that is gone afterwards. The check's own tasks, taken from
+deploy.yml, run on this machine; `pdstack canary golden` is a stand-in script (no decode servers here) that reports
+the key file it was given."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    plays = yaml.safe_load((REPO / "playbooks" / "deploy.yml").read_text())
+    play = next(p for p in plays if p["name"] == "Analyse the canary")
+    golden = play["tasks"][0]["block"][0]  # the golden outputs' block, before the traffic steps
+    report = tmp_path / "golden.json"
+    cli = tmp_path / "pdstack"
+    cli.write_text(f"#!{sys.executable}\n"
+                   "import json, os, stat, sys\n"
+                   "path = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--api-key-file='))\n"
+                   f"json.dump({{'path': path, 'mode': stat.S_IMODE(os.stat(path).st_mode),"
+                   f" 'key': open(path).read()}}, open({str(report)!r}, 'w'))\n")  # fmt: skip
+    cli.chmod(0o700)
+    play_vars = {k: v for k, v in play["vars"].items() if k != "pdserve_canary_baseline"}
+    play_vars |= {"pdstack_cli": str(cli), "canary_decode": "decode-a", "baseline_decode": "decode-b",
+                  "decode_port": 8300, **extra}  # fmt: skip
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"decode": {"hosts": {
+        "decode-a": {"pdstack_address": "10.31.0.10"}, "decode-b": {"pdstack_address": "10.31.0.11"}}}}}}))
+    (tmp_path / "golden.yml").write_text(yaml.safe_dump(
+        [{"name": "Golden check", "hosts": "localhost", "connection": "local", "gather_facts": False,
+          "vars": play_vars, "tasks": [golden]}]))  # fmt: skip
+    run = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "golden.yml"), "-vvv"],
+        cwd=tmp_path, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    got: dict[str, Any] = json.loads(report.read_text())
+    got["log"] = run.stdout + run.stderr
+    return got
+
+
+def test_locally_the_golden_check_reads_the_token_file_in_the_secrets_dir(tmp_path: Path) -> None:
+    token = tmp_path / "server-api.token"
+    token.write_text("local-token")
+    got = golden_play(tmp_path, {"pdserve_server_token_file": str(token)})
+    assert got["path"] == str(token) and got["key"] == "local-token"
+    assert token.exists()  # the operator's file is left alone
+
+
+def test_in_the_cloud_the_golden_check_gets_the_stores_token_in_a_private_file_then_it_is_gone(tmp_path: Path) -> None:
+    value = "cloud-token-3f9a1c"
+    got = golden_play(tmp_path, {"pdserve_secret_values": {"server-api-token": value},
+                                 "pdserve_server_token_file": str(tmp_path / "absent.token")})  # fmt: skip
+    assert got["key"] == value and got["path"] != str(tmp_path / "absent.token")
+    assert got["mode"] == stat.S_IRUSR | stat.S_IWUSR
+    assert not Path(got["path"]).exists()
+    assert value not in got["log"]  # not logged, even at -vvv
