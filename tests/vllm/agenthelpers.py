@@ -8,7 +8,6 @@ $PDSTACK_MAIN_PYTHON), since vLLM's lacks the gateway's rate-limit dependencies.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from tests.serving.scheduler.services import (
     write_secret,
 )
 from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, VLLMServer
+from tests.vllm.test_connector import prompt_of
 
 MODEL_NAME = "tiny"
 API_KEY = KEYS["bulk"]
@@ -47,11 +47,6 @@ def main_python() -> str:
         pytest.fail(f"the gateway needs pdserve's environment: {python} is missing (make venv, or set "
                     "PDSTACK_MAIN_PYTHON)")  # fmt: skip
     return python
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]
 
 
 @dataclass

@@ -5,14 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.kv.params import derive_params_key, sign
-from pdserve.vllm.worker import VLLM_ADDED_FIELDS
 from tests.vllm.conftest import Pair
-
-
-def resign(pair: Pair, params: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    """Params as a prefill (or the gateway) holding the params key would have issued them with `changes`."""
-    issued = {name: value for name, value in params.items() if name not in VLLM_ADDED_FIELDS}
-    return sign(derive_params_key(pair.key.material), {**issued, **changes})
 
 
 def early_dispatch_params(pair: Pair, transfer_id: str, kv_fingerprint: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from tests.vllm.conftest import (
     SilentServer,
     VLLMServer,
 )
-from tests.vllm.kvhelpers import early_dispatch_params, resign
+from tests.vllm.kvhelpers import early_dispatch_params
 
 MAX_TOKENS = 16
 
@@ -130,7 +130,7 @@ def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
     params = pair.prefill_params(prompt)
     # Past the handshake and the manifest: the byte lands in a DATA frame of the stream that carries data.
     with FlippingProxy(pair.kv_port, flip_at=4096) as proxy:
-        through_proxy = resign(pair, params, remote_port=proxy.port)
+        through_proxy = pair.resign(params, remote_port=proxy.port)
         answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=through_proxy)
     assert proxy.flipped >= 1
     assert token_ids(answer) == colocated
@@ -158,7 +158,7 @@ def test_fingerprint_mismatch_is_refused_naming_the_field(pair: Pair) -> None:
     params = pair.prefill_params(prompt)
     other_layout = {**params["kv_fingerprint_fields"], "block_size": 2 * BLOCK_SIZE}
     with FlippingProxy(pair.kv_port, flip_at=10**9) as proxy:
-        mismatched = resign(pair, params, kv_fingerprint_fields=other_layout, remote_port=proxy.port)
+        mismatched = pair.resign(params, kv_fingerprint_fields=other_layout, remote_port=proxy.port)
         answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=mismatched)
     assert proxy.connections == 0  # refused before connecting
     assert token_ids(answer) == colocated
@@ -185,7 +185,7 @@ def test_unauthenticated_kv_client_is_refused(pair: Pair) -> None:
 def test_unreachable_prefill_is_recomputed(pair: Pair) -> None:
     prompt = prompt_of(45, seed=11)
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
-    nowhere = resign(pair, pair.prefill_params(prompt), remote_port=free_port())  # nothing listens there
+    nowhere = pair.resign(pair.prefill_params(prompt), remote_port=free_port())  # nothing listens there
     answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=nowhere)
     assert token_ids(answer) == colocated
     assert "connection: cannot connect" in failure_line(pair, answer)
@@ -213,7 +213,7 @@ def test_decode_aborted_while_waiting_for_kv_keeps_serving(pair: Pair) -> None:
     usage_before = pair.decode.metric("vllm:kv_cache_usage_perc")
     failures_before = pair.decode.log().count("left to kv_load_failure_policy")
     with SilentServer() as hanging:
-        params = resign(pair, pair.prefill_params(prompt), remote_port=hanging.port)
+        params = pair.resign(pair.prefill_params(prompt), remote_port=hanging.port)
         aborted = pair.decode.aborted()
         hang_up(pair.decode, prompt, MAX_TOKENS, after=1.0, kv_transfer_params=params)  # while decode waits
         deadline = time.monotonic() + 30

@@ -11,7 +11,6 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from tests.vllm.conftest import BLOCK_SIZE, FlippingProxy, Pair, start_pair
-from tests.vllm.kvhelpers import resign
 from tests.vllm.test_connector import MAX_TOKENS, prompt_of, token_ids
 
 
@@ -45,7 +44,7 @@ def test_flipped_byte_fails_the_request(pair: Pair) -> None:
     prompt = prompt_of(2 * BLOCK_SIZE + 5, seed=20)
     params = pair.prefill_params(prompt)
     with FlippingProxy(pair.kv_port, flip_at=4096) as proxy:
-        response = decode_raw(pair, prompt, resign(pair, params, remote_port=proxy.port))
+        response = decode_raw(pair, prompt, pair.resign(params, remote_port=proxy.port))
     assert proxy.flipped >= 1
     assert_failed_cleanly(response)
     assert_decode_serves(pair)
