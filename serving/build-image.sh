@@ -12,7 +12,7 @@ trap 'rm -rf "$CONTEXT"' EXIT
 
 BASE=$("$PYTHON" -c 'from pdstack.nodes import build_base_image; print(build_base_image())')
 MIRROR=$("$PYTHON" -c 'from pdstack.nodes import host_mirror; print(host_mirror())')
-"$PYTHON" -m pip wheel --quiet --wheel-dir "$CONTEXT/wheels" "$HERE"
+"$PYTHON" -m pip wheel --quiet --constraint "$HERE/constraints.txt" --wheel-dir "$CONTEXT/wheels" "$HERE"
 # Wheels whose markers hold for the image's Python (Debian 12's python3) but not for the host's.
 IMAGE_PYTHON=$(apt-cache show python3.11 | sed -n 's/^Version: \([0-9.]*\).*/\1/p' | head -n1)
 "$PYTHON" "$HERE/image_requirements.py" "$IMAGE_PYTHON" > "$CONTEXT/image-requirements.txt"

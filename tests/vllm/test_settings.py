@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,34 @@ def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
     assert settings.bind_host == "127.0.0.1"
     assert settings.run_dir == tmp_path / "e1-14600"
     assert settings.server_tls() is None and settings.client_tls() is None
+    assert settings.kv_cpus is None
+
+
+def test_kv_cpus_takes_linux_cpu_lists(key_file: Path) -> None:
+    settings = parse({"kv_key_file": str(key_file), "kv_cpus": "0,2-3"}, producer=False, engine_id="e1")
+    assert settings.kv_cpus == {0, 2, 3}
+
+
+def test_connector_threads_leave_the_forwards_cpu() -> None:
+    """vLLM's CPU backend pins the forward thread to its cores; the connector's threads go to the others."""
+    from pdserve.vllm.worker import connector_cpus, run_on
+
+    allowed = os.sched_getaffinity(0)
+    seen: list[set[int]] = []
+
+    def pinned_forward() -> None:
+        os.sched_setaffinity(0, {min(allowed)})
+        cpus = connector_cpus(None)
+        worker = threading.Thread(target=lambda: (run_on(cpus)(), seen.append(os.sched_getaffinity(0))))
+        worker.start()
+        worker.join()
+
+    forward = threading.Thread(target=pinned_forward)
+    forward.start()
+    forward.join()
+    expected = set(range(os.cpu_count() or 1)) - {min(allowed)} or {min(allowed)}
+    assert seen == [expected & allowed]
+    assert connector_cpus(frozenset({0})) == {0}
 
 
 @pytest.mark.parametrize(
@@ -30,6 +60,8 @@ def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
         ({"open_wait_seconds": -1}, False, "open_wait_seconds"),
         ({"lease_seconds": "soon"}, False, "lease_seconds"),
         ({"tls_cert": "/c.pem"}, False, "tls_cert"),
+        ({"kv_cpus": "1,x"}, False, "kv_cpus"),
+        ({"kv_cpus": "-1"}, False, "kv_cpus"),
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_key(

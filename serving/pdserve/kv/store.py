@@ -36,6 +36,7 @@ class LeaseStore:
         clock: Callable[[], float] = time.monotonic,
         *,
         hash_threads: int = 2,
+        thread_initializer: Callable[[], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes: must be positive, got {capacity_bytes}")
@@ -47,6 +48,7 @@ class LeaseStore:
         self._metrics = metrics if metrics is not None else default_metrics()
         self.clock = clock
         self.hash_threads = hash_threads
+        self._thread_initializer = thread_initializer  # run first on each hash thread (e.g. its CPU affinity)
         self._entries: dict[str, StoredKV] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # released ids -> why (ack, expired, aborted)
         self._watchers = Watchers()
@@ -86,6 +88,17 @@ class LeaseStore:
                           hasher=self._hasher())
         return self._hold(request_id, stored, replace)
 
+    def renew(self, request_id: str, lease_s: float | None = None) -> bool:
+        """Restart a held blob's lease from now (a long prefill still adding to it, or just sealed: the lease then
+        counts from the seal); False if it is not held."""
+        lease = self._lease(lease_s)
+        with self._lock:
+            stored = self._entries.get(request_id)
+            if stored is None or stored.failure is not None:
+                return False
+            stored.expires_at = max(stored.expires_at, self.clock() + lease)
+            return True
+
     def abort(self, request_id: str, message: str) -> bool:
         """Drop a blob that will never be complete; pulls streaming it end with cause "not_found" and `message`."""
         with self._lock:
@@ -101,6 +114,9 @@ class LeaseStore:
             raise ValueError("request_id: must be a non-empty string")
         if meta.request_id != request_id:
             raise ValueError(f"meta.request_id {meta.request_id!r} differs from request_id {request_id!r}")
+        return self._lease(lease_s)
+
+    def _lease(self, lease_s: float | None) -> float:
         lease = self.default_lease_s if lease_s is None else lease_s
         if lease <= 0:
             raise ValueError(f"lease_s: must be positive, got {lease}")
@@ -131,7 +147,9 @@ class LeaseStore:
 
     def _hasher(self) -> Executor:
         if self._hash_pool is None:
-            self._hash_pool = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="pdstack-kv-hash")
+            self._hash_pool = ThreadPoolExecutor(
+                self.hash_threads, thread_name_prefix="pdstack-kv-hash", initializer=self._thread_initializer
+            )
         return self._hash_pool
 
     def get(self, request_id: str) -> StoredKV:

@@ -31,6 +31,7 @@ _KNOWN = {
     "tls_ca",
     "tls_server_name",
     "run_dir",
+    "kv_cpus",
 }
 
 
@@ -56,6 +57,7 @@ class ConnectorSettings:
     tls_ca: str | None
     tls_server_name: str | None
     run_dir: Path
+    kv_cpus: frozenset[int] | None  # None: every CPU but the forward's (see pdserve.vllm.worker.connector_cpus)
 
     @property
     def params_key(self) -> bytes:
@@ -121,6 +123,7 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
         tls_ca=_optional(extra, "tls_ca"),
         tls_server_name=_optional(extra, "tls_server_name"),
         run_dir=run_dir / f"{engine_id}-{port}",
+        kv_cpus=_cpu_list(extra),
     )
     for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):
         if getattr(settings, name) <= 0:
@@ -138,6 +141,23 @@ def _number(extra: dict[str, Any], name: str, default: float, kind: type) -> Any
         return kind(raw)
     except (TypeError, ValueError):
         raise SettingsError(f"kv_connector_extra_config.{name}: expected a number, got {raw!r}") from None
+
+
+def _cpu_list(extra: dict[str, Any]) -> frozenset[int] | None:
+    """kv_cpus: CPU ids like "2,4-7" (Linux's cpu list format), or absent/"auto"."""
+    raw = str(extra.get("kv_cpus", "auto")).strip()
+    if raw in ("", "auto"):
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in raw.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise SettingsError(f"kv_connector_extra_config.kv_cpus: expected CPU ids like '2,4-7', got {raw!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise SettingsError(f"kv_connector_extra_config.kv_cpus: expected CPU ids like '2,4-7', got {raw!r}")
+    return frozenset(cpus)
 
 
 def _optional(extra: dict[str, Any], name: str) -> str | None:

@@ -19,6 +19,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,13 +87,41 @@ def write_json_atomically(path: Path, body: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-class _Loop:
-    """An asyncio loop in a daemon thread, for the KV server, pulls and acks."""
+def connector_cpus(wanted: frozenset[int] | None) -> set[int]:
+    """The CPUs the connector's threads (KV loop, digests) run on: `wanted` (kv_cpus), else every CPU but those
+    vLLM bound the forward thread to (the CPU backend pins it to its cores), else, with none left (a one-CPU host,
+    or a GPU worker left unpinned), the forward's own."""
+    forward = os.sched_getaffinity(0)
+    if wanted:
+        return set(wanted)
+    return set(range(os.cpu_count() or 1)) - forward or forward
 
-    def __init__(self) -> None:
+
+def run_on(cpus: set[int]) -> Callable[[], None]:
+    """A thread initializer: bind the calling thread to `cpus` (the kernel keeps them within the cgroup's cpuset)."""
+
+    def bind() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)  # 0: on Linux, the calling thread only
+        except OSError as error:  # none of them allowed here: keep the inherited mask
+            log.warning("pdstack connector: cannot run on CPUs %s (%s); left where it was", sorted(cpus), error)
+
+    return bind
+
+
+class _Loop:
+    """An asyncio loop in a daemon thread, for the KV server, pulls and acks; it and the threads it starts run on
+    `cpus`, so the network and the channel's checks do not take the forward's core."""
+
+    def __init__(self, cpus: set[int]) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="pdstack-kv", daemon=True)
+        self._bind = run_on(cpus)
+        self._thread = threading.Thread(target=self._run, name="pdstack-kv", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        self._bind()
+        self.loop.run_forever()
 
     def submit(self, coroutine: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
@@ -110,7 +139,8 @@ class _Worker:
         self.fields = fingerprint.compute(vllm_config, kv_caches)
         self.fingerprint = fingerprint.digest(self.fields)
         self.metrics = RecordingKVMetrics()
-        self.loop = _Loop()
+        self.cpus = connector_cpus(settings.kv_cpus)
+        self.loop = _Loop(self.cpus)
 
     def write_instance(self, role: str, kv_host: str | None, kv_port: int | None) -> None:
         """<run_dir>/instance.json for `pdserve agent --connector-run-dir` (see pdserve.agent.instance): what the
@@ -166,7 +196,8 @@ class ProducerWorker(_Worker):
             settings.run_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
         )
         # The store digests each added block on its own threads (BLAKE3), never on vLLM's forward thread.
-        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds, metrics=self.metrics)
+        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds, metrics=self.metrics,
+                                thread_initializer=run_on(self.cpus))  # fmt: skip
         self.server = KVServer(
             self.store,
             settings.key,
@@ -185,8 +216,9 @@ class ProducerWorker(_Worker):
         self._step_begun = False
         self._owners: OrderedDict[str, str] = OrderedDict()  # lease id -> the request that opened it
         log.info(
-            "pdstack connector: KV server on %s:%d, fingerprint %s", settings.bind_host, settings.port, self.fingerprint
-        )
+            "pdstack connector: KV server on %s:%d, fingerprint %s, connector threads on CPUs %s",
+            settings.bind_host, settings.port, self.fingerprint, sorted(self.cpus),
+        )  # fmt: skip
 
     async def _start(self) -> None:
         await self.server.start()
@@ -253,6 +285,7 @@ class ProducerWorker(_Worker):
             )  # fmt: skip
             if spec.seal:
                 self._seal(stream, spec)
+            self.store.renew(spec.lease_id)  # held lease_seconds past its last step (a long prefill) or its seal
         self._forget_ended()
 
     def _seal(self, stream: _Stream, spec: SaveSpec) -> None:
