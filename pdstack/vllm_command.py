@@ -1,0 +1,203 @@
+"""The vLLM engine's and its agent's command lines, rendered once from the stack's `serving` block and the contract.
+
+A prefill or decode node runs two containers of one image (serving/Containerfile.vllm-cpu, .vllm-gpu): vLLM's
+OpenAI API server with pdstack's KV connector (or NIXL), and `pdserve agent` beside it, which registers the engine
+with the scheduler. Everything either is started with comes from here: the settings from `serving.vllm` and
+`serving.limits`/`timeouts`, the ports, listen address and secret files from pdstack.contract, and from the caller
+only what differs per node (its address, the scheduler's URL, the release, the instance id). Secrets are file paths
+or podman secrets exposed as environment variables, never values in an argv.
+
+tests/unit/test_vllm_command.py checks what is rendered against the agent's own parser and the connector's own
+settings parser; tests/vllm/test_command_line.py parses the engine's argv with vLLM's own argument parser.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdstack.contract import INSTANCE_TOKEN, KV_KEY, LISTEN_HOST, SERVER_TOKEN, SecretFile, contract
+from pdstack.model import Engine, KvConnector, PoolRole, Serving, Vllm
+
+VLLM_PYTHON = "/opt/vllm/bin/python"  # both vLLM images' interpreter (Containerfile.vllm-cpu's venv; a link on GPU)
+API_SERVER = "vllm.entrypoints.openai.api_server"  # the images' entry point; it takes `vllm serve`'s arguments
+AGENT_MODULE = "pdserve.cli"
+RUN_DIR = "/run/pdstack-vllm"  # the connector's run_dir: a volume both containers mount (instance.json)
+PDSTACK_CONNECTOR = ("PdstackConnector", "pdserve.vllm.connector")
+NIXL_CONNECTOR = "NixlConnector"
+KV_ROLES = {PoolRole.PREFILL: "kv_producer", PoolRole.DECODE: "kv_consumer"}
+ENGINE_SECRET_ENV: Mapping[str, SecretFile] = {"VLLM_API_KEY": SERVER_TOKEN}
+"""vLLM takes its API key as a value (`--api-key` or VLLM_API_KEY), not a file: it comes as a podman (or Kubernetes)
+secret exposed as this variable, the same stack secret the gateway presents and the agent reads as a file."""
+
+
+@dataclass(frozen=True)
+class KvTls:
+    """Files for TLS on the KV channel (connector keys tls_cert/tls_key/tls_ca): prefill serves with cert and key,
+    decode verifies with the CA (and presents its own cert when given, for prefill's client check)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+
+def _vllm(serving: Serving) -> Vllm:
+    if serving.engine is not Engine.VLLM or serving.vllm is None:
+        raise ValueError(f"serving.engine: the vLLM command line needs engine vllm, got {serving.engine}")
+    return serving.vllm
+
+
+def _vllm_of(serving: Serving, side: PoolRole) -> Vllm:
+    if side not in KV_ROLES:
+        raise ValueError(f"side: a vLLM engine is prefill or decode, got {side}")
+    return _vllm(serving)
+
+
+def http_port(serving: Serving, side: PoolRole) -> int:
+    """vLLM's API port on a node of `side`: the port the contract gives that side's server."""
+    return contract(serving)[str(side)].port
+
+
+def kv_port(serving: Serving) -> int:
+    port = contract(serving)["prefill"].kv_port
+    assert port is not None  # the contract gives prefill its KV port
+    return port
+
+
+def kv_transfer_config(
+    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None
+) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config for `side`."""
+    v = _vllm_of(serving, side)
+    common = {"kv_role": KV_ROLES[side], "kv_load_failure_policy": serving.kv_load_failure_policy}
+    if v.kv_connector is KvConnector.NIXL:
+        # NIXL's lease is whole seconds (nixl/base_scheduler.py); its side channel is set by environment (engine_env)
+        extra: dict[str, Any] = {"kv_lease_duration": math.ceil(serving.timeouts.kv_lease_s)}
+        return {"kv_connector": NIXL_CONNECTOR, **common, "kv_connector_extra_config": extra}
+    name, module = PDSTACK_CONNECTOR
+    return {"kv_connector": name, "kv_connector_module_path": module, **common,
+            "kv_connector_extra_config": connector_extra_config(serving, side, advertise_host, tls)}  # fmt: skip
+
+
+def connector_extra_config(
+    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None
+) -> dict[str, Any]:
+    """PdstackConnector's kv_connector_extra_config (pdserve/vllm/settings.py), with the side's keys only: prefill
+    listens for pulls and holds KV under leases; decode pulls with N streams under the stack's timeouts."""
+    timeouts = serving.timeouts
+    extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR}
+    if side is PoolRole.PREFILL:
+        extra |= {"advertise_host": advertise_host, "bind_host": LISTEN_HOST, "port": kv_port(serving),
+                  "lease_seconds": timeouts.kv_lease_s}  # fmt: skip
+    else:
+        extra |= {"streams": serving.kv_streams, "connect_timeout_seconds": timeouts.connect_s,
+                  "read_timeout_seconds": timeouts.kv_transfer_s}  # fmt: skip
+    if tls is not None:
+        files = {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
+        extra |= {name: path for name, path in files.items() if path is not None}
+    return extra
+
+
+def max_num_seqs(serving: Serving) -> int:
+    """vLLM's --max-num-seqs: `extra_args` when it sets it, else `serving.limits.max_batch_size`."""
+    value = _vllm(serving).extra_args.get("max-num-seqs", serving.limits.max_batch_size)
+    assert isinstance(value, int)  # the model checks each extra flag's type
+    return value
+
+
+def _extra_flags(serving: Serving) -> list[str]:
+    v, limits = _vllm(serving), serving.limits
+    defaults: dict[str, bool | int | str] = {"max-num-seqs": limits.max_batch_size,
+                                             "max-num-batched-tokens": limits.prefill_token_budget}  # fmt: skip
+    out: list[str] = []
+    for flag, value in (defaults | v.extra_args).items():
+        if isinstance(value, bool):  # vLLM's boolean flags are BooleanOptionalAction: --x / --no-x
+            out.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            out += [f"--{flag}", str(value)]
+    return out
+
+
+def engine_args(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None) -> tuple[str, ...]:
+    """What follows the image's entry point (the API server module): `vllm serve`'s arguments for `side`."""
+    v = _vllm_of(serving, side)
+    role = v.role(side)
+    args = [
+        "--model", serving.model.path,
+        "--served-model-name", serving.model.name,
+        "--host", LISTEN_HOST,
+        "--port", str(http_port(serving, side)),
+        "--dtype", str(v.setting(side, "dtype")[0]),
+        "--kv-cache-dtype", v.kv_cache_dtype,
+        "--max-model-len", str(v.max_model_len),
+        "--block-size", str(v.setting(side, "block_size")[0]),
+        "--gpu-memory-utilization", str(v.setting(side, "gpu_memory_utilization")[0]),
+        "--tensor-parallel-size", str(role.tensor_parallel_size),
+        "--data-parallel-size", str(role.data_parallel_size),
+    ]  # fmt: skip
+    if role.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    if role.enable_eplb:
+        args.append("--enable-eplb")
+    if role.num_redundant_experts:
+        args += ["--eplb-config", json.dumps({"num_redundant_experts": role.num_redundant_experts})]
+    args += _extra_flags(serving)
+    config = kv_transfer_config(serving, side, advertise_host, tls)
+    args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    return tuple(args)
+
+
+def engine_command(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None) -> tuple[str, ...]:
+    return (VLLM_PYTHON, "-m", API_SERVER, *engine_args(serving, side, advertise_host, tls))
+
+
+def engine_env(serving: Serving, side: PoolRole, advertise_host: str) -> dict[str, str]:
+    """Plain environment the engine needs besides its image's own (ENGINE_SECRET_ENV comes as secrets): NIXL's
+    side channel, where decode reaches prefill's handshake listener (the contract's KV port)."""
+    v = _vllm_of(serving, side)
+    if v.kv_connector is not KvConnector.NIXL:
+        return {}
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": advertise_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port(serving))}
+
+
+def agent_args(
+    serving: Serving, side: PoolRole, *, advertise_host: str, scheduler_url: str, version: str, instance_id: str
+) -> tuple[str, ...]:
+    """`pdserve agent`'s arguments (pdserve/agent/settings.py) for the engine on this node: it reaches vLLM on
+    loopback, registers it under the node's address with the token derived for `instance_id`."""
+    v = _vllm_of(serving, side)
+    if v.kv_connector is KvConnector.NIXL:
+        raise ValueError(
+            "serving.vllm.kv_connector: pdserve agent registers an engine from PdstackConnector's instance.json "
+            "(its KV fingerprint and endpoint); with nixl there is none to register yet"
+        )
+    port = http_port(serving, side)
+    return (
+        "agent",
+        "--engine-url", f"http://127.0.0.1:{port}",
+        "--role", str(side),
+        "--scheduler-url", scheduler_url,
+        "--scheduler-token-file", INSTANCE_TOKEN.path,
+        "--advertise-url", f"http://{advertise_host}:{port}",
+        "--version", version,
+        "--connector-run-dir", RUN_DIR,
+        "--instance-id", instance_id,
+        "--engine-token-file", SERVER_TOKEN.path,
+        "--max-num-seqs", str(max_num_seqs(serving)),
+    )  # fmt: skip
+
+
+def agent_command(
+    serving: Serving, side: PoolRole, *, advertise_host: str, scheduler_url: str, version: str, instance_id: str
+) -> tuple[str, ...]:
+    args = agent_args(serving, side, advertise_host=advertise_host, scheduler_url=scheduler_url, version=version,
+                      instance_id=instance_id)  # fmt: skip
+    return (VLLM_PYTHON, "-m", AGENT_MODULE, *args)
+
+
+def secret_files(side: PoolRole) -> tuple[SecretFile, ...]:
+    """The files the two containers read: the KV key (engine), the instance token and server token (agent)."""
+    return (KV_KEY, INSTANCE_TOKEN, SERVER_TOKEN) if side in KV_ROLES else ()
