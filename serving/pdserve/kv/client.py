@@ -1,5 +1,10 @@
 """The decode side of the KV channel: pull a blob over N parallel streams, verify it, then acknowledge it.
 
+`pull` and `ack` are coroutines, but each stream runs on its own thread with a blocking socket (pdserve.kv.wire):
+DATA lands by recv_into straight in the destination array, its CRC-32C is checked there, and each digest unit is
+hashed (BLAKE3) on a verify thread as soon as its last byte is in; the socket calls and hashes release the GIL, so
+streams use as many cores as there are. The event loop only starts the streams and waits for them.
+
 Pulls and acks can borrow authenticated connections from a KVConnectionPool, so a decode server that pulls from the
 same prefill server again skips the TCP and HMAC handshakes and finds TCP's window already open.
 """
@@ -7,14 +12,17 @@ same prefill server again skips the TCP and HMAC handshakes and finds TCP's wind
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
+import os
+import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pdserve.kv import auth
 from pdserve.kv.blob import (
@@ -37,19 +45,30 @@ from pdserve.kv.protocol import (
     FrameType,
     chunk_plan,
     expect,
-    frame_errors,
-    read_frame,
-    read_header,
-    read_reply,
-    write_frame,
-    write_json,
+    json_payload,
 )
-from pdserve.kv.recv import (
-    KVStreamReader,
-    destination_arrays,
-    open_kv_connection,
-    read_into,
-)
+from pdserve.kv.recv import destination_arrays
+from pdserve.kv.wire import FrameSocket
+
+T = TypeVar("T")
+STREAM_THREADS = 256  # stream and connect threads, over all pulls of the process
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _threads(name: str, workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"pdstack-kv-{name}")
+        return _pools[name]
+
+
+def _stream_threads() -> ThreadPoolExecutor:
+    return _threads("stream", STREAM_THREADS)
+
+
+def _verify_threads() -> ThreadPoolExecutor:
+    return _threads("verify", os.cpu_count() or 2)
 
 
 @dataclass(frozen=True)
@@ -64,64 +83,82 @@ class Connector:
     retries: int = 2
     backoff_s: float = 0.2
 
-    async def connect(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter]:
+    async def connect(self, host: str, port: int) -> FrameSocket:
         """Open an authenticated connection (see `connect_session`)."""
-        reader, writer, _session = await self.connect_session(host, port)
-        return reader, writer
+        channel, _session = await self.connect_session(host, port)
+        return channel
 
-    async def connect_session(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter, bytes]:
-        """Open an authenticated connection and return it with its session key, retrying refused or timed-out
-        connects with exponential backoff."""
+    async def connect_session(self, host: str, port: int) -> tuple[FrameSocket, bytes]:
+        """Open an authenticated connection (on a thread) and return it with its session key, retrying refused or
+        timed-out connects with exponential backoff."""
         for attempt in range(self.retries + 1):
+            future = _stream_threads().submit(self.connect_blocking, host, port)
             try:
-                return await self._connect_once(host, port)
+                return await asyncio.wrap_future(future)
             except KVTransferError as error:
                 if error.cause not in ("connection", "timeout") or attempt == self.retries:
                     raise
+            except asyncio.CancelledError:
+                future.add_done_callback(_close_unused)
+                raise
             await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _connect_once(self, host: str, port: int) -> tuple[KVStreamReader, asyncio.StreamWriter, bytes]:
+    def connect_blocking(self, host: str, port: int) -> tuple[FrameSocket, bytes]:
+        """One connect, TLS and HMAC handshake, on the calling thread."""
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await open_kv_connection(
-                    host,
-                    port,
-                    ssl_context=self.ssl_context,
-                    server_hostname=self.server_hostname if self.ssl_context else None,
-                )
+            sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
         except TimeoutError as error:
-            message = f"connect to {host}:{port} took over {self.connect_timeout_s:g} s"
-            raise KVTransferError("timeout", message) from error
+            raise KVTransferError("timeout", f"connect to {host}:{port} took over {self.connect_timeout_s:g} s") \
+                from error
+        except OSError as error:
+            raise KVTransferError("connection", f"cannot connect to {host}:{port}: {error.strerror or error}") \
+                from error
+        channel = FrameSocket(sock)
+        try:
+            if self.ssl_context is not None:
+                channel = FrameSocket(self._wrap(sock, host, port))
+            return channel, self._handshake(channel)
+        except BaseException:
+            channel.close()
+            sock.close()
+            raise
+
+    def _wrap(self, sock: socket.socket, host: str, port: int) -> ssl.SSLSocket:
+        assert self.ssl_context is not None
+        try:
+            return self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname)
         except ssl.SSLError as error:
             raise KVTransferError("auth", f"TLS handshake with {host}:{port} failed: {error.reason}") from error
+        except TimeoutError as error:
+            raise KVTransferError("timeout", f"TLS handshake with {host}:{port} took over "
+                                  f"{self.connect_timeout_s:g} s") from error
         except OSError as error:
-            message = f"cannot connect to {host}:{port}: {error.strerror or error}"
-            raise KVTransferError("connection", message) from error
-        try:
-            session = await self._handshake(reader, writer)
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer, session
+            raise KVTransferError("connection", f"TLS handshake with {host}:{port} failed: {error!r}") from error
 
-    async def _handshake(self, reader: KVStreamReader, writer: asyncio.StreamWriter) -> bytes:
+    def _handshake(self, channel: FrameSocket) -> bytes:
         client_nonce = auth.new_nonce()
-        write_frame(writer, FrameType.HELLO, client_nonce)
-        challenge = expect(await read_frame(reader, self.read_timeout_s), FrameType.CHALLENGE).payload
+        channel.send(self.read_timeout_s, FrameType.HELLO, client_nonce)
+        challenge = expect(channel.read_frame(self.read_timeout_s), FrameType.CHALLENGE).payload
         if len(challenge) != NONCE_BYTES + PROOF_BYTES:
             raise KVTransferError("auth", f"expected CHALLENGE ({NONCE_BYTES}-byte nonce and {PROOF_BYTES}-byte "
                                   f"proof), got CHALLENGE ({len(challenge)} bytes)")
         server_nonce, proof = challenge[:NONCE_BYTES], challenge[NONCE_BYTES:]
         auth.verify(auth.server_proof(self.key, client_nonce, server_nonce), proof, "server")
         # The AUTH frame is not answered; the request that follows it is, which saves a round trip.
-        write_frame(writer, FrameType.AUTH, auth.client_proof(self.key, client_nonce, server_nonce))
+        channel.send(self.read_timeout_s, FrameType.AUTH, auth.client_proof(self.key, client_nonce, server_nonce))
         return auth.session_key(self.key, client_nonce, server_nonce)
 
 
+def _close_unused(future: Future[tuple[FrameSocket, bytes]]) -> None:
+    """A connect whose caller was cancelled: close what it opened."""
+    if not future.cancelled() and future.exception() is None:
+        future.result()[0].close()
+
+
 class _Assembly:
-    """Destination arrays for one pull from row `first_row` on; hashes each digest unit (in a worker thread, the
-    digests release the GIL) as soon as its last byte lands, and checks them against the announced ones at the end."""
+    """Destination arrays for one pull from row `first_row` on, filled by the stream threads; hashes each digest unit
+    on a verify thread as soon as its last byte lands, and checks them against the announced ones at the end."""
 
     def __init__(self, manifest: Manifest, first_row: int) -> None:
         self.manifest = manifest
@@ -130,11 +167,12 @@ class _Assembly:
         arrays = destination_arrays([(spec.shape, spec.dtype) for pair in manifest.layers for spec in pair])
         self.layers: list[Layer] = [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
         self._views = flat_views(self.layers)
+        self._lock = threading.Lock()
         self._missing: dict[int, int] = {}  # unit -> bytes of it still to come
         for chunk in self.plan:
             for unit, overlap in self._overlaps(chunk):
                 self._missing[unit] = self._missing.get(unit, 0) + overlap
-        self._hashes: list[asyncio.Future[list[bytes]]] = []
+        self._hashes: list[Future[list[bytes]]] = []
         self._hashed: list[list[int]] = []
 
     def _overlaps(self, chunk: Chunk) -> list[tuple[int, int]]:
@@ -161,32 +199,29 @@ class _Assembly:
     def landed(self, chunk: Chunk) -> None:
         """A chunk's bytes are in place (and passed their frame CRC): hash every unit it completed."""
         complete = []
-        for unit, overlap in self._overlaps(chunk):
-            self._missing[unit] -= overlap
-            if self._missing[unit] == 0:
-                complete.append(unit)
-        if complete:
-            loop = asyncio.get_running_loop()
-            self._hashes.append(loop.run_in_executor(None, unit_digests, self._views, self.units, complete))
-            self._hashed.append(complete)
+        with self._lock:
+            for unit, overlap in self._overlaps(chunk):
+                self._missing[unit] -= overlap
+                if self._missing[unit] == 0:
+                    complete.append(unit)
+            if complete:
+                self._hashes.append(_verify_threads().submit(unit_digests, self._views, self.units, complete))
+                self._hashed.append(complete)
 
-    async def receive(self, reader: KVStreamReader, timeout: float,
-                      expected: dict[tuple[int, int, int], Chunk]) -> None:
+    def receive(self, channel: FrameSocket, timeout: float, expected: dict[tuple[int, int, int], Chunk]) -> None:
         """Read the next DATA frame (skipping KEEPALIVEs) straight into its destination and check its CRC there."""
         max_payload = DATA_HEADER.size + self.manifest.chunk_bytes
         while True:
-            async with frame_errors(timeout):
-                header = await read_header(reader, max_payload)
-                if header.type is FrameType.DATA and header.length >= DATA_HEADER.size:
-                    sub = await reader.readexactly(DATA_HEADER.size)
-                    chunk, view = self.target(*DATA_HEADER.unpack(sub), header.length - DATA_HEADER.size, expected)
-                    await read_into(reader, view)
-                else:
-                    payload = await reader.readexactly(header.length)
+            header, deadline = channel.read_header(timeout, max_payload)
             if header.type is FrameType.DATA and header.length >= DATA_HEADER.size:
+                sub = channel.recv_bytes(DATA_HEADER.size, deadline, timeout)
+                layer, part, offset = DATA_HEADER.unpack(sub)
+                chunk, view = self.target(layer, part, offset, header.length - DATA_HEADER.size, expected)
+                channel.recv_into(view, deadline, timeout)
                 header.check_crc(sub, view)
                 self.landed(chunk)
                 return
+            payload = channel.recv_bytes(header.length, deadline, timeout)
             header.check_crc(payload)
             if header.type is not FrameType.KEEPALIVE:
                 expect(Frame(header.type, payload), FrameType.DATA)
@@ -203,8 +238,9 @@ class _Assembly:
             raise KVTransferError("checksum", "the announced unit digests do not match the blob checksum")
         if any(self._missing.values()):
             raise KVTransferError("protocol", "transfer ended with units still missing bytes")
-        for units, computed in zip(self._hashed, await asyncio.gather(*self._hashes), strict=True):
-            for unit, digest in zip(units, computed, strict=True):
+        computed = await asyncio.gather(*(asyncio.wrap_future(future) for future in self._hashes))
+        for units, digests_of in zip(self._hashed, computed, strict=True):
+            for unit, digest in zip(units, digests_of, strict=True):
                 if digest != digests[unit * DIGEST_BYTES : (unit + 1) * DIGEST_BYTES]:
                     array, start, _end = self.units.span(unit)
                     raise KVTransferError("checksum", f"layer {array // 2} {'KV'[array % 2]} bytes from {start} do "
@@ -222,6 +258,7 @@ class _Pull:
     manifest_bytes: bytes | None = None
     announced: str | None = None  # the checksum END announced
     digests: bytes | None = None  # the unit digests stream 0 received
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the stream threads share this state
 
     def end_checksum(self, checksum: object) -> None:
         """Every stream's END must announce the same checksum (the one expected, when the caller knows it)."""
@@ -229,12 +266,20 @@ class _Pull:
             raise KVTransferError("protocol", "END carries no blob checksum")
         if self.expected_checksum is not None and checksum != self.expected_checksum:
             raise KVTransferError("checksum", "the prefill server's END announces a different checksum")
+        with self.lock:
+            self._agree(checksum)
+
+    def _agree(self, checksum: str) -> None:
         if self.announced is not None and checksum != self.announced:
             raise KVTransferError("protocol", "streams of one pull ended with different checksums")
         self.announced = checksum
 
     def assembly_for(self, manifest_bytes: bytes) -> _Assembly:
         """The shared destination, created by whichever stream's manifest arrives first; all must agree."""
+        with self.lock:
+            return self._assembly_for(manifest_bytes)
+
+    def _assembly_for(self, manifest_bytes: bytes) -> _Assembly:
         try:
             manifest = Manifest.from_bytes(manifest_bytes)
         except (ValueError, KeyError, TypeError) as error:
@@ -275,22 +320,74 @@ PeerKey = tuple[str, int, str | None, auth.SecretKey, ssl.SSLContext | None]
 
 @dataclass(eq=False)
 class KVConnection:
-    """One authenticated connection to a KV server; `reused` is True when it came out of a pool's idle set."""
+    """One authenticated connection to a KV server; `reused` is True when it came out of a pool's idle set.
 
-    reader: KVStreamReader
-    writer: asyncio.StreamWriter
+    While a stream thread works on it (`run`), `close` only aborts it (wakes the thread); the thread closes it when
+    it is done, so the socket's descriptor is never closed under a call still running on it."""
+
+    channel: FrameSocket
     peer: PeerKey
     session: bytes  # the key the server MACs END under (pdserve.kv.auth.session_key)
     reused: bool = False
     idle_since: float = 0.0
+    _busy: bool = False
+    _close_when_done: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def closed(self) -> bool:
+        return self.channel.closed or self._close_when_done
 
     @property
     def closed_by_peer(self) -> bool:
-        """The peer closed or reset it (as far as this side has seen yet), or it was closed here."""
-        return self.reader.at_eof() or self.reader.exception() is not None or self.writer.is_closing()
+        """The peer closed or reset it, or sent something unasked (as far as this side can see), or it was closed
+        here."""
+        return self.closed or self.channel.readable_now()
 
     def close(self) -> None:
-        self.writer.close()
+        with self._lock:
+            if self._busy:
+                self._close_when_done = True
+                self.channel.abort()
+                return
+        self.channel.close()
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(self, *args)` on a stream thread."""
+        return await asyncio.wrap_future(_stream_threads().submit(self._run, work, *args))
+
+    def _run(self, work: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self._close_when_done:
+                raise KVTransferError("connection", "the KV connection was closed")
+            self._busy = True
+        try:
+            return work(self, *args)
+        finally:
+            with self._lock:
+                self._busy = False
+                closing = self._close_when_done
+            if closing:
+                self.channel.close()
+
+
+class _Stale(Exception):
+    """A request's connection was lost before any reply came back."""
+
+    def __init__(self, error: KVTransferError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _first_reply(channel: FrameSocket, frame_type: FrameType, body: dict[str, Any], timeout: float) -> Frame:
+    """Send one request and read the first frame of its reply (KEEPALIVEs skipped)."""
+    try:
+        channel.send(timeout, frame_type, json_payload(body))
+        return channel.read_reply(timeout)
+    except KVTransferError as error:
+        if error.cause == "connection":
+            raise _Stale(error) from None
+        raise
 
 
 def peer_key(connector: Connector, host: str, port: int) -> PeerKey:
@@ -379,13 +476,10 @@ class KVConnectionPool:
         self._lent.clear()
         for connection in connections:
             connection.close()
-        for connection in connections:
-            with contextlib.suppress(Exception):
-                await connection.writer.wait_closed()
 
     async def _connect(self, connector: Connector, host: str, port: int) -> KVConnection:
-        reader, writer, session = await connector.connect_session(host, port)
-        connection = KVConnection(reader, writer, peer_key(connector, host, port), session)
+        channel, session = await connector.connect_session(host, port)
+        connection = KVConnection(channel, peer_key(connector, host, port), session)
         if self._closed:  # closed while this connect was under way
             connection.close()
             self._check_open()
@@ -427,9 +521,9 @@ class _Route:
     async def open(self) -> KVConnection:
         if self.pool is not None:
             return await self.pool.acquire(self.connector, self.host, self.port)
-        reader, writer, session = await self.connector.connect_session(self.host, self.port)
+        channel, session = await self.connector.connect_session(self.host, self.port)
         self.metrics.connections.labels("receiver", "new").inc()
-        return KVConnection(reader, writer, peer_key(self.connector, self.host, self.port), session)
+        return KVConnection(channel, peer_key(self.connector, self.host, self.port), session)
 
     def give_back(self, connection: KVConnection, *, clean: bool) -> None:
         if self.pool is not None:
@@ -437,28 +531,31 @@ class _Route:
         else:
             connection.close()
 
-    async def request(self, frame_type: FrameType, body: dict[str, Any]) -> tuple[KVConnection, Frame]:
-        """Send one request and read the first frame of its reply, on a connection the caller then owns.
+    async def exchange(self, work: Callable[..., T], *args: Any) -> T:
+        """Run `work(connection, *args)` (a request and its reply) on a stream thread, on a connection the route opens
+        and takes back: to the pool only if `work` returned.
 
         A pooled connection the server closed while it sat idle (idle timeout, restart) can look open until it is
-        used; it then fails with a lost connection before the first reply frame. The request is then sent once more
-        on a new connection. That is safe because nothing of the reply was used: a PULL changes nothing on the server
-        (the lease stays held until ACK), and a repeated ACK can at worst answer released=False for a lease the first
-        one freed.
+        used; it then fails with a lost connection before the first reply frame (`_Stale`). The request is then sent
+        once more on a new connection. That is safe because nothing of the reply was used: a PULL changes nothing on
+        the server (the lease stays held until ACK), and a repeated ACK can at worst answer released=False for a
+        lease the first one freed.
         """
         connection = await self.open()
-        while True:
-            try:
-                write_json(connection.writer, frame_type, body)
-                return connection, await read_reply(connection.reader, self.connector.read_timeout_s)
-            except KVTransferError as error:
-                if self.pool is None or not connection.reused or error.cause != "connection":
-                    self.give_back(connection, clean=False)
-                    raise
-                connection = await self.pool.replace_stale(connection, self.connector, self.host, self.port)
-            except BaseException:
-                self.give_back(connection, clean=False)
-                raise
+        clean = False
+        try:
+            while True:
+                try:
+                    result = await connection.run(work, *args)
+                except _Stale as stale:
+                    if self.pool is None or not connection.reused:
+                        raise stale.error from None
+                    connection = await self.pool.replace_stale(connection, self.connector, self.host, self.port)
+                    continue
+                clean = True
+                return result
+        finally:
+            self.give_back(connection, clean=clean)
 
 
 async def pull(
@@ -517,7 +614,12 @@ async def pull(
 
 async def _run_streams(route: _Route, state: _Pull) -> None:
     tasks = [asyncio.create_task(_pull_stream(route, state, index)) for index in range(state.streams)]
-    _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    try:
+        _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled: each stream's connection is aborted as its task ends
+        for task in tasks:
+            task.cancel()
+        raise
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -528,30 +630,30 @@ async def _run_streams(route: _Route, state: _Pull) -> None:
 
 async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
     request = {"request_id": state.request_id, "stream": index, "streams": state.streams, "first_row": state.first_row}
-    connection, first = await route.request(FrameType.PULL, request)
-    timeout = route.connector.read_timeout_s
-    clean = False
-    try:
-        manifest = expect(first, FrameType.MANIFEST).payload
-        assembly = state.assembly_for(manifest)
-        chunks = assembly.plan[index :: state.streams]
-        expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
-        while expected:
-            await assembly.receive(connection.reader, timeout, expected)
-        if index == 0:
-            size = assembly.units.total * DIGEST_BYTES
-            state.digests = expect(await read_reply(connection.reader, timeout, size), FrameType.DIGESTS).payload
-        end = expect(await read_reply(connection.reader, timeout), FrameType.END).json()
-        if end.get("chunks") != len(chunks):
-            raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
-        _check_end_mac(connection.session, manifest, request, end, len(chunks))
-        announced = Manifest.from_bytes(manifest).checksum
-        if announced and announced != end.get("checksum"):
-            raise KVTransferError("protocol", f"stream {index}'s manifest and END announce different checksums")
-        state.end_checksum(end.get("checksum"))
-        clean = True
-    finally:
-        route.give_back(connection, clean=clean)
+    await route.exchange(_receive_stream, state, request, route.connector.read_timeout_s)
+
+
+def _receive_stream(connection: KVConnection, state: _Pull, request: dict[str, Any], timeout: float) -> None:
+    """One stream of a pull, on its thread: PULL, MANIFEST, this stream's DATA chunks, (DIGESTS,) END."""
+    channel = connection.channel
+    index = int(request["stream"])
+    manifest = expect(_first_reply(channel, FrameType.PULL, request, timeout), FrameType.MANIFEST).payload
+    assembly = state.assembly_for(manifest)
+    chunks = assembly.plan[index :: state.streams]
+    expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
+    while expected:
+        assembly.receive(channel, timeout, expected)
+    if index == 0:
+        size = assembly.units.total * DIGEST_BYTES
+        state.digests = expect(channel.read_reply(timeout, size), FrameType.DIGESTS).payload
+    end = expect(channel.read_reply(timeout), FrameType.END).json()
+    if end.get("chunks") != len(chunks):
+        raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
+    _check_end_mac(connection.session, manifest, request, end, len(chunks))
+    announced = Manifest.from_bytes(manifest).checksum
+    if announced and announced != end.get("checksum"):
+        raise KVTransferError("protocol", f"stream {index}'s manifest and END announce different checksums")
+    state.end_checksum(end.get("checksum"))
 
 
 def _check_end_mac(session: bytes, manifest: bytes, request: dict[str, Any], end: dict[str, Any], chunks: int) -> None:
@@ -582,11 +684,9 @@ async def ack(
     """Tell prefill the KV arrived so it frees the lease; True if the server still held it."""
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries)
     route = _Route(connector, host, port, pool, metrics if metrics is not None else default_metrics())
-    connection, reply = await route.request(FrameType.ACK, {"request_id": request_id})
-    clean = False
-    try:
-        released = bool(expect(reply, FrameType.ACK_OK).json().get("released"))
-        clean = True
-    finally:
-        route.give_back(connection, clean=clean)
-    return released
+    return await route.exchange(_send_ack, request_id, read_timeout_s)
+
+
+def _send_ack(connection: KVConnection, request_id: str, timeout: float) -> bool:
+    reply = _first_reply(connection.channel, FrameType.ACK, {"request_id": request_id}, timeout)
+    return bool(expect(reply, FrameType.ACK_OK).json().get("released"))

@@ -144,12 +144,21 @@ def write_frame(writer: asyncio.StreamWriter, frame_type: FrameType, *payload_pa
         writer.write(part)
 
 
+def json_payload(body: dict[str, Any]) -> bytes:
+    """A control frame's payload: canonical JSON."""
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def error_body(cause: Cause, message: str) -> bytes:
+    return json_payload({"cause": cause, "message": message})
+
+
 def write_json(writer: asyncio.StreamWriter, frame_type: FrameType, body: dict[str, Any]) -> None:
-    write_frame(writer, frame_type, json.dumps(body, sort_keys=True).encode())
+    write_frame(writer, frame_type, json_payload(body))
 
 
 def write_error(writer: asyncio.StreamWriter, cause: Cause, message: str) -> None:
-    write_json(writer, FrameType.ERROR, {"cause": cause, "message": message})
+    write_frame(writer, FrameType.ERROR, error_body(cause, message))
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,7 @@ async def read_header(reader: asyncio.StreamReader, max_payload: int) -> Header:
     """The next frame's header (inside `frame_errors`)."""
     raw = await reader.readexactly(HEADER.size)
     magic, version, raw_type, _flags, length, crc = HEADER.unpack(raw)
-    _check_header(magic, version, raw_type, length, max_payload)
+    check_header(magic, version, raw_type, length, max_payload)
     return Header(FrameType(raw_type), length, crc, raw)
 
 
@@ -206,7 +215,7 @@ async def read_reply(reader: asyncio.StreamReader, timeout: float, max_payload: 
             return frame
 
 
-def _check_header(magic: bytes, version: int, raw_type: int, length: int, max_payload: int) -> None:
+def check_header(magic: bytes, version: int, raw_type: int, length: int, max_payload: int) -> None:
     # A corrupted header usually shows up here before its crc can be checked; report it as a checksum failure
     # because the peer spoke the protocol up to this frame.
     if magic != MAGIC:

@@ -1,4 +1,9 @@
-"""The KV channel's listener, run inside the prefill server's event loop."""
+"""The KV channel's listener: started from the prefill server's event loop, each connection served on its own thread.
+
+A thread per connection (blocking sockets, pdserve.kv.wire) lets the streams of a pull run on different cores; the
+event loop that starts the server is not on the data path at all. Waits for a streamed blob (prefill still adding
+to it) use the lease store's watches on a small event loop of the connection's own thread (`_Waits`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ import itertools
 import logging
 import socket
 import ssl
+import threading
 import time
+from collections.abc import Iterator
 
 from pdserve.kv import auth
 from pdserve.kv.blob import as_bytes
@@ -25,17 +32,55 @@ from pdserve.kv.protocol import (
     Frame,
     FrameType,
     chunk_plan,
+    error_body,
     expect,
-    read_frame,
-    write_error,
-    write_frame,
-    write_json,
+    json_payload,
 )
 from pdserve.kv.store import LeaseStore
+from pdserve.kv.wire import FrameSocket
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 64
-READ_BUFFER_BYTES = 64 << 10  # asyncio's StreamReader buffer per connection (pauses reading beyond twice this)
+READ_BUFFER_BYTES = 64 << 10  # most a connection buffers in user space before authenticating (it reads frame by frame)
+LISTEN_BACKLOG = 1024
+JOIN_S = 5.0  # how long close() waits for the connection threads after aborting their sockets
+
+
+class _Link:
+    """One accepted connection: its socket (replaced by the TLS socket once wrapped), abortable from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+
+class _Waits:
+    """A connection thread's own event loop, made on first use, on which it waits for lease store watches."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def watch(self, source: LeaseStore | StoredKV) -> Iterator[Watch]:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        with self._loop.run_until_complete(_make_watch(source)) as watch:
+            yield watch
+
+    def wait(self, watch: Watch, timeout: float) -> bool:
+        assert self._loop is not None
+        return self._loop.run_until_complete(watch.wait(timeout))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+
+
+async def _make_watch(source: LeaseStore | StoredKV) -> Watch:
+    return source.watch()  # a Watch binds to the running loop
 
 
 class KVServer:
@@ -58,8 +103,8 @@ class KVServer:
         open_wait_s: float = 0.0,
         keepalive_s: float = 1.0,
     ) -> None:
-        """`handshake_timeout_s` bounds the whole handshake (HELLO to AUTH); at most `max_handshakes` connections
-        may be authenticating at once (more are refused at once), so unauthenticated clients hold little.
+        """`handshake_timeout_s` bounds the whole handshake (TLS, then HELLO to AUTH); at most `max_handshakes`
+        connections may be authenticating at once (more are refused at once), so unauthenticated clients hold little.
 
         A pull of an id not held yet waits up to `open_wait_s` for prefill to open it (early dispatch: decode may
         ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`."""
@@ -77,133 +122,178 @@ class KVServer:
         self._tcp_congestion = tcp_congestion
         self._open_wait = open_wait_s
         self._keepalive = keepalive_s
-        self._server: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[threading.Thread, _Link] = {}
+        self._closing = False
 
     @property
     def port(self) -> int:
-        if self._server is None:
+        if self._listener is None:
             raise RuntimeError("KVServer is not started")
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._listener.getsockname()[1])
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=self._ssl,
-                                                  limit=READ_BUFFER_BYTES)
-        if self._tcp_congestion is not None:
-            self._set_congestion_control(self._tcp_congestion)
-
-    def _set_congestion_control(self, name: str) -> None:
-        """Pick the sender's TCP congestion control; accepted connections inherit it from the listener (Linux)."""
-        assert self._server is not None
-        for listener in self._server.sockets:
-            try:
-                listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
-            except OSError as error:
-                self._server.close()
-                raise ValueError(f"tcp_congestion: the kernel refuses {name!r} ({error.strerror})") from error
+        family, _type, _proto, _name, address = socket.getaddrinfo(
+            self._host or None, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._tcp_congestion is not None:
+                _set_congestion_control(listener, self._tcp_congestion)
+            listener.bind(address)
+            listener.listen(LISTEN_BACKLOG)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener, self._closing = listener, False
+        self._acceptor = threading.Thread(target=self._accept_forever, args=(listener,), name="pdstack-kv-accept",
+                                          daemon=True)  # fmt: skip
+        self._acceptor.start()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            # Aborting the sockets (rather than cancelling the handlers) lets each handler end on its own error path.
-            for writer in self._connections.values():
-                writer.transport.abort()
-            await asyncio.gather(*self._connections, return_exceptions=True)
-            await self._server.wait_closed()
-            self._server = None
+        listener, acceptor = self._listener, self._acceptor
+        if listener is None or acceptor is None:
+            return
+        self._closing = True
+        # Aborting the sockets (rather than closing them under the threads) lets each thread end on its own error path.
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        await asyncio.to_thread(acceptor.join, JOIN_S)
+        listener.close()
+        with self._lock:
+            links = dict(self._connections)
+        for link in links.values():
+            link.abort()
+        deadline = time.monotonic() + JOIN_S
+        for thread in links:
+            await asyncio.to_thread(thread.join, max(0.0, deadline - time.monotonic()))
+        self._listener = self._acceptor = None
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections[task] = writer
+    def _accept_forever(self, listener: socket.socket) -> None:
+        while not self._closing:
+            try:
+                sock, peer = listener.accept()
+            except OSError as error:
+                if self._closing:
+                    return
+                log.warning("kv: accept failed: %s", error)
+                time.sleep(0.05)  # out of descriptors, say: do not spin
+                continue
+            link = _Link(sock)
+            thread = threading.Thread(target=self._on_connection, args=(link, peer), name="pdstack-kv-conn",
+                                      daemon=True)  # fmt: skip
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                self._connections[thread] = link
+            thread.start()
+
+    def _on_connection(self, link: _Link, peer: object) -> None:
+        waits = _Waits()
         try:
-            await self._serve_connection(reader, writer)
+            self._serve_connection(link, peer, waits)
+        except Exception:  # a bug must not end the thread silently
+            log.exception("kv: connection from %s failed", peer)
         finally:
-            self._connections.pop(task, None)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            with self._lock:
+                self._connections.pop(threading.current_thread(), None)
+            waits.close()
+            with contextlib.suppress(OSError):
+                link.sock.close()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+    def _serve_connection(self, link: _Link, peer: object, waits: _Waits) -> None:
         try:
-            session = await self._bounded_handshake(reader, writer)
+            channel, session = self._bounded_handshake(link)
         except KVTransferError as error:
             self._metrics.observe_auth_refused()
             log.warning("kv: refused connection from %s: %s", peer, error.message)
-            await self._send_error(writer, error)
+            self._send_error(FrameSocket(link.sock), error)
+            return
+        except (ssl.SSLError, OSError) as error:
+            log.info("kv: TLS handshake with %s failed: %s", peer, error)
             return
         # One authenticated connection serves any number of requests, one after another, until the client closes
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
         for served in itertools.count():
             try:
-                frame = await read_frame(reader, self._idle_timeout, MAX_REQUEST_PAYLOAD)
+                frame = channel.read_frame(self._idle_timeout, MAX_REQUEST_PAYLOAD)
             except KVTransferError as error:
                 if error.cause in ("connection", "timeout"):
                     return  # the client closed or went idle between requests
                 self._metrics.observe_failure("sender", error.cause)
                 log.info("kv: bad request frame from %s: %s", peer, error)
-                await self._send_error(writer, error)
+                self._send_error(channel, error)
                 return
             self._metrics.connections.labels("sender", "reused" if served else "new").inc()
             try:
-                await self._dispatch(frame, writer, session)
+                self._dispatch(frame, channel, session, waits)
             except KVTransferError as error:
                 self._metrics.observe_failure("sender", error.cause)
                 log.info("kv: request from %s failed: %s", peer, error)
-                await self._send_error(writer, error)
+                self._send_error(channel, error)
                 return
 
-    async def _bounded_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        """Authenticate the client; return the session key END frames are MACed under."""
-        if self._handshakes >= self._max_handshakes:
-            raise KVTransferError("capacity", f"expected at most {self._max_handshakes} connections authenticating "
-                                  "at once, got one more; retry later")
-        self._handshakes += 1
+    def _bounded_handshake(self, link: _Link) -> tuple[FrameSocket, bytes]:
+        """Authenticate the client (after TLS, if any); return the connection and the session key END frames are
+        MACed under."""
+        with self._lock:
+            if self._handshakes >= self._max_handshakes:
+                raise KVTransferError("capacity", f"expected at most {self._max_handshakes} connections "
+                                      "authenticating at once, got one more; retry later")
+            self._handshakes += 1
         try:
-            async with asyncio.timeout(self._handshake_timeout):
-                return await self._authenticate(reader, writer)
-        except TimeoutError as error:
-            raise KVTransferError("auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the "
-                                  "handshake took longer") from error
+            deadline = time.monotonic() + self._handshake_timeout
+            if self._ssl is not None:
+                link.sock.settimeout(self._handshake_timeout)
+                link.sock = self._ssl.wrap_socket(link.sock, server_side=True)
+            return self._authenticate(FrameSocket(link.sock), deadline)
         finally:
-            self._handshakes -= 1
+            with self._lock:
+                self._handshakes -= 1
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        hello = await self._handshake_frame(reader, FrameType.HELLO, NONCE_BYTES, "nonce")
+    def _authenticate(self, channel: FrameSocket, deadline: float) -> tuple[FrameSocket, bytes]:
+        hello = self._handshake_frame(channel, deadline, FrameType.HELLO, NONCE_BYTES, "nonce")
         server_nonce = auth.new_nonce()
-        write_frame(
-            writer, FrameType.CHALLENGE, server_nonce + auth.server_proof(self._key, hello.payload, server_nonce)
-        )
-        await self._drain(writer)
-        proof = await self._handshake_frame(reader, FrameType.AUTH, PROOF_BYTES, "proof")
+        channel.send(self._io_timeout, FrameType.CHALLENGE,
+                     server_nonce + auth.server_proof(self._key, hello.payload, server_nonce))  # fmt: skip
+        proof = self._handshake_frame(channel, deadline, FrameType.AUTH, PROOF_BYTES, "proof")
         auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
-        return auth.session_key(self._key, hello.payload, server_nonce)
+        return channel, auth.session_key(self._key, hello.payload, server_nonce)
 
-    async def _handshake_frame(self, reader: asyncio.StreamReader, wanted: FrameType, size: int,
-                               what: str) -> Frame:
-        """One handshake frame, read only if its header claims at most MAX_HANDSHAKE_PAYLOAD bytes."""
+    def _handshake_frame(self, channel: FrameSocket, deadline: float, wanted: FrameType, size: int,
+                         what: str) -> Frame:
+        """One handshake frame by the handshake deadline, read only if its header claims at most
+        MAX_HANDSHAKE_PAYLOAD bytes."""
         expected = f"{wanted.name} ({size}-byte {what})"
+        remaining = deadline - time.monotonic()
         try:
-            frame = await read_frame(reader, self._io_timeout, MAX_HANDSHAKE_PAYLOAD)
+            if remaining <= 0:
+                raise KVTransferError("timeout", "handshake deadline passed")
+            frame = channel.read_frame(min(self._io_timeout, remaining), MAX_HANDSHAKE_PAYLOAD)
         except KVTransferError as error:
+            if error.cause == "timeout" and remaining <= self._io_timeout:
+                raise KVTransferError("auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the "
+                                      "handshake took longer") from None
             raise KVTransferError("auth", f"expected {expected}, got no valid frame: {error.message}") from None
         if frame.type is not wanted or len(frame.payload) != size:
             raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
         return frame
 
-    async def _dispatch(self, frame: Frame, writer: asyncio.StreamWriter, session: bytes) -> None:
+    def _dispatch(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
         if frame.type is FrameType.PULL:
-            await self._serve_pull(frame, writer, session)
+            self._serve_pull(frame, channel, session, waits)
         elif frame.type is FrameType.ACK:
             request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
             released = self.store.ack(request_id)
-            write_json(writer, FrameType.ACK_OK, {"request_id": request_id, "released": released})
-            await self._drain(writer)
+            channel.send(self._io_timeout, FrameType.ACK_OK,
+                         json_payload({"request_id": request_id, "released": released}))  # fmt: skip
         else:
             raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
 
-    async def _serve_pull(self, frame: Frame, writer: asyncio.StreamWriter, session: bytes) -> None:
+    def _serve_pull(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
         body = frame.json()
         request_id, stream, streams = body.get("request_id"), body.get("stream"), body.get("streams")
         first_row = body.get("first_row", 0)
@@ -213,85 +303,85 @@ class KVServer:
                                   "(integers)")
         if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
             raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
-        stored = await self._wait_open(request_id, writer)
+        stored = self._wait_open(request_id, channel, waits)
         started = time.perf_counter()
         manifest = stored.manifest.to_bytes()
-        write_frame(writer, FrameType.MANIFEST, manifest)
+        channel.send(self._io_timeout, FrameType.MANIFEST, manifest)
         try:
             plan = chunk_plan(stored.manifest, first_row)
         except ValueError as error:
             raise KVTransferError("protocol", f"PULL first_row: {error}") from None
         chunks = plan[stream::streams]
-        sent = await self._send_chunks(stored, chunks, writer)
-        with stored.watch() as changed:
-            while not stored.checksum:  # sealed and hashed
-                await self._wait_change(stored, changed, writer)
+        sent = self._send_chunks(stored, chunks, channel, waits)
+        if not stored.checksum:  # sealed and hashed
+            with waits.watch(stored) as changed:
+                while not stored.checksum:
+                    self._wait_change(stored, changed, channel, waits)
         if stream == 0:
-            write_frame(writer, FrameType.DIGESTS, stored.digests)
+            channel.send(self._io_timeout, FrameType.DIGESTS, stored.digests)
         request = {"request_id": request_id, "stream": stream, "streams": streams, "first_row": first_row}
         mac = auth.end_mac(session, manifest, request, stored.checksum, len(chunks))
-        write_json(writer, FrameType.END, {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum,
-                                           "mac": mac})
-        await self._drain(writer)
+        channel.send(self._io_timeout, FrameType.END, json_payload(
+            {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
 
-    async def _wait_open(self, request_id: str, writer: asyncio.StreamWriter) -> StoredKV:
+    def _wait_open(self, request_id: str, channel: FrameSocket, waits: _Waits) -> StoredKV:
         """The blob of `request_id`, waiting up to open_wait_s for prefill to open it (then `not_found`)."""
+        try:
+            return self.store.get(request_id)
+        except KVTransferError as error:
+            if error.cause != "not_found" or self._open_wait <= 0:
+                raise
         deadline = time.monotonic() + self._open_wait
-        with self.store.watch() as opened:
+        with waits.watch(self.store) as opened:
             while True:
                 try:
                     return self.store.get(request_id)
                 except KVTransferError as error:
                     if error.cause != "not_found" or self.store.gone(request_id) or time.monotonic() >= deadline:
                         raise
-                if not await opened.wait(min(self._keepalive, max(0.0, deadline - time.monotonic()))):
-                    write_frame(writer, FrameType.KEEPALIVE)
-                    await self._drain(writer)
+                if not waits.wait(opened, min(self._keepalive, max(0.0, deadline - time.monotonic()))):
+                    channel.send(self._io_timeout, FrameType.KEEPALIVE)
 
-    async def _send_chunks(self, stored: StoredKV, chunks: list[Chunk], writer: asyncio.StreamWriter) -> int:
+    def _send_chunks(self, stored: StoredKV, chunks: list[Chunk], channel: FrameSocket, waits: _Waits) -> int:
         """Send each chunk as soon as prefill has added its bytes; return the bytes sent."""
+        views = [as_bytes(array) for pair in stored.layers for array in pair]
         pending, sent = list(chunks), 0
-        with stored.watch() as changed:
-            while pending:
-                ready = [chunk for chunk in pending if stored.ready(chunk.layer, chunk.part, chunk.offset,
-                                                                      chunk.length)]
-                if not ready:
-                    await self._wait_change(stored, changed, writer)
-                    continue
-                for chunk in ready:
-                    payload = as_bytes(stored.layers[chunk.layer][chunk.part])[chunk.offset:chunk.offset + chunk.length]
-                    header = DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset)
-                    write_frame(writer, FrameType.DATA, header, payload)
-                    await self._drain(writer)
-                    sent += chunk.length
-                done = set(ready)
-                pending = [chunk for chunk in pending if chunk not in done]
+        while pending:
+            ready = [chunk for chunk in pending if stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)]
+            if not ready:
+                with waits.watch(stored) as changed:  # then look again: no change after the look above is missed
+                    if not any(stored.ready(c.layer, c.part, c.offset, c.length) for c in pending):
+                        self._wait_change(stored, changed, channel, waits)
+                continue
+            for chunk in ready:
+                payload = views[2 * chunk.layer + chunk.part][chunk.offset : chunk.offset + chunk.length]
+                channel.send(self._io_timeout, FrameType.DATA, DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset),
+                             payload)  # fmt: skip
+                sent += chunk.length
+            done = set(ready)
+            pending = [chunk for chunk in pending if chunk not in done]
         return sent
 
-    async def _wait_change(self, stored: StoredKV, changed: Watch, writer: asyncio.StreamWriter) -> None:
+    def _wait_change(self, stored: StoredKV, changed: Watch, channel: FrameSocket, waits: _Waits) -> None:
         """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
         failed (aborted, replaced) or its lease ran out before it was complete."""
         stored.check()
-        if not await changed.wait(self._keepalive):
+        if not waits.wait(changed, self._keepalive):
             if stored.expires_at <= self.store.clock():
                 raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
                                       "before prefill completed it")
-            write_frame(writer, FrameType.KEEPALIVE)
-            await self._drain(writer)
+            channel.send(self._io_timeout, FrameType.KEEPALIVE)
         stored.check()
 
-    async def _drain(self, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(self._io_timeout):
-                await writer.drain()
-        except TimeoutError as error:
-            raise KVTransferError("timeout", f"client did not read for {self._io_timeout:g} s") from error
-        except (ConnectionError, OSError) as error:
-            raise KVTransferError("connection", f"client connection lost: {error!r}") from error
-
-    async def _send_error(self, writer: asyncio.StreamWriter, error: KVTransferError) -> None:
+    def _send_error(self, channel: FrameSocket, error: KVTransferError) -> None:
         with contextlib.suppress(Exception):
-            write_error(writer, error.cause, error.message)
-            async with asyncio.timeout(1.0):
-                await writer.drain()
+            channel.send(1.0, FrameType.ERROR, error_body(error.cause, error.message))
+
+
+def _set_congestion_control(listener: socket.socket, name: str) -> None:
+    """Pick the sender's TCP congestion control; accepted connections inherit it from the listener (Linux)."""
+    try:
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as error:
+        raise ValueError(f"tcp_congestion: the kernel refuses {name!r} ({error.strerror})") from error

@@ -268,7 +268,8 @@ def test_fuzzed_frames_get_an_answer_or_a_close(
 
     async def scenario() -> None:
         if authenticated:
-            reader, writer = await Connector(key, retries=0).connect("127.0.0.1", server.port)
+            channel = await Connector(key, retries=0).connect("127.0.0.1", server.port)  # then raw frames
+            reader, writer = await asyncio.open_connection(sock=channel.sock)
         else:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
