@@ -106,6 +106,8 @@ class VLLMServer:
     policy: str = "recompute"
     max_model_len: int = 2048
     site: Site = LOOPBACK
+    connector: bool = True
+    """False: no --kv-transfer-config at all (role, policy and extra unused), a colocated baseline."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -132,7 +134,8 @@ class VLLMServer:
             *self.site.exec_prefix(), sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--host", self.site.http_host, "--port", str(self.port), "--enforce-eager",
             "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
-            "--kv-transfer-config", json.dumps(config), "--enable-log-requests", *self.args,
+            *(("--kv-transfer-config", json.dumps(config)) if self.connector else ()), "--enable-log-requests",
+            *self.args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
