@@ -1,33 +1,80 @@
 """Where a pull's bytes land: the destination arrays the stream threads receive DATA into (pdserve.kv.wire reads
-each payload straight into its slice, one copy from the kernel)."""
+each payload straight into its slice, one copy from the kernel).
+
+A big blob's arrays share one anonymous mapping. Fresh memory is expensive here: the kernel zeroes and faults in
+every page on first touch (with transparent huge pages it may also compact memory first), which cost more CPU than
+receiving the bytes. So a mapping whose arrays are all gone (every view of them garbage) goes back to a bounded set
+of idle mappings, and the next pull of the same size reuses it, already faulted in.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
+import weakref
 
 import numpy as np
 
 HUGE_PAGE_BYTES = 2 << 20
 ALIGN = 64
+IDLE_REGION_BYTES = 1 << 30  # idle mappings kept for later pulls, over all sizes
+
+
+class _Regions:
+    """Idle destination mappings by size, at most `limit` bytes of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._idle: dict[int, list[mmap.mmap]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap:
+        with self._lock:
+            idle = self._idle.get(size)
+            if idle:
+                self._bytes -= size
+                return idle.pop()
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError):  # THP disabled: plain pages
+                region.madvise(advice)
+        return region
+
+    def give_back(self, region: mmap.mmap) -> None:
+        with self._lock:
+            if self._bytes + len(region) <= self.limit:
+                self._idle.setdefault(len(region), []).append(region)
+                self._bytes += len(region)
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._bytes
+
+
+REGIONS = _Regions(IDLE_REGION_BYTES)
 
 
 def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
-    """Empty arrays of these (shape, dtype), for a blob being received.
+    """Arrays of these (shape, dtype), for a blob being received; their bytes are undefined until received (a reused
+    mapping holds an earlier pull's).
 
-    A big blob's arrays share one anonymous mapping advised for transparent huge pages: the kernel then faults its
-    memory in 2 MiB pages as bytes land instead of 4 KiB ones, which on this kind of machine costs less than a tenth
-    (the first touch of fresh memory was the largest single cost of a cold pull)."""
+    A big blob's arrays share one anonymous mapping, reused from an earlier pull of the same size when one is idle,
+    else new and advised for transparent huge pages (the kernel then faults its memory in 2 MiB pages as bytes land
+    instead of 4 KiB ones, which on this kind of machine costs less than a tenth)."""
     sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
         total += -(-size // ALIGN) * ALIGN
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if total < HUGE_PAGE_BYTES or advice is None:
+    if total < HUGE_PAGE_BYTES:
         return [np.empty(shape, np.dtype(dtype)) for shape, dtype in specs]
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP disabled: plain pages
-        region.madvise(advice)
-    return [np.frombuffer(region, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
-            for (shape, dtype), offset in zip(specs, offsets, strict=True)]
+    region = REGIONS.take(total)
+    # numpy makes every view's base the array it was cut from: once `whole` is collected, no array of this pull (nor
+    # any view of one) is left, and the mapping is free again.
+    whole = np.frombuffer(region, np.uint8)
+    weakref.finalize(whole, REGIONS.give_back, region)
+    return [whole[offset : offset + size].view(np.dtype(dtype)).reshape(shape)
+            for (shape, dtype), offset, size in zip(specs, offsets, sizes, strict=True)]

@@ -3,6 +3,7 @@ its writes, lands DATA in place, bounds every read, and can be woken from anothe
 
 from __future__ import annotations
 
+import gc
 import random
 import socket
 import threading
@@ -88,3 +89,26 @@ def test_big_destinations_are_separate_writable_arrays_of_the_asked_layout() -> 
         assert array.shape == shape and array.dtype == dtype and array.flags.writeable
         array[...] = 1
     assert all((array == 1).all() for array in arrays)
+
+
+def test_a_destination_mapping_is_reused_only_once_no_view_of_its_arrays_is_left() -> None:
+    specs = [((1 << 20,), "float32"), ((1 << 20,), "float32")]  # 8 MiB: one shared mapping
+
+    def address(array: np.ndarray) -> int:
+        return int(array.__array_interface__["data"][0])
+
+    first = destination_arrays(specs)
+    first_address = address(first[0])
+    first[1][:] = 3.0
+    kept = first[1][5:9]  # a caller still holds a view of the first pull's KV
+    del first
+    gc.collect()
+    second = destination_arrays(specs)
+    assert address(second[0]) != first_address
+    second[1][:] = 4.0
+    assert (kept == 3.0).all()  # untouched by the second pull
+    del kept
+    gc.collect()
+    third = destination_arrays(specs)
+    assert address(third[0]) == first_address  # free again: reused, no fresh pages to fault in
+    assert address(second[0]) != address(third[0])
