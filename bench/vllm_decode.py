@@ -23,6 +23,9 @@ client records each SSE chunk's arrival time and token count. Figures per round:
 * end-to-end tokens/s: all tokens of the round over the time from sending to the last token;
 * inter-token latency: the gap before each chunk after the first, spread over that chunk's tokens (one token per
   chunk is the rule); p50 and p95 over every token of every request of the level's rounds;
+* engine inter-token latency: the decoding vLLM's own vllm:inter_token_latency_seconds (sum / count over the
+  level's rounds; decode's for the gateway path, direct's for the other), timed from engine-core timestamps, so
+  blind to what the API server, the gateway and this client's scheduling add;
 * TTFT: from sending to the first chunk (through the gateway: prefill, KV transfer and decode's first step).
 
 Every request must return exactly `max_tokens` tokens (checked; a round that fails is recorded with its error).
@@ -69,11 +72,20 @@ ROUND_TIMEOUT_S = 600
 
 @dataclass(frozen=True)
 class Target:
-    """Where a path's requests go: an OpenAI-compatible base URL and its bearer header."""
+    """Where a path's requests go: an OpenAI-compatible base URL and its bearer header; `engine` is the vLLM that
+    decodes them (its own inter-token latency histogram, timed in the engine, is read around each round)."""
 
     name: str
     url: str
     headers: dict[str, str]
+    engine: VLLMServer | None = None
+
+    def engine_itl(self) -> tuple[float, float]:
+        """(sum, count) of the engine's vllm:inter_token_latency_seconds so far ((0, 0) without an engine)."""
+        if self.engine is None:
+            return 0.0, 0.0
+        return (self.engine.metric("vllm:inter_token_latency_seconds_sum"),
+                self.engine.metric("vllm:inter_token_latency_seconds_count"))  # fmt: skip
 
 
 @dataclass
@@ -135,8 +147,11 @@ def measure_round(target: Target, clients: int, max_tokens: int, prompt_tokens: 
                   ) -> dict[str, Any]:  # fmt: skip
     """`clients` concurrent streamed requests on fresh prompts: the round's figures and its raw gaps."""
     prompts = [random_prompt(prompt_tokens, rng) for _ in range(clients)]
+    itl_before = target.engine_itl()
     started = time.perf_counter()
     traces = asyncio.run(_round(target, prompts, max_tokens))
+    # vLLM records a request's stats with its last output; the count settles once every token is in.
+    itl_sum, itl_count = _settled_itl(target, itl_before, clients * (max_tokens - 1))
     last = max(trace.chunks[-1][0] for trace in traces)
     steady_tokens = sum(trace.tokens - trace.chunks[0][1] for trace in traces)
     span = union_length([trace.window() for trace in traces])
@@ -144,10 +159,20 @@ def measure_round(target: Target, clients: int, max_tokens: int, prompt_tokens: 
             "sum_of_client_rates": sum(trace.steady_rate() for trace in traces),
             "e2e_tokens_per_s": sum(trace.tokens for trace in traces) / (last - started),
             "chunks_per_request": statistics.median(len(trace.chunks) for trace in traces),
+            "engine_itl_sum_s": itl_sum, "engine_itl_count": itl_count,
             "max_tokens_per_chunk": max(count for trace in traces for _, count in trace.chunks),
             "ttft_s": statistics.median(trace.chunks[0][0] - trace.sent for trace in traces),
             "tokens": [trace.tokens for trace in traces],
             "gaps": [gap for trace in traces for gap in trace.gaps()]}  # fmt: skip
+
+
+def _settled_itl(target: Target, before: tuple[float, float], expected: int) -> tuple[float, float]:
+    deadline = time.monotonic() + 10
+    while True:
+        now = target.engine_itl()
+        if target.engine is None or now[1] - before[1] >= expected or time.monotonic() > deadline:
+            return now[0] - before[0], now[1] - before[1]
+        time.sleep(0.2)
 
 
 def union_length(windows: list[tuple[float, float]]) -> float:
@@ -170,6 +195,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "sum_of_client_rates": statistics.median(r["sum_of_client_rates"] for r in good),
             "e2e_tokens_per_s": statistics.median(r["e2e_tokens_per_s"] for r in good),
             "chunks_per_request": statistics.median(r["chunks_per_request"] for r in good),
+            "engine_itl_mean_s": _mean_itl(good),
             "max_tokens_per_chunk": max(r["max_tokens_per_chunk"] for r in good),
             "ttft_s": statistics.median(r["ttft_s"] for r in good),
             "itl_p50_s": percentile(gaps, 0.50), "itl_p95_s": percentile(gaps, 0.95),
@@ -177,6 +203,11 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "rounds": len(good), "failed_rounds": len(rounds) - len(good),
             "per_round": [{name: value for name, value in r.items() if name not in ("gaps", "tokens")}
                           for r in rounds]}  # fmt: skip
+
+
+def _mean_itl(rounds: list[dict[str, Any]]) -> float:
+    count = sum(r["engine_itl_count"] for r in rounds)
+    return sum(r["engine_itl_sum_s"] for r in rounds) / count if count else 0.0
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -206,7 +237,8 @@ def measure(targets: list[Target], clients: int, *, rounds: int, max_tokens: int
 def ratios(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
     if "error" in gateway or "error" in direct:
         return {}
-    names = ("decode_tokens_per_s", "sum_of_client_rates", "e2e_tokens_per_s", "ttft_s", "itl_p50_s", "itl_p95_s")
+    names = ("decode_tokens_per_s", "sum_of_client_rates", "e2e_tokens_per_s", "ttft_s", "itl_p50_s", "itl_p95_s",
+             "engine_itl_mean_s")  # fmt: skip
     return {name: gateway[name] / direct[name] for name in names if direct[name] > 0}
 
 
@@ -230,7 +262,8 @@ def targets_of(work: Path) -> Iterator[tuple[list[Target], Fleet]]:
         fleet.wait_routable(gateway)
         direct.start()
         direct.wait_ready()
-        targets = [Target("gateway", gateway.url, bearer(API_KEY)), Target("direct", direct.url, fleet.engine_auth())]
+        targets = [Target("gateway", gateway.url, bearer(API_KEY), fleet.decode),
+                   Target("direct", direct.url, fleet.engine_auth(), direct)]  # fmt: skip
         yield targets, fleet
     finally:
         direct.stop()
@@ -296,9 +329,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"tokens, max_tokens {report['max_tokens']}, streamed; medians of {report['rounds']} rounds per level. "
         f"Commit `{report['commit']}`.",
         "",
-        "| clients | path | decode tok/s | sum of client rates | e2e tok/s | ITL p50 | ITL p95 | TTFT "
-        "| chunks / request | failed rounds | load 1 min |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | path | decode tok/s | sum of client rates | e2e tok/s | ITL p50 | ITL p95 | engine ITL mean "
+        "| TTFT | chunks / request | failed rounds | load 1 min |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for level in report["levels"]:
         for name, result in level["paths"].items():
@@ -308,12 +341,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {level['clients']} | gateway / direct | {ratio['decode_tokens_per_s']:.2f}x "
                          f"| {ratio['sum_of_client_rates']:.2f}x | {ratio['e2e_tokens_per_s']:.2f}x "
                          f"| {ratio.get('itl_p50_s', 0):.2f}x | {ratio.get('itl_p95_s', 0):.2f}x "
-                         f"| {ratio['ttft_s']:.2f}x | | | |")  # fmt: skip
+                         f"| {ratio.get('engine_itl_mean_s', 0):.2f}x | {ratio['ttft_s']:.2f}x | | | |")  # fmt: skip
     lines += ["", "decode tok/s: the tokens after each request's first, summed, over the time covered by at least "
               "one request's steady window (first token to last); sum of client rates: each request's own "
               "steady rate, summed. e2e tok/s: all tokens over the round's wall time. ITL: gaps between chunks, "
               "per token, over every request of the level (p50 0 means chunks arrived in bursts, several read "
-              "at once). Medians over rounds (per round in the json). Gateway: sequential proxy "
+              "at once); engine ITL mean: vLLM's own vllm:inter_token_latency_seconds (engine timestamps, "
+              "blind to the API server, the gateway and the client) of the decoding instance over the level's "
+              "rounds. Medians over rounds (per round in the json). Gateway: sequential proxy "
               "flow (prefill, KV through PdstackConnector, decode); direct: one vLLM without the connector, "
               "decode's flags and core.",
               f"Load average (1, 5, 15 min) {_loads(load['before'])} before, {_loads(load['after'])} after, on "
@@ -328,11 +363,12 @@ def _loads(values: list[float] | tuple[float, ...]) -> str:
 def _row(level: dict[str, Any], name: str, result: dict[str, Any]) -> str:
     head = f"| {level['clients']} | {name} "
     if "error" in result:
-        return head + f"| failed: {result['error'][:160]} | | | | | | | {result['failed_rounds']} | |"
+        return head + f"| failed: {result['error'][:160]} | | | | | | | | {result['failed_rounds']} | |"
     return (head + f"| {result['decode_tokens_per_s']:.0f} | {result['sum_of_client_rates']:.0f} "
             f"| {result['e2e_tokens_per_s']:.0f} "
             f"| {result['itl_p50_s'] * 1e3:.1f} ms | {result['itl_p95_s'] * 1e3:.1f} ms "
-            f"| {result['ttft_s'] * 1e3:.0f} ms | {result['chunks_per_request']:g} "
+            f"| {result['engine_itl_mean_s'] * 1e3:.1f} ms | {result['ttft_s'] * 1e3:.0f} ms "
+            f"| {result['chunks_per_request']:g} "
             f"| {result['failed_rounds']} | {level['load_average_1min']:.1f} |")  # fmt: skip
 
 
