@@ -16,6 +16,7 @@ import contextlib
 import select
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Iterator
 
@@ -40,8 +41,23 @@ class FrameSocket:
         self.sock = sock
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.closed = False
+        self._kernel_timeouts = False  # plain socket in blocking mode, bounded by SO_RCVTIMEO / SO_SNDTIMEO
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _bound(self, option: int, seconds: float) -> None:
+        """The next call waits at most `seconds`. A plain socket stays blocking and the kernel enforces the bound
+        (SO_RCVTIMEO / SO_SNDTIMEO): a recv with MSG_WAITALL or a sendmsg of a whole frame is then one system call
+        that sleeps in the kernel until done, instead of a poll and a partial call per piece (each of which takes the
+        GIL back). TLS sockets use Python's own timeouts."""
+        if self.tls:
+            self.sock.settimeout(seconds)
+            return
+        if not self._kernel_timeouts:
+            self.sock.settimeout(None)
+            self._kernel_timeouts = True
+        micros = max(1, int(seconds * 1e6))  # 0 would mean no bound at all
+        self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", micros // 1_000_000, micros % 1_000_000))
 
     # writing
 
@@ -49,7 +65,7 @@ class FrameSocket:
         """Send one frame whose payload is `parts` (not joined); the peer must take each piece within `timeout`."""
         header = encode_header(frame_type, *parts)
         with self._errors(timeout, "send"):
-            self.sock.settimeout(timeout)
+            self._bound(socket.SO_SNDTIMEO, timeout)
             if self.tls:
                 self._send_tls(header, parts)
             else:
@@ -57,7 +73,10 @@ class FrameSocket:
 
     def _sendmsg(self, views: list[memoryview]) -> None:
         while views:
-            sent = self.sock.sendmsg(views)
+            try:
+                sent = self.sock.sendmsg(views)
+            except BlockingIOError as error:  # SO_SNDTIMEO passed with nothing sent
+                raise TimeoutError from error
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)
@@ -109,8 +128,11 @@ class FrameSocket:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError
-                self.sock.settimeout(remaining)
-                count = self.sock.recv_into(view[filled:], size - filled)
+                self._bound(socket.SO_RCVTIMEO, remaining)
+                try:
+                    count = self.sock.recv_into(view[filled:], size - filled, 0 if self.tls else socket.MSG_WAITALL)
+                except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+                    continue
                 if not count:
                     raise KVTransferError("connection", f"connection closed with {size - filled} bytes of a frame "
                                           "still to come")
@@ -122,6 +144,7 @@ class FrameSocket:
             return True
         try:
             self.sock.settimeout(0)
+            self._kernel_timeouts = False
             if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
                 return True
             return _poll_readable(self.sock)
