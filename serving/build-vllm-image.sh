@@ -20,19 +20,27 @@ trap 'rm -rf "$CONTEXT"' EXIT
 BASE=$("$PYTHON" -c 'from pdstack.nodes import build_base_image; print(build_base_image())')
 MIRROR=$("$PYTHON" -c 'from pdstack.nodes import host_mirror; print(host_mirror())')
 "$VLLM_PYTHON" "$HERE/../pdstack/vllm_lock.py" > "$CONTEXT/vllm-lock.txt"
-mkdir -p "$WHEELHOUSE" "$CONTEXT/wheels"
-# --no-deps: the lock is the whole closure; --find-links: wheels already kept are not fetched again.
-"$VLLM_PYTHON" -m pip wheel --quiet --no-deps --find-links "$WHEELHOUSE" --wheel-dir "$WHEELHOUSE" \
-    -r "$CONTEXT/vllm-lock.txt"
-"$VLLM_PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$CONTEXT/wheels" "$HERE"
-# Hard links into the context (same file system as the cache in the usual case), copies otherwise.
+mkdir -p "$WHEELHOUSE" "$CONTEXT/wheels" "$CONTEXT/pdserve-wheel"
+# A pin's wheel in the kept wheelhouse (wheel names spell the project with _ for - and .), or nothing.
+kept() {
+    local name=${1%%==*} version=${1#*==}
+    find "$WHEELHOUSE" -maxdepth 1 -iname "$(echo "$name" | tr -- '-.' '__')-${version}-*.whl" | head -n1
+}
+missing=()
+while read -r pin; do [ -n "$(kept "$pin")" ] || missing+=("$pin"); done < "$CONTEXT/vllm-lock.txt"
+if [ ${#missing[@]} -gt 0 ]; then
+    # --no-deps: the lock is the whole closure.
+    "$VLLM_PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$WHEELHOUSE" "${missing[@]}"
+fi
 while read -r pin; do
-    name=${pin%%==*}; version=${pin#*==}
-    pattern="$(echo "$name" | tr -- '-.' '__')-${version}-"
-    wheel=$(find "$WHEELHOUSE" -maxdepth 1 -iname "${pattern}*.whl" | head -n1)
+    wheel=$(kept "$pin")
     [ -n "$wheel" ] || { echo "no wheel for $pin in $WHEELHOUSE" >&2; exit 1; }
+    # Hard links into the context (same file system as the kept wheelhouse in the usual case), copies otherwise.
     ln "$wheel" "$CONTEXT/wheels/" 2>/dev/null || cp "$wheel" "$CONTEXT/wheels/"
 done < "$CONTEXT/vllm-lock.txt"
+"$VLLM_PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$CONTEXT/pdserve-wheel" "$HERE"
+digest() { (cd "$CONTEXT" && find "$@" -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1); }
 cp "$HERE/Containerfile.vllm-cpu" "$CONTEXT/Containerfile"
 podman build --format docker --network host --build-arg "BASE_IMAGE=$BASE" --build-arg "DEBIAN_MIRROR=$MIRROR" \
+    --build-arg "LOCK_SHA256=$(digest wheels vllm-lock.txt)" --build-arg "PDSERVE_SHA256=$(digest pdserve-wheel)" \
     -t "$IMAGE" "$CONTEXT"

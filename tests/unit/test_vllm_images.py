@@ -50,7 +50,17 @@ def copy_sources(path: object) -> list[str]:
 def test_the_cpu_images_copy_sources_are_what_its_build_script_puts_in_the_context() -> None:
     made = set(re.findall(r'"\$CONTEXT/([^"/]+)', BUILD_SCRIPT.read_text()))
     sources = {src.rstrip("/") for src in copy_sources(CPU)}
-    assert sources == {"wheels", "vllm-lock.txt"} and sources <= made - {"Containerfile"}
+    assert sources == {"wheels", "vllm-lock.txt", "pdserve-wheel"} and sources <= made - {"Containerfile"}
+
+
+def test_the_cpu_build_script_passes_every_argument_without_default() -> None:
+    """LOCK_SHA256 and PDSERVE_SHA256 key the layer cache on the bind-mounted wheels' content."""
+    bare = {rest for rest in of(CPU, "ARG") if "=" not in rest}
+    passed = set(re.findall(r'--build-arg "([A-Z0-9_]+)=', BUILD_SCRIPT.read_text()))
+    assert bare == {"LOCK_SHA256", "PDSERVE_SHA256"} and bare <= passed
+    runs = of(CPU, "RUN")
+    for arg in bare:
+        assert any(f'test -n "${arg}"' in run for run in runs), f"{arg} must be used by the step it keys"
     assert f'cp "$HERE/{CPU.name}" "$CONTEXT/Containerfile"' in BUILD_SCRIPT.read_text()
 
 
