@@ -223,6 +223,7 @@ def measure(targets: list[Target], clients: int, *, rounds: int, max_tokens: int
     in even rounds and last in odd ones; a summary per target."""
     rng = random.Random(seed * 1_000_003 + clients)
     results: dict[str, list[dict[str, Any]]] = {target.name: [] for target in targets}
+    warmup_errors: dict[str, str] = {}
     for index in range(rounds + 1):
         for target in targets if index % 2 == 0 else targets[::-1]:
             try:
@@ -231,7 +232,12 @@ def measure(targets: list[Target], clients: int, *, rounds: int, max_tokens: int
                 figures = {"error": f"{type(error).__name__}: {error}"[:400]}
             if index > 0:
                 results[target.name].append(figures)
-    return {name: summarize(measured) for name, measured in results.items()}
+            elif "error" in figures:
+                warmup_errors[target.name] = figures["error"]
+    summaries = {name: summarize(measured) for name, measured in results.items()}
+    for name, error in warmup_errors.items():
+        summaries[name]["warmup_error"] = error
+    return summaries
 
 
 def ratios(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
@@ -369,7 +375,8 @@ def _row(level: dict[str, Any], name: str, result: dict[str, Any]) -> str:
             f"| {result['itl_p50_s'] * 1e3:.1f} ms | {result['itl_p95_s'] * 1e3:.1f} ms "
             f"| {result['engine_itl_mean_s'] * 1e3:.1f} ms | {result['ttft_s'] * 1e3:.0f} ms "
             f"| {result['chunks_per_request']:g} "
-            f"| {result['failed_rounds']} | {level['load_average_1min']:.1f} |")  # fmt: skip
+            f"| {result['failed_rounds']}{' + warm-up' if 'warmup_error' in result else ''} "
+            f"| {level['load_average_1min']:.1f} |")  # fmt: skip
 
 
 def positive(text: str) -> int:
