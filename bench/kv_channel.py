@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import secrets
@@ -43,8 +44,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVConnectionPool, KVMeta, KVMetrics, KVServer, LeaseStore, SecretKey, pull
+from pdserve.kv.recv import destination_arrays
 from pdserve.kv.store import DEFAULT_CHUNK_BYTES
-from pdstack.wanlink import LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace
+from pdstack.wanlink import TUN_MTU, LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace
 
 RESULTS = Path(__file__).parent / "results"
 STREAM_COUNTS = (1, 2, 4, 8)
@@ -73,28 +75,38 @@ async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None, 
     await asyncio.Event().wait()
 
 
+def warm_destination(mib: int) -> None:
+    """Fault in one destination mapping of the bench blob's layout and leave it idle for the first pull."""
+    arrays = destination_arrays([(array.shape, array.dtype.str) for pair in synthetic_layers(mib) for array in pair])
+    for array in arrays:
+        array.fill(0)
+
+
 async def pull_repeatedly(  # noqa: PLR0917
-    key_file: str, host: str, checksum: str, streams: int, repeats: int, gap_s: float
+    key_file: str, host: str, checksum: str, streams: int, repeats: int, gap_s: float, mib: int = 0
 ) -> None:
     """Run inside the decode namespace: pull the blob once cold and `repeats` times warm through one pool, `gap_s`
     apart (requests do not arrive back to back), and print the seconds of each pull and the pool's connections."""
     key = SecretKey.from_file(key_file)
     metrics = KVMetrics(CollectorRegistry())
     pool = KVConnectionPool(metrics=metrics)
-    seconds, nbytes = [], 0
+    if mib:  # as in a decode server that pulled before: its idle destination mapping is faulted in already
+        warm_destination(mib)
+    seconds, cpu, nbytes = [], [], 0
     for attempt in range(1 + repeats):
         if attempt:
             await asyncio.sleep(gap_s)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         blob = await pull(host, KV_PORT, REQUEST_ID, checksum, key=key, streams=streams, read_timeout_s=30,
                           metrics=metrics, pool=pool)  # fmt: skip
         seconds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
         nbytes = blob.nbytes
         del blob
     await pool.close()
     counts = {outcome: int(metrics.connections.labels("receiver", outcome)._value.get())
               for outcome in ("new", "reused", "stale")}  # fmt: skip
-    print(json.dumps({"seconds": seconds, "bytes": nbytes, "connections": counts}), flush=True)
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "bytes": nbytes, "connections": counts}), flush=True)
 
 
 def in_ns(namespace: str | None, argv: list[str]) -> list[str]:
@@ -113,17 +125,33 @@ def iperf3_mbit(ns_server: str | None, ns_client: str | None, server_ip: str, st
         server.wait()
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def kv_pulls(
-    ns_client: str | None, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float
+    ns_client: str | None, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float,
+    server_pid: int, mib: int, cold_memory: bool,
 ) -> dict[str, Any]:
+    load = os.getloadavg()[0]
+    server_cpu = process_cpu_seconds(server_pid)
     argv = [sys.executable, __file__, "pull", "--key-file", key_file, "--host", server_ip, "--checksum", checksum,
-            "--streams", str(streams), "--repeats", str(repeats), "--gap-seconds", str(gap_s)]  # fmt: skip
+            "--streams", str(streams), "--repeats", str(repeats), "--gap-seconds", str(gap_s),
+            "--mib", str(0 if cold_memory else mib)]  # fmt: skip
     result = json.loads(subprocess.run(in_ns(ns_client, argv), capture_output=True, text=True, check=True).stdout)
+    server_cpu = process_cpu_seconds(server_pid) - server_cpu
     cold, *warm = result["seconds"]
     warm_mbit = [result["bytes"] * 8 / s / 1e6 for s in warm]
+    gib = result["bytes"] / (1 << 30) * len(result["seconds"])
     return {"bytes": result["bytes"], "cold_seconds": cold, "warm_seconds": warm,
             "cold_mbit": result["bytes"] * 8 / cold / 1e6, "warm_mbit_median": statistics.median(warm_mbit),
-            "warm_mbit_best": max(warm_mbit), "connections": result["connections"]}  # fmt: skip
+            "warm_mbit_best": max(warm_mbit), "connections": result["connections"],
+            # CPU seconds per GiB moved (all pulls of the row): what the channel costs, much less noisy than goodput
+            # on a shared machine
+            "client_cpu_s_per_gib": sum(result["cpu_seconds"]) / gib, "server_cpu_s_per_gib": server_cpu / gib,
+            "load_average_1min": load}  # fmt: skip
 
 
 def start_server(namespace: str | None, key_file: str, host: str, args: argparse.Namespace) -> tuple[Any, str]:
@@ -145,7 +173,8 @@ def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         for streams in args.stream_counts:
             iperf = iperf3_mbit(None, None, LOOPBACK, streams, args.iperf_seconds)
             kv = kv_pulls(None, key_file, LOOPBACK, checksum, streams=streams, repeats=args.repeats,
-                          gap_s=args.gap_seconds)  # fmt: skip
+                          gap_s=args.gap_seconds, server_pid=server.pid, mib=args.mib,
+                          cold_memory=args.cold_memory)  # fmt: skip
             rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
                          "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
                          "cold_share_of_iperf3": kv["cold_mbit"] / iperf})  # fmt: skip
@@ -154,6 +183,23 @@ def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         server.wait()
     return {"kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes, "warm_repeats": args.repeats,
             "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
+
+
+def initial_window_segments(args: argparse.Namespace, spec: LinkSpec) -> int:
+    """--initcwnd as segments: 'bdp' = the link's bandwidth-delay product in full-sized segments of the TUN's MTU."""
+    if args.initcwnd in ("", "0"):
+        return 0
+    if args.initcwnd != "bdp":
+        return int(args.initcwnd)
+    bdp = spec.rate_mbit * 1e6 / 8 * spec.rtt_ms / 1e3
+    return math.ceil(bdp / (TUN_MTU - 52))  # IPv4 + TCP headers with timestamps
+
+
+def set_peer_route(namespace: str, peer: str, device: str, segments: int) -> None:
+    """A host route to the peer whose new connections start with a `segments` congestion and receive window (what a
+    node's route to a peer datacenter would carry)."""
+    subprocess.run(in_ns(namespace, ["ip", "route", "replace", f"{peer}/32", "dev", device, "initcwnd", str(segments),
+                                     "initrwnd", str(segments)]), check=True)  # fmt: skip
 
 
 def set_sysctl(namespace: str, name: str, value: str) -> None:
@@ -174,11 +220,16 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
             for name, value in args.sysctl:
                 set_sysctl(namespace, name, value)
         with LinkProcess(prefill, decode, spec):
+            initcwnd = initial_window_segments(args, spec)
+            if initcwnd:
+                for near, far in ((prefill, decode), (decode, prefill)):
+                    set_peer_route(near.namespace, str(far.address.ip), near.device, initcwnd)
             server, checksum = start_server(ns_prefill, key_file, str(prefill.address.ip), args)
             for streams in args.stream_counts:
                 iperf = iperf3_mbit(ns_prefill, ns_decode, str(prefill.address.ip), streams, args.iperf_seconds)
                 kv = kv_pulls(ns_decode, key_file, str(prefill.address.ip), checksum, streams=streams,
-                              repeats=args.repeats, gap_s=args.gap_seconds)  # fmt: skip
+                              repeats=args.repeats, gap_s=args.gap_seconds, server_pid=server.pid, mib=args.mib,
+                          cold_memory=args.cold_memory)  # fmt: skip
                 rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
                              "kv_share_of_link": kv["warm_mbit_median"] / args.rate_mbit,
                              "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
@@ -193,7 +244,8 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
     return {"link": {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "queue_bytes": spec.queue_limit_bytes},
             "kv_tcp_congestion": args.tcp_congestion or "system default",
             "kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes,
-            "namespace_sysctls": dict(args.sysctl), "warm_repeats": args.repeats,
+            "namespace_sysctls": dict(args.sysctl), "warm_repeats": args.repeats, "cold_memory": args.cold_memory,
+            "route_initcwnd_segments": initial_window_segments(args, spec),
             "gap_seconds": args.gap_seconds,
             "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
@@ -201,12 +253,14 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
 def loopback_table(report: dict[str, Any]) -> list[str]:
     lines = [f"KV {report['kv_mib']} MiB on loopback (one server process, one pull process), against iperf3 -P N on "
              f"loopback in the same run; warm = median of {report['warm_repeats']} pulls on reused connections",
-             "", "| streams | iperf3 Gbit/s | warm Gbit/s | warm/iperf3 | cold Gbit/s | cold/iperf3 |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "", "| streams | iperf3 Gbit/s | warm Gbit/s | warm/iperf3 | cold Gbit/s | cold/iperf3 | "
+             "CPU s/GiB client | CPU s/GiB server | load |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in report["rows"]:
         lines.append(f"| {row['streams']} | {row['iperf3_mbit'] / 1e3:.1f} | {row['warm_mbit_median'] / 1e3:.2f} | "
                      f"{row['kv_share_of_iperf3']:.1%} | {row['cold_mbit'] / 1e3:.2f} | "
-                     f"{row['cold_share_of_iperf3']:.1%} |")  # fmt: skip
+                     f"{row['cold_share_of_iperf3']:.1%} | {row['client_cpu_s_per_gib']:.2f} | "
+                     f"{row['server_cpu_s_per_gib']:.2f} | {row['load_average_1min']:.1f} |")  # fmt: skip
     return lines
 
 
@@ -214,18 +268,20 @@ def wan_table(report: dict[str, Any]) -> list[str]:
     link = report["link"]
     lines = [f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT (emulated, "
              f"pdstack.wanlink); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
-             "first pull", "",
+             f"first pull; namespace sysctls: {report['namespace_sysctls'] or 'kernel defaults'}; route "
+             f"initcwnd/initrwnd: {report['route_initcwnd_segments'] or 'kernel default'}", "",
              "| streams | iperf3 Mbit/s | warm Mbit/s | warm/link | warm/iperf3 | cold Mbit/s | cold/link | "
-             "cold/iperf3 |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "cold/iperf3 | load |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in report["rows"]:
         lines.append(f"| {row['streams']} | {row['iperf3_mbit']:.0f} | {row['warm_mbit_median']:.0f} | "
                      f"{row['kv_share_of_link']:.1%} | {row['kv_share_of_iperf3']:.1%} | {row['cold_mbit']:.0f} | "
-                     f"{row['cold_share_of_link']:.1%} | {row['cold_share_of_iperf3']:.1%} |")  # fmt: skip
+                     f"{row['cold_share_of_link']:.1%} | {row['cold_share_of_iperf3']:.1%} | "
+                     f"{row['load_average_1min']:.1f} |")  # fmt: skip
     return lines
 
 
 def write_results(folder: Path, report: dict[str, Any]) -> None:
-    stem = folder / f"kv_channel-{time.strftime('%Y-%m-%d', time.gmtime())}"
+    stem = folder / f"kv_channel-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}"
     folder.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
@@ -266,7 +322,12 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the KV store's DATA frame size")
     parser.add_argument("--stream-counts", type=lambda text: [int(n) for n in text.split(",")], default=STREAM_COUNTS,
                         help="comma-separated stream counts (default 1,2,4,8)")
+    parser.add_argument("--cold-memory", action="store_true", help="the cold pull also lands in fresh memory (a new "
+                        "decode process); by default the pull process faults in one destination mapping first, so "
+                        "cold means new connections only")
     parser.add_argument("--gap-seconds", type=float, default=0.0, help="pause between one pull and the next")
+    parser.add_argument("--initcwnd", default="", help="WAN: initcwnd/initrwnd of the routes between the namespaces, "
+                        "in segments, or 'bdp' (the link's BDP in segments); default: the kernel's (10)")
     parser.add_argument("--sysctl", type=sysctl_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="set a namespaced sysctl in both namespaces (repeatable), e.g. what kernel_tuning sets")
     args = parser.parse_args()
@@ -274,7 +335,7 @@ def main() -> None:
         asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes))
     elif args.mode == "pull":
         asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats,
-                                    args.gap_seconds))
+                                    args.gap_seconds, args.mib))
     else:
         with tempfile.TemporaryDirectory() as folder:
             key_file = Path(folder) / "kv.key"
