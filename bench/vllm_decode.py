@@ -34,7 +34,9 @@ timeouts. Needs pdserve's own environment for the gateway (.venv, or $PDSTACK_MA
 bench/results/vllm_decode-<date>.json and .md.
 
     PYTHONPATH=serving:. .venv-vllm/bin/python -m bench.vllm_decode [--clients 1,16,64] [--rounds 3]
-        [--max-tokens 128] [--prompt-tokens 128] [--commit TEXT] [--output-dir bench/results]
+        [--max-tokens 128] [--prompt-tokens 128] [--commit TEXT] [--output-dir bench/results] [--work-dir DIR]
+
+From a snapshot without .git (as the shared machine's rules ask), pass --commit and PDSTACK_MAIN_PYTHON.
 """
 
 from __future__ import annotations
