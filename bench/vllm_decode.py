@@ -257,8 +257,10 @@ def direct_server(fleet: Fleet) -> VLLMServer:
                       args=decode.args, max_model_len=decode.max_model_len, connector=False)  # fmt: skip
 
 
-def targets_of(work: Path) -> Iterator[tuple[list[Target], Fleet]]:
-    """The fleet with its gateway, and the direct vLLM (started after the pair: at most two start at once)."""
+def targets_of(work: Path, *, decode_local: bool = False) -> Iterator[tuple[list[Target], Fleet]]:
+    """The fleet with its gateway, and the direct vLLM (started after the pair: at most two start at once);
+    with `decode_local`, also the decode vLLM itself sent requests without KV params (its connector loaded but
+    idle: what the connector costs a decode step, apart from the transfer)."""
     model = make_test_checkpoint("dense", work / "llama", "float32", overrides=MODEL_CONFIG, vocab_size=512)
     key_file = work / "kv-channel-key"
     key_file.write_text(os.urandom(32).hex())
@@ -272,6 +274,8 @@ def targets_of(work: Path) -> Iterator[tuple[list[Target], Fleet]]:
         direct.wait_ready()
         targets = [Target("gateway", gateway.url, bearer(API_KEY), fleet.decode),
                    Target("direct", direct.url, fleet.engine_auth(), direct)]  # fmt: skip
+        if decode_local:
+            targets.append(Target("decode_local", fleet.decode.url, fleet.engine_auth(), fleet.decode))
         yield targets, fleet
     finally:
         direct.stop()
@@ -283,7 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = []
     with _work_dir(args.work_dir) as work:
         (work / "fleet").mkdir()
-        started = targets_of(work)
+        started = targets_of(work, decode_local=args.decode_local)
         targets, fleet = next(started)
         try:
             for clients in args.clients:
@@ -295,6 +299,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "decode_kv_loads": fleet.loads() - loads_before,
                                "gateway_requests": clients * (args.rounds + 1),
                                "gateway_over_direct": ratios(paths["gateway"], paths["direct"])})  # fmt: skip
+                if "decode_local" in paths:
+                    levels[-1]["decode_local_over_direct"] = ratios(paths["decode_local"], paths["direct"])
         finally:
             started.close()
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -344,12 +350,10 @@ def markdown(report: dict[str, Any]) -> str:
     for level in report["levels"]:
         for name, result in level["paths"].items():
             lines.append(_row(level, name, result))
-        ratio = level["gateway_over_direct"]
-        if ratio:
-            lines.append(f"| {level['clients']} | gateway / direct | {ratio['decode_tokens_per_s']:.2f}x "
-                         f"| {ratio['sum_of_client_rates']:.2f}x | {ratio['e2e_tokens_per_s']:.2f}x "
-                         f"| {ratio.get('itl_p50_s', 0):.2f}x | {ratio.get('itl_p95_s', 0):.2f}x "
-                         f"| {ratio.get('engine_itl_mean_s', 0):.2f}x | {ratio['ttft_s']:.2f}x | | | |")  # fmt: skip
+        for key, label in (("gateway_over_direct", "gateway / direct"),
+                           ("decode_local_over_direct", "decode_local / direct")):  # fmt: skip
+            if ratio := level.get(key):
+                lines.append(_ratio_row(level["clients"], label, ratio))
     lines += ["", "decode tok/s: the tokens after each request's first, summed, over the time covered by at least "
               "one request's steady window (first token to last); sum of client rates: each request's own "
               "steady rate, summed. e2e tok/s: all tokens over the round's wall time. ITL: gaps between chunks, "
@@ -362,6 +366,12 @@ def markdown(report: dict[str, Any]) -> str:
               f"Load average (1, 5, 15 min) {_loads(load['before'])} before, {_loads(load['after'])} after, on "
               f"{report['cpus']} CPUs.", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _ratio_row(clients: int, label: str, ratio: dict[str, float]) -> str:
+    return (f"| {clients} | {label} | {ratio['decode_tokens_per_s']:.2f}x | {ratio['sum_of_client_rates']:.2f}x "
+            f"| {ratio['e2e_tokens_per_s']:.2f}x | {ratio.get('itl_p50_s', 0):.2f}x | {ratio.get('itl_p95_s', 0):.2f}x "
+            f"| {ratio.get('engine_itl_mean_s', 0):.2f}x | {ratio['ttft_s']:.2f}x | | | |")  # fmt: skip
 
 
 def _loads(values: list[float] | tuple[float, ...]) -> str:
@@ -406,6 +416,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=positive, default=128)
     parser.add_argument("--commit", default="", help="what the figures measure (default: git HEAD of this checkout)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument("--decode-local", action="store_true", help="also decode's vLLM alone (no KV params)")
     parser.add_argument("--work-dir", type=Path, help="keep the run's folder (checkpoint, logs) under this one")
     args = parser.parse_args()
     if args.prompt_tokens + args.max_tokens > MODEL_CONFIG["max_position_embeddings"]:
