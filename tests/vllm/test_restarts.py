@@ -10,6 +10,7 @@ The colocated reference is the prefill instance answering the whole request itse
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +26,10 @@ from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, Pair, VLLMServer, _Th
 from tests.vllm.test_connector import MAX_TOKENS, failure_line, loaded, prompt_of, token_ids
 
 # 80 blocks of 32 tokens: enough for max_model_len 2048 (vLLM refuses to start below one full-length request),
-# too few for PREEMPT_REQUESTS growing to PREEMPT_PROMPT + PREEMPT_TOKENS tokens (13 blocks) each at once.
+# far too few for PREEMPT_REQUESTS growing to PREEMPT_PROMPT + PREEMPT_TOKENS tokens (19 blocks) each: any 5 of
+# them decoding at once outgrow it (8 requests of 200 + 200 tokens did not always overlap enough here).
 DECODE_BLOCKS = 80
-PREEMPT_REQUESTS, PREEMPT_PROMPT, PREEMPT_TOKENS = 8, 200, 200
+PREEMPT_REQUESTS, PREEMPT_PROMPT, PREEMPT_TOKENS = 12, 200, 400
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,11 @@ def assert_serves_disaggregated(pair: Pair, seed: int) -> None:
     assert loaded(pair, params["remote_request_id"]), pair.decode.log_tail()
 
 
+def keep_log(server: VLLMServer) -> None:
+    """Keep a killed instance's log beside the one its successor writes (start() truncates it)."""
+    shutil.copyfile(server.log_path, server.log_path.with_suffix(f".{time.monotonic_ns()}.log"))
+
+
 def poke(server: VLLMServer) -> None:
     """An engine step, which carries the connector's stats to /metrics."""
     server.complete(prompt_of(5, seed=99), 1)
@@ -93,7 +100,9 @@ def test_requests_preempted_on_decode_equal_colocated(pair: Pair) -> None:
         thread.join(600)
 
     # vLLM did preempt (its own counter), every output is still colocated greedy, every KV came from prefill.
-    assert pair.decode.metric("vllm:num_preemptions_total") > preemptions, pair.decode.log_tail()
+    preempted = pair.decode.metric("vllm:num_preemptions_total") - preemptions
+    print(f"decode preempted {preempted:.0f} times")
+    assert preempted > 0, pair.decode.log_tail()
     assert [answers.get(index) for index in range(PREEMPT_REQUESTS)] == colocated
     for sent in params:
         assert loaded(pair, sent["remote_request_id"]), pair.decode.log_tail()
@@ -161,16 +170,18 @@ def test_decode_killed_mid_pull_releases_its_lease_and_a_new_decode_serves(pair:
         pair.decode.kill()
         client.join(30)
     assert failures, "the request to the killed decode did not fail"
+    killed_at = time.monotonic()
+    keep_log(pair.decode)
+    pair.decode.start()  # a new decode on the same port; it starts while the lease runs out
 
     # Prefill keeps serving, and frees what it held for the lost decode once the lease runs out.
     assert token_ids(pair.prefill.complete(prompt, MAX_TOKENS)) == colocated
-    time.sleep(LEASE_SECONDS + 2)
+    time.sleep(max(0.0, killed_at + LEASE_SECONDS + 2 - time.monotonic()))
     poke(pair.prefill)
     pair.prefill.wait_metric("pdserve_kv_leases_released_total", lambda value: value > expired, 'reason="expired"')
     pair.prefill.wait_metric("pdserve_kv_lease_bytes", lambda value: value == 0)
     pair.prefill.wait_metric("vllm:kv_cache_usage_perc", lambda value: value == prefill_usage)
 
-    pair.decode.start()  # a new decode on the same port
     pair.decode.wait_ready()
     assert_serves_disaggregated(pair, seed=221)
 
@@ -180,15 +191,19 @@ def test_prefill_restarted_after_issuing_params_is_recomputed(pair: Pair) -> Non
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
     params = pair.prefill_params(prompt)
     pair.prefill.kill()
+    keep_log(pair.prefill)
     pair.prefill.start()  # the same HTTP and KV ports: a prefill restarted where it was
     pair.prefill.wait_ready()
-    not_found = pair.decode.metric("pdserve_kv_transfer_failures_total", 'cause="not_found"')
+    failures = pair.decode.metric("pdserve_kv_transfer_failures_total")
 
     # The new prefill holds none of its predecessor's leases: the load fails and vLLM recomputes the prompt.
     answer = pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=params)
     assert token_ids(answer) == colocated
     assert not loaded(pair, params["remote_request_id"])
-    assert "not_found" in failure_line(pair, answer)
-    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda value: value > not_found,
-                            'cause="not_found"')  # fmt: skip
+    # The new KV server answers not_found once open_wait_seconds (10 s) have passed, with KEEPALIVEs meanwhile.
+    # In 2 of 3 runs here decode instead saw no frame for read_timeout_seconds (5 s) after a pull of the old
+    # prefill 30 s before (pooled connections); either way the load is reported failed (reported to the lead).
+    cause = failure_line(pair, answer).split("left to kv_load_failure_policy: ")[1].split(":")[0]
+    assert cause in ("not_found", "timeout"), cause
+    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda value: value > failures)
     assert_serves_disaggregated(pair, seed=231)
