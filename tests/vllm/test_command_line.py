@@ -94,6 +94,23 @@ def test_cpu_extra_args_reach_vllm(parser: FlexibleArgumentParser) -> None:
     assert engine.max_num_batched_tokens == CPU.limits.prefill_token_budget
 
 
+def test_vllm_builds_its_engine_config_from_the_cpu_argv_on_a_real_checkpoint(
+    parser: FlexibleArgumentParser, model_dir: Path
+) -> None:
+    """What the API server does next, before starting the engine: resolve the model, cache and scheduler config."""
+    assert CPU.vllm is not None
+    serving = CPU.model_copy(update={"model": Model(name="tiny", path=str(model_dir)),
+                                     "vllm": CPU.vllm.model_copy(update={"max_model_len": 2048})})  # fmt: skip
+    for side in (PoolRole.PREFILL, PoolRole.DECODE):
+        config = AsyncEngineArgs.from_cli_args(parsed(parser, engine_args(serving, side, HOST))).create_engine_config()
+        assert (config.cache_config.block_size, config.model_config.max_model_len) == (32, 2048)
+        assert str(config.model_config.dtype) == "torch.float32"
+        assert config.scheduler_config.max_num_seqs == serving.limits.max_batch_size
+        assert config.scheduler_config.max_num_batched_tokens == serving.limits.prefill_token_budget
+        assert config.kv_transfer_config is not None
+        assert config.kv_transfer_config.kv_role == ("kv_producer" if side is PoolRole.PREFILL else "kv_consumer")
+
+
 def _sample(kind: type) -> list[str]:
     return [] if kind is bool else ["1" if kind is int else "naive"]
 
