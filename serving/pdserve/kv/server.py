@@ -369,6 +369,7 @@ class KVServer:
         stored.check()
         if not waits.wait(changed, self._keepalive):
             if stored.expires_at <= self.store.clock():
+                self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
                 raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
                                       "before prefill completed it")
             channel.send(self._io_timeout, FrameType.KEEPALIVE)
