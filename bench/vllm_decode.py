@@ -191,7 +191,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the rounds that worked and the inter-token latency percentiles over all their tokens."""
     good = [r for r in rounds if "error" not in r]
     if not good:
-        return {"error": rounds[-1]["error"] if rounds else "no rounds", "failed_rounds": len(rounds)}
+        return {"error": rounds[-1]["error"] if rounds else "no rounds", "failed_rounds": len(rounds),
+                "per_round": rounds}  # fmt: skip
     gaps = sorted(gap for r in good for gap in r["gaps"])
     return {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in good),
             "sum_of_client_rates": statistics.median(r["sum_of_client_rates"] for r in good),
