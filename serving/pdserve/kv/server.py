@@ -340,8 +340,7 @@ class KVServer:
                 except KVTransferError as error:
                     if error.cause != "not_found" or self.store.gone(request_id) or time.monotonic() >= deadline:
                         raise
-                if not waits.wait(opened, min(self._keepalive, max(0.0, deadline - time.monotonic()))):
-                    channel.send(self._io_timeout, FrameType.KEEPALIVE)
+                self._idle(opened, channel, waits, deadline)
 
     def _send_chunks(self, stored: StoredKV, chunks: list[Chunk], channel: FrameSocket, waits: _Waits) -> int:
         """Send each chunk as soon as prefill has added its bytes; return the bytes sent."""
@@ -367,13 +366,22 @@ class KVServer:
         """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
         failed (aborted, replaced) or its lease ran out before it was complete."""
         stored.check()
-        if not waits.wait(changed, self._keepalive):
-            if stored.expires_at <= self.store.clock():
-                self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
-                raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
-                                      "before prefill completed it")
-            channel.send(self._io_timeout, FrameType.KEEPALIVE)
+        if not self._idle(changed, channel, waits) and stored.expires_at <= self.store.clock():
+            self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
+            raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
+                                  "before prefill completed it")
         stored.check()
+
+    def _idle(self, watch: Watch, channel: FrameSocket, waits: _Waits, until: float | None = None) -> bool:
+        """Wait for `watch` (True if it was set) until a KEEPALIVE is due, and send one when it is. Due counts from
+        the last frame sent, not from the last wake: the watches wake on changes this pull may not need (other
+        streams' chunks, other entries opening, digests), and under a steady stream of those a client waiting
+        longer than its read timeout for its own next frame would give up."""
+        due = channel.last_sent + self._keepalive
+        changed = waits.wait(watch, max(0.0, min(due, until if until is not None else due) - time.monotonic()))
+        if time.monotonic() >= channel.last_sent + self._keepalive:
+            channel.send(self._io_timeout, FrameType.KEEPALIVE)
+        return changed
 
     def _send_error(self, channel: FrameSocket, error: KVTransferError) -> None:
         with contextlib.suppress(Exception):

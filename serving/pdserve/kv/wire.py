@@ -41,6 +41,7 @@ class FrameSocket:
         self.sock = sock
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.closed = False
+        self.last_sent = time.monotonic()  # when the last frame went out (the server's KEEPALIVEs are timed from it)
         self._kernel_timeouts = False  # plain socket in blocking mode, bounded by SO_RCVTIMEO / SO_SNDTIMEO
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -70,6 +71,7 @@ class FrameSocket:
                 self._send_tls(header, parts)
             else:
                 self._sendmsg([memoryview(header), *(memoryview(part) for part in parts)])
+        self.last_sent = time.monotonic()
 
     def _sendmsg(self, views: list[memoryview]) -> None:
         while views:

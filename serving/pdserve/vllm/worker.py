@@ -76,6 +76,17 @@ class LoadSpec:
     skip_blocks: int
 
 
+def route_channel_logs() -> None:
+    """The KV channel's own lines (logger pdserve.kv: refused connections, failed requests) through vLLM's handlers,
+    as this module's are; outside the "vllm" logger tree they would reach no handler in vLLM's processes."""
+    channel, vllm_logger = logging.getLogger("pdserve.kv"), logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        if handler not in channel.handlers:
+            channel.addHandler(handler)
+    channel.setLevel(logging.INFO)
+    channel.propagate = False
+
+
 def result_path(run_dir: Path, request_id: str) -> Path:
     """Where the prefill worker leaves a saved request's checksum for the scheduler process (see connector.py)."""
     return run_dir / (hashlib.sha256(request_id.encode()).hexdigest()[:40] + ".json")
@@ -138,6 +149,7 @@ class _Worker:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fields = fingerprint.compute(vllm_config, kv_caches)
         self.fingerprint = fingerprint.digest(self.fields)
+        route_channel_logs()
         self.metrics = RecordingKVMetrics()
         self.cpus = connector_cpus(settings.kv_cpus)
         self.loop = _Loop(self.cpus)
