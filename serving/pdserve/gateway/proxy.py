@@ -31,7 +31,7 @@ T = TypeVar("T")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 SUSPEND_SECONDS = 5.0
-SUSPENDING_CAUSES = frozenset({"connect_error", "connection_lost", "stream_truncated", "timeout"})
+SUSPENDING_CAUSES = frozenset({"connect_error", "connect_timeout", "connection_lost", "stream_truncated", "timeout"})
 
 
 class UpstreamError(Exception):
@@ -120,8 +120,7 @@ class PDProxy:
 
     def plan(self, ctx: Context, exclude: frozenset[str] = frozenset()) -> Plan:
         try:
-            plan = self.router.plan(ctx.request.prompt_tokens, self.settings.offload_threshold_tokens,
-                                    exclude | self.router.suspended_ids())
+            plan = self.router.plan(ctx.request.prompt_tokens, self.settings.offload_threshold_tokens, exclude)
         except NoRouteError as exc:
             raise UpstreamError("routing", "no_route", str(exc), status=503, retriable=False) from None
         ctx.version, ctx.route = plan.version, plan.reason
@@ -336,6 +335,9 @@ class PDProxy:
 def _as_upstream_error(exc: BaseException) -> BaseException:
     if isinstance(exc, UpstreamError | asyncio.CancelledError):
         return exc
+    if isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamError("decode", "connect_timeout", "decode did not accept the connection within connect_timeout",
+                             status=504)
     if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return UpstreamError("decode", "timeout", "no first event within first_token_timeout", status=504)
     if isinstance(exc, StopAsyncIteration):

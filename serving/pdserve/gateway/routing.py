@@ -48,6 +48,18 @@ class Router:
         return frozenset(i for i, until in self.suspended_until.items() if until > now)
 
     def plan(self, prompt_tokens: int, offload_threshold: int, exclude: frozenset[str] = frozenset()) -> Plan:
+        """A route avoiding `exclude` and, while any other instance can serve, the suspended ones. When every one left
+        is suspended they are routed to anyway (Envoy's panic mode): a suspension is a guess that an instance is
+        failing, answering every request 503 until it lapses is certain to fail them."""
+        suspended = self.suspended_ids() - exclude
+        if suspended:
+            try:
+                return self._plan(prompt_tokens, offload_threshold, exclude | suspended)
+            except NoRouteError:
+                pass
+        return self._plan(prompt_tokens, offload_threshold, exclude)
+
+    def _plan(self, prompt_tokens: int, offload_threshold: int, exclude: frozenset[str]) -> Plan:
         instances = [i for i in self.table.instances if i.instance_id not in exclude]
         decodes = [i for i in instances if i.info.role in ("decode", "colocated")]
         version = self._pick_version({i.info.version for i in decodes})

@@ -306,8 +306,9 @@ class ProducerWorker(_Worker):
             # Only the last step's blocks are still being hashed: the checksum follows within that time.
             checksum = self.loop.run(_checksum_of(stream.stored), timeout=self.settings.read_timeout_seconds)
         except (ValueError, KVTransferError, TimeoutError) as error:
-            self._drop(spec.request_id, f"cannot seal its KV: {error}")
-            log.error("pdstack connector: request %s: cannot seal its KV: %s", spec.request_id, error)
+            why = str(error) or f"its checksum was not ready within read_timeout_seconds ({type(error).__name__})"
+            self._drop(spec.request_id, f"cannot seal its KV: {why}")
+            log.error("pdstack connector: request %s: cannot seal its KV: %s", spec.request_id, why)
             return
         del self._streams[spec.request_id]
         write_json_atomically(

@@ -95,6 +95,17 @@ def test_suspended_instances_are_skipped() -> None:
     r = router(routed("d1", "decode"), routed("d2", "decode"))
     r.suspend("d1", 60)
     assert r.suspended_ids() == {"d1"}
+    assert {r.plan(1, 10).decode.instance_id for _ in range(40)} == {"d2"}
+
+
+def test_when_every_instance_is_suspended_they_are_routed_to_anyway() -> None:
+    r = router(routed("p1", "prefill"), routed("d1", "decode"))
+    r.suspend("d1", 60)
+    r.suspend("p1", 60)
+    plan = r.plan(100, 10)
+    assert (plan.decode.instance_id, plan.prefill.instance_id if plan.prefill else None) == ("d1", "p1")
+    with pytest.raises(NoRouteError):
+        r.plan(100, 10, exclude=frozenset({"d1"}))  # an explicit exclusion (a failed attempt) still holds
 
 
 def test_limits_refuse_then_name_the_limit_and_the_wait() -> None:
