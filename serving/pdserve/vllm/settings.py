@@ -57,7 +57,7 @@ class ConnectorSettings:
     tls_ca: str | None
     tls_server_name: str | None
     run_dir: Path
-    kv_cpus: frozenset[int] | None  # None: every CPU but the forward's (see pdserve.vllm.worker.connector_cpus)
+    kv_cpus: frozenset[int] | None  # None: the forward thread's (see pdserve.vllm.worker.connector_cpus)
 
     @property
     def params_key(self) -> bytes:
