@@ -51,7 +51,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -61,6 +60,7 @@ from typing import Any
 
 import httpx
 
+from bench import provenance
 from bench.vllm_ttft import random_prompt
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.client import bearer
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "model": {"kind": "llama", **MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
             "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
-            "gateway_flags": args.gateway_flags, "commit": args.commit or repo_commit(), "host": platform.node(),
+            "gateway_flags": args.gateway_flags, "commit": args.commit or provenance.commit(), "host": platform.node(),
             "cpus": os.cpu_count(),
             "load_average": {"before": load_before, "after": os.getloadavg()}, "levels": levels}  # fmt: skip
 
@@ -321,18 +321,6 @@ def _work_dir(parent: Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="vllm-decode-") as tmp:
         yield Path(tmp)
-
-
-def repo_commit() -> str:
-    """HEAD of the checkout the bench runs from ('unknown' in a snapshot without .git: pass --commit there)."""
-    root = Path(__file__).parent.parent
-    head = subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False,
-                          cwd=root)  # fmt: skip
-    if head.returncode != 0:
-        return "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           check=False, cwd=root)  # fmt: skip
-    return head.stdout.strip()[:120] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -31,7 +31,6 @@ import platform
 import random
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from bench import provenance
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
@@ -50,6 +50,7 @@ RESULTS = Path(__file__).parent / "results"
 RECEIVED = ("pdserve_kv_transfer_bytes_total", 'role="receiver"')
 TRANSFER_SECONDS = ("pdserve_kv_transfer_seconds_sum", 'role="receiver"')
 FLOWS = ("proxy", "early")
+CONNECTOR_PATHS = ("serving/pdserve/vllm", "serving/pdserve/kv")  # what the figures measure
 
 
 def first_token_seconds(server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
@@ -208,18 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
             "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
             "max_num_batched_tokens": args.batched_tokens, "repeats": args.repeats,
-            "connector_commit": connector_commit(), "host": platform.node(), "cpus": os.cpu_count(),
+            "connector_commit": provenance.commit(*CONNECTOR_PATHS), "host": platform.node(), "cpus": os.cpu_count(),
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "points": points}  # fmt: skip
-
-
-def connector_commit() -> str:
-    """The last commit that touched the connector and the KV channel (what the figures measure)."""
-    argv = ["git", "log", "-1", "--format=%h %s", "--", "serving/pdserve/vllm", "serving/pdserve/kv"]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "serving/pdserve/vllm", "serving/pdserve/kv"],
-                           capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent)  # fmt: skip
-    return result.stdout.strip()[:120] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def markdown(report: dict[str, Any]) -> str:
