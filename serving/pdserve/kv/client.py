@@ -127,7 +127,8 @@ class Connector:
     def _wrap(self, sock: socket.socket, host: str, port: int) -> ssl.SSLSocket:
         assert self.ssl_context is not None
         try:
-            return self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname)
+            # As asyncio did before (3594ff4): the name to verify defaults to the host connected to.
+            return self.ssl_context.wrap_socket(sock, server_hostname=self.server_hostname or host)
         except ssl.SSLError as error:
             raise KVTransferError("auth", f"TLS handshake with {host}:{port} failed: {error.reason}") from error
         except TimeoutError as error:

@@ -93,3 +93,22 @@ def test_tls_connections_are_reused_and_replaced_after_a_server_restart(
 def connections(metrics: KVMetrics, outcome: str) -> float:
     value: float = metrics.connections.labels("receiver", outcome)._value.get()
     return value
+
+
+def test_the_name_verified_defaults_to_the_host_pulled_from(
+    certificate: tuple[Path, Path], key: SecretKey, metrics: KVMetrics
+) -> None:
+    """Without server_hostname, the certificate is checked against the host given (as decode's connector does)."""
+    server_tls, trusting = tls_contexts(certificate)
+    store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=8192, metrics=metrics)
+    layers = make_layers(2, (8, 64), "float16")
+    stored = store.put("tls-name", layers, meta_for("tls-name"))
+
+    async def scenario() -> None:
+        async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
+            for host in ("127.0.0.1", "localhost"):  # both in the certificate's subjectAltName
+                blob = await pull(host, server.port, "tls-name", stored.checksum, key=key, ssl_context=trusting,
+                                  retries=0)  # fmt: skip
+                assert blob.meta.token_count == stored.meta.token_count
+
+    asyncio.run(scenario())
