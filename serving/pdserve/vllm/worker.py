@@ -121,7 +121,7 @@ def run_on(cpus: set[int]) -> Callable[[], None]:
 
 class _Loop:
     """An asyncio loop in a daemon thread, for the KV server, pulls and acks; it and the threads it starts run on
-    `cpus`, so the network and the channel's checks do not take the forward's core."""
+    `cpus` (see connector_cpus)."""
 
     def __init__(self, cpus: set[int]) -> None:
         self.loop = asyncio.new_event_loop()
