@@ -1,9 +1,11 @@
-"""What a benchmark's figures measure: the commit of the checkout it runs from."""
+"""Where a benchmark's figures come from and go: the commit of the checkout it ran from, and its results files."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).parent.parent
 
@@ -19,3 +21,11 @@ def commit(*paths: str) -> str:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *scope], capture_output=True,
                            text=True, check=False, cwd=ROOT)  # fmt: skip
     return head.stdout.strip()[:120] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def write_results(output_dir: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """<output_dir>/<name>-<date>.json and .md, and the markdown on stdout."""
+    stem = output_dir / f"{name}-{report['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown)
+    print(markdown)

@@ -415,10 +415,7 @@ def main() -> None:
     if args.prompt_tokens + args.max_tokens > MODEL_CONFIG["max_position_embeddings"]:
         parser.error(f"--prompt-tokens + --max-tokens must fit the model's {MODEL_CONFIG['max_position_embeddings']}")
     report = run(args)
-    stem = args.output_dir / f"vllm_decode-{report['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    provenance.write_results(args.output_dir, "vllm_decode", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import json
 import os
 import platform
 import random
@@ -283,10 +282,7 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     report = run(args)
-    stem = args.output_dir / f"vllm_ttft-{report['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    provenance.write_results(args.output_dir, "vllm_ttft", report, markdown(report))
 
 
 if __name__ == "__main__":

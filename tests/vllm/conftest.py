@@ -280,6 +280,11 @@ def start_pair(
     decode_config = {**common, **(decode_extra or {})}
     decode = VLLMServer("decode", model_dir, "kv_consumer", 1, decode_config, logs / "decode.log", policy=policy,
                         max_model_len=max_model_len, site=sites[1])  # fmt: skip
+    yield from run_pair(prefill, decode, kv_port, kv_key)
+
+
+def run_pair(prefill: VLLMServer, decode: VLLMServer, kv_port: int, kv_key: SecretKey) -> Iterator[Pair]:
+    """Start both (at once), yield the pair once both are ready, stop both."""
     try:
         prefill.start()
         decode.start()

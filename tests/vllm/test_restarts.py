@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from tests.serving.ports import free_port
-from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, Pair, VLLMServer, _ThreadedServer
+from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, Pair, VLLMServer, _ThreadedServer, run_pair
 from tests.vllm.test_connector import MAX_TOKENS, failure_line, loaded, prompt_of, token_ids
 
 # 80 blocks of 32 tokens: enough for max_model_len 2048 (vLLM refuses to start below one full-length request),
@@ -45,15 +45,7 @@ def pair(
                          args=("--max-num-batched-tokens", "256"))  # fmt: skip
     decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log",
                         args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)))  # fmt: skip
-    try:
-        prefill.start()
-        decode.start()
-        prefill.wait_ready()
-        decode.wait_ready()
-        yield Pair(prefill, decode, kv_port, kv_key)
-    finally:
-        prefill.stop()
-        decode.stop()
+    yield from run_pair(prefill, decode, kv_port, kv_key)
 
 
 def assert_serves_disaggregated(pair: Pair, seed: int) -> None:
