@@ -63,6 +63,8 @@ async def load_service(state: ServerState) -> None:
         scheduler = BatchScheduler(engine, settings.prefill_token_budget, state.metrics)
         scheduler.start()
         admission = Admission(settings.max_num_seqs, settings.kv_memory_bytes, state.metrics)
+        state.metrics.bind_router_gauges(waiting=lambda: admission.waiting,
+                                         kv_usage=lambda: admission.usage)
         state.service = GenerationService(settings, engine, scheduler, admission, state.metrics,
                                           exporter=exporter, importer=importer)
     except Exception as error:

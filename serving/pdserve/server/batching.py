@@ -52,6 +52,7 @@ class Sequence:
     aborted: bool = False
     order: int = field(default_factory=lambda: next(_arrivals))
     last_token_at: float | None = None
+    scheduled: bool = False  # in at least one step's plan: "running" in vLLM's sense, no longer waiting
 
     @property
     def prefill_end(self) -> int:
@@ -91,6 +92,7 @@ class Admission:
         self.kv_memory_bytes = kv_memory_bytes
         self.requests = 0
         self.reserved = 0
+        self._held: set[Reservation] = set()
         self._metrics = metrics
         metrics.kv_limit.set(kv_memory_bytes)
 
@@ -107,16 +109,29 @@ class Admission:
         self.requests += 1
         self.reserved += nbytes
         self._publish()
-        return Reservation(self, nbytes)
+        reservation = Reservation(self, nbytes)
+        self._held.add(reservation)
+        return reservation
 
-    def give_back(self, nbytes: int) -> None:
+    def give_back(self, reservation: Reservation) -> None:
+        self._held.discard(reservation)
         self.requests -= 1
-        self.reserved -= nbytes
+        self.reserved -= reservation.nbytes
         self._publish()
 
     def _publish(self) -> None:
         self._metrics.admitted.set(self.requests)
         self._metrics.kv_reserved.set(self.reserved)
+
+    @property
+    def waiting(self) -> int:
+        """Admitted requests whose sequence has not been in an engine step yet (vLLM's "waiting")."""
+        return sum(1 for r in self._held if r.sequence is None or not r.sequence.scheduled)
+
+    @property
+    def usage(self) -> float:
+        """Reserved over available KV memory: what admission refuses on, so 1.0 means the next request is refused."""
+        return self.reserved / self.kv_memory_bytes if self.kv_memory_bytes > 0 else 1.0
 
 
 class Reservation:
@@ -127,12 +142,13 @@ class Reservation:
 
     def __init__(self, admission: Admission, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.sequence: Sequence | None = None  # set once the request's sequence exists (it waits until scheduled)
         self._admission: Admission | None = admission
 
     def release(self) -> None:
         if self._admission is not None:
             admission, self._admission = self._admission, None
-            admission.give_back(self.nbytes)
+            admission.give_back(self)
 
     @property
     def held(self) -> bool:
@@ -185,6 +201,8 @@ class BatchScheduler:
         decodes = [s for s in self._active if s.decoding]
         budget = max(self.prefill_token_budget - len(decodes), MIN_PREFILL_TOKENS)
         waiting = [s for s in self._active if not s.decoding]
+        for sequence in decodes:
+            sequence.scheduled = True
         if not waiting:
             return StepPlan(decodes, [])
         oldest = min(waiting, key=lambda s: s.order)
@@ -197,6 +215,8 @@ class BatchScheduler:
             if extra > 0:
                 chunks[sequence] = chunks.get(sequence, 0) + extra
                 budget -= extra
+        for sequence in chunks:
+            sequence.scheduled = True
         return StepPlan(decodes, list(chunks.items()))
 
     async def _run(self) -> None:

@@ -169,6 +169,7 @@ class GenerationService:
                 assert self.exporter is not None
                 generation.remote_request_id = f"{self.settings.engine_id}-{uuid.uuid4().hex}"
                 sequence.export = self.exporter.hook(generation.remote_request_id, generation.exported)
+            reservation.sequence = sequence
             self.scheduler.add(sequence)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         log.info("request admitted", extra={

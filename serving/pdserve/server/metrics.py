@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.kv import KVMetrics
@@ -57,6 +59,20 @@ class ServerMetrics:
             "pdserve_kv_load_failures", "Remote KV that could not be used, by cause and the action taken",
             ["cause", "action"], registry=registry,
         )
+        # The two gauges an endpoint picker (Gateway API Inference Extension) or a KV-aware router reads, with the
+        # meaning vLLM gives vllm:num_requests_waiting and vllm:kv_cache_usage_perc (docs/observability.md). Their
+        # values are read from the admission and the batch at scrape time (bind_router_gauges), so no code path can
+        # leave them behind; 0 until the model is loaded.
+        self.waiting = Gauge(
+            "pdserve_num_requests_waiting",
+            "Requests admitted but not yet in an engine step (pulling remote KV, or waiting for their first prompt "
+            "chunk); as vllm:num_requests_waiting", registry=registry,
+        )
+        self.kv_usage = Gauge(
+            "pdserve_kv_cache_usage_ratio",
+            "KV memory reserved by admitted requests over the KV memory available (1 = full: the next request "
+            "is refused); as vllm:kv_cache_usage_perc", registry=registry,
+        )
         self.ready = Gauge(
             "pdserve_ready", "1 once the model is loaded and the server takes requests", registry=registry
         )
@@ -64,3 +80,7 @@ class ServerMetrics:
             "pdserve_build_info", "Release and role of this server (always 1; join on instance)",
             ["version", "role"], registry=registry,
         )
+
+    def bind_router_gauges(self, waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
+        self.waiting.set_function(waiting)
+        self.kv_usage.set_function(kv_usage)
