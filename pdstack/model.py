@@ -12,6 +12,7 @@ import re
 from enum import StrEnum
 from ipaddress import IPv4Network
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -405,6 +406,55 @@ class Capacity(Strict):
     headroom_pct: float = Field(ge=20, le=30, description="spare capacity over the target, 20-30 %")
 
 
+class PulumiSecret(Strict):
+    """A value Pulumi encrypted into the stack file (`pulumi config set --secret --path KEY VALUE` writes
+    `{secure: <ciphertext>}`). pdstack sees only the ciphertext; `pulumi up` decrypts it into a secret Output."""
+
+    secure: str = Field(min_length=1, description="ciphertext written by pulumi config set --secret")
+
+
+WEBHOOK_URL_MAX = 2048
+
+
+def webhook_url_problem(url: str, secret: bool) -> str | None:
+    """Why `url` cannot be Alertmanager's webhook, or None. A URL in plain text must carry no credential (no
+    user:password@, no query string): one that does belongs in a Pulumi secret, where `secret` is True."""
+    if len(url) > WEBHOOK_URL_MAX:
+        return f"is {len(url)} characters long, at most {WEBHOOK_URL_MAX}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL with a host, got {url if not secret else '(secret)'}"
+    if port == 0:
+        return "has port 0"
+    if not secret and (parts.username is not None or parts.password is not None or parts.query or parts.fragment):
+        return (
+            "carries a credential (user:password@, a query string or a fragment) in plain text: store it as a "
+            "secret, `pulumi config set --secret --path pdstack:alerting.webhook_url URL`"
+        )
+    return None
+
+
+class Alerting(Strict):
+    """Where Alertmanager delivers the environment's alerts (pdstack/alerting.py). Without a webhook every alert
+    still reaches Alertmanager, where it is listed and can be silenced, and is sent nowhere."""
+
+    webhook_url: str | PulumiSecret | None = Field(
+        default=None, description="http(s) URL receiving Alertmanager's webhook; a Pulumi secret if it holds a token"
+    )
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, url: str | PulumiSecret | None) -> str | PulumiSecret | None:
+        problem = webhook_url_problem(url, secret=False) if isinstance(url, str) else None
+        if problem is not None:
+            raise ValueError(f"the URL {problem}")
+        return url
+
+
 class StackConfig(Strict):
     """Everything under `pdstack:` in one stack file."""
 
@@ -414,8 +464,9 @@ class StackConfig(Strict):
     canary: Canary | None = None
     secrets: list[Secret] | None = None
     capacity: Capacity | None = None
+    alerting: Alerting | None = None
 
-    ENVIRONMENT_WIDE: ClassVar[tuple[str, ...]] = ("serving", "canary", "secrets", "capacity")
+    ENVIRONMENT_WIDE: ClassVar[tuple[str, ...]] = ("serving", "canary", "secrets", "capacity", "alerting")
 
     @model_validator(mode="after")
     def _environment_wide_settings_on_control(self) -> StackConfig:
