@@ -1,0 +1,79 @@
+"""Alert routing: the Alertmanager configuration of an environment, rendered once from the stack model and run by
+the local Alertmanager (roles/alertmanager, through playbooks/vars/contract/<env>.yml) and the cloud's
+(infra/workloads.py).
+
+Alerts are grouped by name and datacenter and routed by their `severity` label (monitoring/alerts.yml sets one on
+every rule): critical and warning each have a receiver of their own, which posts to the stack's webhook
+(`pdstack:alerting.webhook_url`) when there is one and is otherwise empty, so the configuration is valid with no
+webhook and every alert is still listed, and can be silenced, in Alertmanager. A datacenter whose link is down
+inhibits that datacenter's KV and target-down alerts: one page for the cause, not one per symptom.
+
+The webhook URL is written into the configuration itself (Debian's Alertmanager 0.25 has no `url_file`), so a
+configuration with a webhook is treated as a secret wherever it is stored: a Kubernetes Secret, a file the role
+writes with no_log and mode 0640.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdstack.model import webhook_url_problem
+
+SEVERITIES = ("critical", "warning")
+LINK_DOWN_ALERT = "PdstackDatacenterLinkDown"
+# What a datacenter that cannot be reached also fires: its transfers fail and its targets are down.
+INHIBITED_BY_LINK_DOWN = ("PdstackKVTransferFailures", "PdstackKVLoadFailures", "PdstackKVTransferSlow",
+                          "PdstackTargetDown")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Alertmanager's grouping intervals (its own defaults are 30s, 5m, 4h); tests shorten them."""
+
+    group_wait: str = "30s"
+    group_interval: str = "5m"
+    repeat_interval: str = "4h"
+    critical_group_wait: str = "10s"  # a critical alert waits less for its group to fill
+    critical_repeat_interval: str = "1h"
+
+
+def receiver_name(env: str, severity: str) -> str:
+    return f"pdstack-{env}-{severity}"
+
+
+def default_receiver(env: str) -> str:
+    """Alerts without a known severity: listed in Alertmanager, sent nowhere."""
+    return f"pdstack-{env}"
+
+
+def _receiver(name: str, webhook_url: str | None) -> dict[str, Any]:
+    if webhook_url is None:
+        return {"name": name}
+    return {"name": name, "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}
+
+
+def alertmanager_config(env: str, webhook_url: str | None = None, timing: Timing = Timing()) -> dict[str, Any]:
+    """The environment's alertmanager.yml. `webhook_url` is the decrypted URL (None: no webhook)."""
+    if webhook_url is not None:
+        problem = webhook_url_problem(webhook_url, secret=True)
+        if problem is not None:
+            raise ValueError(f"pdstack:alerting.webhook_url: the URL {problem}")
+    critical = {"group_wait": timing.critical_group_wait, "repeat_interval": timing.critical_repeat_interval}
+    routes = [{"receiver": receiver_name(env, severity), "matchers": [f'severity="{severity}"'],
+               **(critical if severity == "critical" else {})} for severity in SEVERITIES]  # fmt: skip
+    return {
+        "route": {"receiver": default_receiver(env), "group_by": ["alertname", "datacenter"],
+                  "group_wait": timing.group_wait, "group_interval": timing.group_interval,
+                  "repeat_interval": timing.repeat_interval, "routes": routes},  # fmt: skip
+        "inhibit_rules": [
+            {"source_matchers": [f'alertname="{LINK_DOWN_ALERT}"'],
+             "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_LINK_DOWN)}"'],
+             "equal": ["datacenter"]},
+            # the same alert at warning while it is critical: the critical one says it all
+            {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
+             "equal": ["alertname", "datacenter", "instance"]},
+        ],  # fmt: skip
+        "receivers": [_receiver(default_receiver(env), None),
+                      *(_receiver(receiver_name(env, s), webhook_url) for s in SEVERITIES)],  # fmt: skip
+    }
