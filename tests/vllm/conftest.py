@@ -130,8 +130,11 @@ class VLLMServer:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
         }
+        # All three processes on `core`, not only the worker's OMP threads: the API server and EngineCore would
+        # otherwise float onto the other instance's core (a decode waiting for remote KV steps without pause).
         command = [
-            *self.site.exec_prefix(), sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            *self.site.exec_prefix(), "taskset", "-c", str(self.core), sys.executable, "-m",
+            "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--host", self.site.http_host, "--port", str(self.port), "--enforce-eager",
             "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
             *(("--kv-transfer-config", json.dumps(config)) if self.connector else ()), "--enable-log-requests",
@@ -378,8 +381,10 @@ class WanSites:
     `sites` places a prefill in the first namespace and a decode in the second; `link_bytes()` reads the
     counters of the link's TUN devices."""
 
-    def __init__(self, spec: LinkSpec, tag: str = "") -> None:
+    def __init__(self, spec: LinkSpec, tag: str = "", link_cpus: set[int] | None = None) -> None:
+        """`link_cpus`: where the link's forwarder runs (a benchmark keeps it off the prefill's core)."""
         self.tag = tag or str(os.getpid() % 100000)
+        self.link_cpus = link_cpus
         self.namespaces = (f"pdw-{self.tag}-p", f"pdw-{self.tag}-d")
         self.wan = default_endpoints(*self.namespaces)
         third = 10 + os.getpid() % 240
@@ -394,6 +399,8 @@ class WanSites:
                 create_namespace(namespace)
                 self._join_host(side, namespace)
             self.link.start()
+            if self.link_cpus:
+                os.sched_setaffinity(self.link.pid, self.link_cpus)
         except BaseException:
             self.__exit__()
             raise
