@@ -10,6 +10,7 @@ import typer
 
 from pdstack.bench.cli import bench_command
 from pdstack.canary.command import canary_app
+from pdstack.dashboards.command import dashboards_command
 from pdstack.local.cli import local_app
 from pdstack.options import EnvOption, JsonOption, StacksOption, stacks_dir
 from pdstack.plan.command import plan_command
@@ -31,6 +32,7 @@ def project_stacks_dir(start: Path | None = None) -> Path:
 
 app.command("plan")(plan_command)
 app.command("bench")(bench_command)
+app.command("dashboards")(dashboards_command)
 app.add_typer(canary_app, name="canary")
 app.add_typer(local_app, name="local")
 
