@@ -6,6 +6,9 @@
 - prefill and decode agree on what the KV fingerprint covers (dtype, block size);
 - the block size is a multiple of what the engine's attention kernels take;
 - `nixl` only between pools that both have EFA, in one region;
+- `pdstack` (PdstackConnector) only with equal tensor_parallel_size on both sides (each prefill TP rank serves its
+  own KV shard to the decode rank of the same index), and its KV ports (one per prefill worker, from
+  serving.ports.kv up: pdserve.vllm.settings.kv_port_of) clear of every other port and below 65536;
 - the context: the gateway's limits fit in `max_model_len`, which fits the checkpoint;
 - with a known model (see plan.stacks.model_for): its shapes allow the parallelism, and the weights and one
   sequence of `max_model_len` tokens fit each GPU (plan.parallel).
@@ -29,6 +32,7 @@ from pdstack.plan.parallel import (
 )
 from pdstack.plan.stacks import control_of, model_for
 from pdstack.stackfile import Problem, StackFile
+from pdstack.vllm_command import kv_port_range
 
 SERVING_ROLES = (PoolRole.PREFILL, PoolRole.DECODE)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -64,6 +68,7 @@ def vllm_problems(stacks: list[StackFile], catalog: Catalog) -> list[Problem]:
     problems = [p for role in SERVING_ROLES for p in _expert_settings(where, v, role)]
     problems += [p for sp in pools for p in _pool_fit(where, v, sp)]
     problems += _connector(where, v, pools)
+    problems += _pdstack_connector(where, serving)
     model, _ = model_for(control.config)
     problems += _fingerprint(where, v, pools, model)
     problems += _context(where, serving, model)
@@ -206,6 +211,35 @@ def _connector(where: str, v: Vllm, pools: list[ServingPool]) -> list[Problem]:
                     f"{d.region}: use kv_connector pdstack across regions"
                 )
                 out.append(Problem(where, "pdstack:serving.vllm.kv_connector", reason))
+    return out
+
+
+def _pdstack_connector(where: str, serving: Serving) -> list[Problem]:
+    """What PdstackConnector refuses at start or at the first transfer (pdserve/vllm/connector.py)."""
+    assert serving.vllm is not None
+    v = serving.vllm
+    if v.kv_connector is not KvConnector.PDSTACK:
+        return []
+    out = []
+    prefill, decode = (v.role(role).tensor_parallel_size for role in SERVING_ROLES)
+    if prefill != decode:
+        reason = (
+            f"{decode} differs from prefill's tensor_parallel_size {prefill}: PdstackConnector moves each TP rank's "
+            "KV heads to the decode rank of the same index, so decode would refuse every KV prefill sends (use "
+            "equal TP on both sides, with data_parallel_size to fill the nodes)"
+        )
+        out.append(Problem(where, "pdstack:serving.vllm.decode.tensor_parallel_size", reason))
+    ports = kv_port_range(serving)
+    others = {name: port for name, port in serving.ports.model_dump().items() if name != "kv"}
+    clash = sorted(name for name, port in others.items() if port in ports)
+    if ports.stop - 1 > 65535 or clash:
+        role = v.role(PoolRole.PREFILL)
+        what = f"overlaps serving.ports.{clash[0]} {others[clash[0]]}" if clash else "ends above 65535"
+        reason = (
+            f"{ports.start}: a prefill of TP {role.tensor_parallel_size} x DP {role.data_parallel_size} serves KV on "
+            f"one port per worker, {ports.start}..{ports.stop - 1}, which {what}"
+        )
+        out.append(Problem(where, "pdstack:serving.ports.kv", reason))
     return out
 
 

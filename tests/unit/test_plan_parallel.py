@@ -208,6 +208,6 @@ def test_plan_from_stacks_reads_the_vllm_settings() -> None:
     data = json.loads(result.stdout)
     prefill, decode = data["parallelism"]["prefill"], data["parallelism"]["decode"]
     assert (prefill["tensor_parallel_size"], prefill["experts_per_gpu"]) == (8, 512 // 8)
-    assert (decode["data_parallel_size"], decode["experts_per_gpu"]) == (8, (512 + 32) // 8)
+    assert (decode["tensor_parallel_size"], decode["experts_per_gpu"]) == (8, (512 + 32) // 8)
     assert prefill["block_size"] == decode["block_size"] == 544 and decode["context_tokens"] == 40960
     assert result.exit_code == 0, data["verdict"]

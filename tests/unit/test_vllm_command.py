@@ -27,6 +27,7 @@ from pdstack.vllm_command import (
     engine_args,
     engine_command,
     engine_env,
+    kv_port_range,
 )
 from tests.conftest import STACKS
 
@@ -201,3 +202,29 @@ def test_a_pdserve_engine_or_a_control_side_is_refused_naming_the_field() -> Non
         engine_args(Serving(model=Model(name="m", path="/m")), PoolRole.DECODE, HOST)
     with pytest.raises(ValueError, match="side"):
         engine_args(CPU, PoolRole.CONTROL, HOST)
+
+
+@pytest.mark.parametrize(("name", "serving"), servings(), ids=[name for name, _ in servings()])
+def test_every_prefill_worker_listens_on_its_own_port_inside_the_rendered_kv_range(
+    name: str, serving: Serving, key_file: Path
+) -> None:
+    """The connector's port rule (pdserve.vllm.settings.kv_port_of) as each of prefill's TP x DP workers applies
+    it to the rendered config: distinct ports, exactly the range pdstack opens, each rank in its own run dir."""
+    assert serving.vllm is not None
+    role = serving.vllm.role(PoolRole.PREFILL)
+    tp, dp = role.tensor_parallel_size, role.data_parallel_size
+    extra = kv_config(serving, PoolRole.PREFILL)["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
+    workers = [
+        parse(extra, producer=True, engine_id=f"engine_dp{d}", tp_size=tp, dp_index=d, dp_size=dp).for_rank(r)
+        for d in range(dp)
+        for r in range(tp)
+    ]
+    assert sorted(w.port for w in workers) == list(kv_port_range(serving))
+    assert len({w.run_dir for w in workers}) == tp * dp
+    assert {w.port for w in workers if w.tp_rank == 0} == {serving.ports.kv + d * tp for d in range(dp)}
+
+
+def test_a_kv_port_range_past_65535_is_refused_by_the_connector(key_file: Path) -> None:
+    extra = {"kv_key_file": str(key_file), "port": 65530}
+    with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\.port: 65530 \+ TP 8 x DP 1 ports"):
+        parse(extra, producer=True, engine_id="e", tp_size=8, dp_size=1)

@@ -33,7 +33,7 @@ def test_examples_run_vllm_in_the_cloud_and_pdserve_locally() -> None:
                        "local-control": Engine.PDSERVE}  # fmt: skip
     prod = load_stack_file(STACKS / "Pulumi.prod-control.yaml").config.serving
     assert prod is not None and prod.vllm is not None
-    assert prod.vllm.prefill.tensor_parallel_size == 8 and prod.vllm.decode.data_parallel_size == 8
+    assert prod.vllm.prefill.tensor_parallel_size == 8 and prod.vllm.decode.tensor_parallel_size == 8
 
 
 @pytest.mark.parametrize(
@@ -90,12 +90,17 @@ def _only(stacks_dir: Path, env: str, change: Any) -> list[str]:
 def test_tensor_parallelism_beyond_one_node_is_refused(stacks_dir: Path) -> None:
     assert _only(stacks_dir, "staging", role("prefill", {"tensor_parallel_size": 8, "data_parallel_size": 1})) == [
         "pdstack:serving.vllm.prefill.tensor_parallel_size: 8 exceeds the 4 GPUs of pool 'prefill' (g6e.12xlarge) "
-        "of Pulumi.staging-prefill-us-east-1.yaml: tensor parallelism stays inside one node"]  # fmt: skip
+        "of Pulumi.staging-prefill-us-east-1.yaml: tensor parallelism stays inside one node",
+        "pdstack:serving.vllm.decode.tensor_parallel_size: 1 differs from prefill's tensor_parallel_size 8: "
+        "PdstackConnector moves each TP rank's KV heads to the decode rank of the same index, so decode would refuse "
+        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"]  # fmt: skip
 
 
 def test_an_engine_that_leaves_gpus_idle_is_refused_with_the_data_parallel_size_that_fills_the_node(
     stacks_dir: Path,
 ) -> None:
+    prefill_tp2 = role("prefill", {"tensor_parallel_size": 2, "data_parallel_size": 2})  # equal TP, fills its node
+    edit(stacks_dir / "Pulumi.staging-control.yaml", prefill_tp2)
     assert _only(stacks_dir, "staging", role("decode", {"tensor_parallel_size": 2, "data_parallel_size": 1})) == [
         "pdstack:serving.vllm.decode.data_parallel_size: TP 2 x DP 1 uses 2 of the 4 GPUs of pool 'decode' "
         "(g6e.24xlarge) of Pulumi.staging-decode-us-west-2.yaml: pdstack runs one engine per node, so 2 would sit "
@@ -103,10 +108,10 @@ def test_an_engine_that_leaves_gpus_idle_is_refused_with_the_data_parallel_size_
 
 
 def test_data_parallelism_across_nodes_needs_pools_of_whole_engines(stacks_dir: Path) -> None:
-    # TP 1 x DP 16 on 8-GPU p5e/p5en nodes: one engine spans 2 nodes; the pools' sizes (2/4/8 and 0/2/8) hold
+    # TP 8 x DP 2 on 8-GPU p5e/p5en nodes: one engine spans 2 nodes; the pools' sizes (2/4/8 and 0/2/8) hold
     # whole engines, so this is valid.
-    assert _only(stacks_dir, "prod", role("decode", {"data_parallel_size": 16})) == []
-    edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", {"data_parallel_size": 24}))  # 3 nodes
+    assert _only(stacks_dir, "prod", role("decode", {"data_parallel_size": 2})) == []
+    edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", {"data_parallel_size": 3}))  # 3 nodes
     decode = f"{stacks_dir}/Pulumi.prod-decode-us-west-2.yaml"
     why = "is not a multiple of 3: one engine of serving.vllm.decode spans 3 {} nodes, so a pool holds whole engines"
     assert problems_of(stacks_dir) == [
@@ -135,10 +140,37 @@ def test_a_hybrid_models_block_size_must_resolve_the_same_at_both_tensor_paralle
     # 1024 B at TP 8, 2048 B at TP 1. Gated DeltaNet state: (3 x 8192 conv + 32 x 128 x 128) x 2 B / TP = 137,216 B
     # at TP 8, 1,097,728 B at TP 1. vLLM raises block 16 to 16 x ceil(state / (16 x page)): 16 x 9 = 144 at TP 8,
     # 16 x 34 = 544 at TP 1.
+    # (Decode at TP 1 needs kv_connector nixl, which crosses no regions: prod's decode is moved next to prefill.)
+    def nixl_beside_prefill(c: dict[str, Any]) -> None:
+        c["aws:region"] = "us-east-1"
+        c["pdstack:datacenter"]["region"] = "us-east-1"
+
+    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml", nixl_beside_prefill)
+    edit(stacks_dir / "Pulumi.prod-control.yaml", vllm({"kv_connector": "nixl"}))
+    edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", {"tensor_parallel_size": 1, "data_parallel_size": 8}))
     assert _only(stacks_dir, "prod", vllm({"block_size": 16})) == [
         "pdstack:serving.vllm.block_size: 16 becomes 144 tokens on prefill (TP 8) but 544 on decode (TP 1): vLLM "
         "raises Qwen3-Next-80B-A3B's block size until an attention page holds a linear-attention state, and the KV "
         "fingerprint covers block size; set block_size to at least 544 on both"]  # fmt: skip
+
+
+def test_the_pdstack_connector_needs_equal_tensor_parallelism(stacks_dir: Path) -> None:
+    # Prefill TP 8 (each rank holds 2 of Qwen3-Next's 16 query-head groups' KV) to decode TP 1 x DP 8: the
+    # connector moves rank r's shard to decode rank r, so TP 1 would refuse every KV.
+    assert _only(stacks_dir, "prod", role("decode", {"tensor_parallel_size": 1, "data_parallel_size": 8})) == [
+        "pdstack:serving.vllm.decode.tensor_parallel_size: 1 differs from prefill's tensor_parallel_size 8: "
+        "PdstackConnector moves each TP rank's KV heads to the decode rank of the same index, so decode would refuse "
+        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"]  # fmt: skip
+
+
+def test_the_pdstack_connectors_kv_ports_stay_clear_of_the_other_ports(stacks_dir: Path) -> None:
+    # Staging prefill TP 1 x DP 4 serves KV on 8400..8403 (serving.ports.kv + DP index x TP + rank).
+    assert _only(stacks_dir, "staging", lambda c: c["pdstack:serving"].update(ports={"kv": 8298})) == [
+        "pdstack:serving.ports.kv: 8298: a prefill of TP 1 x DP 4 serves KV on one port per worker, 8298..8301, "
+        "which overlaps serving.ports.decode 8300"]  # fmt: skip
+    assert _only(stacks_dir, "staging", lambda c: c["pdstack:serving"].update(ports={"kv": 65534})) == [
+        "pdstack:serving.ports.kv: 65534: a prefill of TP 1 x DP 4 serves KV on one port per worker, 65534..65537, "
+        "which ends above 65535"]  # fmt: skip
 
 
 def test_block_size_must_suit_the_attention_kernels(stacks_dir: Path) -> None:

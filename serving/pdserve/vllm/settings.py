@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ssl
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,26 @@ class SettingsError(ValueError):
     """A bad kv_connector_extra_config; the message starts with the key."""
 
 
+def kv_port_of(base: int, *, dp_index: int, tp_size: int, tp_rank: int) -> int:
+    """The one rule for where a prefill worker serves its KV shard: `port` (kv_connector_extra_config, the stack's
+    KV port) is data-parallel engine 0's tensor-parallel rank 0; engine d's rank r listens on
+    base + d * tp_size + r. An instance of TP t x DP d therefore holds the t * d ports [base, base + t * d), and
+    kv_transfer_params name the answering engine's rank-0 port (decode rank r pulls from remote_port + r).
+    pdstack renders the same range into the security groups (pdstack.vllm_command.kv_port_range)."""
+    return base + dp_index * tp_size + tp_rank
+
+
+def kv_ports_used(tp_size: int, dp_size: int) -> int:
+    """How many consecutive ports from `port` an instance of TP tp_size x DP dp_size listens on (see kv_port_of)."""
+    return tp_size * dp_size
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     key: SecretKey
     advertise_host: str
     bind_host: str
-    port: int
+    base_port: int  # kv_connector_extra_config.port: DP engine 0's TP rank 0 (see kv_port_of)
     streams: int
     lease_seconds: float
     connect_timeout_seconds: float
@@ -56,8 +70,30 @@ class ConnectorSettings:
     tls_key: str | None
     tls_ca: str | None
     tls_server_name: str | None
-    run_dir: Path
+    run_root: Path  # kv_connector_extra_config.run_dir
+    engine_id: str
     kv_cpus: frozenset[int] | None  # None: the forward thread's (see pdserve.vllm.worker.connector_cpus)
+    tp_size: int = 1
+    dp_size: int = 1
+    dp_index: int = 0  # vLLM's parallel_config.data_parallel_index: which DP engine of the instance this is
+    tp_rank: int = 0  # this worker's tensor-parallel rank (0 in the scheduler process)
+
+    @property
+    def port(self) -> int:
+        """This worker's KV port (prefill); for rank 0, the one kv_transfer_params name as remote_port."""
+        if self.base_port == 0:  # decode: binds nothing
+            return 0
+        return kv_port_of(self.base_port, dp_index=self.dp_index, tp_size=self.tp_size, tp_rank=self.tp_rank)
+
+    @property
+    def run_dir(self) -> Path:
+        """This worker's own directory (its port makes it unique per rank and DP engine): results, instance.json."""
+        return self.run_root / f"{self.engine_id}-{self.port}"
+
+    def for_rank(self, tp_rank: int) -> ConnectorSettings:
+        if not 0 <= tp_rank < self.tp_size:
+            raise SettingsError(f"tp_rank: {tp_rank} is not a rank of tensor_parallel_size {self.tp_size}")
+        return replace(self, tp_rank=tp_rank)
 
     @property
     def params_key(self) -> bytes:
@@ -85,8 +121,11 @@ class ConnectorSettings:
         return context
 
 
-def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> ConnectorSettings:
-    """Settings from kv_connector_extra_config; raises SettingsError naming the first bad key."""
+def parse(
+    extra: dict[str, Any], *, producer: bool, engine_id: str, tp_size: int = 1, dp_index: int = 0, dp_size: int = 1
+) -> ConnectorSettings:
+    """Settings from kv_connector_extra_config (and vLLM's parallel layout); raises SettingsError naming the first
+    bad key."""
     unknown = sorted(set(extra) - _KNOWN)
     if unknown:
         raise SettingsError(f"kv_connector_extra_config.{unknown[0]}: unknown key (known: {', '.join(sorted(_KNOWN))})")
@@ -102,6 +141,15 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
     if producer and not 0 < port < 65536:
         # The scheduler process names the port in kv_transfer_params, but the worker binds it: it must be fixed.
         raise SettingsError("kv_connector_extra_config.port: a prefill (kv_producer) needs a fixed port in 1..65535")
+    if tp_size < 1 or not 0 <= dp_index < max(dp_size, 1):
+        raise SettingsError(f"parallel_config: tensor_parallel_size {tp_size}, data_parallel_index {dp_index} of "
+                            f"data_parallel_size {dp_size}")  # fmt: skip
+    last = port + kv_ports_used(tp_size, dp_size) - 1
+    if producer and last > 65535:
+        raise SettingsError(
+            f"kv_connector_extra_config.port: {port} + TP {tp_size} x DP {dp_size} ports (one per worker, see "
+            f"kv_port_of) ends at {last}, above 65535"
+        )
     tls_cert, tls_key = _optional(extra, "tls_cert"), _optional(extra, "tls_key")
     if (tls_cert is None) != (tls_key is None):
         raise SettingsError("kv_connector_extra_config.tls_cert: tls_cert and tls_key go together")
@@ -110,7 +158,7 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
         key=key,
         advertise_host=advertise_host,
         bind_host=str(extra.get("bind_host", advertise_host)),
-        port=port,
+        base_port=port,
         streams=_number(extra, "streams", 4, int),
         lease_seconds=_number(extra, "lease_seconds", 30.0, float),
         connect_timeout_seconds=_number(extra, "connect_timeout_seconds", 5.0, float),
@@ -122,8 +170,12 @@ def parse(extra: dict[str, Any], *, producer: bool, engine_id: str) -> Connector
         tls_key=tls_key,
         tls_ca=_optional(extra, "tls_ca"),
         tls_server_name=_optional(extra, "tls_server_name"),
-        run_dir=run_dir / f"{engine_id}-{port}",
+        run_root=run_dir,
+        engine_id=engine_id,
         kv_cpus=_cpu_list(extra),
+        tp_size=tp_size,
+        dp_size=dp_size,
+        dp_index=dp_index,
     )
     for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):
         if getattr(settings, name) <= 0:
