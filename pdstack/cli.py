@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Annotated
@@ -37,8 +38,18 @@ app.add_typer(canary_app, name="canary")
 app.add_typer(local_app, name="local")
 
 
+def print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"pdstack {importlib.metadata.version('pdstack')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=print_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
     """pdstack: validate, plan and synthesise stacks; run the local environment."""
 
 

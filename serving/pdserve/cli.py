@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
 SERVER_ROLES = ("prefill", "decode", "colocated")
 CONTROL_ROLES = ("gateway", "scheduler", "agent")
-USAGE = f"usage: pdserve ROLE [options]   (ROLE: {' | '.join(SERVER_ROLES + CONTROL_ROLES)}; pdserve ROLE --help)"
+USAGE = (
+    f"usage: pdserve ROLE [options]   (ROLE: {' | '.join(SERVER_ROLES + CONTROL_ROLES)}; pdserve ROLE --help)\n"
+    "       pdserve --version"
+)
 
 
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -60,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(__doc__.strip() + "\n\n" + USAGE)
         raise SystemExit(0 if args else 2)
     role, rest = args[0], args[1:]
-    if role in SERVER_ROLES:
+    if role == "--version":
+        print(f"pdserve {importlib.metadata.version('pdserve')}")
+    elif role in SERVER_ROLES:
         run_server(role, rest)
     elif role in CONTROL_ROLES:
         run_control_plane(role, rest)
