@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import hmac
 import os
+import secrets
 import socket
 import ssl
 import threading
@@ -38,6 +39,7 @@ from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
     DATA_HEADER,
+    MAX_CONTROL_PAYLOAD,
     NONCE_BYTES,
     PROOF_BYTES,
     Chunk,
@@ -169,6 +171,7 @@ class _Assembly:
         self.layers: list[Layer] = [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
         self._views = flat_views(self.layers)
         self._lock = threading.Lock()
+        self._expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in self.plan}
         self._missing: dict[int, int] = {}  # unit -> bytes of it still to come
         for chunk in self.plan:
             for unit, overlap in self._overlaps(chunk):
@@ -184,18 +187,23 @@ class _Assembly:
             overlaps.append((unit, min(stop, end) - max(start, chunk.offset)))
         return overlaps
 
-    def target(self, layer: int, part: int, offset: int, length: int,
-               expected: dict[tuple[int, int, int], Chunk]) -> tuple[Chunk, memoryview]:
-        """Where a DATA payload goes, if it is one of the `expected` chunks (then removed): the chunk and the slice
-        of its destination array."""
-        chunk = expected.pop((layer, part, offset), None)
+    def target(self, layer: int, part: int, offset: int, length: int) -> tuple[Chunk, memoryview]:
+        """Where a DATA payload goes, if it is a chunk of the plan no stream has received yet (it then counts as
+        received): the chunk and the slice of its destination array."""
+        with self._lock:
+            chunk = self._expected.pop((layer, part, offset), None)
         if chunk is None or chunk.length != length:
             raise KVTransferError(
                 "protocol",
-                f"got chunk (layer {layer}, part {part}, offset {offset}, {length} bytes), which this stream was "
-                "not to receive (or received twice)",
+                f"got chunk (layer {layer}, part {part}, offset {offset}, {length} bytes), which this pull was not "
+                "to receive (or received twice)",
             )
         return chunk, self._views[2 * layer + part][offset : offset + length]
+
+    @property
+    def chunks_missing(self) -> int:
+        with self._lock:
+            return len(self._expected)
 
     def landed(self, chunk: Chunk) -> None:
         """A chunk's bytes are in place (and passed their frame CRC): hash every unit it completed."""
@@ -209,25 +217,32 @@ class _Assembly:
                 self._hashes.append(_verify_threads().submit(unit_digests, self._views, self.units, complete))
                 self._hashed.append(complete)
 
-    def receive(self, channel: FrameSocket, timeout: float, expected: dict[tuple[int, int, int], Chunk]) -> None:
-        """Read the next DATA frame (skipping KEEPALIVEs) straight into its destination and check its CRC there."""
-        max_payload = DATA_HEADER.size + self.manifest.chunk_bytes
+    def receive(self, channel: FrameSocket, timeout: float) -> Frame | None:
+        """Read the next frame that is not a KEEPALIVE: DATA goes straight into its destination, its CRC checked
+        there (None is returned); any other frame is returned, CRC checked."""
+        data_max = DATA_HEADER.size + self.manifest.chunk_bytes
+        digests = self.units.total * DIGEST_BYTES
         while True:
-            header, deadline = channel.read_header(timeout, max_payload)
-            if header.type is FrameType.DATA and header.length >= DATA_HEADER.size:
+            header, deadline = channel.read_header(timeout, max(data_max, digests, MAX_CONTROL_PAYLOAD))
+            if header.type is FrameType.DATA and DATA_HEADER.size <= header.length <= data_max:
                 sub = channel.recv_bytes(DATA_HEADER.size, deadline, timeout)
                 layer, part, offset = DATA_HEADER.unpack(sub)
-                chunk, view = self.target(layer, part, offset, header.length - DATA_HEADER.size, expected)
+                chunk, view = self.target(layer, part, offset, header.length - DATA_HEADER.size)
                 channel.recv_into(view, deadline, timeout)
                 header.check_crc(sub, view)
                 self.landed(chunk)
-                return
+                return None
+            if header.type is FrameType.DATA:
+                raise KVTransferError("protocol", f"a DATA frame carries {DATA_HEADER.size} to {data_max} bytes here, "
+                                      f"its header claims {header.length}")
+            limit = digests if header.type is FrameType.DIGESTS else MAX_CONTROL_PAYLOAD
+            if header.length > limit:
+                raise KVTransferError("protocol", f"a {header.type.name} frame here carries at most {limit} bytes, "
+                                      f"its header claims {header.length}")
             payload = channel.recv_bytes(header.length, deadline, timeout)
             header.check_crc(payload)
             if header.type is not FrameType.KEEPALIVE:
-                expect(Frame(header.type, payload), FrameType.DATA)
-                raise KVTransferError("protocol", f"a DATA frame of {header.length} bytes is shorter than its "
-                                      "sub-header")
+                return Frame(header.type, payload)
 
     async def verify(self, digests: bytes, checksum: str) -> None:
         """The announced unit digests hash to the announced checksum, and every unit received has its digest."""
@@ -237,8 +252,8 @@ class _Assembly:
         manifest = self.manifest
         if blob_checksum(manifest.meta, manifest.layers, manifest.unit_rows, digests) != checksum:
             raise KVTransferError("checksum", "the announced unit digests do not match the blob checksum")
-        if any(self._missing.values()):
-            raise KVTransferError("protocol", "transfer ended with units still missing bytes")
+        if self.chunks_missing or any(self._missing.values()):
+            raise KVTransferError("protocol", f"transfer ended with {self.chunks_missing} chunks not received")
         computed = await asyncio.gather(*(asyncio.wrap_future(future) for future in self._hashes))
         for units, digests_of in zip(self._hashed, computed, strict=True):
             for unit, digest in zip(units, digests_of, strict=True):
@@ -255,6 +270,7 @@ class _Pull:
     expected_fingerprint: str | None
     streams: int
     first_row: int = 0
+    pull_id: str = field(default_factory=lambda: secrets.token_hex(16))  # the server shares chunks by it
     assembly: _Assembly | None = None
     manifest_bytes: bytes | None = None
     announced: str | None = None  # the checksum END announced
@@ -630,27 +646,33 @@ async def _run_streams(route: _Route, state: _Pull) -> None:
 
 
 async def _pull_stream(route: _Route, state: _Pull, index: int) -> None:
-    request = {"request_id": state.request_id, "stream": index, "streams": state.streams, "first_row": state.first_row}
+    request = {"request_id": state.request_id, "pull": state.pull_id, "stream": index, "streams": state.streams,
+               "first_row": state.first_row}  # fmt: skip
     await route.exchange(_receive_stream, state, request, route.connector.read_timeout_s)
 
 
 def _receive_stream(connection: KVConnection, state: _Pull, request: dict[str, Any], timeout: float) -> None:
-    """One stream of a pull, on its thread: PULL, MANIFEST, this stream's DATA chunks, (DIGESTS,) END."""
+    """One stream of a pull, on its thread: PULL, MANIFEST, the DATA chunks the server gives this stream, (DIGESTS,)
+    END."""
     channel = connection.channel
     index = int(request["stream"])
     manifest = expect(_first_reply(channel, FrameType.PULL, request, timeout), FrameType.MANIFEST).payload
     assembly = state.assembly_for(manifest)
-    chunks = assembly.plan[index :: state.streams]
-    expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in chunks}
-    while expected:
-        assembly.receive(channel, timeout, expected)
-    if index == 0:
-        size = assembly.units.total * DIGEST_BYTES
-        state.digests = expect(channel.read_reply(timeout, size), FrameType.DIGESTS).payload
-    end = expect(channel.read_reply(timeout), FrameType.END).json()
-    if end.get("chunks") != len(chunks):
-        raise KVTransferError("protocol", f"stream {index} ended after {end.get('chunks')} of {len(chunks)} chunks")
-    _check_end_mac(connection.session, manifest, request, end, len(chunks))
+    chunks = 0
+    while (frame := assembly.receive(channel, timeout)) is None or frame.type is FrameType.DIGESTS:
+        if frame is None:
+            chunks += 1
+        elif index != 0 or state.digests is not None:
+            raise KVTransferError("protocol", f"stream {index} got an unexpected DIGESTS frame")
+        else:
+            state.digests = frame.payload
+    end = expect(frame, FrameType.END).json()
+    if index == 0 and state.digests is None:
+        raise KVTransferError("protocol", "stream 0 ended without DIGESTS")
+    if end.get("chunks") != chunks:
+        raise KVTransferError("protocol", f"stream {index} ended announcing {end.get('chunks')} chunks, it got "
+                              f"{chunks}")
+    _check_end_mac(connection.session, manifest, request, end, chunks)
     announced = Manifest.from_bytes(manifest).checksum
     if announced and announced != end.get("checksum"):
         raise KVTransferError("protocol", f"stream {index}'s manifest and END announce different checksums")

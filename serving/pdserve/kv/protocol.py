@@ -12,6 +12,10 @@ It is no defence against a deliberate edit (the digests, the checksum and END's 
 DATA payloads start with a 13-byte sub-header (layer u32, part u8 (0 = K, 1 = V), byte offset u64).
 Control payloads (PULL, MANIFEST, ACK, ERROR, END) are JSON.
 
+A pull's N streams (N connections) share one plan of chunks: every stream's PULL names the same pull id (random,
+fresh per pull), each stream takes the next chunk not yet taken whenever it has sent its last, and END says how many
+this stream carried. So a slower TCP flow carries fewer chunks instead of holding the pull's tail.
+
 A pull may be served while prefill is still computing the blob (a streamed lease entry): MANIFEST then carries the
 layout with an empty checksum, each stream sends its chunks as they are computed (in any order; the DATA sub-header
 says where each goes), KEEPALIVE frames while it waits, and END carries the blob checksum once prefill sealed it.
@@ -56,7 +60,9 @@ from pdserve.kv.blob import Manifest
 from pdserve.kv.errors import Cause, KVTransferError
 
 MAGIC = b"PDKV"
-VERSION = 3  # 2: crc32c frames, streamed blobs, range pulls, per-block BLAKE3 digests; 3: END MACed
+# 2: crc32c frames, streamed blobs, range pulls, per-block BLAKE3 digests; 3: END MACed; 4: the streams of a pull
+# share its chunks (PULL names a pull id; each stream takes the next chunk when ready, END counts what it sent)
+VERSION = 4
 HEADER = struct.Struct("!4sBBHQI")
 DATA_HEADER = struct.Struct("!IBQ")
 MAX_CONTROL_PAYLOAD = 4 << 20
@@ -108,8 +114,8 @@ class Chunk:
 
 
 def chunk_plan(manifest: Manifest, first_row: int = 0) -> list[Chunk]:
-    """The chunks of a blob from leading row (block) `first_row` on, in layer order; stream s of N carries
-    plan[s::N] so layers arrive roughly in order."""
+    """The chunks of a blob from leading row (block) `first_row` on, in layer order; the streams of a pull take them
+    in this order, each the next one as soon as it has sent its last (pdserve.kv.share)."""
     plan: list[Chunk] = []
     units = manifest.units
     for index, pair in enumerate(manifest.layers):

@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from pdserve.kv import auth
 from pdserve.kv.blob import as_bytes
@@ -36,11 +37,16 @@ from pdserve.kv.protocol import (
     expect,
     json_payload,
 )
+from pdserve.kv.share import PullShares, SharedPlan
 from pdserve.kv.store import LeaseStore
 from pdserve.kv.wire import FrameSocket
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 64
+MAX_PULL_ID = 64
+# Unsent bytes a connection may queue in the kernel before a send blocks: a stream takes its pull's next chunk only
+# once this little of its last one is left to go, so chunks go to the streams whose flows are moving (pdserve.kv.share).
+NOTSENT_LOWAT_BYTES = 256 << 10
 READ_BUFFER_BYTES = 64 << 10  # most a connection buffers in user space before authenticating (it reads frame by frame)
 LISTEN_BACKLOG = 1024
 JOIN_S = 5.0  # how long close() waits for the connection threads after aborting their sockets
@@ -102,12 +108,16 @@ class KVServer:
         tcp_congestion: str | None = None,
         open_wait_s: float = 0.0,
         keepalive_s: float = 1.0,
+        notsent_lowat_bytes: int = NOTSENT_LOWAT_BYTES,
     ) -> None:
         """`handshake_timeout_s` bounds the whole handshake (TLS, then HELLO to AUTH); at most `max_handshakes`
         connections may be authenticating at once (more are refused at once), so unauthenticated clients hold little.
 
         A pull of an id not held yet waits up to `open_wait_s` for prefill to open it (early dispatch: decode may
-        ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`."""
+        ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`.
+
+        The streams of a pull share its chunks (pdserve.kv.share); each connection queues at most
+        `notsent_lowat_bytes` unsent in the kernel (TCP_NOTSENT_LOWAT) before a send waits."""
         self.store = store
         self._key = key
         self._host = host
@@ -127,6 +137,13 @@ class KVServer:
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, _Link] = {}
         self._closing = False
+        self._notsent_lowat = notsent_lowat_bytes
+        self._shares = PullShares(ttl_s=io_timeout_s + idle_timeout_s)
+
+    @property
+    def shared_pulls(self) -> int:
+        """Multi-stream pulls whose shared chunk plan the server still holds (a stream of theirs has not ended)."""
+        return len(self._shares)
 
     @property
     def port(self) -> int:
@@ -215,6 +232,7 @@ class KVServer:
         except (ssl.SSLError, OSError) as error:
             log.info("kv: TLS handshake with %s failed: %s", peer, error)
             return
+        _set_notsent_lowat(link.sock, self._notsent_lowat)
         # One authenticated connection serves any number of requests, one after another, until the client closes
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
         for served in itertools.count():
@@ -294,35 +312,25 @@ class KVServer:
             raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
 
     def _serve_pull(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
-        body = frame.json()
-        request_id, stream, streams = body.get("request_id"), body.get("stream"), body.get("streams")
-        first_row = body.get("first_row", 0)
-        if not isinstance(request_id, str) or not isinstance(stream, int) or not isinstance(streams, int) \
-                or not isinstance(first_row, int):
-            raise KVTransferError("protocol", "PULL needs request_id (string), stream, streams and first_row "
-                                  "(integers)")
-        if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
-            raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
+        request = _pull_request(frame)
+        request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
+                                                  request["first_row"])  # fmt: skip
         stored = self._wait_open(request_id, channel, waits)
         started = time.perf_counter()
         manifest = stored.manifest.to_bytes()
         channel.send(self._io_timeout, FrameType.MANIFEST, manifest)
-        try:
-            plan = chunk_plan(stored.manifest, first_row)
-        except ValueError as error:
-            raise KVTransferError("protocol", f"PULL first_row: {error}") from None
-        chunks = plan[stream::streams]
-        sent = self._send_chunks(stored, chunks, channel, waits)
-        if not stored.checksum:  # sealed and hashed
-            with waits.watch(stored) as changed:
-                while not stored.checksum:
-                    self._wait_change(stored, changed, channel, waits)
-        if stream == 0:
-            channel.send(self._io_timeout, FrameType.DIGESTS, stored.digests)
-        request = {"request_id": request_id, "stream": stream, "streams": streams, "first_row": first_row}
-        mac = auth.end_mac(session, manifest, request, stored.checksum, len(chunks))
-        channel.send(self._io_timeout, FrameType.END, json_payload(
-            {"chunks": len(chunks), "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
+        key = (request_id, request["pull"], streams, first_row)
+        with self._shares.join(key, stream, stored, lambda: _plan(stored, first_row)) as shared:
+            chunks, sent = self._send_chunks(stored, shared, stream, channel, waits)
+            if not stored.checksum:  # sealed and hashed
+                with waits.watch(stored) as changed:
+                    while not stored.checksum:
+                        self._wait_change(stored, changed, channel, waits)
+            if stream == 0:
+                channel.send(self._io_timeout, FrameType.DIGESTS, stored.digests)
+            mac = auth.end_mac(session, manifest, request, stored.checksum, chunks)
+            channel.send(self._io_timeout, FrameType.END, json_payload(
+                {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
 
     def _wait_open(self, request_id: str, channel: FrameSocket, waits: _Waits) -> StoredKV:
@@ -342,25 +350,29 @@ class KVServer:
                         raise
                 self._idle(opened, channel, waits, deadline)
 
-    def _send_chunks(self, stored: StoredKV, chunks: list[Chunk], channel: FrameSocket, waits: _Waits) -> int:
-        """Send each chunk as soon as prefill has added its bytes; return the bytes sent."""
+    def _send_chunks(self, stored: StoredKV, shared: SharedPlan, stream: int, channel: FrameSocket,
+                     waits: _Waits) -> tuple[int, int]:  # fmt: skip
+        """Take the pull's next chunk prefill has added, send it, and so on until none is left; return the chunks and
+        bytes this stream sent."""
         views = [as_bytes(array) for pair in stored.layers for array in pair]
-        pending, sent = list(chunks), 0
-        while pending:
-            ready = [chunk for chunk in pending if stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)]
-            if not ready:
-                with waits.watch(stored) as changed:  # then look again: no change after the look above is missed
-                    if not any(stored.ready(c.layer, c.part, c.offset, c.length) for c in pending):
-                        self._wait_change(stored, changed, channel, waits)
-                continue
-            for chunk in ready:
+        chunks = sent = 0
+
+        def ready(chunk: Chunk) -> bool:
+            return stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)
+
+        while True:
+            chunk, left = shared.take(stream, ready)
+            if chunk is not None:
                 payload = views[2 * chunk.layer + chunk.part][chunk.offset : chunk.offset + chunk.length]
-                channel.send(self._io_timeout, FrameType.DATA, DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset),
-                             payload)  # fmt: skip
-                sent += chunk.length
-            done = set(ready)
-            pending = [chunk for chunk in pending if chunk not in done]
-        return sent
+                channel.send(self._io_timeout, FrameType.DATA,
+                             DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)  # fmt: skip
+                chunks, sent = chunks + 1, sent + chunk.length
+            elif not left:
+                return chunks, sent
+            else:
+                with waits.watch(stored) as changed:  # then look again: no change after the look above is missed
+                    if not shared.any_ready(ready):
+                        self._wait_change(stored, changed, channel, waits)
 
     def _wait_change(self, stored: StoredKV, changed: Watch, channel: FrameSocket, waits: _Waits) -> None:
         """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
@@ -386,6 +398,35 @@ class KVServer:
     def _send_error(self, channel: FrameSocket, error: KVTransferError) -> None:
         with contextlib.suppress(Exception):
             channel.send(1.0, FrameType.ERROR, error_body(error.cause, error.message))
+
+
+def _pull_request(frame: Frame) -> dict[str, Any]:
+    """A PULL's fields, checked: what END's MAC covers."""
+    body = frame.json()
+    request = {name: body.get(name) for name in ("request_id", "pull", "stream", "streams", "first_row")}
+    if not isinstance(request["request_id"], str) or not isinstance(request["pull"], str) \
+            or not all(isinstance(request[name], int) for name in ("stream", "streams", "first_row")):
+        raise KVTransferError("protocol", "PULL needs request_id and pull (strings), stream, streams and first_row "
+                              "(integers)")
+    stream, streams, first_row = request["stream"], request["streams"], request["first_row"]
+    if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
+        raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
+    if not 1 <= len(request["pull"]) <= MAX_PULL_ID:
+        raise KVTransferError("protocol", f"PULL pull id: expected 1 to {MAX_PULL_ID} characters, got "
+                              f"{len(request['pull'])}")
+    return request
+
+
+def _plan(stored: StoredKV, first_row: int) -> list[Chunk]:
+    try:
+        return chunk_plan(stored.manifest, first_row)
+    except ValueError as error:
+        raise KVTransferError("protocol", f"PULL first_row: {error}") from None
+
+
+def _set_notsent_lowat(sock: socket.socket, limit: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, limit)
 
 
 def _set_congestion_control(listener: socket.socket, name: str) -> None:

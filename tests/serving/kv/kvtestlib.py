@@ -46,7 +46,9 @@ class ByteProxy:
     upstream_port: int
     corrupt_at: int | None = None
     bytes_per_second: float | None = None
+    throttled_connections: int | None = None  # throttle only the first this many connections (None: all)
     forwarded: int = 0
+    per_connection: list[int] = field(default_factory=list)  # server-to-client bytes of each, in accept order
     port: int = 0
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -77,9 +79,13 @@ class ByteProxy:
             client_writer.close()
             return
         self._clients.add(client_writer)
+        index = len(self.per_connection)
+        self.per_connection.append(0)
         pumps = [
             asyncio.create_task(self._pump(client_reader, up_writer, downstream=False, client=client_writer)),
-            asyncio.create_task(self._pump(up_reader, client_writer, downstream=True, client=client_writer)),
+            asyncio.create_task(
+                self._pump(up_reader, client_writer, downstream=True, client=client_writer, index=index)
+            ),
         ]
         self._tasks.update(pumps)
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -90,15 +96,22 @@ class ByteProxy:
         up_writer.close()
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, downstream: bool, client: asyncio.StreamWriter
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        downstream: bool,
+        client: asyncio.StreamWriter,
+        index: int = 0,
     ) -> None:
+        throttled = self.throttled_connections is None or index < self.throttled_connections
         while data := await reader.read(16384):
             if downstream:
                 data = self._maybe_corrupt(data)
                 self.forwarded += len(data)
+                self.per_connection[index] += len(data)
                 if self.on_forward is not None:
                     self.on_forward(self.forwarded)
-                if self.bytes_per_second:
+                if self.bytes_per_second and throttled:
                     await asyncio.sleep(len(data) / self.bytes_per_second)
             elif client in self._doomed:
                 return  # the connection ends here; the client's bytes never reach the server
