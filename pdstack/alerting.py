@@ -23,8 +23,12 @@ from pdstack.model import webhook_url_problem
 SEVERITIES = ("critical", "warning")
 LINK_DOWN_ALERT = "PdstackDatacenterLinkDown"
 # What a datacenter that cannot be reached also fires: its transfers fail and its targets are down.
-INHIBITED_BY_LINK_DOWN = ("PdstackKVTransferFailures", "PdstackKVLoadFailures", "PdstackKVTransferSlow",
-                          "PdstackTargetDown")  # fmt: skip
+INHIBITED_BY_LINK_DOWN = (
+    "PdstackKVTransferFailures",
+    "PdstackKVLoadFailures",
+    "PdstackKVTransferSlow",
+    "PdstackTargetDown",
+)
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,18 @@ def default_receiver(env: str) -> str:
     return f"pdstack-{env}"
 
 
+def webhook_receivers(env: str) -> list[str]:
+    """The receivers that post to the webhook when there is one."""
+    return [receiver_name(env, severity) for severity in SEVERITIES]
+
+
+WEBHOOK_CONFIG = {"send_resolved": True}  # each webhook_configs entry, besides its url
+
+
 def _receiver(name: str, webhook_url: str | None) -> dict[str, Any]:
     if webhook_url is None:
         return {"name": name}
-    return {"name": name, "webhook_configs": [{"url": webhook_url, "send_resolved": True}]}
+    return {"name": name, "webhook_configs": [{"url": webhook_url, **WEBHOOK_CONFIG}]}
 
 
 def alertmanager_config(env: str, webhook_url: str | None = None, timing: Timing = Timing()) -> dict[str, Any]:
@@ -60,20 +72,38 @@ def alertmanager_config(env: str, webhook_url: str | None = None, timing: Timing
         if problem is not None:
             raise ValueError(f"pdstack:alerting.webhook_url: the URL {problem}")
     critical = {"group_wait": timing.critical_group_wait, "repeat_interval": timing.critical_repeat_interval}
-    routes = [{"receiver": receiver_name(env, severity), "matchers": [f'severity="{severity}"'],
-               **(critical if severity == "critical" else {})} for severity in SEVERITIES]  # fmt: skip
+    routes = [
+        {
+            "receiver": receiver_name(env, severity),
+            "matchers": [f'severity="{severity}"'],
+            **(critical if severity == "critical" else {}),
+        }
+        for severity in SEVERITIES
+    ]
     return {
-        "route": {"receiver": default_receiver(env), "group_by": ["alertname", "datacenter"],
-                  "group_wait": timing.group_wait, "group_interval": timing.group_interval,
-                  "repeat_interval": timing.repeat_interval, "routes": routes},  # fmt: skip
+        "route": {
+            "receiver": default_receiver(env),
+            "group_by": ["alertname", "datacenter"],
+            "group_wait": timing.group_wait,
+            "group_interval": timing.group_interval,
+            "repeat_interval": timing.repeat_interval,
+            "routes": routes,
+        },
         "inhibit_rules": [
-            {"source_matchers": [f'alertname="{LINK_DOWN_ALERT}"'],
-             "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_LINK_DOWN)}"'],
-             "equal": ["datacenter"]},
+            {
+                "source_matchers": [f'alertname="{LINK_DOWN_ALERT}"'],
+                "target_matchers": [f'alertname=~"{"|".join(INHIBITED_BY_LINK_DOWN)}"'],
+                "equal": ["datacenter"],
+            },
             # the same alert at warning while it is critical: the critical one says it all
-            {"source_matchers": ['severity="critical"'], "target_matchers": ['severity="warning"'],
-             "equal": ["alertname", "datacenter", "instance"]},
-        ],  # fmt: skip
-        "receivers": [_receiver(default_receiver(env), None),
-                      *(_receiver(receiver_name(env, s), webhook_url) for s in SEVERITIES)],  # fmt: skip
+            {
+                "source_matchers": ['severity="critical"'],
+                "target_matchers": ['severity="warning"'],
+                "equal": ["alertname", "datacenter", "instance"],
+            },
+        ],
+        "receivers": [
+            _receiver(default_receiver(env), None),
+            *(_receiver(name, webhook_url) for name in webhook_receivers(env)),
+        ],
     }

@@ -27,7 +27,8 @@ from typing import Any
 
 import yaml
 
-from pdstack.model import Environment, Serving
+from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
+from pdstack.model import Alerting, Environment, Serving
 from pdstack.serving_env import gateway_settings, server_settings
 from pdstack.stackfile import load_stack_file
 
@@ -48,6 +49,7 @@ NODE_EXPORTER_PORT = 9100  # Debian's prometheus-node-exporter (roles/node_expor
 PROMETHEUS_HEALTH_LIVE = "/-/healthy"
 PROMETHEUS_HEALTH_READY = "/-/ready"
 ALERTMANAGER_PORT = 9093
+ALERTMANAGER_API = "/api/v2"  # alerts, silences (amtool and the tests use it)
 # Redis: the gateways' shared rate-limit store (roles/redis locally, in-cluster in the cloud)
 RATELIMIT_STORE_PORT = 6379
 RATELIMIT_STORE_DB = 0
@@ -227,6 +229,9 @@ class Contract:
     def prometheus_url(self, host: str) -> str:
         return f"http://{host}:{self.prometheus.port}"
 
+    def alertmanager_url(self, host: str) -> str:
+        return f"http://{host}:{self.alertmanager.port}"
+
     def ratelimit_storage(self, host: str) -> str:
         """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`."""
         return f"redis://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"
@@ -297,14 +302,23 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         "prometheus_scrape_groups": [{"job": g.job, "group": g.group, "port": g.port} for g in c.scrape_groups],
         "prometheus_job": c.prometheus.job,
         "prometheus_node_job": c.node_exporter.job,
+        "alertmanager_port": c.alertmanager.port,
         "node_exporter_port": c.node_exporter.port,
         "redis_port": c.ratelimit_store.port,
         "pdstack_ratelimit_store_db": RATELIMIT_STORE_DB,
     }  # fmt: skip
 
 
-def render_ansible_vars(env: str, serving: Serving) -> str:
-    rendered = ansible_vars(contract(serving))
+def alerting_vars(env: str, alerting: Alerting | None) -> dict[str, Any]:
+    """roles/alertmanager's routing (pdstack/alerting.py) and the stack's webhook: its URL when the stack gives it in
+    plain text, else empty (a secret URL reaches Ansible from a vault as alertmanager_webhook_url)."""
+    url = alerting.webhook_url if alerting is not None and isinstance(alerting.webhook_url, str) else ""
+    return {"alertmanager_config": alertmanager_config(env), "alertmanager_webhook_receivers": webhook_receivers(env),
+            "alertmanager_webhook_config": dict(WEBHOOK_CONFIG), "alertmanager_webhook_url": url}  # fmt: skip
+
+
+def render_ansible_vars(env: str, serving: Serving, alerting: Alerting | None = None) -> str:
+    rendered = ansible_vars(contract(serving)) | alerting_vars(env, alerting)
     if env != Environment.LOCAL:  # only the cloud's Prometheus is behind a load balancer whose URL is in SSM
         rendered[PROMETHEUS_URL_PARAMETER_VAR] = prometheus_url_parameter(env)
     return HEADER.format(env=env) + yaml.safe_dump(rendered, sort_keys=False)
@@ -319,13 +333,23 @@ def environment_serving(stacks_dir: Path, env: str) -> Serving:
     raise LookupError(f"no stack of environment {env!r} in {stacks_dir} sets pdstack:serving")
 
 
+def environment_alerting(stacks_dir: Path, env: str) -> Alerting | None:
+    """The alerting settings of an environment: its control-plane stack's `pdstack:alerting`, if any."""
+    for path in sorted(stacks_dir.glob(f"Pulumi.{env}-*.yaml")):
+        config = load_stack_file(path).config
+        if config.serving is not None:
+            return config.alerting
+    return None
+
+
 def environments(stacks_dir: Path) -> list[str]:
     return sorted({p.name.removeprefix("Pulumi.").split("-", 1)[0] for p in stacks_dir.glob("Pulumi.*-*.yaml")})
 
 
 def write_ansible_vars(project: Path, env: str, serving: Serving | None = None) -> bool:
     """Write playbooks/vars/contract/<env>.yml if it differs; True when it changed."""
-    text = render_ansible_vars(env, serving or environment_serving(project / "stacks", env))
+    stacks = project / "stacks"
+    text = render_ansible_vars(env, serving or environment_serving(stacks, env), environment_alerting(stacks, env))
     path = project / CONTRACT_VARS_DIR / f"{env}.yml"
     if path.is_file() and path.read_text() == text:
         return False
@@ -350,9 +374,9 @@ def render_policy_config(serving: Serving) -> str:
     return json.dumps(policy_config(contract(serving)), indent=2, sort_keys=True) + "\n"
 
 
-def rendered_files(project: Path, env: str, serving: Serving) -> dict[Path, str]:
+def rendered_files(project: Path, env: str, serving: Serving, alerting: Alerting | None = None) -> dict[Path, str]:
     """Every file the contract renders for one environment."""
-    files = {project / CONTRACT_VARS_DIR / f"{env}.yml": render_ansible_vars(env, serving)}
+    files = {project / CONTRACT_VARS_DIR / f"{env}.yml": render_ansible_vars(env, serving, alerting)}
     if env != Environment.LOCAL:  # the local environment is deployed by Ansible alone, no Pulumi, no policy pack
         files[project / POLICY_CONFIG_DIR / f"{env}.json"] = render_policy_config(serving)
     return files
@@ -367,8 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)
     stale = []
-    for env in environments(args.project / "stacks"):
-        for path, text in rendered_files(args.project, env, environment_serving(args.project / "stacks", env)).items():
+    stacks = args.project / "stacks"
+    for env in environments(stacks):
+        alerting = environment_alerting(stacks, env)
+        rendered = rendered_files(args.project, env, environment_serving(stacks, env), alerting)
+        for path, text in rendered.items():
             if not path.is_file() or path.read_text() != text:
                 stale.append(str(path))
                 if not args.check:
