@@ -322,6 +322,23 @@ def _check_extra_flag(flag: str, value: ExtraValue) -> None:
         raise ValueError(f"{at}: {value!r} is not one of {', '.join(ALL2ALL_BACKENDS)}")
 
 
+class Tracing(Strict):
+    """OpenTelemetry traces of every request (docs/tracing.md): gateway, prefill, the KV pull and decode export their
+    spans over OTLP/HTTP to `otlp_endpoint`; without this section nothing is traced."""
+
+    otlp_endpoint: str = Field(description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces")
+    sample_ratio: float = Field(default=1.0, gt=0, le=1, description="share of requests whose trace is kept")
+    include_prompts: bool = Field(default=False, description="prompt text in the gateway's span (debugging only)")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_endpoint(cls, url: str) -> str:
+        problem = webhook_url_problem(url, secret=False)
+        if problem is not None:
+            raise ValueError(f"the URL {problem}")
+        return url
+
+
 class Serving(Strict):
     model: Model
     engine: Engine = Engine.PDSERVE
@@ -334,6 +351,7 @@ class Serving(Strict):
     )
     kv_streams: int = Field(default=4, ge=1, le=64, description="parallel TCP connections per KV pull")
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    tracing: Tracing | None = None
 
     @model_validator(mode="after")
     def _engine_settings(self) -> Serving:

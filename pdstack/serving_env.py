@@ -13,9 +13,23 @@ def _as_env(settings: dict[str, object]) -> dict[str, str]:
     return {f"PDSERVE_{name}": str(value) for name, value in settings.items()}
 
 
+def tracing_settings(serving: Serving) -> dict[str, str]:
+    """Every component's tracing (pdserve.common.tracing.TracingSettings); none without `serving.tracing`."""
+    tracing = serving.tracing
+    if tracing is None:
+        return {}
+    return _as_env(
+        {
+            "OTLP_TRACES_ENDPOINT": tracing.otlp_endpoint,
+            "TRACE_SAMPLE_RATIO": tracing.sample_ratio,
+            "TRACE_PROMPTS": str(tracing.include_prompts).lower(),
+        }
+    )
+
+
 def gateway_settings(serving: Serving) -> dict[str, str]:
     limits, timeouts = serving.limits, serving.timeouts
-    return _as_env({
+    return tracing_settings(serving) | _as_env({
         "OFFLOAD_THRESHOLD_TOKENS": serving.offload_threshold_tokens,
         "MAX_PROMPT_TOKENS": limits.max_prompt_tokens,
         "MAX_TOKENS_LIMIT": limits.max_output_tokens,
@@ -29,7 +43,7 @@ def gateway_settings(serving: Serving) -> dict[str, str]:
 def server_settings(serving: Serving) -> dict[str, str]:
     """Prefill, decode and colocated servers."""
     limits, timeouts = serving.limits, serving.timeouts
-    return _as_env({
+    return tracing_settings(serving) | _as_env({
         "MAX_NUM_SEQS": limits.max_concurrency,
         "PREFILL_TOKEN_BUDGET": limits.prefill_token_budget,
         "KV_STREAMS": serving.kv_streams,
