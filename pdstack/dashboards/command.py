@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pdstack.dashboards import DEFAULT_DIR, stale, write
+from pdstack.dashboards.files import DEFAULT_DIR, stale, write
 
 DirOption = Annotated[Path, typer.Option("--dir", help="where the dashboard JSON files live")]
 

@@ -17,7 +17,7 @@ from grafana_foundation_sdk.models import dashboard, prometheus
 from typer.testing import CliRunner
 
 from pdstack.cli import app
-from pdstack.dashboards import DEFAULT_DIR, render, stale
+from pdstack.dashboards.files import DEFAULT_DIR, render, stale
 from pdstack.dashboards.promql import expand, metric_names, panels
 
 FILES = sorted(DEFAULT_DIR.glob("*.json"))

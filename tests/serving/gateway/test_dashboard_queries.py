@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdstack.contract import NODE_JOB, Component
-from pdstack.dashboards import DEFAULT_DIR
+from pdstack.dashboards.files import DEFAULT_DIR
 from pdstack.dashboards.promql import expand, metric_names, panels
 from tests.serving.ports import free_port
 
