@@ -64,11 +64,11 @@ def test_timezone_is_utc(cluster: Cluster) -> None:
 
 
 def test_socket_buffers_are_sized_from_the_link(cluster: Cluster) -> None:
-    # 25 Gbit/s x 40 ms = 125,000,000 bytes of BDP; ceiling 2 x BDP = 250,000,000 bytes.
+    # 25 Gbit/s x 40 ms = 125,000,000 bytes of BDP; ceiling and default 2 x BDP = 250,000,000 bytes.
     node = host(NODE_A)
     conf = node.file("/etc/sysctl.d/60-pdstack-kernel-tuning.conf").content_string
     assert "net.core.rmem_max = 250000000" in conf
-    assert "net.ipv4.tcp_rmem = 4096 131072 250000000" in conf
+    assert "net.ipv4.tcp_rmem = 4096 250000000 250000000" in conf
     assert "bandwidth-delay product 125000000 bytes" in conf
     # Every value carries its reason in a comment right above it.
     lines = conf.splitlines()
@@ -79,7 +79,7 @@ def test_socket_buffers_are_sized_from_the_link(cluster: Cluster) -> None:
 
 def test_namespaced_sysctls_are_live_on_the_node(cluster: Cluster) -> None:
     node = host(NODE_A)
-    assert node.sysctl("net.ipv4.tcp_rmem") == "4096\t131072\t250000000"
+    assert node.sysctl("net.ipv4.tcp_rmem") == "4096\t250000000\t250000000"
     assert node.sysctl("net.ipv4.tcp_congestion_control") == "bbr"
     assert node.sysctl("net.ipv4.tcp_slow_start_after_idle") == 0
     assert node.sysctl("net.core.somaxconn") == 4096
