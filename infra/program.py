@@ -17,7 +17,7 @@ from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
 from infra.network import Network, NetworkArgs
 from infra.node_pool import GpuNodePool, GpuNodePoolArgs
-from infra.prometheus import DatacenterTarget, alertmanager_config, scrape_config
+from infra.prometheus import DatacenterTarget, alertmanager_yaml, scrape_config
 from infra.registry import ImageRegistry, ImageRegistryArgs
 from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
@@ -239,7 +239,7 @@ def build_control_plane(
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
             ),
             alert_rules=ALERT_RULES.read_text(),
-            alertmanager_config=alertmanager_config(view.env),
+            alertmanager_config=alertmanager_yaml(view.env),
             volume_key_arn=key.key.arn,
             gateway_replicas=replicas,
             gateway_max_replicas=replicas * 4,

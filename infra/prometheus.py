@@ -4,17 +4,23 @@ datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto 
 Job names, ports and paths are the deployment contract's (pdstack/contract.py), the same as the local Prometheus
 (roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for node_exporter,
 `prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it loads, selects
-the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads.py).
+the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads.py), configured as the local one
+is (pdstack/alerting.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import pulumi
+import yaml
 
 from infra.tags import DC, ENV, POOL, ROLE
+from pdstack.alerting import alertmanager_config
 from pdstack.contract import Component, Contract
 from pdstack.model import PoolRole
+from pdstack.stackfile import NAMESPACE
 
 SCRAPE_INTERVAL = "15s"
 RULES_FILE = "alerts.yml"  # beside prometheus.yml in the same ConfigMap: rule_files resolve relative to it
@@ -103,11 +109,34 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
     }
 
 
-def alertmanager_config(env: str) -> dict[str, Any]:
-    """Every alert grouped by name and datacenter into one receiver. It has no notifier yet: the environment's
-    pager or chat hook is added as a receiver here (alerts are visible and silenceable in Alertmanager until then)."""
-    return {
-        "route": {"receiver": f"pdstack-{env}", "group_by": ["alertname", "datacenter"],
-                  "group_wait": "30s", "group_interval": "5m", "repeat_interval": "4h"},
-        "receivers": [{"name": f"pdstack-{env}"}],
-    }  # fmt: skip
+ALERTING_KEY = "alerting"  # pdstack:alerting (pdstack.model.Alerting), read as a secret: its URL may hold a token
+# What an offline run (pdstack synth, Pulumi mocks) renders for a webhook URL it holds only as ciphertext.
+UNDECRYPTED_WEBHOOK = "https://pulumi-secret.invalid/webhook"
+
+
+def webhook_url(alerting: object) -> str | None:
+    """The webhook URL in the stack's `pdstack:alerting` as `pulumi up` hands it over (decrypted); None without
+    one. Still `{secure: ...}` only where Pulumi cannot decrypt (under mocks)."""
+    url: object = cast("dict[str, object]", alerting).get("webhook_url") if isinstance(alerting, dict) else None
+    if isinstance(url, dict):
+        return UNDECRYPTED_WEBHOOK
+    return url if isinstance(url, str) else None
+
+
+def stack_alerting() -> pulumi.Output[Any]:
+    """This (control-plane) stack's `pdstack:alerting`, decrypted by Pulumi, as a secret Output (None if unset)."""
+    found = pulumi.Config(NAMESPACE).get_secret_object(ALERTING_KEY)
+    return found if found is not None else pulumi.Output.secret(None)
+
+
+def alertmanager_yaml(env: str, alerting: pulumi.Output[Any] | None = None) -> pulumi.Output[str]:
+    """The environment's alertmanager.yml (pdstack/alerting.py: routes by severity, link-down inhibition, the
+    stack's webhook), as a secret Output: the URL it holds may carry a token."""
+    source = alerting if alerting is not None else stack_alerting()
+    rendered = source.apply(lambda value: yaml_text(alertmanager_config(env, webhook_url(value))))
+    return pulumi.Output.secret(rendered)
+
+
+def yaml_text(config: dict[str, Any]) -> str:
+    text: str = yaml.safe_dump(config, sort_keys=False)  # pyright: ignore[reportUnknownMemberType]  # partly untyped stub
+    return text

@@ -73,7 +73,7 @@ class ControlWorkloadsArgs:
     cluster_cidr: str  # the control VPC: NLB health checks come from it
     prometheus_config: Mapping[str, Any]
     alert_rules: str  # monitoring/alerts.yml, loaded by Prometheus
-    alertmanager_config: Mapping[str, Any]
+    alertmanager_config: pulumi.Input[str]  # alertmanager.yml, secret (infra/prometheus.alertmanager_yaml)
     volume_key_arn: pulumi.Input[str]
     gateway_replicas: int
     gateway_max_replicas: int
@@ -417,9 +417,10 @@ class ControlWorkloads(pulumi.ComponentResource):
     def _alertmanager(self, name: str) -> None:
         a = self.args
         listener = a.contract.alertmanager
-        k8s.core.v1.ConfigMap(
-            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": a.namespace},
-            data={"alertmanager.yml": prometheus_yaml(a.alertmanager_config)}, opts=self.opts,
+        # A Secret, not a ConfigMap: with a webhook the configuration holds its URL, which may carry a token.
+        k8s.core.v1.Secret(
+            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": a.namespace}, type="Opaque",
+            string_data={"alertmanager.yml": a.alertmanager_config}, opts=self.opts,
         )
         container: dict[str, Any] = {
             "name": "alertmanager",
@@ -435,7 +436,8 @@ class ControlWorkloads(pulumi.ComponentResource):
             "volume_mounts": [{"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
                               {"name": "data", "mount_path": "/alertmanager"}],
         }
-        volumes: list[Any] = [{"name": "config", "config_map": {"name": "alertmanager"}},
+        volumes: list[Any] = [{"name": "config", "secret": {"secret_name": "alertmanager", "optional": False,
+                                                            "default_mode": SECRET_FILE_MODE}},
                               {"name": "data", "empty_dir": {}}]
         self._single_pod(name, "alertmanager", 65534, container, volumes)
 

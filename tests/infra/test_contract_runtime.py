@@ -25,6 +25,7 @@ from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.app import create_app as scheduler_app
 from pdserve.scheduler.settings import SchedulerSettings, load_settings
 from pdserve.server.settings import ServerSettings, settings_from_args
+from pdstack.alerting import alertmanager_config
 from pdstack.contract import (
     JOBS,
     NODE_EXPORTER_PORT,
@@ -322,9 +323,11 @@ def test_the_cloud_prometheus_sends_alerts_to_the_alertmanager_beside_it(graphs:
     assert int(port) == service["spec"]["ports"][0]["port"]
     deployment = _objects(graph, "kubernetes:apps/v1:Deployment")["alertmanager"]
     assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
-    config_maps = _objects(graph, "kubernetes:core/v1:ConfigMap")
-    am_config = yaml.safe_load(config_maps["alertmanager"]["data"]["alertmanager.yml"])
-    assert am_config["route"]["receiver"] in {r["name"] for r in am_config["receivers"]}
+    secret = _objects(graph, "kubernetes:core/v1:Secret")["alertmanager"]
+    am_config = yaml.safe_load(secret["stringData"]["alertmanager.yml"])
+    assert am_config == alertmanager_config("prod")  # the same routing as the local Alertmanager's, no webhook
+    volume = deployment["spec"]["template"]["spec"]["volumes"][0]
+    assert volume["secret"] == {"secretName": "alertmanager", "optional": False, "defaultMode": 0o444}
 
 
 @pytest.mark.parametrize("env", CLOUD)
