@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.deploy.test_roles_static import include, play
 
-TOKEN = "tok-3f9a1c"  # noqa: S105 (a marker the output must not show)
+TOKEN = "tok-3f9a1c"  # a marker the output must not show
 
 
 def test_a_bad_webhook_url_is_refused_naming_it_and_not_shown(tmp_path: Path) -> None:
