@@ -31,17 +31,18 @@ class Webhook:
     """An HTTP receiver on loopback taking Alertmanager's webhook POSTs at /hook/<token> only (the token is the
     credential a webhook URL carries); anything else is refused before its body is read."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.token = secrets.token_urlsafe(16)
         self.payloads: list[Payload] = []
         self.refused = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer((host, 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook/{self.token}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/hook/{self.token}"
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         hook = self
