@@ -210,3 +210,18 @@ def test_a_gateway_without_a_shared_store_gets_no_store_password(tmp_path: Path)
     assert isinstance(environment, dict) and isinstance(secrets, list)
     assert "PDSERVE_RATE_LIMIT_PASSWORD_FILE" not in environment
     assert "ratelimit-store-password" not in {s["secret"] for s in secrets}
+
+
+FAMILY_OF = {"Debian": "Debian", "Ubuntu": "Debian", "Amazon": "RedHat", "RedHat": "RedHat", "Rocky": "RedHat"}
+
+
+def test_per_os_vars_exist_only_where_they_differ_from_their_familys() -> None:
+    """A role loads vars/<distribution>-<major>.yml, else vars/<os_family>.yml (first_found): a version file equal
+    to its family's fallback only doubles what a change must touch."""
+    copies = []
+    for version_file in REPO.glob("roles/*/vars/*-*.yml"):
+        family = version_file.parent / f"{FAMILY_OF[version_file.stem.split('-')[0]]}.yml"
+        assert family.exists(), f"{version_file} has no fallback {family.name}"
+        if version_file.read_text() == family.read_text():
+            copies.append(str(version_file.relative_to(REPO)))
+    assert copies == []
