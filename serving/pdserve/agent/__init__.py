@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from pdserve.scheduler.jsonlog import configure
+from pdserve.common.logs import configure
+from pdserve.common.tracing import configure_tracing
 from pdserve.scheduler.settings import load_settings
 
 from .settings import AgentSettings
@@ -29,6 +30,7 @@ def main(argv: Sequence[str]) -> None:
 
     settings = load_settings(AgentSettings, argv, prog="pdserve agent")
     configure("agent", settings.log_level)
+    configure_tracing("agent", settings)
     try:
         asyncio.run(serve(settings))
     except ValueError as exc:  # an unreadable token file, named by its field

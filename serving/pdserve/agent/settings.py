@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from pdserve.common.tracing import TracingSettings
 
 
-class AgentSettings(BaseModel):
+class AgentSettings(TracingSettings):
     """pdserve agent: registers one vLLM instance with the pdserve scheduler, heartbeats its load, drains it."""
 
     engine_url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="where the agent reaches vLLM's API server")

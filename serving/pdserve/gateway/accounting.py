@@ -10,20 +10,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import trace
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.common.logs import bind_request_id, request_id_of, reset_request_id
 
 from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models"}
 UNCOUNTED = ("/health", "/metrics")
 CLIENT_CLOSED = 499
@@ -63,13 +63,18 @@ class Accounting:
         if scope["type"] != "http" or scope["path"].startswith(UNCOUNTED):
             await self.app(scope, receive, send)
             return
-        record = Record(_request_id(scope), ENDPOINTS.get(scope["path"], "other"))
+        record = Record(request_id_of(scope), ENDPOINTS.get(scope["path"], "other"))
         scope.setdefault("state", {})["record"] = record
+        bound = bind_request_id(record.request_id)
         sent: list[int] = []
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 sent.append(message["status"])
+                # the server span ends with the response's last byte, before the request is closed
+                trace.get_current_span().set_attributes({"pdserve.request_id": record.request_id,
+                                                         "pdserve.tenant": record.tenant,
+                                                         "pdserve.version": record.version})
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", record.request_id.encode()))
@@ -93,6 +98,7 @@ class Accounting:
                 await _quietly(cleanup)
             self.metrics.inflight.dec()
             self._close(record, record.status or (sent[0] if sent else CLIENT_CLOSED))
+            reset_request_id(bound)
 
     def _close(self, record: Record, status: int) -> None:
         prompt = self.log_prompts(record)
@@ -108,15 +114,6 @@ class Accounting:
         if prompt is not None:
             fields["prompt"] = prompt
         log.info("request", extra={"fields": fields})
-
-
-def _request_id(scope: Scope) -> str:
-    for name, value in scope.get("headers", []):
-        if name == b"x-request-id":
-            incoming = bytes(value).decode("latin-1")
-            if REQUEST_ID.fullmatch(incoming):
-                return incoming
-    return uuid.uuid4().hex
 
 
 async def _internal_error(send: Send, request_id: str) -> None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -175,14 +176,15 @@ class Gateway:
                 self.metrics.client_disconnects.inc()
             self._describe(ctx, record)
 
-    @staticmethod
-    def _describe(ctx: Context, record: Record) -> None:
+    def _describe(self, ctx: Context, record: Record) -> None:
         """What the request's log line tells about its route, once the route is known."""
         record.version = ctx.version
         record.fields.update({"route": ctx.route, "prefill": ctx.prefill_id, "decode": ctx.decode_id,
                               "retries": ctx.retries, "prompt_tokens": ctx.request.prompt_tokens,
                               "stream": ctx.request.stream, **ctx.timings})
         record.fields["prompt_text"] = ctx.request.prompt_text
+        if self.settings.trace_prompts:  # into the request's span, which ends with the response's last byte
+            trace.get_current_span().set_attribute("pdserve.prompt", ctx.request.prompt_text())
 
     def prompt_for_log(self, record: Record) -> str | None:
         prompt_text = record.fields.pop("prompt_text", None)

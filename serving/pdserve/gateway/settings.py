@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from pdserve.common.tracing import TracingSettings
 
 
-class GatewaySettings(BaseModel):
+class GatewaySettings(TracingSettings):
     """pdserve gateway: OpenAI-compatible entry point running the prefill -> decode flow."""
 
     host: str = Field("127.0.0.1", description="address to listen on")

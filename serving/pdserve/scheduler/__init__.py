@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.common.logs import configure
+from pdserve.common.tracing import configure_tracing, instrument_app
 from pdserve.listener import serve
 
 from .app import create_app
-from .jsonlog import configure
 from .settings import SchedulerSettings, load_settings
 
 
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(SchedulerSettings, argv, prog="pdserve scheduler")
     configure("scheduler", settings.log_level)
+    configure_tracing("scheduler", settings)
     try:
         app = create_app(settings)
     except ValueError as exc:
         raise SystemExit(f"pdserve scheduler: {exc}") from None
-    serve(app, settings.host, settings.port, log_level=settings.log_level)
+    serve(instrument_app(app), settings.host, settings.port, log_level=settings.log_level)

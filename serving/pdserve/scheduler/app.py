@@ -26,11 +26,13 @@ from typing import Any, TypeVar
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pdserve import jsonbody
+from pdserve.common.logs import RequestIdLogContext
 
 from .advisor import Advice, advise
 from .client import read_token
@@ -297,6 +299,7 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
         Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route},
+                    middleware=[Middleware(RequestIdLogContext)])
     app.state.scheduler = state
     return app

@@ -13,6 +13,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from pdserve.common.tracing import TracingSettings
+
 ENV_PREFIX = "PDSERVE_"
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,7 +47,7 @@ def load_settings(model: type[M], argv: Sequence[str], prog: str, env: Mapping[s
         raise  # unreachable: parser.error exits
 
 
-class SchedulerSettings(BaseModel):
+class SchedulerSettings(TracingSettings):
     """pdserve scheduler: instance registry, routing table, version weights, P:D advice."""
 
     host: str = Field("127.0.0.1", description="address to listen on")

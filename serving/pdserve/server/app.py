@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.common.logs import bind_request_id, reset_request_id
 from pdserve.engine import Engine
 from pdserve.kv import SecretKey
 from pdserve.scheduler.client import read_token
@@ -162,6 +163,7 @@ class RequestIdMiddleware:
         headers = dict(scope["headers"])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        bound = bind_request_id(request_id)
         path: str = scope["path"]
         started = time.perf_counter()
         status = 500
@@ -182,3 +184,4 @@ class RequestIdMiddleware:
             if path.startswith("/v1/"):
                 log.info("http request", extra={"request_id": request_id, "path": path, "status": status,
                                                 "seconds": round(time.perf_counter() - started, 4)})
+            reset_request_id(bound)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from pdserve.common.tracing import tracer
 from pdserve.engine import Engine, EngineError, KVCache
 from pdserve.kv import (
     KVConnectionPool,
@@ -176,16 +179,26 @@ class DecodeImporter:
         if params.kv_fingerprint != self.engine.fingerprint:
             raise KVLoadFailure("fingerprint", f"prefill's KV fingerprint {params.kv_fingerprint} differs from this "
                                 f"decoder's {self.engine.fingerprint} (different model, dtype or engine version)")
-        try:
-            blob = await pull(
-                params.remote_host, params.remote_port, params.remote_request_id, params.kv_checksum, key=self.key,
-                streams=self.settings.kv_streams, expected_fingerprint=self.engine.fingerprint,
-                ssl_context=self._tls, server_hostname=self.settings.kv_tls_server_name,
-                connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv, pool=self.pool,
-            )
-        except KVTransferError as error:
-            raise KVLoadFailure(error.cause, error.message) from error
+        with tracer().start_as_current_span("kv pull", kind=SpanKind.CLIENT, attributes={
+            "server.address": params.remote_host, "server.port": params.remote_port,
+            "pdserve.kv.remote_request_id": params.remote_request_id, "pdserve.kv.streams": self.settings.kv_streams,
+        }) as span:
+            started = time.perf_counter()
+            try:
+                blob = await pull(
+                    params.remote_host, params.remote_port, params.remote_request_id, params.kv_checksum,
+                    key=self.key, streams=self.settings.kv_streams, expected_fingerprint=self.engine.fingerprint,
+                    ssl_context=self._tls, server_hostname=self.settings.kv_tls_server_name,
+                    connect_timeout_s=self.settings.kv_connect_timeout_seconds,
+                    read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv, pool=self.pool,
+                )
+            except KVTransferError as error:
+                span.set_status(Status(StatusCode.ERROR, error.message))
+                span.set_attribute("pdserve.kv.cause", str(error.cause))
+                raise KVLoadFailure(error.cause, error.message) from error
+            seconds = time.perf_counter() - started
+            span.set_attributes({"pdserve.kv.bytes": blob.nbytes, "pdserve.kv.tokens": blob.meta.token_count,
+                                 "pdserve.kv.goodput_bytes_per_second": blob.nbytes / seconds if seconds else 0.0})
         if blob.meta.token_count != prompt_tokens - 1:
             message = f"the KV holds {blob.meta.token_count} tokens, expected {prompt_tokens - 1}"
             raise KVLoadFailure("protocol", message)

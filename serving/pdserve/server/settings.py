@@ -11,7 +11,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from pdserve.common.tracing import TracingSettings
 
 
 class Role(StrEnum):
@@ -25,7 +27,7 @@ class FailurePolicy(StrEnum):
     FAIL = "fail"  # answer an error naming the cause
 
 
-class ServerSettings(BaseModel):
+class ServerSettings(TracingSettings):
     """Everything a prefill, decode or colocated server needs to start."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

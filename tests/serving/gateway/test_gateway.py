@@ -129,7 +129,7 @@ def test_a_prefill_whose_one_token_ends_the_request_hands_over_to_decode(gateway
     choice = response.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (direct.json()["choices"][0]["text"], "stop")
     assert metric(httpx.get(f"{gateway_url}/metrics").text, "pdserve_gateway_upstream_errors_total") == errors_before
-    line = next(line for line in reversed(cluster.gateways[0].logs().splitlines()) if '"msg": "request"' in line)
+    line = next(line for line in reversed(cluster.gateways[0].logs().splitlines()) if '"message": "request"' in line)
     assert '"route": "prefill_finished"' in line and '"retries": 0' in line
 
 

@@ -50,7 +50,7 @@ def set_weights(cluster: Cluster, weights: dict[str, float]) -> None:
 
 
 def request_lines(cluster: Cluster) -> list[str]:
-    return [line for line in cluster.gateways[0].logs().splitlines() if '"msg": "request"' in line]
+    return [line for line in cluster.gateways[0].logs().splitlines() if '"message": "request"' in line]
 
 
 def test_versions_are_never_mixed_in_a_pair(cluster: Cluster) -> None:
@@ -61,7 +61,7 @@ def test_versions_are_never_mixed_in_a_pair(cluster: Cluster) -> None:
     # The access line is written once the response is sent, so the last ones may follow the responses a little.
     wait_for(lambda: len(request_lines(cluster)) == 40, what="40 request lines in the gateway log")
     logs = [json.loads(line) for line in cluster.gateways[0].logs().splitlines() if line.startswith("{")]
-    requests = [line for line in logs if line["msg"] == "request"]
+    requests = [line for line in logs if line["message"] == "request"]
     # A request whose prefill failed may fall back to prefilling on its decode instance (route
     # no_prefill_available, prefill None): that is the gateway's designed fallback, not a mixed pair.
     remote = [line for line in requests if line["prefill"] is not None]

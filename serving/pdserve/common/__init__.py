@@ -1,0 +1,1 @@
+"""What every pdserve component shares: one log schema (logs) and OpenTelemetry tracing (tracing)."""

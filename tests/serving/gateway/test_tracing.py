@@ -1,0 +1,279 @@
+"""Traces and the one log schema, through real processes: scheduler, prefill, decode and gateway on loopback export
+their spans over OTLP/HTTP to a receiver here that decodes the protobuf with opentelemetry-proto's own classes.
+
+One completion through the gateway (remote prefill, then decode pulling the KV) is one trace: the gateway's server
+span, its client calls to prefill and decode, their server spans, and decode's KV pull under its request, parent to
+child. Without pdserve's setting nothing is exported, even with the standard OTEL_* endpoint variable set. Prompt
+text is in no span. Every log line of every component parses with one schema, and the lines a request causes carry
+its request id and its trace id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from pdserve.common.logs import FIXED
+from tests.serving.scheduler.services import Service, instance_token_file
+
+from .cluster import HTTP, KEYS, Cluster, wait_for
+
+RECEIVER_TOKEN = "otlp-test-token-5f1c"  # what the exporters present (OTEL_EXPORTER_OTLP_TRACES_HEADERS)
+MAX_EXPORT_BYTES = 8 << 20
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn, twice over"
+AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
+
+
+@dataclass
+class Span:
+    service: str
+    trace_id: str
+    span_id: str
+    parent: str
+    name: str
+    kind: int
+    attributes: dict[str, Any]
+
+
+@dataclass
+class Receiver:
+    """An OTLP/HTTP traces endpoint on loopback: bearer token checked first, body bounded, protobuf decoded."""
+
+    server: ThreadingHTTPServer
+    spans: list[Span] = field(default_factory=list)
+    exports: dict[str, int] = field(default_factory=dict)  # path -> accepted export requests
+    refused: int = 0
+
+    def url(self, path: str = "/v1/traces") -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def trace(self, trace_id: str) -> list[Span]:
+        return [s for s in self.spans if s.trace_id == trace_id]
+
+
+def _value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    return getattr(any_value, kind) if kind else None
+
+
+def _decode(body: bytes) -> list[Span]:
+    request = ExportTraceServiceRequest.FromString(body)
+    spans = []
+    for resource_spans in request.resource_spans:
+        resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            spans += [Span(str(resource.get("service.name")), s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                           s.name, s.kind, {a.key: _value(a.value) for a in s.attributes})
+                      for s in scope_spans.spans]  # fmt: skip
+    return spans
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    state: dict[str, Receiver] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # seconds a client may take to send its request
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if self.headers.get("Authorization") != f"Bearer {RECEIVER_TOKEN}" or not 0 < length <= MAX_EXPORT_BYTES:
+                state["r"].refused += 1
+                self.send_response(401 if length <= MAX_EXPORT_BYTES else 413)
+                self.end_headers()
+                return
+            body = self.rfile.read(length)
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            state["r"].spans += _decode(body)
+            state["r"].exports[self.path] = state["r"].exports.get(self.path, 0) + 1
+            reply = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state["r"] = Receiver(server)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield state["r"]
+    server.shutdown()
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in values.items():
+            patch.setenv(name, value)
+        yield
+
+
+def start(cluster: Cluster, model: Path) -> None:
+    cluster.start_pd([("p1", "prefill", model, "v1"), ("d1", "decode", model, "v1")],
+                     "--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", "8")
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
+           receiver: Receiver) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("traced"), gateway_kv_key)
+    try:
+        with environment(PDSERVE_OTLP_TRACES_ENDPOINT=receiver.url(), OTEL_BSP_SCHEDULE_DELAY="100",
+                         OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
+            start(cluster, model_v1)  # the processes keep the environment they started with
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def completion(gateway: Service, request_id: str) -> httpx.Response:
+    response = HTTP.post(f"{gateway.url}/v1/completions", headers=AUTH | {"X-Request-Id": request_id},
+                         json={"model": "dense", "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def request_trace(receiver: Receiver, request_id: str) -> list[Span]:
+    """The spans of the trace whose gateway span carries `request_id`, once decode's KV pull is among them."""
+    def found() -> list[Span]:
+        roots = [s for s in receiver.spans if s.attributes.get("pdserve.request_id") == request_id]
+        spans = receiver.trace(roots[0].trace_id) if roots else []
+        return spans if any(s.name == "kv pull" for s in spans) and len(spans) >= 6 else []
+
+    try:
+        wait_for(lambda: bool(found()), timeout=30, what=f"the trace of {request_id}")
+    except AssertionError:
+        summary = [(s.service, s.name, s.attributes) for s in receiver.spans if s.service == "pdserve-gateway"]
+        raise AssertionError(f"no complete trace of {request_id}; spans received: {summary}") from None
+    time.sleep(0.5)  # spans ended last (the gateway's) may be in a later export
+    return found()
+
+
+def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced: Cluster, receiver: Receiver) -> None:
+    completion(traced.gateways[0], "rid-trace-1")
+    spans = request_trace(receiver, "rid-trace-1")
+    by_id = {s.span_id: s for s in spans}
+    (root,) = [s for s in spans if not s.parent]
+    assert (root.service, root.name, root.kind) == ("pdserve-gateway", "POST /v1/completions", 2)  # SERVER
+    assert all(s.parent in by_id for s in spans if s is not root), "a span's parent is missing from the trace"
+
+    def server_span(service: str) -> Span:
+        (span,) = [s for s in spans if s.service == service and s.kind == 2]
+        return span
+
+    for role in ("prefill", "decode"):
+        span = server_span(f"pdserve-{role}")
+        client = by_id[span.parent]  # the gateway's call, carrying traceparent
+        assert (client.service, client.kind, by_id[client.parent].span_id) == ("pdserve-gateway", 3, root.span_id)
+    (pull,) = [s for s in spans if s.name == "kv pull"]
+    decode = server_span("pdserve-decode")
+    assert (pull.service, pull.parent, pull.kind) == ("pdserve-decode", decode.span_id, 3)  # CLIENT under decode
+    assert pull.attributes["pdserve.kv.bytes"] > 0 and pull.attributes["pdserve.kv.goodput_bytes_per_second"] > 0
+    assert pull.attributes["pdserve.kv.streams"] >= 1
+    assert PROMPT not in json.dumps([s.attributes for s in receiver.spans], default=str)
+    assert "pdserve.prompt" not in root.attributes
+
+
+def test_background_calls_start_no_trace(traced: Cluster, receiver: Receiver) -> None:
+    """Routing polls and heartbeats (several a second here) carry an unsampled traceparent: no span of theirs."""
+    time.sleep(1.0)
+    assert not [s for s in receiver.spans if "/v1/routing" in s.name or "heartbeat" in s.name.lower()]
+
+
+def test_every_line_has_one_schema_and_a_requests_lines_carry_its_ids(traced: Cluster, receiver: Receiver) -> None:
+    completion(traced.gateways[0], "rid-logs-2")
+    trace_id = request_trace(receiver, "rid-logs-2")[0].trace_id
+    # the scheduler answering an admin call that comes with its own traceparent and request id
+    assert traced.scheduler is not None
+    parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    weights = httpx.put(f"{traced.scheduler.url}/v1/admin/weights", json={"weights": {"v1": 1.0}},
+                        headers={"Authorization": f"Bearer {traced.admin_token}", "X-Request-Id": "rid-admin-3",
+                                 "traceparent": parent})
+    assert weights.status_code == 200, weights.text
+    services = {"gateway": traced.gateways[0], "prefill": traced.servers["p1"], "decode": traced.servers["d1"],
+                "scheduler": traced.scheduler}
+
+    def lines(service: Service) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in service.logs().splitlines() if line.strip()]
+
+    wait_for(lambda: any(line.get("request_id") == "rid-admin-3" for line in lines(traced.scheduler)),
+             what="the scheduler's line of the admin call")
+    for component, service in services.items():
+        records = lines(service)  # every line is JSON (json.loads raises otherwise)
+        assert records, f"{component} logged nothing"
+        for record in records:
+            assert list(record)[: len(FIXED)] == list(FIXED), record
+            assert record["component"] == component, record
+        if component != "scheduler":
+            mine = [r for r in records if r["request_id"] == "rid-logs-2"]
+            assert mine, f"{component} logged no line of the request"
+            assert {r["trace_id"] for r in mine} == {trace_id}, mine
+    (admin,) = [r for r in lines(traced.scheduler) if r["request_id"] == "rid-admin-3"]
+    assert admin["trace_id"] == "ab" * 16 and admin["span_id"] not in (None, "cd" * 8)
+
+
+def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> None:
+    """The agent (normally beside vLLM) waiting for an engine that is not there: its lines, outside any request."""
+    assert traced.scheduler is not None
+    dead = "http://127.0.0.1:9"  # the discard port: nothing answers
+    log_path = tmp_path / "agent.log"
+    command = [sys.executable, "-m", "pdserve.cli", "agent", "--engine-url", dead, "--role", "decode",
+               "--scheduler-url", traced.scheduler.url, "--advertise-url", dead, "--version", "v1",
+               "--scheduler-token-file", str(instance_token_file(tmp_path, "decode-agent")),
+               "--connector-run-dir", str(tmp_path), "--instance-id", "decode-agent"]
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log)
+    try:
+        wait_for(lambda: '"message": "waiting for vLLM' in log_path.read_text(), what="the agent's first line")
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    for line in log_path.read_text().splitlines():
+        record = json.loads(line)
+        assert list(record)[: len(FIXED)] == list(FIXED) and record["component"] == "agent", record
+
+
+@pytest.fixture(scope="module")
+def untraced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
+             receiver: Receiver, traced: Cluster) -> Iterator[Cluster]:
+    """pdserve's setting unset; the OTel SDK's own endpoint variable set, which must not turn tracing on."""
+    cluster = Cluster(tmp_path_factory.mktemp("untraced"), gateway_kv_key)
+    try:
+        with environment(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url("/untraced"), OTEL_BSP_SCHEDULE_DELAY="100",
+                         OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
+            start(cluster, model_v1)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_with_tracing_off_nothing_is_exported(untraced: Cluster, receiver: Receiver) -> None:
+    response = completion(untraced.gateways[0], "rid-off-4")
+    assert response.headers["x-request-id"] == "rid-off-4"
+    time.sleep(1.0)  # ten export periods of a process that would trace
+    assert receiver.exports.get("/untraced", 0) == 0
+    assert not [s for s in receiver.spans if s.attributes.get("pdserve.request_id") == "rid-off-4"]
+    line = next(json.loads(line) for line in untraced.gateways[0].logs().splitlines() if "rid-off-4" in line)
+    assert (line["request_id"], line["trace_id"], line["span_id"]) == ("rid-off-4", None, None)
