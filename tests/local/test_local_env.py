@@ -27,6 +27,7 @@ from pdstack.local.env import LocalEnv
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
+from tests.dashboardcheck import query_problems
 from tests.local.load import LONG_PROMPT, ClientLoad
 
 REPO = Path(__file__).resolve().parents[2]
@@ -270,6 +271,13 @@ def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Lo
         assert result.ok or result.error in ("timeout", "http_5xx", "stream_error", "overload"), result.detail
     last = [r for r in load.results if r.start_s >= load.results[-1].start_s - 10]
     assert last and all(r.ok for r in last), [r.detail for r in last if not r.ok]
+
+
+def test_every_dashboard_query_returns_series_after_the_traffic(local: Local) -> None:
+    """After the cross-DC completions, the canaries, the killed decode and the loss spike above: each panel query of
+    monitoring/dashboards runs on the environment's Prometheus and (unless it reads vllm: metrics) returns series."""
+    problems = query_problems(local.status["prometheus_url"], window_s=1200, step_s=30)
+    assert problems == [], "\n".join(problems)
 
 
 def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:

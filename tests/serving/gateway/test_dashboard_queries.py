@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdstack.contract import NODE_JOB, Component
-from pdstack.dashboards.files import DEFAULT_DIR
-from pdstack.dashboards.promql import expand, metric_names, panels
+from pdstack.dashboards.promql import metric_names
+from tests.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems
 from tests.serving.ports import free_port
 
 from .cluster import HTTP, KEYS, Cluster, wait_for
@@ -30,18 +30,12 @@ from .cluster import HTTP, KEYS, Cluster, wait_for
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("", "_count", "_sum"),
             "gauge": ("",), "unknown": ("",), "info": ("_info",), "stateset": ("",), "gaugehistogram": ("_bucket",)}
-VLLM_PREFIX = "vllm:"  # registered by vLLM itself: tests/vllm/test_dashboard_metrics.py checks those names
 
 
 @dataclass
 class Observed:
     prometheus: str
     scrapes: dict[str, str]  # job -> /metrics text
-
-
-def dashboard_queries() -> list[tuple[str, str, list[str]]]:
-    return [(path.stem, title, exprs) for path in sorted(DEFAULT_DIR.glob("*.json"))
-            for title, exprs in panels(json.loads(path.read_text()))]
 
 
 def registered_sample_names(text: str) -> set[str]:
@@ -138,6 +132,7 @@ def all_targets_up(url: str, count: int) -> bool:
 
 
 def test_every_metric_a_panel_uses_is_registered_by_a_component(observed: Observed) -> None:
+    """vllm: names are vLLM's own: tests/vllm/test_dashboard_metrics.py checks them against vLLM's registrations."""
     registered = set().union(*map(registered_sample_names, observed.scrapes.values()))
     unknown = sorted({(board, title, name) for board, title, exprs in dashboard_queries() for expr in exprs
                       for name in metric_names(expr) if name not in registered and not name.startswith(VLLM_PREFIX)})
@@ -147,16 +142,5 @@ def test_every_metric_a_panel_uses_is_registered_by_a_component(observed: Observ
 def test_every_panel_query_runs_and_returns_series(observed: Observed) -> None:
     """Each query succeeds; each one over pdserve's or node_exporter's metrics returns series (a label or selector
     that matches nothing would return none). Queries over vllm: metrics return none here: no vLLM runs."""
-    now = time.time()
-    errors: list[str] = []
-    empty: list[str] = []
-    for board, title, exprs in dashboard_queries():
-        for expr in exprs:
-            answer = httpx.get(observed.prometheus + "/api/v1/query_range", params={
-                "query": expand(expr), "start": str(now - 60), "end": str(now), "step": "2"}).json()
-            if answer["status"] != "success":
-                errors.append(f"{board} / {title}: {expr}: {answer.get('error')}")
-            elif not answer["data"]["result"] and not any(n.startswith(VLLM_PREFIX) for n in metric_names(expr)):
-                empty.append(f"{board} / {title}: {expr}")
-    assert errors == [], "\n".join(errors)
-    assert empty == [], "queries without series after traffic:\n" + "\n".join(empty)
+    problems = query_problems(observed.prometheus, window_s=60, step_s=2)
+    assert problems == [], "\n".join(problems)
