@@ -26,7 +26,26 @@ def test_stale_results_are_swept_and_fresh_ones_kept(key_file: Path, tmp_path: P
     os.utime(stale, (an_hour_ago, an_hour_ago))
     os.utime(run_dir / "fingerprint.json", (an_hour_ago, an_hour_ago))
 
-    assert connector._take_result("about-to-finish") == {"checksum": "sha256:00", "num_tokens": 3}
+    assert connector._take_result("about-to-finish") == [{"checksum": "sha256:00", "num_tokens": 3}]
     assert not stale.exists() and not fresh.exists()
     assert (run_dir / "fingerprint.json").exists()
     assert connector._take_result("about-to-finish") is None
+
+
+def test_a_tp_prefill_offers_kv_only_when_every_rank_holds_it(key_file: Path, tmp_path: Path) -> None:
+    """Each TP rank leaves its own shard's checksum in its own run dir; one rank missing (its store refused the
+    request) means no KV is offered, and the other ranks' results are removed all the same."""
+    connector = PdstackConnector.__new__(PdstackConnector)
+    connector.settings = parse({"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)},
+                               producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1, dp_size=2)  # fmt: skip
+    connector._next_sweep = 0.0
+    ranks = [connector.settings.for_rank(r).run_dir for r in range(2)]
+    assert ranks == [tmp_path / "e1_dp1-14602", tmp_path / "e1_dp1-14603"]  # 14600 + DP 1 x TP 2 + rank
+    for rank, run_dir in enumerate(ranks):
+        run_dir.mkdir(parents=True)
+        write_json_atomically(result_path(run_dir, "whole"), {"checksum": f"sha256:0{rank}", "num_tokens": 3})
+    write_json_atomically(result_path(ranks[0], "half"), {"checksum": "sha256:00", "num_tokens": 3})
+
+    assert [r["checksum"] for r in connector._take_result("whole") or []] == ["sha256:00", "sha256:01"]
+    assert connector._take_result("half") is None
+    assert not result_path(ranks[0], "half").exists()

@@ -54,7 +54,16 @@ the request's `pdstack_transfer_id` instead of its vLLM request id, and its KV s
 `open_wait_seconds` for an id not held yet; decode accepts the gateway-signed params without kv_checksum and
 num_tokens (the checksum comes at the end of the authenticated pull, the token count in its manifest).
 
-Limits of this version: tensor_parallel_size 1 (one KV server per instance), one KV cache group (no hybrid or
+Tensor and data parallelism: each TP rank holds its own KV heads of every layer, so each prefill worker runs its
+own KV server and lease store for its shard, on the port pdserve.vllm.settings.kv_port_of gives it (base + DP index
+x TP + rank); request_finished (once per DP engine: each has its own scheduler) names its engine's rank-0 port,
+remote_tp_size and each rank's checksum, and decode rank r pulls from remote_port + r. Both ends need the same
+tensor_parallel_size (the fingerprint covers it, and decode refuses params naming remote_tp_size when they differ):
+prefill TP 8 -> decode TP 1 would need decode to gather each block's heads from eight prefill ranks, which this
+version does not do. A prefill of DP > 1 registers kv_streaming false: under early dispatch the gateway names the
+KV endpoint before vLLM picks the DP engine, so it could name the wrong one.
+
+Limits of this version: equal TP on both ends, pipeline and context parallelism 1, one KV cache group (no hybrid or
 sliding-window models).
 """
 
@@ -67,6 +76,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -76,6 +86,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.request import RequestStatus
 
 from pdserve.kv import params as signed_params
@@ -116,6 +127,14 @@ class _Prefilling:
     opened: bool = False
 
 
+def _refuse_unsupported_parallelism(parallel: Any) -> None:
+    """Pipeline parallelism splits the layers over workers, context parallelism the tokens: each worker would hold
+    a part of a block the other end expects whole. Tensor and data parallelism are supported."""
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) != 1:
+            raise ValueError(f"{name}: PdstackConnector supports 1 only, got {getattr(parallel, name)}")
+
+
 def lease_id(request: Request) -> str:
     """What prefill holds a request's KV under: the gateway's pdstack_transfer_id (early dispatch: decode was told
     it before prefill ran) when it is one (32 hex characters, never a vLLM request id), else vLLM's request id."""
@@ -131,13 +150,15 @@ class PdstackConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"kv_role: PdstackConnector supports kv_producer and kv_consumer, not {transfer.kv_role}")
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("PdstackConnector: tensor_parallel_size > 1 is not supported yet")
+        parallel = vllm_config.parallel_config
+        _refuse_unsupported_parallelism(parallel)
         self.producer = transfer.kv_role == "kv_producer"
-        self.engine_id = str(transfer.engine_id)
+        self.engine_id = str(transfer.engine_id)  # vLLM appends _dp<index> per DP engine
         self.settings = connector_settings.parse(
-            dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id
-        )
+            dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id,
+            tp_size=int(parallel.tensor_parallel_size), dp_index=int(parallel.data_parallel_index),
+            dp_size=int(parallel.data_parallel_size),
+        )  # fmt: skip
         self.block_size = int(vllm_config.cache_config.block_size)
         # Scheduler side.
         self._to_save: dict[str, _Prefilling] = {}
@@ -153,8 +174,11 @@ class PdstackConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Each TP rank holds its own heads of every layer: its worker serves (prefill) or pulls (decode) that shard
+        only, on its own port (settings.kv_port_of)."""
         worker_class = ProducerWorker if self.producer else ConsumerWorker
-        self._worker = worker_class(self.settings, self._vllm_config, kv_caches)
+        rank = get_tensor_model_parallel_rank() if self.settings.tp_size > 1 else 0
+        self._worker = worker_class(self.settings.for_rank(rank), self._vllm_config, kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -302,24 +326,37 @@ class PdstackConnector(KVConnectorBase_V1):
             "remote_engine_id": self.engine_id,
             "remote_request_id": lease_id(request),
             "remote_host": self.settings.advertise_host,
-            "remote_port": self.settings.port,
+            "remote_port": self.settings.port,  # this DP engine's TP rank 0; rank r serves on remote_port + r
+            "remote_tp_size": self.settings.tp_size,
             "remote_block_ids": list(block_ids),
-            "num_tokens": saved["num_tokens"],
-            "kv_checksum": saved["checksum"],
+            "num_tokens": saved[0]["num_tokens"],
+            "kv_checksum": saved[0]["checksum"],
             "kv_fingerprint": fingerprint["digest"],
             "kv_fingerprint_fields": fingerprint["fields"],
         }
+        if len(saved) > 1:
+            returned["kv_rank_checksums"] = [rank["checksum"] for rank in saved]
         return False, signed_params.sign(self.settings.params_key, returned)
 
-    def _take_result(self, request_id: str) -> dict[str, Any] | None:
+    def _rank_dirs(self) -> list[Path]:
+        return [self.settings.for_rank(rank).run_dir for rank in range(self.settings.tp_size)]
+
+    def _take_result(self, request_id: str) -> list[dict[str, Any]] | None:
+        """Each TP rank's checksum and token count (vLLM aggregates every rank's step output before the scheduler
+        sees it, so all ranks wrote theirs); None unless every rank holds the request's KV."""
         self._sweep()
-        path = result_path(self.settings.run_dir, request_id)
-        try:
-            body = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        path.unlink(missing_ok=True)
-        return dict(body)
+        results: list[dict[str, Any]] | None = []
+        for run_dir in self._rank_dirs():
+            path = result_path(run_dir, request_id)
+            try:
+                body = json.loads(path.read_text())
+            except (OSError, ValueError):
+                results = None
+                continue
+            path.unlink(missing_ok=True)
+            if results is not None:
+                results.append(dict(body))
+        return results
 
     def _sweep(self) -> None:
         """Remove results nobody will read: a request aborted while the step saving it ran finished before its file
@@ -328,7 +365,7 @@ class PdstackConnector(KVConnectorBase_V1):
         if now < self._next_sweep:
             return
         self._next_sweep = now + self.settings.lease_seconds
-        for path in self.settings.run_dir.glob("*.json"):
+        for path in (path for run_dir in self._rank_dirs() for path in run_dir.glob("*.json")):
             with contextlib.suppress(OSError):
                 if path.name not in KEPT_FILES and path.stat().st_mtime < now - 2 * self.settings.lease_seconds:
                     path.unlink()

@@ -155,13 +155,19 @@ class _Worker:
 
     def write_instance(self, role: str, kv_host: str | None, kv_port: int | None) -> None:
         """<run_dir>/instance.json for `pdserve agent --connector-run-dir` (see pdserve.agent.instance): what the
-        scheduler needs to pair this instance. kv_streaming: it takes the gateway's early-dispatch params (decode)
-        and holds KV under their transfer id, waiting pulls for it (prefill)."""
-        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(self.settings.run_dir / "instance.json", {
+        scheduler needs to pair this instance, written by TP rank 0 of each DP engine (kv_port: that rank's; rank r
+        serves on kv_port + r). kv_streaming: it takes the gateway's early-dispatch params (decode) and holds KV
+        under their transfer id, waiting pulls for it (prefill); not a prefill of DP > 1, where the gateway cannot
+        know which DP engine vLLM gives the request, so which ports to name."""
+        s = self.settings
+        if s.tp_rank != 0:
+            return
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(s.run_dir / "instance.json", {
             "role": role, "fingerprint": self.fingerprint, "fingerprint_fields": self.fields,
-            "connector_version": fingerprint.CONNECTOR_VERSION, "kv_streaming": True, "kv_host": kv_host,
-            "kv_port": kv_port,
+            "connector_version": fingerprint.CONNECTOR_VERSION, "kv_host": kv_host, "kv_port": kv_port,
+            "kv_streaming": role == "kv_consumer" or s.dp_size == 1,
+            "tensor_parallel_size": s.tp_size, "data_parallel_size": s.dp_size, "data_parallel_index": s.dp_index,
         })  # fmt: skip
 
     def shutdown(self) -> None:
@@ -381,14 +387,27 @@ class ConsumerWorker(_Worker):
         async with asyncio.timeout(self.settings.transfer_timeout_seconds):
             return await pull(
                 str(params["remote_host"]),
-                int(params["remote_port"]),
+                self._rank_port(params),
                 str(params["remote_request_id"]),
-                None if streamed else str(params["kv_checksum"]),  # streamed: END's checksum, token count checked
+                None if streamed else self._rank_checksum(params),  # streamed: END's, token count checked
                 streams=self.settings.streams,
                 expected_fingerprint=self.fingerprint,
                 first_row=spec.skip_blocks,  # decode's local prefix-cache hit does not cross the wire
                 **self._channel_options(params),
             )
+
+    def _rank_port(self, params: dict[str, Any]) -> int:
+        """This rank's shard is on the prefill worker of the same TP rank: remote_port + rank (settings.kv_port_of)."""
+        return int(params["remote_port"]) + self.settings.tp_rank
+
+    def _rank_checksum(self, params: dict[str, Any]) -> str:
+        checksums = params.get("kv_rank_checksums")
+        if self.settings.tp_size == 1:
+            return str(params["kv_checksum"])
+        if not isinstance(checksums, list) or len(checksums) != self.settings.tp_size:
+            raise ValueError(f"kv_transfer_params.kv_rank_checksums: expected one checksum per TP rank "
+                             f"({self.settings.tp_size}), got {checksums!r}")  # fmt: skip
+        return str(checksums[self.settings.tp_rank])
 
     def _channel_options(self, params: dict[str, Any]) -> dict[str, Any]:
         """What every call to the prefill's KV channel (pull, ack) is made with."""
@@ -411,6 +430,9 @@ class ConsumerWorker(_Worker):
         missing = [name for name in required if params.get(name) in (None, "")]
         if missing:
             raise ValueError(f"kv_transfer_params.{missing[0]}: missing")
+        remote_tp = params.get("remote_tp_size", self.settings.tp_size)  # early dispatch: the digest covers TP
+        if remote_tp != self.settings.tp_size:
+            raise fingerprint.FingerprintMismatch("tensor_parallel_size", remote_tp, self.settings.tp_size)
         if streamed:
             # The gateway signs only the digest prefill registered; the manifest's token count is checked on arrival.
             if params["kv_fingerprint"] != self.fingerprint:
@@ -452,7 +474,7 @@ class ConsumerWorker(_Worker):
                 pending.spec.prompt_tokens,
                 request_id,
                 pending.spec.params.get("remote_host"),
-                pending.spec.params.get("remote_port"),
+                self._rank_port(pending.spec.params),
                 pending.spec.params.get("remote_request_id"),
             )
             self._acknowledge(pending.spec.params)
@@ -482,7 +504,7 @@ class ConsumerWorker(_Worker):
             try:
                 await ack(
                     str(params["remote_host"]),
-                    int(params["remote_port"]),
+                    self._rank_port(params),
                     str(params["remote_request_id"]),
                     **self._channel_options(params),
                 )
