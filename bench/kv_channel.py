@@ -12,6 +12,7 @@ iperf3 and ip (the loopback part alone, --no-wan, needs only iperf3).
 
     .venv/bin/python bench/kv_channel.py [--rate-mbit 1000] [--rtt-ms 20] [--mib 256] [--repeats 3]
         [--tcp-congestion cubic] [--gap-seconds 0] [--chunk-bytes 1048576] [--stream-counts 1,2,4,8]
+        [--notsent-lowat BYTES]
         [--sysctl NAME=VALUE ...] [--no-loopback] [--no-wan] [--output PATH]
 
 Integrity checks are on in every pull: CRC-32C per frame, a BLAKE3 digest per unit verified against the blob
@@ -65,11 +66,15 @@ def synthetic_layers(mib: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
-async def serve(key_file: str, host: str, mib: int, tcp_congestion: str | None, chunk_bytes: int) -> None:
+async def serve(  # noqa: PLR0917
+    key_file: str, host: str, mib: int, tcp_congestion: str | None, chunk_bytes: int, notsent_lowat: int | None = None
+) -> None:
     """Run inside the prefill namespace (or on loopback): hold one blob and serve it until killed."""
+    options = {} if notsent_lowat is None else {"notsent_lowat_bytes": notsent_lowat}
     store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600, chunk_bytes=chunk_bytes)
     stored = store.put(REQUEST_ID, synthetic_layers(mib), KVMeta(REQUEST_ID, 4096, "bench"))
-    server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion)
+    server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion,
+                      **options)  # fmt: skip
     await server.start()
     print(stored.checksum, flush=True)
     await asyncio.Event().wait()
@@ -158,6 +163,8 @@ def start_server(namespace: str | None, key_file: str, host: str, args: argparse
     """A KV server process holding the bench blob; returns it and the blob's checksum."""
     argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", host, "--mib", str(args.mib),
             "--chunk-bytes", str(args.chunk_bytes)]  # fmt: skip
+    if args.notsent_lowat is not None:
+        argv += ["--notsent-lowat", str(args.notsent_lowat)]
     if args.tcp_congestion:
         argv += ["--tcp-congestion", args.tcp_congestion]
     server = subprocess.Popen(in_ns(namespace, argv), stdout=subprocess.PIPE, text=True)
@@ -182,6 +189,7 @@ def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
         server.kill()
         server.wait()
     return {"kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes, "warm_repeats": args.repeats,
+            "kv_notsent_lowat": args.notsent_lowat,
             "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
 
@@ -320,6 +328,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tcp-congestion", default=None, help="the KV server's congestion control (default: system)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the KV store's DATA frame size")
+    parser.add_argument("--notsent-lowat", type=int, default=None,
+                        help="the KV server's TCP_NOTSENT_LOWAT in bytes (default: KVServer's own)")
     parser.add_argument("--stream-counts", type=lambda text: [int(n) for n in text.split(",")], default=STREAM_COUNTS,
                         help="comma-separated stream counts (default 1,2,4,8)")
     parser.add_argument("--cold-memory", action="store_true", help="the cold pull also lands in fresh memory (a new "
@@ -332,7 +342,8 @@ def main() -> None:
                         help="set a namespaced sysctl in both namespaces (repeatable), e.g. what kernel_tuning sets")
     args = parser.parse_args()
     if args.mode == "serve":
-        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes))
+        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes,
+                          args.notsent_lowat))
     elif args.mode == "pull":
         asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats,
                                     args.gap_seconds, args.mib))

@@ -4,7 +4,8 @@ each payload straight into its slice, one copy from the kernel).
 A big blob's arrays share one anonymous mapping. Fresh memory is expensive here: the kernel zeroes and faults in
 every page on first touch (with transparent huge pages it may also compact memory first), which cost more CPU than
 receiving the bytes. So a mapping whose arrays are all gone (every view of them garbage) goes back to a bounded set
-of idle mappings, and the next pull of the same size reuses it, already faulted in.
+of idle mappings, and a later pull of the same size, or smaller by up to half, reuses it, already faulted in (prompt
+lengths vary, so exact sizes rarely repeat). Mappings are made in whole huge pages for the same reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 HUGE_PAGE_BYTES = 2 << 20
 ALIGN = 64
 IDLE_REGION_BYTES = 1 << 30  # idle mappings kept for later pulls, over all sizes
+REUSE_SLACK = 2  # a pull may land in an idle mapping up to this many times its size (the rest stays idle)
 
 
 class _Regions:
@@ -31,11 +33,15 @@ class _Regions:
         self._lock = threading.Lock()
 
     def take(self, size: int) -> mmap.mmap:
+        """An idle mapping of at least `size` bytes and at most REUSE_SLACK times that (the smallest such), else a
+        new one of `size` rounded up to whole huge pages."""
         with self._lock:
-            idle = self._idle.get(size)
-            if idle:
-                self._bytes -= size
-                return idle.pop()
+            fits = [length for length in self._idle if size <= length <= size * REUSE_SLACK and self._idle[length]]
+            if fits:
+                length = min(fits)
+                self._bytes -= length
+                return self._idle[length].pop()
+        size = -(-size // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
@@ -61,9 +67,10 @@ def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndar
     """Arrays of these (shape, dtype), for a blob being received; their bytes are undefined until received (a reused
     mapping holds an earlier pull's).
 
-    A big blob's arrays share one anonymous mapping, reused from an earlier pull of the same size when one is idle,
-    else new and advised for transparent huge pages (the kernel then faults its memory in 2 MiB pages as bytes land
-    instead of 4 KiB ones, which on this kind of machine costs less than a tenth)."""
+    A big blob's arrays share one anonymous mapping, reused from an earlier pull of the same size or up to
+    REUSE_SLACK times larger when one is idle, else new and advised for transparent huge pages (the kernel then
+    faults its memory in 2 MiB pages as bytes land instead of 4 KiB ones, which on this kind of machine costs less
+    than a tenth)."""
     sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for size in sizes:

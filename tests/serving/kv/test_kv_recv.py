@@ -112,3 +112,24 @@ def test_a_destination_mapping_is_reused_only_once_no_view_of_its_arrays_is_left
     third = destination_arrays(specs)
     assert address(third[0]) == first_address  # free again: reused, no fresh pages to fault in
     assert address(second[0]) != address(third[0])
+
+
+def test_a_smaller_pull_reuses_an_idle_bigger_mapping_up_to_twice_its_size() -> None:
+    """Prompt lengths vary: a pull of 5 MiB after one of 8 MiB lands in the 8 MiB mapping, already faulted in; one of
+    3 MiB (less than half) gets its own, so a small pull does not pin a big mapping."""
+
+    def address(array: np.ndarray) -> int:
+        return int(array.__array_interface__["data"][0])
+
+    def pull_of(mib: int) -> list[np.ndarray]:
+        return destination_arrays([((mib << 18,), "float32")])
+
+    big = pull_of(8)
+    big_address = address(big[0])
+    del big
+    gc.collect()
+    small = pull_of(3)
+    assert address(small[0]) != big_address
+    smaller = pull_of(5)
+    assert address(smaller[0]) == big_address
+    assert smaller[0].nbytes == 5 << 20
