@@ -12,6 +12,7 @@ import pulumi_aws as aws
 
 from infra import environment, outputs
 from infra.control_plane import ControlPlane, ControlPlaneArgs
+from infra.dashboards import GrafanaDashboards, GrafanaDashboardsArgs
 from infra.encryption import ManagedKey, ManagedKeyArgs
 from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
@@ -246,6 +247,8 @@ def build_control_plane(
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
+    GrafanaDashboards("dashboards", GrafanaDashboardsArgs(namespace=namespace),
+                      opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]))  # its namespace
     pulumi.export(outputs.ENV_KEY_ARN, secrets.key.key.arn)
     pulumi.export(outputs.SECRET_ARNS, secrets.arns)
     pulumi.export(outputs.SECRET_VALUES, pulumi.Output.secret(secrets.values))

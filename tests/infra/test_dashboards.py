@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from infra.dashboards import DASHBOARDS_DIR, SIDECAR_LABEL, dashboard_config_maps
+from pdstack.synth import Synthesis
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -28,3 +29,15 @@ def test_one_labelled_config_map_per_dashboard_file() -> None:
 def test_an_empty_dashboards_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pdstack dashboards"):
         dashboard_config_maps("ns", tmp_path)
+
+
+def test_the_control_stack_ships_them_in_its_namespace(graphs: dict[str, Synthesis]) -> None:
+    shipped = {c.inputs["metadata"]["name"]: c.inputs for c in graphs["prod-control"].of_type(
+        "kubernetes:core/v1:ConfigMap") if c.inputs["metadata"].get("labels", {}).get(SIDECAR_LABEL) == "1"}
+    wanted = dashboard_config_maps("pdstack-prod")
+    assert sorted(shipped) == [spec["metadata"]["name"] for spec in wanted]
+    for spec in wanted:
+        made = shipped[spec["metadata"]["name"]]
+        assert made["data"] == spec["data"]
+        assert {k: made["metadata"][k] for k in ("namespace", "labels", "annotations")} == {
+            k: spec["metadata"][k] for k in ("namespace", "labels", "annotations")}
