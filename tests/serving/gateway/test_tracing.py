@@ -39,6 +39,7 @@ RECEIVER_TOKEN = "otlp-test-token-5f1c"  # what the exporters present (OTEL_EXPO
 MAX_EXPORT_BYTES = 8 << 20
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn, twice over"
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
+ADMIN_TRACE = "ab" * 16  # the trace id of the admin call sent to the scheduler with its own traceparent
 
 
 @dataclass
@@ -196,10 +197,27 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     assert "pdserve.prompt" not in root.attributes
 
 
+def test_prompt_text_is_in_the_gateways_span_only_when_asked(traced: Cluster, receiver: Receiver,
+                                                             model_v1: Path) -> None:
+    with environment(OTEL_BSP_SCHEDULE_DELAY="100",
+                     OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
+        gateway = traced.start_gateway("--tokenizer-file", str(model_v1 / "tokenizer.json"),
+                                       "--offload-threshold-tokens", "8", "--otlp-traces-endpoint", receiver.url(),
+                                       "--trace-prompts", "true")
+    traced.wait_routable(gateway, 2)
+    completion(gateway, "rid-prompt-5")
+    spans = request_trace(receiver, "rid-prompt-5")
+    (root,) = [s for s in spans if not s.parent]
+    assert root.attributes["pdserve.prompt"] == PROMPT
+    assert [s for s in spans if PROMPT in json.dumps(s.attributes)] == [root]  # nowhere else, not in the servers'
+
+
 def test_background_calls_start_no_trace(traced: Cluster, receiver: Receiver) -> None:
     """Routing polls and heartbeats (several a second here) carry an unsampled traceparent: no span of theirs."""
     time.sleep(1.0)
-    assert not [s for s in receiver.spans if "/v1/routing" in s.name or "heartbeat" in s.name.lower()]
+    requested = {s.trace_id for s in receiver.spans if "pdserve.request_id" in s.attributes} | {ADMIN_TRACE}
+    assert {s.trace_id for s in receiver.spans} <= requested
+    assert not [s for s in receiver.spans if s.service == "pdserve-scheduler" and s.trace_id != ADMIN_TRACE]
 
 
 def test_every_line_has_one_schema_and_a_requests_lines_carry_its_ids(traced: Cluster, receiver: Receiver) -> None:
@@ -207,7 +225,7 @@ def test_every_line_has_one_schema_and_a_requests_lines_carry_its_ids(traced: Cl
     trace_id = request_trace(receiver, "rid-logs-2")[0].trace_id
     # the scheduler answering an admin call that comes with its own traceparent and request id
     assert traced.scheduler is not None
-    parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    parent = f"00-{ADMIN_TRACE}-{'cd' * 8}-01"
     weights = httpx.put(f"{traced.scheduler.url}/v1/admin/weights", json={"weights": {"v1": 1.0}},
                         headers={"Authorization": f"Bearer {traced.admin_token}", "X-Request-Id": "rid-admin-3",
                                  "traceparent": parent})
@@ -231,7 +249,7 @@ def test_every_line_has_one_schema_and_a_requests_lines_carry_its_ids(traced: Cl
             assert mine, f"{component} logged no line of the request"
             assert {r["trace_id"] for r in mine} == {trace_id}, mine
     (admin,) = [r for r in lines(traced.scheduler) if r["request_id"] == "rid-admin-3"]
-    assert admin["trace_id"] == "ab" * 16 and admin["span_id"] not in (None, "cd" * 8)
+    assert admin["trace_id"] == ADMIN_TRACE and admin["span_id"] not in (None, "cd" * 8)
 
 
 def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> None:
