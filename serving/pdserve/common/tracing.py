@@ -47,11 +47,16 @@ def configure_tracing(component: str, settings: TracingSettings, attributes: dic
     """Install the process's tracer provider and instrument httpx; False (and nothing done) without an endpoint."""
     if settings.otlp_traces_endpoint is None:
         return False
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
-    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor  # noqa: PLC0415
-    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware  # noqa: F401, PLC0415
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor  # noqa: PLC0415
+        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    except ImportError as exc:
+        raise SystemExit(f"pdserve {component}: otlp_traces_endpoint is set but this environment lacks {exc.name} "
+                         "(serving/pyproject.toml pins the OpenTelemetry packages tracing needs)") from None
 
     resource = Resource.create({"service.name": f"pdserve-{component}", "pdserve.component": component,
                                 **(attributes or {})})
