@@ -1,0 +1,137 @@
+"""What roles/vllm_engine deploys on a vLLM prefill or decode node, rendered once from the stack's `serving` block.
+
+The two containers' command lines come from pdstack.vllm_command (which takes them from the stack and the contract);
+this module renders them for Ansible, committed per environment as playbooks/vars/vllm/<env>.yml, with what differs
+per node left as placeholders (PLACEHOLDERS) that the role fills with its own variables: the node's address, the
+scheduler's URL, the release and the instance id. So no flag, port or path is typed in the role, and a test keeps
+the committed files equal to what the stacks render (tests/unit/test_vllm_deploy.py), as for the contract's vars.
+
+Which secret each container gets follows from its argv: a secret file is mounted where the command line names its
+path (the engine reads the KV key, the agent its scheduler token and the server token), and vLLM's API key comes as
+an environment secret (vllm_command.ENGINE_SECRET_ENV).
+
+    python -m pdstack.vllm_deploy [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdstack.contract import environment_serving, environments
+from pdstack.model import Engine, KvConnector, PoolRole, Serving
+from pdstack.vllm_command import (
+    AGENT_MODULE,
+    ENGINE_SECRET_ENV,
+    RUN_DIR,
+    VLLM_PYTHON,
+    agent_args,
+    engine_args,
+    engine_env,
+    http_port,
+    kv_port_range,
+    secret_files,
+)
+
+VARS_DIR = Path("playbooks") / "vars" / "vllm"
+HEADER = ("# Rendered by `python -m pdstack.vllm_deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm_deploy.py); "
+          "do not edit by hand.\n")  # fmt: skip
+SIDES = (PoolRole.PREFILL, PoolRole.DECODE)
+HEALTH_PATH = "/health"  # vLLM's API server: 200 once the model is loaded and the engine answers
+# What the role fills in per node (roles/vllm_engine/vars/main.yml replaces each with its variable's value).
+ADVERTISE_HOST = "@ADVERTISE_HOST@"
+SCHEDULER_URL = "@SCHEDULER_URL@"
+VERSION = "@VERSION@"
+INSTANCE_ID = "@INSTANCE_ID@"
+PLACEHOLDERS = (ADVERTISE_HOST, SCHEDULER_URL, VERSION, INSTANCE_ID)
+
+
+def _mounted_in(argv: tuple[str, ...], side: PoolRole) -> list[str]:
+    """The stack secrets whose files this command line reads (their path appears in it)."""
+    return [s.secret for s in secret_files(side) if any(s.path in word for word in argv)]
+
+
+def _agent(serving: Serving, side: PoolRole) -> dict[str, Any] | None:
+    if serving.vllm is not None and serving.vllm.kv_connector is KvConnector.NIXL:
+        return None  # vllm_command.agent_args refuses it: NixlConnector writes no instance.json to register
+    args = agent_args(serving, side, advertise_host=ADVERTISE_HOST, scheduler_url=SCHEDULER_URL, version=VERSION,
+                      instance_id=INSTANCE_ID)  # fmt: skip
+    return {"entrypoint": VLLM_PYTHON, "command": ["-m", AGENT_MODULE, *args],
+            "secret_files": _mounted_in(args, side)}  # fmt: skip
+
+
+def side_vars(serving: Serving, side: PoolRole) -> dict[str, Any]:
+    """One side's containers: the engine's argv after the image's entry point, its environment and secrets, and
+    the agent's entry point, argv and secrets (None where there is no agent: kv_connector nixl)."""
+    assert serving.vllm is not None
+    args = engine_args(serving, side, ADVERTISE_HOST)
+    kv_ports = kv_port_range(serving) if side is PoolRole.PREFILL else range(0)
+    role = serving.vllm.role(side)
+    return {
+        "port": http_port(serving, side),
+        "kv_ports": [kv_ports.start, kv_ports.stop - 1] if kv_ports else [],
+        # vLLM's local world on one node: its ranks' CPU lists (VLLM_CPU_OMP_THREADS_BIND) on CPU nodes
+        "world_size": role.tensor_parallel_size * role.data_parallel_size,
+        "engine": {
+            "command": list(args),
+            "env": engine_env(serving, side, ADVERTISE_HOST),
+            "secret_env": {name: s.secret for name, s in ENGINE_SECRET_ENV.items()},
+            "secret_files": _mounted_in(args, side),
+        },
+        "agent": _agent(serving, side),
+    }
+
+
+def ansible_vars(serving: Serving) -> dict[str, Any]:
+    """`pdstack_engine`, and for vLLM `vllm_engine_stack`: the release the stack pins and each side's containers."""
+    if serving.engine is not Engine.VLLM or serving.vllm is None:
+        return {"pdstack_engine": str(serving.engine)}
+    v = serving.vllm
+    stack = {
+        "image": v.image,
+        "vllm_version": v.version,
+        "kv_connector": str(v.kv_connector),
+        "model_path": serving.model.path,
+        "run_dir": RUN_DIR,
+        "health_path": HEALTH_PATH,
+        "python": VLLM_PYTHON,  # both images' interpreter: the engine container's health check runs it
+        "placeholders": {"address": ADVERTISE_HOST, "scheduler_url": SCHEDULER_URL, "version": VERSION,
+                         "instance_id": INSTANCE_ID},
+        "sides": {str(side): side_vars(serving, side) for side in SIDES},
+    }  # fmt: skip
+    return {"pdstack_engine": str(serving.engine), "vllm_engine_stack": stack}
+
+
+def render(env: str, serving: Serving) -> str:
+    return HEADER.format(env=env) + yaml.safe_dump(ansible_vars(serving), sort_keys=False, width=120)
+
+
+def rendered_files(project: Path) -> dict[Path, str]:
+    stacks = project / "stacks"
+    return {project / VARS_DIR / f"{env}.yml": render(env, environment_serving(stacks, env))
+            for env in environments(stacks)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdstack.vllm_deploy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--project", type=Path, default=Path.cwd(), help="the pdstack checkout (default: here)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in rendered_files(args.project).items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(str(path))
+            if not args.check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    for name in stale:
+        print(("stale: " if args.check else "wrote ") + name)
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
