@@ -311,7 +311,7 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
 
 def alerting_vars(env: str, alerting: Alerting | None) -> dict[str, Any]:
     """roles/alertmanager's routing (pdstack/alerting.py) and the stack's webhook: its URL when the stack gives it in
-    plain text, else empty (a secret URL reaches Ansible from a vault as alertmanager_webhook_url)."""
+    plain text, else empty (a secret URL reaches Ansible from a vault as pdstack_alert_webhook_url)."""
     url = alerting.webhook_url if alerting is not None and isinstance(alerting.webhook_url, str) else ""
     return {"alertmanager_config": alertmanager_config(env), "alertmanager_webhook_receivers": webhook_receivers(env),
             "alertmanager_webhook_config": dict(WEBHOOK_CONFIG), "alertmanager_webhook_url": url}  # fmt: skip
