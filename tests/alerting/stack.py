@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
+from pdstack.contract import ALERTMANAGER_API
+
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"
@@ -186,7 +188,7 @@ def post_alert(alertmanager: str, alertname: str, **labels: str) -> None:
     """An alert as Prometheus posts it (labels incl. the rule's severity, no end: Alertmanager keeps it firing)."""
     alert = {"labels": {"alertname": alertname, "severity": severity_of(alertname), **labels},
              "annotations": {"summary": f"{alertname} (test)"}}  # fmt: skip
-    response = httpx.post(f"{alertmanager}/api/v2/alerts", json=[alert], timeout=5)
+    response = httpx.post(f"{alertmanager}{ALERTMANAGER_API}/alerts", json=[alert], timeout=5)
     assert response.status_code == 200, response.text
 
 
@@ -199,7 +201,7 @@ def create_silence(alertmanager: str, matchers: dict[str, str], minutes: int = 1
         "createdBy": "tests/alerting",
         "comment": "silenced by the test",
     }
-    response = httpx.post(f"{alertmanager}/api/v2/silences", json=body, timeout=5)
+    response = httpx.post(f"{alertmanager}{ALERTMANAGER_API}/silences", json=body, timeout=5)
     assert response.status_code == 200, response.text
     return str(response.json()["silenceID"])
 
@@ -207,7 +209,8 @@ def create_silence(alertmanager: str, matchers: dict[str, str], minutes: int = 1
 def alert_state(alertmanager: str, alertname: str, **labels: str) -> dict[str, Any]:
     """Alertmanager's view of one alert: its status (state, silencedBy, inhibitedBy)."""
     matchers = [f'alertname="{alertname}"', *(f'{k}="{v}"' for k, v in labels.items())]
-    response = httpx.get(f"{alertmanager}/api/v2/alerts", params=[("filter", m) for m in matchers], timeout=5)
+    filters = [("filter", m) for m in matchers]
+    response = httpx.get(f"{alertmanager}{ALERTMANAGER_API}/alerts", params=filters, timeout=5)
     response.raise_for_status()
     found = response.json()
     assert len(found) == 1, found

@@ -22,6 +22,7 @@ import yaml
 
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdstack.alerting import LINK_DOWN_ALERT, Timing, alertmanager_config, receiver_name
+from pdstack.contract import ALERTMANAGER_API
 from tests.alerting.stack import (
     CONTRACT_VARS,
     Daemon,
@@ -134,8 +135,8 @@ def test_prometheus_sends_to_the_alertmanager_the_role_names(monitoring: Monitor
         return [a["url"] for a in found["activeAlertmanagers"]]
 
     wait_until(lambda: active() != [], "Prometheus discovers its Alertmanager")
-    assert active() == [f"{monitoring.alertmanager}/api/v2/alerts"]
-    status = httpx.get(f"{monitoring.alertmanager}/api/v2/status", timeout=5).json()
+    assert active() == [f"{monitoring.alertmanager}{ALERTMANAGER_API}/alerts"]
+    status = httpx.get(f"{monitoring.alertmanager}{ALERTMANAGER_API}/status", timeout=5).json()
     assert status["cluster"]["status"] == "disabled"  # what roles/alertmanager's verify checks
 
 
