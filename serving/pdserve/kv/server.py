@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -49,6 +50,7 @@ MAX_PULL_ID = 64
 NOTSENT_LOWAT_BYTES = 256 << 10
 READ_BUFFER_BYTES = 64 << 10  # most a connection buffers in user space before authenticating (it reads frame by frame)
 LISTEN_BACKLOG = 1024
+ERROR_LINGER_S = 1.0  # how long a refused client has to read its ERROR before the connection closes
 JOIN_S = 5.0  # how long close() waits for the connection threads after aborting their sockets
 
 
@@ -328,9 +330,10 @@ class KVServer:
                         self._wait_change(stored, changed, channel, waits)
             if stream == 0:
                 channel.send(self._io_timeout, FrameType.DIGESTS, stored.digests)
-            mac = auth.end_mac(session, manifest, request, stored.checksum, chunks)
-            channel.send(self._io_timeout, FrameType.END, json_payload(
-                {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
+        # Out of the shared plan before END: once the client has every END, the server holds nothing of the pull.
+        mac = auth.end_mac(session, manifest, request, stored.checksum, chunks)
+        channel.send(self._io_timeout, FrameType.END, json_payload(
+            {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
 
     def _wait_open(self, request_id: str, channel: FrameSocket, waits: _Waits) -> StoredKV:
@@ -357,8 +360,8 @@ class KVServer:
         views = [as_bytes(array) for pair in stored.layers for array in pair]
         chunks = sent = 0
 
-        def ready(chunk: Chunk) -> bool:
-            return stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)
+        def ready(chunk: Chunk) -> bool:  # once sealed every chunk is: no look at each (a scan of the rest)
+            return stored.sealed or stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)
 
         while True:
             chunk, left = shared.take(stream, ready)
@@ -396,14 +399,35 @@ class KVServer:
         return changed
 
     def _send_error(self, channel: FrameSocket, error: KVTransferError) -> None:
+        """Send ERROR, then let the client read it: the connection is about to close, and closing with the client's
+        bytes unread (a refused frame's payload, a request behind it) resets it, which can discard the ERROR before
+        the client reads it."""
         with contextlib.suppress(Exception):
             channel.send(1.0, FrameType.ERROR, error_body(error.cause, error.message))
+            _drain_before_close(channel.sock)
+
+
+def _drain_before_close(sock: socket.socket) -> None:
+    """Shut our side and read (and drop) what the client still sends until it closes too, at most
+    READ_BUFFER_BYTES within ERROR_LINGER_S: a close with unread bytes would send a reset instead of a FIN."""
+    socket.socket.shutdown(sock, socket.SHUT_WR)  # the plain socket's, also under TLS
+    deadline, drained = time.monotonic() + ERROR_LINGER_S, 0
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    while drained < READ_BUFFER_BYTES and (remaining := deadline - time.monotonic()) > 0:
+        if not poller.poll(remaining * 1000):
+            return
+        data = socket.socket.recv(sock, READ_BUFFER_BYTES, socket.MSG_DONTWAIT)
+        if not data:
+            return
+        drained += len(data)
 
 
 def _pull_request(frame: Frame) -> dict[str, Any]:
     """A PULL's fields, checked: what END's MAC covers."""
     body = frame.json()
-    request = {name: body.get(name) for name in ("request_id", "pull", "stream", "streams", "first_row")}
+    fields = ("request_id", "pull", "stream", "streams", "first_row")
+    request: dict[str, Any] = {name: body.get(name) for name in fields}
     if not isinstance(request["request_id"], str) or not isinstance(request["pull"], str) \
             or not all(isinstance(request[name], int) for name in ("stream", "streams", "first_row")):
         raise KVTransferError("protocol", "PULL needs request_id and pull (strings), stream, streams and first_row "
