@@ -48,6 +48,7 @@ import httpx
 import pytest
 import yaml
 
+from infra.workloads import SECRET_NAME
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
 from pdstack import nodes
@@ -147,7 +148,7 @@ class Run:
 
     @property
     def secret(self) -> dict[str, Any]:
-        return next(o for (kind, _), o in self.objects.items() if kind == "Secret")
+        return self.objects[("Secret", SECRET_NAME)]
 
     def deployment(self, app: str) -> dict[str, Any]:
         return self.objects[("Deployment", app)]

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from infra import outputs
+from infra.workloads import SECRET_NAME
 from pdserve.scheduler import identity
 from pdstack.model import DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
@@ -179,7 +180,8 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
     }
     for version in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion"):
         assert "secretString" in version.secret_inputs
-    k8s_secret = graph.of_type("kubernetes:core/v1:Secret")[0]
+    k8s_secret = next(s for s in graph.of_type("kubernetes:core/v1:Secret")
+                      if s.inputs["metadata"]["name"] == SECRET_NAME)  # not alertmanager's
     assert "stringData" in k8s_secret.secret_inputs
     # The gateway's scheduler token is derived from the identity key (contract §1), secret like the key itself.
     key = graph.outputs[outputs.SECRET_VALUES]["scheduler-identity-key"]
