@@ -19,8 +19,9 @@ REQUESTS = "pdserve_gateway_requests_total"
 
 
 def _zero_if_none(expr: str) -> str:
-    """Counters of rare events have no series until the first event: show 0, not "No data"."""
-    return f"({expr}) or vector(0)"
+    """Counters of rare events have no series until the first event: show 0, not "No data" (on (): only while the
+    query returns nothing, not as an extra series beside its own)."""
+    return f"({expr}) or on () vector(0)"
 
 
 def fleet() -> dashboard.Dashboard:
