@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pdstack.dashboards.files import DEFAULT_DIR, stale, write
+from pdstack.dashboards import DEFAULT_DIR
 
 DirOption = Annotated[Path, typer.Option("--dir", help="where the dashboard JSON files live")]
 
@@ -17,6 +17,9 @@ def dashboards_command(
     check: Annotated[bool, typer.Option("--check", help="only report files that differ from the generator")] = False,
 ) -> None:
     """Generate the Grafana dashboards (fleet, prefill-decode, kv, node) as JSON files."""
+    # Imported here: the rest of the CLI must not need grafana-foundation-sdk.
+    from pdstack.dashboards.files import stale, write  # noqa: PLC0415
+
     if check:
         outdated = stale(directory)
         if outdated:

@@ -8,9 +8,9 @@ from typing import Any
 
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from .boards import DASHBOARDS
+from pdstack.dashboards import DEFAULT_DIR
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
+from .boards import DASHBOARDS
 
 
 def as_json(stem: str) -> dict[str, Any]:
