@@ -25,6 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from opentelemetry import propagate
+
 from pdserve.kv import auth
 from pdserve.kv.blob import (
     DIGEST_BYTES,
@@ -271,6 +273,7 @@ class _Pull:
     streams: int
     first_row: int = 0
     pull_id: str = field(default_factory=lambda: secrets.token_hex(16))  # the server shares chunks by it
+    trace: dict[str, str] = field(default_factory=dict)  # the caller's traceparent, outside the END MAC
     assembly: _Assembly | None = None
     manifest_bytes: bytes | None = None
     announced: str | None = None  # the checksum END announced
@@ -394,6 +397,14 @@ class _Stale(Exception):
     def __init__(self, error: KVTransferError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+def _trace_context() -> dict[str, str]:
+    """The W3C traceparent of the caller's current span (nothing when there is none, e.g. tracing off), so that the
+    server's side of the pull joins the caller's trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return {"traceparent": carrier["traceparent"]} if "traceparent" in carrier else {}
 
 
 def _first_reply(channel: FrameSocket, frame_type: FrameType, body: dict[str, Any], timeout: float) -> Frame:
@@ -612,7 +623,7 @@ async def pull(
         raise ValueError(f"first_row: must be at least 0, got {first_row}")
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s)
     recorder = metrics if metrics is not None else default_metrics()
-    state = _Pull(request_id, expected_checksum, expected_fingerprint, streams, first_row)
+    state = _Pull(request_id, expected_checksum, expected_fingerprint, streams, first_row, trace=_trace_context())
     started = time.perf_counter()
     try:
         await _run_streams(_Route(connector, host, port, pool, recorder), state)
@@ -656,7 +667,8 @@ def _receive_stream(connection: KVConnection, state: _Pull, request: dict[str, A
     END."""
     channel = connection.channel
     index = int(request["stream"])
-    manifest = expect(_first_reply(channel, FrameType.PULL, request, timeout), FrameType.MANIFEST).payload
+    manifest = expect(_first_reply(channel, FrameType.PULL, {**request, **state.trace}, timeout),
+                      FrameType.MANIFEST).payload
     assembly = state.assembly_for(manifest)
     chunks = 0
     while (frame := assembly.receive(channel, timeout)) is None or frame.type is FrameType.DIGESTS:

@@ -21,6 +21,8 @@ layout with an empty checksum, each stream sends its chunks as they are computed
 says where each goes), KEEPALIVE frames while it waits, and END carries the blob checksum once prefill sealed it.
 PULL may name a `first_row` (block): only bytes from that leading row of each array on are sent, and stream 0
 sends DIGESTS (every unit's digest) before END, so decode verifies the units it got against the blob checksum.
+PULL may carry the puller's W3C `traceparent` (pdserve.common.tracing); the server then serves the stream in a span of
+that trace. It places a span and nothing else, so the END MAC leaves it out and a server that ignores it is unchanged.
 
 What each check detects:
 - CRC-32C per frame (above): accidental corruption of any frame in transit or in a buffer; not an attacker.

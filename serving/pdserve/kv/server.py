@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import select
 import socket
 import ssl
@@ -18,6 +19,9 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdserve.kv import auth
 from pdserve.kv.blob import as_bytes
@@ -45,6 +49,7 @@ from pdserve.kv.wire import FrameSocket
 log = logging.getLogger(__name__)
 MAX_STREAMS = 64
 MAX_PULL_ID = 64
+TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")  # W3C trace context, version 00
 # Unsent bytes a connection may queue in the kernel before a send blocks: a stream takes its pull's next chunk only
 # once this little of its last one is left to go, so chunks go to the streams whose flows are moving (pdserve.kv.share).
 NOTSENT_LOWAT_BYTES = 256 << 10
@@ -315,6 +320,12 @@ class KVServer:
 
     def _serve_pull(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
         request = _pull_request(frame)
+        with _serve_span(frame, request) as span:
+            sent, chunks = self._serve_stream(request, channel, session, waits)
+            span.set_attributes({"pdserve.kv.bytes": sent, "pdserve.kv.chunks": chunks})
+
+    def _serve_stream(self, request: dict[str, Any], channel: FrameSocket, session: bytes,
+                      waits: _Waits) -> tuple[int, int]:
         request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
                                                   request["first_row"])  # fmt: skip
         stored = self._wait_open(request_id, channel, waits)
@@ -335,6 +346,7 @@ class KVServer:
         channel.send(self._io_timeout, FrameType.END, json_payload(
             {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
         self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
+        return sent, chunks
 
     def _wait_open(self, request_id: str, channel: FrameSocket, waits: _Waits) -> StoredKV:
         """The blob of `request_id`, waiting up to open_wait_s for prefill to open it (then `not_found`)."""
@@ -439,6 +451,19 @@ def _pull_request(frame: Frame) -> dict[str, Any]:
         raise KVTransferError("protocol", f"PULL pull id: expected 1 to {MAX_PULL_ID} characters, got "
                               f"{len(request['pull'])}")
     return request
+
+
+def _serve_span(frame: Frame, request: dict[str, Any]) -> contextlib.AbstractContextManager[trace.Span]:
+    """A span for serving one stream, in the puller's trace when its PULL carries a well-formed traceparent (not
+    covered by the END MAC: it only places the span); none without one."""
+    parent = frame.json().get("traceparent")
+    if not isinstance(parent, str) or not TRACEPARENT.fullmatch(parent):
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    context = TraceContextTextMapPropagator().extract({"traceparent": parent})
+    return trace.get_tracer("pdserve.kv").start_as_current_span(
+        "kv serve", context=context, kind=trace.SpanKind.SERVER,
+        attributes={"pdserve.kv.remote_request_id": request["request_id"], "pdserve.kv.stream": request["stream"],
+                    "pdserve.kv.streams": request["streams"]})
 
 
 def _plan(stored: StoredKV, first_row: int) -> list[Chunk]:

@@ -161,7 +161,7 @@ def request_trace(receiver: Receiver, request_id: str) -> list[Span]:
     def found() -> list[Span]:
         roots = [s for s in receiver.spans if s.attributes.get("pdserve.request_id") == request_id]
         spans = receiver.trace(roots[0].trace_id) if roots else []
-        return spans if any(s.name == "kv pull" for s in spans) and len(spans) >= 6 else []
+        return spans if any(s.name == "kv pull" for s in spans) and len(spans) >= 7 else []
 
     try:
         wait_for(lambda: bool(found()), timeout=30, what=f"the trace of {request_id}")
@@ -181,7 +181,7 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     assert all(s.parent in by_id for s in spans if s is not root), "a span's parent is missing from the trace"
 
     def server_span(service: str) -> Span:
-        (span,) = [s for s in spans if s.service == service and s.kind == 2]
+        (span,) = [s for s in spans if s.service == service and s.name == "POST /v1/completions"]
         return span
 
     for role in ("prefill", "decode"):
@@ -193,6 +193,11 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     assert (pull.service, pull.parent, pull.kind) == ("pdserve-decode", decode.span_id, 3)  # CLIENT under decode
     assert pull.attributes["pdserve.kv.bytes"] > 0 and pull.attributes["pdserve.kv.goodput_bytes_per_second"] > 0
     assert pull.attributes["pdserve.kv.streams"] >= 1
+    # prefill's side of the pull, one span per stream, joined to decode's pull by the PULL frame's traceparent
+    served = [s for s in spans if s.name == "kv serve"]
+    assert len(served) == pull.attributes["pdserve.kv.streams"]
+    assert {(s.service, s.parent, s.kind) for s in served} == {("pdserve-prefill", pull.span_id, 2)}
+    assert sum(s.attributes["pdserve.kv.bytes"] for s in served) == pull.attributes["pdserve.kv.bytes"]
     assert PROMPT not in json.dumps([s.attributes for s in receiver.spans], default=str)
     assert "pdserve.prompt" not in root.attributes
 
