@@ -18,7 +18,13 @@ import yaml
 from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
 from infra.network import plan_subnets
-from infra.workloads import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, load_balancer_url, prometheus_load_balancer_url
+from infra.workloads import (
+    RATELIMIT_STORE,
+    RATELIMIT_STORE_CONFIG,
+    SECRET_NAME,
+    load_balancer_url,
+    prometheus_load_balancer_url,
+)
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.gateway.app import create_app as gateway_app
 from pdserve.gateway.settings import GatewaySettings
@@ -176,7 +182,7 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
     served = contract_of(env)[app]
     graph = graphs[f"{env}-control"]
     deployment = _objects(graph, "kubernetes:apps/v1:Deployment")[app]
-    secret = next(iter(_objects(graph, "kubernetes:core/v1:Secret").values()))
+    secret = _objects(graph, "kubernetes:core/v1:Secret")[SECRET_NAME]
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     role, rest, environ = _started(container)
@@ -212,7 +218,7 @@ def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: di
     Redis listens on, with the password that Redis requires, and only the gateways may reach it."""
     graph = graphs["prod-control"]
     deployments = _objects(graph, "kubernetes:apps/v1:Deployment")
-    secret_object = next(iter(_objects(graph, "kubernetes:core/v1:Secret").values()))
+    secret_object = _objects(graph, "kubernetes:core/v1:Secret")[SECRET_NAME]
     secret = secret_object["stringData"]
     pod = deployments["gateway"]["spec"]["template"]["spec"]
     _, rest, environ = _started(pod["containers"][0])
