@@ -215,7 +215,7 @@ def test_every_prefill_worker_listens_on_its_own_port_inside_the_rendered_kv_ran
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
     extra = kv_config(serving, PoolRole.PREFILL)["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
     workers = [
-        parse(extra, producer=True, engine_id=f"engine_dp{d}", tp_size=tp, dp_index=d, dp_size=dp).for_rank(r)
+        parse(extra, producer=True, engine_id=f"engine_dp{d}", tp_size=tp, dp_index=d, data_parallel=dp > 1).for_rank(r)
         for d in range(dp)
         for r in range(tp)
     ]
@@ -226,5 +226,5 @@ def test_every_prefill_worker_listens_on_its_own_port_inside_the_rendered_kv_ran
 
 def test_a_kv_port_range_past_65535_is_refused_by_the_connector(key_file: Path) -> None:
     extra = {"kv_key_file": str(key_file), "port": 65530}
-    with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\.port: 65530 \+ TP 8 x DP 1 ports"):
-        parse(extra, producer=True, engine_id="e", tp_size=8, dp_size=1)
+    with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\.port: 65530: DP engine 0's 8 TP ranks "):
+        parse(extra, producer=True, engine_id="e", tp_size=8)

@@ -36,8 +36,8 @@ def test_a_tp_prefill_offers_kv_only_when_every_rank_holds_it(key_file: Path, tm
     """Each TP rank leaves its own shard's checksum in its own run dir; one rank missing (its store refused the
     request) means no KV is offered, and the other ranks' results are removed all the same."""
     connector = PdstackConnector.__new__(PdstackConnector)
-    connector.settings = parse({"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)},
-                               producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1, dp_size=2)  # fmt: skip
+    extra = {"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)}
+    connector.settings = parse(extra, producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1, data_parallel=True)
     connector._next_sweep = 0.0
     ranks = [connector.settings.for_rank(r).run_dir for r in range(2)]
     assert ranks == [tmp_path / "e1_dp1-14602", tmp_path / "e1_dp1-14603"]  # 14600 + DP 1 x TP 2 + rank

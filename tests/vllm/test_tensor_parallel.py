@@ -175,6 +175,6 @@ def test_rank_zero_describes_the_tp_layout_for_the_agent(tp_pair: Pair) -> None:
     assert len(producers) == 1, instances  # rank 0 only: the agent registers one endpoint
     (producer,) = producers
     assert producer["kv_port"] == tp_pair.kv_port and producer["tensor_parallel_size"] == TP
-    assert producer["kv_streaming"] is True and producer["data_parallel_size"] == 1
+    assert producer["kv_streaming"] is True and producer["data_parallel"] is False
     # Rank 1 serves from its own directory, named after its own port.
     assert any(name.endswith(f"-{tp_pair.kv_port + 1}") for name in (p.name for p in run.iterdir()))

@@ -106,6 +106,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers print these lines
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+DP_ENGINE = re.compile(r"_dp\d+$")
 KEPT_FILES = ("fingerprint.json", "instance.json")  # the worker's, for this process and the agent; never swept
 
 
@@ -135,6 +136,18 @@ def _refuse_unsupported_parallelism(parallel: Any) -> None:
             raise ValueError(f"{name}: PdstackConnector supports 1 only, got {getattr(parallel, name)}")
 
 
+def _one_of_several_dp_engines(parallel: Any, engine_id: str) -> bool:
+    """Whether this engine is one DP engine of several. For a dense model vLLM runs each DP engine as an
+    independent DP 1 (ParallelConfig.reconfigure_for_independent_dp_rank: data_parallel_size 1, only
+    data_parallel_index keeps the rank), so engine 0 of a DP-2 dense instance looks like DP 1 but for the
+    `_dp<rank>` vLLM appends to every DP engine's kv_transfer_config.engine_id (v1/engine/core.py)."""
+    return (
+        int(parallel.data_parallel_size) > 1
+        or int(parallel.data_parallel_index) > 0
+        or bool(DP_ENGINE.search(engine_id))
+    )
+
+
 def lease_id(request: Request) -> str:
     """What prefill holds a request's KV under: the gateway's pdstack_transfer_id (early dispatch: decode was told
     it before prefill ran) when it is one (32 hex characters, never a vLLM request id), else vLLM's request id."""
@@ -157,7 +170,7 @@ class PdstackConnector(KVConnectorBase_V1):
         self.settings = connector_settings.parse(
             dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id,
             tp_size=int(parallel.tensor_parallel_size), dp_index=int(parallel.data_parallel_index),
-            dp_size=int(parallel.data_parallel_size),
+            data_parallel=_one_of_several_dp_engines(parallel, self.engine_id),
         )  # fmt: skip
         self.block_size = int(vllm_config.cache_config.block_size)
         # Scheduler side.

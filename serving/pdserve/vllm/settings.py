@@ -74,7 +74,7 @@ class ConnectorSettings:
     engine_id: str
     kv_cpus: frozenset[int] | None  # None: the forward thread's (see pdserve.vllm.worker.connector_cpus)
     tp_size: int = 1
-    dp_size: int = 1
+    data_parallel: bool = False  # one of several DP engines of an instance (see pdserve.vllm.connector)
     dp_index: int = 0  # vLLM's parallel_config.data_parallel_index: which DP engine of the instance this is
     tp_rank: int = 0  # this worker's tensor-parallel rank (0 in the scheduler process)
 
@@ -122,7 +122,13 @@ class ConnectorSettings:
 
 
 def parse(
-    extra: dict[str, Any], *, producer: bool, engine_id: str, tp_size: int = 1, dp_index: int = 0, dp_size: int = 1
+    extra: dict[str, Any],
+    *,
+    producer: bool,
+    engine_id: str,
+    tp_size: int = 1,
+    dp_index: int = 0,
+    data_parallel: bool = False,
 ) -> ConnectorSettings:
     """Settings from kv_connector_extra_config (and vLLM's parallel layout); raises SettingsError naming the first
     bad key."""
@@ -141,14 +147,13 @@ def parse(
     if producer and not 0 < port < 65536:
         # The scheduler process names the port in kv_transfer_params, but the worker binds it: it must be fixed.
         raise SettingsError("kv_connector_extra_config.port: a prefill (kv_producer) needs a fixed port in 1..65535")
-    if tp_size < 1 or not 0 <= dp_index < max(dp_size, 1):
-        raise SettingsError(f"parallel_config: tensor_parallel_size {tp_size}, data_parallel_index {dp_index} of "
-                            f"data_parallel_size {dp_size}")  # fmt: skip
-    last = port + kv_ports_used(tp_size, dp_size) - 1
+    if tp_size < 1 or dp_index < 0:
+        raise SettingsError(f"parallel_config: tensor_parallel_size {tp_size}, data_parallel_index {dp_index}")
+    last = kv_port_of(port, dp_index=dp_index, tp_size=tp_size, tp_rank=tp_size - 1)
     if producer and last > 65535:
         raise SettingsError(
-            f"kv_connector_extra_config.port: {port} + TP {tp_size} x DP {dp_size} ports (one per worker, see "
-            f"kv_port_of) ends at {last}, above 65535"
+            f"kv_connector_extra_config.port: {port}: DP engine {dp_index}'s {tp_size} TP ranks would listen up to "
+            f"{last} (one port per worker, see kv_port_of), above 65535"
         )
     tls_cert, tls_key = _optional(extra, "tls_cert"), _optional(extra, "tls_key")
     if (tls_cert is None) != (tls_key is None):
@@ -174,7 +179,7 @@ def parse(
         engine_id=engine_id,
         kv_cpus=_cpu_list(extra),
         tp_size=tp_size,
-        dp_size=dp_size,
+        data_parallel=data_parallel,
         dp_index=dp_index,
     )
     for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):

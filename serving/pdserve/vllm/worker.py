@@ -166,8 +166,8 @@ class _Worker:
         write_json_atomically(s.run_dir / "instance.json", {
             "role": role, "fingerprint": self.fingerprint, "fingerprint_fields": self.fields,
             "connector_version": fingerprint.CONNECTOR_VERSION, "kv_host": kv_host, "kv_port": kv_port,
-            "kv_streaming": role == "kv_consumer" or s.dp_size == 1,
-            "tensor_parallel_size": s.tp_size, "data_parallel_size": s.dp_size, "data_parallel_index": s.dp_index,
+            "kv_streaming": role == "kv_consumer" or not s.data_parallel,
+            "tensor_parallel_size": s.tp_size, "data_parallel": s.data_parallel, "data_parallel_index": s.dp_index,
         })  # fmt: skip
 
     def shutdown(self) -> None:
