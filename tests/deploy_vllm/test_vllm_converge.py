@@ -60,6 +60,8 @@ class Deployed:
             "pdstack_model": {"name": MODEL, "source": str(self.cluster.workdir / "models" / MODEL)},
             "pdstack_secrets_dir": str(self.cluster.secrets.folder),
             **ansible_vars(self.serving),  # the environment's rendered vLLM vars, for this CPU stack
+            # the control play validates every role's arguments, even those its tags skip (Prometheus here)
+            "pdstack_prometheus_image": "localhost/pdstack-prometheus@sha256:" + "0" * 64,
             "vllm_engine_cpu_kvcache_space_gib": 1,
             "vllm_engine_shm_size": "1g",
             # one core each: the two engines of this 2-core machine must not share one
