@@ -157,18 +157,21 @@ def completion(gateway: Service, request_id: str) -> httpx.Response:
 
 
 def request_trace(receiver: Receiver, request_id: str) -> list[Span]:
-    """The spans of the trace whose gateway span carries `request_id`, once decode's KV pull is among them."""
+    """The spans of the trace whose gateway span carries `request_id`, once every process has exported its part:
+    gateway (server + 2 clients), prefill and decode servers, decode's kv pull and prefill's kv serve per stream."""
     def found() -> list[Span]:
         roots = [s for s in receiver.spans if s.attributes.get("pdserve.request_id") == request_id]
         spans = receiver.trace(roots[0].trace_id) if roots else []
-        return spans if any(s.name == "kv pull" for s in spans) and len(spans) >= 7 else []
+        pulls = [s for s in spans if s.name == "kv pull"]
+        served = [s for s in spans if s.name == "kv serve"]
+        complete = len(pulls) == 1 and len(served) == pulls[0].attributes["pdserve.kv.streams"]
+        return spans if complete and len(spans) >= 6 + len(served) else []
 
     try:
         wait_for(lambda: bool(found()), timeout=30, what=f"the trace of {request_id}")
     except AssertionError:
-        summary = [(s.service, s.name, s.attributes) for s in receiver.spans if s.service == "pdserve-gateway"]
+        summary = [(s.service, s.name, s.trace_id[:8], s.parent[:8]) for s in receiver.spans]
         raise AssertionError(f"no complete trace of {request_id}; spans received: {summary}") from None
-    time.sleep(0.5)  # spans ended last (the gateway's) may be in a later export
     return found()
 
 
@@ -282,6 +285,7 @@ def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> N
 def untraced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
              receiver: Receiver, traced: Cluster) -> Iterator[Cluster]:
     """pdserve's setting unset; the OTel SDK's own endpoint variable set, which must not turn tracing on."""
+    traced.stop()  # its tests are done (this module's last test uses this one): two clusters at once only crawl
     cluster = Cluster(tmp_path_factory.mktemp("untraced"), gateway_kv_key)
     try:
         with environment(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url("/untraced"), OTEL_BSP_SCHEDULE_DELAY="100",
