@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 MAX_STREAMS = 64
 MAX_PULL_ID = 64
 TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")  # W3C trace context, version 00
-# Unsent bytes a connection may queue in the kernel before a send blocks: a stream takes its pull's next chunk only
-# once this little of its last one is left to go, so chunks go to the streams whose flows are moving (pdserve.kv.share).
+# Unsent bytes a stream of a multi-stream pull may queue in the kernel before a send blocks: it takes its pull's next
+# chunk only once this little of its last one is left to go, so chunks go to the streams whose flows are moving
+# (pdserve.kv.share). Measured: bench/results/kv_channel-2026-12-01-s7-wan.md.
 NOTSENT_LOWAT_BYTES = 256 << 10
 READ_BUFFER_BYTES = 64 << 10  # most a connection buffers in user space before authenticating (it reads frame by frame)
 LISTEN_BACKLOG = 1024
@@ -123,7 +124,7 @@ class KVServer:
         A pull of an id not held yet waits up to `open_wait_s` for prefill to open it (early dispatch: decode may
         ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`.
 
-        The streams of a pull share its chunks (pdserve.kv.share); each connection queues at most
+        The streams of a pull share its chunks (pdserve.kv.share); each stream of a pull of several queues at most
         `notsent_lowat_bytes` unsent in the kernel (TCP_NOTSENT_LOWAT) before a send waits."""
         self.store = store
         self._key = key
@@ -239,7 +240,6 @@ class KVServer:
         except (ssl.SSLError, OSError) as error:
             log.info("kv: TLS handshake with %s failed: %s", peer, error)
             return
-        _set_notsent_lowat(link.sock, self._notsent_lowat)
         # One authenticated connection serves any number of requests, one after another, until the client closes
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
         for served in itertools.count():
@@ -329,6 +329,9 @@ class KVServer:
         request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
                                                   request["first_row"])  # fmt: skip
         stored = self._wait_open(request_id, channel, waits)
+        # Only streams that share chunks need to keep little unsent; one stream alone keeps the kernel's whole buffer
+        # as slack for the moments its thread does not run (0: the system's default, no limit).
+        _set_notsent_lowat(channel.sock, self._notsent_lowat if streams > 1 else 0)
         started = time.perf_counter()
         manifest = stored.manifest.to_bytes()
         channel.send(self._io_timeout, FrameType.MANIFEST, manifest)
