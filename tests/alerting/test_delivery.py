@@ -154,7 +154,8 @@ def test_a_killed_decode_reaches_the_webhook_through_the_critical_route(monitori
 
 
 def test_a_silence_made_through_the_api_stops_delivery(monitoring: Monitoring) -> None:
-    monitoring.webhook.wait_for("PdstackTargetDown", job="pdserve-decode")  # firing (the previous test killed it)
+    monitoring.decode.kill()  # already dead when the previous test ran
+    monitoring.webhook.wait_for("PdstackTargetDown", job="pdserve-decode")
     silence = create_silence(monitoring.alertmanager, {"alertname": "PdstackTargetDown"})
     wait_until(lambda: alert_state(monitoring.alertmanager, "PdstackTargetDown")["silencedBy"] == [silence],
                "Alertmanager marks the alert silenced")  # fmt: skip
