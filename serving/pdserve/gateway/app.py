@@ -183,6 +183,9 @@ class Gateway:
                               "retries": ctx.retries, "prompt_tokens": ctx.request.prompt_tokens,
                               "stream": ctx.request.stream, **ctx.timings})
         record.fields["prompt_text"] = ctx.request.prompt_text
+        route = {"pdserve.route": ctx.route, "pdserve.prefill": ctx.prefill_id, "pdserve.decode": ctx.decode_id,
+                 "pdserve.retries": ctx.retries, "pdserve.prompt_tokens": ctx.request.prompt_tokens}
+        trace.get_current_span().set_attributes({k: v for k, v in route.items() if v is not None})
         if self.settings.trace_prompts:  # into the request's span, which ends with the response's last byte
             trace.get_current_span().set_attribute("pdserve.prompt", ctx.request.prompt_text())
 

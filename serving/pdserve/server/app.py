@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -164,6 +165,7 @@ class RequestIdMiddleware:
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         bound = bind_request_id(request_id)
+        trace.get_current_span().set_attribute("pdserve.request_id", request_id)
         path: str = scope["path"]
         started = time.perf_counter()
         status = 500

@@ -181,6 +181,7 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     by_id = {s.span_id: s for s in spans}
     (root,) = [s for s in spans if not s.parent]
     assert (root.service, root.name, root.kind) == ("pdserve-gateway", "POST /v1/completions", 2)  # SERVER
+    assert (root.attributes["pdserve.route"], root.attributes["pdserve.retries"]) == ("remote_prefill", 0)
     assert all(s.parent in by_id for s in spans if s is not root), "a span's parent is missing from the trace"
 
     def server_span(service: str) -> Span:
@@ -190,6 +191,7 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     for role in ("prefill", "decode"):
         span = server_span(f"pdserve-{role}")
         client = by_id[span.parent]  # the gateway's call, carrying traceparent
+        assert span.attributes["pdserve.request_id"] == "rid-trace-1"
         assert (client.service, client.kind, by_id[client.parent].span_id) == ("pdserve-gateway", 3, root.span_id)
     (pull,) = [s for s in spans if s.name == "kv pull"]
     decode = server_span("pdserve-decode")
