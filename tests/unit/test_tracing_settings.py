@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings
 from pdstack.contract import Component, contract
 from pdstack.model import Model, Serving, Tracing
@@ -25,16 +26,23 @@ def test_without_the_section_no_component_gets_a_tracing_variable() -> None:
         assert set(rendered[component].env()) & TRACING_VARIABLES == set()
 
 
-@pytest.mark.parametrize("component", [Component.GATEWAY, Component.PREFILL, Component.DECODE, Component.COLOCATED])
-def test_the_components_on_a_request_path_read_the_stacks_tracing(component: Component) -> None:
+REQUIRED = {
+    GatewaySettings: {"scheduler_url": "http://s:1", "scheduler_token_file": "/t", "server_token_file": "/t",
+                      "api_keys_file": "/k"},
+    ServerSettings: {"role": "decode", "model": "/m", "kv_key_file": "/k", "api_token_file": "/t"},
+    SchedulerSettings: {"state_file": "/s", "admin_token_file": "/a", "identity_key_file": "/i"},
+}
+MODEL = {Component.GATEWAY: GatewaySettings, Component.SCHEDULER: SchedulerSettings}
+
+
+# The scheduler reads the same settings, but pdstack/contract.py does not render them to it yet.
+@pytest.mark.parametrize("component", [c for c in Component if c is not Component.SCHEDULER])
+def test_every_component_on_a_request_path_reads_the_stacks_tracing(component: Component) -> None:
     env = contract(serving(otlp_endpoint=ENDPOINT, sample_ratio=0.25))[component].env()
-    model = GatewaySettings if component is Component.GATEWAY else ServerSettings
+    model = MODEL.get(component, ServerSettings)
     values = {name: env[f"PDSERVE_{name.upper()}"] for name in ("otlp_traces_endpoint", "trace_sample_ratio",
                                                                  "trace_prompts")}  # fmt: skip
-    parsed = model.model_validate({**values, **({"role": "decode", "model": "/m", "kv_key_file": "/k",
-                                                 "api_token_file": "/t"} if model is ServerSettings else
-                                                {"scheduler_url": "http://s:1", "scheduler_token_file": "/t",
-                                                 "server_token_file": "/t", "api_keys_file": "/k"})})  # fmt: skip
+    parsed = model.model_validate({**values, **REQUIRED[model]})
     assert (parsed.otlp_traces_endpoint, parsed.trace_sample_ratio, parsed.trace_prompts) == (ENDPOINT, 0.25, False)
 
 
