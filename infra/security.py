@@ -53,13 +53,13 @@ def node_openings(access: NodeAccess) -> list[Opening]:
         if role in access.pool_roles:
             port = served[component].port
             openings.append(Opening(f"serving-{role}", port, port, cidrs=control))
-    kv_port = served[Component.PREFILL].kv_port
-    if PoolRole.PREFILL in access.pool_roles and kv_port is not None:
+    kv_ports = served[Component.PREFILL].kv_ports  # one per vLLM worker (TP x DP) or one for pdserve
+    if PoolRole.PREFILL in access.pool_roles and kv_ports:
         kv_sources = access.kv_peer_cidrs
         if access.datacenter_role is DatacenterRole.MIXED:
             kv_sources = (access.own_cidr, *kv_sources)  # decode in the same datacenter pulls locally
         if kv_sources:
-            openings.append(Opening("kv", kv_port, kv_port, cidrs=tuple(sorted(set(kv_sources)))))
+            openings.append(Opening("kv", kv_ports[0], kv_ports[-1], cidrs=tuple(sorted(set(kv_sources)))))
     metrics = served.node_exporter.port
     openings.append(Opening("metrics", metrics, metrics, cidrs=control))
     openings.append(Opening("ssh", SSH_PORT, SSH_PORT, cidrs=access.management_cidrs))

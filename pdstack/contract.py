@@ -27,8 +27,9 @@ from typing import Any
 
 import yaml
 
+from pdserve.vllm.settings import kv_ports_used
 from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
-from pdstack.model import Alerting, Environment, Serving
+from pdstack.model import Alerting, Engine, Environment, KvConnector, PoolRole, Serving
 from pdstack.serving_env import gateway_settings, server_settings
 from pdstack.stackfile import load_stack_file
 
@@ -161,12 +162,13 @@ def gateway_keys_file(key: str, tenant: str) -> str:
 class ComponentContract:
     component: Component
     port: int  # HTTP: API, probes, /metrics
-    kv_port: int | None  # the KV channel (prefill)
+    kv_port: int | None  # the KV channel (prefill): the first of kv_ports
     settings: Mapping[str, str]  # PDSERVE_* values that do not depend on the host it runs on
     secrets: tuple[SecretFile, ...]
     health_live: str = HEALTH_LIVE
     health_ready: str = HEALTH_READY
     metrics_path: str = METRICS_PATH
+    kv_ports: range = range(0)  # every port it listens on for KV (see kv_port_range)
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -237,24 +239,38 @@ class Contract:
         return f"redis://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"
 
 
+def kv_port_range(serving: Serving) -> range:
+    """The ports a prefill node listens on for KV, from serving.ports.kv up: one for pdserve's servers; with vLLM one
+    per worker (PdstackConnector: each TP rank of each DP engine, pdserve.vllm.settings.kv_port_of) or one per DP
+    engine (NIXL's side channel). Security groups and the policy pack open all of them to decode, and no other."""
+    base = serving.ports.kv
+    if serving.engine is not Engine.VLLM or serving.vllm is None:
+        return range(base, base + 1)
+    role = serving.vllm.role(PoolRole.PREFILL)
+    if serving.vllm.kv_connector is KvConnector.NIXL:
+        return range(base, base + role.data_parallel_size)
+    return range(base, base + kv_ports_used(role.tensor_parallel_size, role.data_parallel_size))
+
+
 def contract(serving: Serving) -> Contract:
     ports = serving.ports
     common = {setting("host"): LISTEN_HOST}
     server = server_settings(serving)
 
     def make(
-        component: Component, port: int, extra: Mapping[str, str], kv_port: int | None = None
+        component: Component, port: int, extra: Mapping[str, str], kv_ports: range = range(0)
     ) -> ComponentContract:
         values = {**common, setting("port"): str(port), **extra}
+        kv_port = kv_ports.start if kv_ports else None
         if kv_port is not None:
             values[setting("kv_port")] = str(kv_port)
-        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component])
+        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports)
 
     components = {
         Component.GATEWAY: make(Component.GATEWAY, ports.gateway, gateway_settings(serving)),
         Component.SCHEDULER: make(Component.SCHEDULER, ports.scheduler,
                                   {setting("state_file"): f"{STATE_DIR}/weights.json"}),
-        Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_port=ports.kv),
+        Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_ports=kv_port_range(serving)),
         Component.DECODE: make(Component.DECODE, ports.decode, server),
         # colocated stands where decode stands (a mixed node serves both without the KV channel)
         Component.COLOCATED: make(Component.COLOCATED, ports.decode, server),
@@ -366,8 +382,9 @@ KV_PORT_POLICY = "kv-port-peers-only"  # policy/rules.py: the rule that reads th
 
 def policy_config(c: Contract) -> dict[str, Any]:
     """The policy pack's config (`pulumi preview --policy-pack policy --policy-pack-config policy/config/<env>.json`):
-    the KV port its rule checks is the port prefill listens on."""
-    return {KV_PORT_POLICY: {"kvPort": c[Component.PREFILL].kv_port}}
+    the KV ports its rule checks are the ports prefill listens on for KV (kvPort to kvPortLast)."""
+    kv = c[Component.PREFILL].kv_ports
+    return {KV_PORT_POLICY: {"kvPort": kv.start, "kvPortLast": kv[-1]}}
 
 
 def render_policy_config(serving: Serving) -> str:

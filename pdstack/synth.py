@@ -26,6 +26,7 @@ from pulumi.runtime.config import set_all_config
 from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.sync_await import _sync_await
 
+from pdstack.contract import KV_PORT_POLICY, contract, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
 from pdstack.stackfile import StackFile, StackFileError, load_stack_file
 from pdstack.stacks import EnvironmentLoadError, load_environment, stack_files
@@ -108,7 +109,7 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
     rules = load_rules(root)
     result.violations = rules.evaluate(
         [rules.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
-        rules.PolicyConfig(kv_port=_kv_port(environment)),
+        _policy_config(rules, environment),
     )
     result.policies_checked = len(rules.POLICY_NAMES)
     return result
@@ -137,11 +138,13 @@ def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
     return configs
 
 
-def _kv_port(environment: dict[str, StackConfig]) -> int:
-    for cfg in environment.values():
-        if cfg.serving is not None:
-            return cfg.serving.ports.kv
-    return 8400
+def _policy_config(rules: ModuleType, environment: dict[str, StackConfig]) -> Any:
+    """The pack's config as `pulumi preview` gets it from policy/config/<env>.json (pdstack.contract.policy_config)."""
+    serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
+    if serving is None:
+        return rules.PolicyConfig()
+    kv = policy_config(contract(serving))[KV_PORT_POLICY]
+    return rules.PolicyConfig(kv_port=kv["kvPort"], kv_port_last=kv["kvPortLast"])
 
 
 def _config_strings(config: dict[str, Any]) -> dict[str, str]:

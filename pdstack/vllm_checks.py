@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdstack.catalog import Catalog, InstanceType
+from pdstack.contract import kv_port_range
 from pdstack.model import Engine, KvConnector, NodePool, PoolRole, Serving, Vllm
 from pdstack.plan.models import Attention, ModelSpec
 from pdstack.plan.parallel import (
@@ -32,7 +33,6 @@ from pdstack.plan.parallel import (
 )
 from pdstack.plan.stacks import control_of, model_for
 from pdstack.stackfile import Problem, StackFile
-from pdstack.vllm_command import kv_port_range
 
 SERVING_ROLES = (PoolRole.PREFILL, PoolRole.DECODE)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

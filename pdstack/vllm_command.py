@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.vllm.settings import kv_ports_used
 from pdstack.contract import INSTANCE_TOKEN, KV_KEY, LISTEN_HOST, SERVER_TOKEN, SecretFile, contract
 from pdstack.model import Engine, KvConnector, PoolRole, Serving, Vllm
 
@@ -66,18 +65,6 @@ def kv_port(serving: Serving) -> int:
     port = contract(serving)["prefill"].kv_port
     assert port is not None  # the contract gives prefill its KV port
     return port
-
-
-def kv_port_range(serving: Serving) -> range:
-    """The ports a vLLM prefill node listens on for KV: one per worker (TP rank of each DP engine), from the
-    contract's KV port up (pdserve.vllm.settings.kv_port_of, the connector's own rule). Security groups and
-    firewalls must open all of them to decode; NIXL's side channel is one port per DP engine (base + DP index)."""
-    v = _vllm(serving)
-    role = v.role(PoolRole.PREFILL)
-    base = kv_port(serving)
-    if v.kv_connector is KvConnector.NIXL:
-        return range(base, base + role.data_parallel_size)
-    return range(base, base + kv_ports_used(role.tensor_parallel_size, role.data_parallel_size))
 
 
 def kv_transfer_config(

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract import environment_serving, environments
+from pdstack.contract import environment_serving, environments, kv_port_range
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.vllm_command import (
     AGENT_MODULE,
@@ -33,7 +33,6 @@ from pdstack.vllm_command import (
     engine_args,
     engine_env,
     http_port,
-    kv_port_range,
     secret_files,
 )
 

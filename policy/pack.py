@@ -19,12 +19,17 @@ from pulumi_policy import (
 
 PACK_NAME = "pdstack"
 CONFIG_SCHEMA = PolicyConfigSchema(
-    properties={"kvPort": {"type": "integer", "default": 8400, "description": "the environment's KV channel port"}}
+    properties={
+        "kvPort": {"type": "integer", "default": 8400, "description": "the environment's first KV channel port"},
+        "kvPortLast": {"type": "integer", "description": "its last KV port (a vLLM prefill: one per worker)"},
+    }
 )
 
 
 def _config(raw: Mapping[str, Any]) -> rules.PolicyConfig:
-    return rules.PolicyConfig(kv_port=int(raw.get("kvPort", rules.PolicyConfig.kv_port)))
+    last = raw.get("kvPortLast")
+    return rules.PolicyConfig(kv_port=int(raw.get("kvPort", rules.PolicyConfig.kv_port)),
+                              kv_port_last=None if last is None else int(last))  # fmt: skip
 
 
 def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:

@@ -37,6 +37,15 @@ K8S_WORKLOADS = ("kubernetes:apps/v1:Deployment", "kubernetes:apps/v1:StatefulSe
 @dataclass(frozen=True)
 class PolicyConfig:
     kv_port: int = 8400
+    kv_port_last: int | None = None  # a vLLM prefill listens on one KV port per worker: kv_port..kv_port_last
+
+    @property
+    def kv_ports(self) -> range:
+        return range(self.kv_port, (self.kv_port if self.kv_port_last is None else self.kv_port_last) + 1)
+
+    def describe_kv_ports(self) -> str:
+        ports = self.kv_ports
+        return f"KV port {ports[0]}" if len(ports) == 1 else f"KV ports {ports[0]}-{ports[-1]}"
 
 
 @dataclass(frozen=True)
@@ -138,24 +147,25 @@ def check_no_open_ingress(type_: str, props: dict[str, Any], config: PolicyConfi
 # --- kv-port-peers-only -------------------------------------------------------------------------------------------
 
 
-def _covers(props: dict[str, Any], port: int) -> bool:
+def _covers(props: dict[str, Any], ports: range) -> bool:
+    """The rule opens at least one of `ports`."""
     if str(props.get("ipProtocol", props.get("protocol"))) in ("-1", "all"):
         return True
     low, high = props.get("fromPort"), props.get("toPort")
     # Numbers reach policies as JSON numbers: 8400 or 8400.0.
-    return isinstance(low, int | float) and isinstance(high, int | float) and low <= port <= high
+    return isinstance(low, int | float) and isinstance(high, int | float) and low <= ports[-1] and ports[0] <= high
 
 
 def check_kv_port_peers_only(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
-    """The KV port admits only the peer datacenters' private networks, through rules that say so."""
+    """The KV ports admit only the peer datacenters' private networks, through rules that say so."""
     problems = []
     if type_ == INGRESS_RULE:
         cidrs = _ingress_cidrs(type_, props)
-        if not cidrs or not _covers(props, config.kv_port):
+        if not cidrs or not _covers(props, config.kv_ports):
             return []  # group-to-group rules (EFA within its own group) carry no address range
         purpose = (props.get("tags") or {}).get(PURPOSE_TAG)
         if purpose != "kv":
-            problems.append(f"opens the KV port {config.kv_port} as part of a {purpose or 'untagged'} rule")
+            problems.append(f"opens the {config.describe_kv_ports()} as part of a {purpose or 'untagged'} rule")
         for cidr in cidrs:
             net = _network(cidr)
             if net is None or not any(net.subnet_of(p) for p in PRIVATE_NETWORKS):
@@ -166,7 +176,7 @@ def check_kv_port_peers_only(type_: str, props: dict[str, Any], config: PolicyCo
         rules = (
             props.get("ingress", []) if type_ == SECURITY_GROUP else [props] if props.get("type") == "ingress" else []
         )
-        if any(_covers(r, config.kv_port) and (r.get("cidrBlocks") or r.get("ipv6CidrBlocks")) for r in rules):
+        if any(_covers(r, config.kv_ports) and (r.get("cidrBlocks") or r.get("ipv6CidrBlocks")) for r in rules):
             problems.append("the KV port may only be opened by a tagged SecurityGroupIngressRule per peer network")
     return problems
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from ipaddress import IPv4Network, ip_network
 from itertools import combinations
 
@@ -12,8 +13,9 @@ from infra.prometheus import DatacenterTarget, scrape_config
 from infra.secrets import DAY_S, rotation_period
 from infra.security import NodeAccess, node_openings
 from infra.storage import bucket_name
-from pdstack.contract import NODE_EXPORTER_PORT, contract
+from pdstack.contract import NODE_EXPORTER_PORT, contract, environment_serving
 from pdstack.model import DatacenterRole, Model, PoolRole, Ports, Serving
+from tests.conftest import STACKS
 
 CONTRACT = contract(Serving(model=Model(name="m", path="/m")))
 
@@ -31,18 +33,34 @@ def test_subnet_plan_fits_disjoint_subnets_of_at_least_slash_28(cidr: str) -> No
 
 def _access(role: DatacenterRole, pools: set[PoolRole], peers: tuple[str, ...], efa: bool = False) -> NodeAccess:
     return NodeAccess(
-        pool_roles=frozenset(pools), datacenter_role=role, contract=CONTRACT, own_cidr="10.1.0.0/16",
-        control_cidr="10.0.0.0/20", kv_peer_cidrs=peers, management_cidrs=("10.1.160.0/20",), efa=efa,
+        pool_roles=frozenset(pools),
+        datacenter_role=role,
+        contract=CONTRACT,
+        own_cidr="10.1.0.0/16",
+        control_cidr="10.0.0.0/20",
+        kv_peer_cidrs=peers,
+        management_cidrs=("10.1.160.0/20",),
+        efa=efa,
     )
 
 
 def test_prefill_nodes_open_kv_to_their_decode_peers_only() -> None:
-    openings = {o.purpose: o for o in node_openings(_access(DatacenterRole.PREFILL, {PoolRole.PREFILL},
-                                                            ("10.2.0.0/16",)))}
+    openings = {
+        o.purpose: o for o in node_openings(_access(DatacenterRole.PREFILL, {PoolRole.PREFILL}, ("10.2.0.0/16",)))
+    }
     assert openings["kv"].cidrs == ("10.2.0.0/16",) and openings["kv"].from_port == Ports().kv
     assert openings["serving-prefill"].cidrs == ("10.0.0.0/20",)
     assert openings["ssh"].cidrs == ("10.1.160.0/20",)
     assert "efa" not in openings
+
+
+def test_a_vllm_prefill_opens_one_kv_port_per_worker_to_its_peers() -> None:
+    """PdstackConnector: each TP rank of each DP engine serves its KV on its own port (kv_port_of); prod's prefill
+    is TP 8 x DP 1."""
+    prod = contract(environment_serving(STACKS, "prod"))
+    access = dataclasses.replace(_access(DatacenterRole.PREFILL, {PoolRole.PREFILL}, ("10.2.0.0/16",)), contract=prod)
+    kv = next(o for o in node_openings(access) if o.purpose == "kv")
+    assert (kv.from_port, kv.to_port, kv.cidrs) == (Ports().kv, Ports().kv + 7, ("10.2.0.0/16",))
 
 
 def test_decode_nodes_do_not_open_the_kv_port() -> None:
@@ -51,8 +69,12 @@ def test_decode_nodes_do_not_open_the_kv_port() -> None:
 
 
 def test_mixed_datacenters_admit_their_own_decode_to_kv_and_efa_within_the_group() -> None:
-    openings = {o.purpose: o for o in node_openings(
-        _access(DatacenterRole.MIXED, {PoolRole.PREFILL, PoolRole.DECODE}, ("10.2.0.0/16",), efa=True))}
+    openings = {
+        o.purpose: o
+        for o in node_openings(
+            _access(DatacenterRole.MIXED, {PoolRole.PREFILL, PoolRole.DECODE}, ("10.2.0.0/16",), efa=True)
+        )
+    }
     assert openings["kv"].cidrs == ("10.1.0.0/16", "10.2.0.0/16")
     assert openings["efa"].self_only and openings["efa"].protocol == "-1" and not openings["efa"].cidrs
 
@@ -63,13 +85,24 @@ def test_no_opening_is_ever_to_the_internet() -> None:
 
 
 def test_scrape_config_has_one_job_per_component_with_a_discovery_per_datacenter() -> None:
-    config = scrape_config("prod", "pdstack-prod", CONTRACT, [
-        DatacenterTarget("a", "us-east-1", (PoolRole.PREFILL,)),
-        DatacenterTarget("b", "us-west-2", (PoolRole.PREFILL, PoolRole.DECODE)),
-    ])
+    config = scrape_config(
+        "prod",
+        "pdstack-prod",
+        CONTRACT,
+        [
+            DatacenterTarget("a", "us-east-1", (PoolRole.PREFILL,)),
+            DatacenterTarget("b", "us-west-2", (PoolRole.PREFILL, PoolRole.DECODE)),
+        ],
+    )
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert set(jobs) == {"prometheus", "pdserve-gateway", "pdserve-scheduler", "pdserve-prefill", "pdserve-decode",
-                         "node"}
+    assert set(jobs) == {
+        "prometheus",
+        "pdserve-gateway",
+        "pdserve-scheduler",
+        "pdserve-prefill",
+        "pdserve-decode",
+        "node",
+    }
     assert [sd["region"] for sd in jobs["pdserve-prefill"]["ec2_sd_configs"]] == ["us-east-1", "us-west-2"]
     assert jobs["pdserve-decode"]["ec2_sd_configs"][0]["port"] == Ports().decode
     assert {sd["port"] for sd in jobs["node"]["ec2_sd_configs"]} == {NODE_EXPORTER_PORT}

@@ -31,6 +31,7 @@ from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.app import create_app as scheduler_app
 from pdserve.scheduler.settings import SchedulerSettings, load_settings
 from pdserve.server.settings import ServerSettings, settings_from_args
+from pdserve.vllm.settings import kv_port_of
 from pdstack.alerting import alertmanager_config
 from pdstack.contract import (
     JOBS,
@@ -44,7 +45,9 @@ from pdstack.contract import (
     prometheus_url_parameter,
     scheduler_url_parameter,
 )
+from pdstack.model import PoolRole
 from pdstack.synth import Synthesis
+from pdstack.vllm_command import connector_extra_config
 
 from .conftest import ROOT, STACKS, stack_config
 
@@ -83,9 +86,20 @@ def ingress_ports(graph: Synthesis) -> dict[str, set[int]]:
     for rule in graph.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"):
         purpose = rule.inputs["tags"].get("pdstack:purpose", "")
         if rule.inputs.get("fromPort") is not None:
-            assert rule.inputs["fromPort"] == rule.inputs["toPort"], rule.name
-            found.setdefault(purpose, set()).add(int(rule.inputs["fromPort"]))
+            ports = range(int(rule.inputs["fromPort"]), int(rule.inputs["toPort"]) + 1)
+            found.setdefault(purpose, set()).update(ports)
     return found
+
+
+def vllm_kv_ports(env: str) -> set[int]:
+    """The ports a vLLM prefill's workers listen on, by the connector's own rule (pdserve.vllm.settings.kv_port_of)
+    applied to the stack's parallelism and the connector's extra config."""
+    serving = environment_serving(STACKS, env)
+    assert serving.vllm is not None
+    role = serving.vllm.role(PoolRole.PREFILL)
+    base = connector_extra_config(serving, PoolRole.PREFILL, "10.1.0.10")["port"]
+    return {kv_port_of(base, dp_index=d, tp_size=role.tensor_parallel_size, tp_rank=r)
+            for d in range(role.data_parallel_size) for r in range(role.tensor_parallel_size)}  # fmt: skip
 
 
 # -- the Ansible side: rendered vars parsed by pdserve ---------------------------------------------------------------
@@ -118,7 +132,9 @@ def test_each_security_group_port_is_the_port_its_container_listens_on(graphs: d
         assert ports["metrics"] == {NODE_EXPORTER_PORT}, name
         if "serving-prefill" in ports:
             assert ports["serving-prefill"] == {prefill.port}, name
-            assert ports["kv"] == {prefill.kv_port}, name  # what decode dials is what prefill listens on
+            # what decode dials is what prefill listens on: every vLLM worker's port where vLLM serves
+            listening = vllm_kv_ports(env) if environment_serving(STACKS, env).vllm else {prefill.kv_port}
+            assert ports["kv"] == listening, name
             seen.add("prefill")
         if "serving-decode" in ports:
             assert ports["serving-decode"] == {decode.port}, name

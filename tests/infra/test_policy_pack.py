@@ -42,16 +42,23 @@ def pack() -> list[Any]:
 def _options() -> PolicyResourceOptions:
     timeouts = PolicyCustomTimeouts(0, 0, 0)
     return PolicyResourceOptions(
-        protect=False, ignore_changes=[], delete_before_replace=None, aliases=[], custom_timeouts=timeouts,
+        protect=False,
+        ignore_changes=[],
+        delete_before_replace=None,
+        aliases=[],
+        custom_timeouts=timeouts,
         additional_secret_outputs=[],
     )
 
 
-def run_pack(pack: list[Any], resources: list[Resource], kv_port: int = 8400) -> list[tuple[str, str]]:
+def run_pack(
+    pack: list[Any], resources: list[Resource], kv_port: int = 8400, kv_port_last: int | None = None
+) -> list[tuple[str, str]]:
     """Every (policy, message) the pack reports, as the Pulumi engine would call it during a preview."""
     found: list[tuple[str, str]] = []
-    config = {"kvPort": kv_port}
+    config = {"kvPort": kv_port} | ({"kvPortLast": kv_port_last} if kv_port_last is not None else {})
     for policy in pack:
+
         def report(message: str, urn: str | None = None, name: str = policy.name) -> None:
             found.append((name, message))
 
@@ -61,8 +68,7 @@ def run_pack(pack: list[Any], resources: list[Resource], kv_port: int = 8400) ->
                 policy.validate(args, report)
         else:
             assert isinstance(policy, StackValidationPolicy)
-            graph = [PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, None, [], {})
-                     for r in resources]
+            graph = [PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, None, [], {}) for r in resources]
             policy.validate(StackValidationArgs(graph, config), report)
     return found
 
@@ -108,29 +114,59 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
 
 EDITS = [
-    ("kv port open to the world", INGRESS, _set("cidrIpv4", "0.0.0.0/0"), "-kv-",
-     {"no-open-ingress", "kv-port-peers-only"}),
+    (
+        "kv port open to the world",
+        INGRESS,
+        _set("cidrIpv4", "0.0.0.0/0"),
+        "-kv-",
+        {"no-open-ingress", "kv-port-peers-only"},
+    ),
     ("kv port open to all of 10/8", INGRESS, _set("cidrIpv4", "10.0.0.0/8"), "-kv-", {"kv-port-peers-only"}),
     ("ssh widened to cover the kv port", INGRESS, _set("toPort", 65535), "-ssh-", {"kv-port-peers-only"}),
-    ("root volume unencrypted", TEMPLATE, _set("blockDeviceMappings.0.ebs.encrypted", "false"), "",
-     {"encryption-at-rest"}),
+    (
+        "root volume unencrypted",
+        TEMPLATE,
+        _set("blockDeviceMappings.0.ebs.encrypted", "false"),
+        "",
+        {"encryption-at-rest"},
+    ),
     ("IMDSv1 allowed", TEMPLATE, _set("metadataOptions.httpTokens", "optional"), "", {"imdsv2-required"}),
-    ("EFA without cluster placement", "aws:ec2/placementGroup:PlacementGroup", _set("strategy", "spread"), "",
-     {"efa-cluster-placement"}),
+    (
+        "EFA without cluster placement",
+        "aws:ec2/placementGroup:PlacementGroup",
+        _set("strategy", "spread"),
+        "",
+        {"efa-cluster-placement"},
+    ),
     ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
-    ("bucket versioning suspended", "aws:s3/bucketVersioning:BucketVersioning",
-     _set("versioningConfiguration.status", "Suspended"), "", {"s3-buckets-protected"}),
-    ("bucket encryption dropped to SSE-S3", "aws:s3/bucketServerSideEncryptionConfiguration:"
-     "BucketServerSideEncryptionConfiguration", _set("rules.0.applyServerSideEncryptionByDefault.sseAlgorithm",
-                                                     "AES256"), "", {"encryption-at-rest"}),
+    (
+        "bucket versioning suspended",
+        "aws:s3/bucketVersioning:BucketVersioning",
+        _set("versioningConfiguration.status", "Suspended"),
+        "",
+        {"s3-buckets-protected"},
+    ),
+    (
+        "bucket encryption dropped to SSE-S3",
+        "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+        _set("rules.0.applyServerSideEncryptionByDefault.sseAlgorithm", "AES256"),
+        "",
+        {"encryption-at-rest"},
+    ),
     ("key rotation off", "aws:kms/key:Key", _set("enableKeyRotation", False), "", {"encryption-at-rest"}),
 ]
 
 
 @pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), EDITS, ids=[e[0] for e in EDITS])
 def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parameters)
-    pack: list[Any], rules: Any, graphs: dict[str, Synthesis], what: str, type_: str,
-    change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
+    pack: list[Any],
+    rules: Any,
+    graphs: dict[str, Synthesis],
+    what: str,
+    type_: str,
+    change: Callable[[dict[str, Any]], None],
+    only: str,
+    expected: set[str],
 ) -> None:
     edited = _edit(graphs["prod-prefill-us-east-1"], type_, change, only)
     assert {policy for policy, _ in run_pack(pack, edited)} == expected
@@ -139,27 +175,57 @@ def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parame
 
 
 CONTROL_EDITS = [
-    ("gateway load balancer open to the world", "kubernetes:core/v1:Service",
-     _set("spec.loadBalancerSourceRanges", ["0.0.0.0/0"]), "gateway", {"no-open-ingress"}),
-    ("gateway load balancer made public", "kubernetes:core/v1:Service",
-     lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-internal"), "gateway",
-     {"no-open-ingress"}),
-    ("readiness probe copied from liveness", "kubernetes:apps/v1:Deployment",
-     lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
-         readinessProbe=i["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]), "gateway",
-     {"probes-distinct"}),
-    ("EKS API opened publicly", "aws:eks/cluster:Cluster", _set("vpcConfig.endpointPublicAccess", True), "",
-     {"no-open-ingress"}),
-    ("secret without the environment key", "aws:secretsmanager/secret:Secret", lambda i: i.pop("kmsKeyId"), "",
-     {"encryption-at-rest"}),
+    (
+        "gateway load balancer open to the world",
+        "kubernetes:core/v1:Service",
+        _set("spec.loadBalancerSourceRanges", ["0.0.0.0/0"]),
+        "gateway",
+        {"no-open-ingress"},
+    ),
+    (
+        "gateway load balancer made public",
+        "kubernetes:core/v1:Service",
+        lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-internal"),
+        "gateway",
+        {"no-open-ingress"},
+    ),
+    (
+        "readiness probe copied from liveness",
+        "kubernetes:apps/v1:Deployment",
+        lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+            readinessProbe=i["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+        ),
+        "gateway",
+        {"probes-distinct"},
+    ),
+    (
+        "EKS API opened publicly",
+        "aws:eks/cluster:Cluster",
+        _set("vpcConfig.endpointPublicAccess", True),
+        "",
+        {"no-open-ingress"},
+    ),
+    (
+        "secret without the environment key",
+        "aws:secretsmanager/secret:Secret",
+        lambda i: i.pop("kmsKeyId"),
+        "",
+        {"encryption-at-rest"},
+    ),
 ]
 
 
-@pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), CONTROL_EDITS,
-                         ids=[e[0] for e in CONTROL_EDITS])
+@pytest.mark.parametrize(
+    ("what", "type_", "change", "only", "expected"), CONTROL_EDITS, ids=[e[0] for e in CONTROL_EDITS]
+)
 def test_the_pack_catches_control_plane_edits(  # noqa: PLR0917 (pytest parameters)
-    pack: list[Any], graphs: dict[str, Synthesis], what: str, type_: str,
-    change: Callable[[dict[str, Any]], None], only: str, expected: set[str],
+    pack: list[Any],
+    graphs: dict[str, Synthesis],
+    what: str,
+    type_: str,
+    change: Callable[[dict[str, Any]], None],
+    only: str,
+    expected: set[str],
 ) -> None:
     edited = _edit(graphs["prod-control"], type_, change, only)
     assert {policy for policy, _ in run_pack(pack, edited)} == expected
@@ -171,15 +237,23 @@ def test_the_kv_port_comes_from_the_pack_config(pack: list[Any], graphs: dict[st
     assert {p for p, _ in found} == {"kv-port-peers-only"}
 
 
+def test_every_kv_port_of_the_range_is_checked(pack: list[Any], graphs: dict[str, Synthesis]) -> None:
+    """A vLLM prefill listens on one KV port per worker: SSH's 22 inside a configured 20-23 is caught, not only
+    the range's ends."""
+    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=20, kv_port_last=23)
+    assert {p for p, _ in found} == {"kv-port-peers-only"}
+    assert any("KV ports 20-23" in message for _, message in found)
+
+
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])
 def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
     pack: list[Any], graphs: dict[str, Synthesis], env: str
 ) -> None:
     """policy/config/<env>.json (pdstack.contract) is what `pulumi preview --policy-pack-config` gets: its KV port is
     the contract's, and the environment's stacks pass the pack under it."""
-    config = json.loads((ROOT / "policy" / "config" / f"{env}.json").read_text())
-    kv_port = config["kv-port-peers-only"]["kvPort"]
-    assert kv_port == contract(environment_serving(ROOT / "stacks", env))[Component.PREFILL].kv_port
+    config = json.loads((ROOT / "policy" / "config" / f"{env}.json").read_text())["kv-port-peers-only"]
+    ports = contract(environment_serving(ROOT / "stacks", env))[Component.PREFILL].kv_ports
+    assert (config["kvPort"], config["kvPortLast"]) == (ports[0], ports[-1])
     for name, graph in graphs.items():
         if name.startswith(f"{env}-"):
-            assert run_pack(pack, graph.resources, kv_port=kv_port) == [], name
+            assert run_pack(pack, graph.resources, config["kvPort"], config["kvPortLast"]) == [], name

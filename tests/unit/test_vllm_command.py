@@ -15,7 +15,15 @@ from pdserve import cli
 from pdserve.agent.settings import AgentSettings
 from pdserve.scheduler.settings import load_settings
 from pdserve.vllm.settings import ConnectorSettings, SettingsError, parse
-from pdstack.contract import INSTANCE_TOKEN, KV_KEY, LISTEN_HOST, SERVER_TOKEN, contract, environment_serving
+from pdstack.contract import (
+    INSTANCE_TOKEN,
+    KV_KEY,
+    LISTEN_HOST,
+    SERVER_TOKEN,
+    contract,
+    environment_serving,
+    kv_port_range,
+)
 from pdstack.model import Engine, KvConnector, Model, PoolRole, Serving, Vllm
 from pdstack.vllm_command import (
     API_SERVER,
@@ -27,7 +35,6 @@ from pdstack.vllm_command import (
     engine_args,
     engine_command,
     engine_env,
-    kv_port_range,
 )
 from tests.conftest import STACKS
 
