@@ -62,7 +62,7 @@ def render_play(out: Path, side: str, topology: dict[str, Any]) -> dict[str, Any
                "stack": {"engine": "vllm", **{k: v for k, v in STACK.items() if k != "sides"},
                          "side": STACK["sides"][side]}}  # fmt: skip
     variables = {"vllm_engine_side": side, "vllm_engine_stack": STACK, "pdstack_address": ADDRESS,
-                 "pdserve_scheduler_url": SCHEDULER, "vllm_engine__release": release, "pdserve__engine_id": ENGINE_ID,
+                 "pdstack_scheduler_url": SCHEDULER, "vllm_engine__release": release, "pdserve__engine_id": ENGINE_ID,
                  "pdserve__secret_mounts": MOUNTS, "pdserve__cpuset_cpus": "2-3", "pdserve__cpuset_mems": "0",
                  "vllm_engine__topology": topology}  # fmt: skip
     case = out.with_suffix(".vars.json")  # after the role's defaults, which a play's own vars would not override
