@@ -30,7 +30,7 @@ import yaml
 from pdserve.vllm.settings import kv_ports_used
 from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
 from pdstack.model import Alerting, Engine, Environment, KvConnector, PoolRole, Serving
-from pdstack.serving_env import gateway_settings, server_settings
+from pdstack.serving_env import gateway_settings, server_settings, tracing_settings
 from pdstack.stackfile import load_stack_file
 
 # -- what pdserve itself fixes (serving/pdserve/*/settings.py, serving/Containerfile) --------------------------
@@ -269,7 +269,7 @@ def contract(serving: Serving) -> Contract:
     components = {
         Component.GATEWAY: make(Component.GATEWAY, ports.gateway, gateway_settings(serving)),
         Component.SCHEDULER: make(Component.SCHEDULER, ports.scheduler,
-                                  {setting("state_file"): f"{STATE_DIR}/weights.json"}),
+                                  {setting("state_file"): f"{STATE_DIR}/weights.json", **tracing_settings(serving)}),
         Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_ports=kv_port_range(serving)),
         Component.DECODE: make(Component.DECODE, ports.decode, server),
         # colocated stands where decode stands (a mixed node serves both without the KV channel)

@@ -217,6 +217,7 @@ OWNED_FLAGS: dict[str, str] = {
     "enable-eplb": "serving.vllm.<prefill|decode>.enable_eplb",
     "eplb-config": "serving.vllm.<prefill|decode>.num_redundant_experts",
     "kv-transfer-config": "serving.vllm.kv_connector",
+    "otlp-traces-endpoint": "serving.tracing.otlp_endpoint",
 }
 """Flags pdstack derives from typed settings: passing one as an extra flag would fork the truth."""
 

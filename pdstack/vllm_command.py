@@ -145,6 +145,8 @@ def engine_args(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTl
     if role.num_redundant_experts:
         args += ["--eplb-config", json.dumps({"num_redundant_experts": role.num_redundant_experts})]
     args += _extra_flags(serving)
+    if serving.tracing is not None:  # vLLM continues the gateway's trace (engine_env says how it exports)
+        args += ["--otlp-traces-endpoint", serving.tracing.otlp_endpoint]
     config = kv_transfer_config(serving, side, advertise_host, tls)
     args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
     return tuple(args)
@@ -156,11 +158,18 @@ def engine_command(serving: Serving, side: PoolRole, advertise_host: str, tls: K
 
 def engine_env(serving: Serving, side: PoolRole, advertise_host: str) -> dict[str, str]:
     """Plain environment the engine needs besides its image's own (ENGINE_SECRET_ENV comes as secrets): NIXL's
-    side channel, where decode reaches prefill's handshake listener (the contract's KV port)."""
+    side channel, where decode reaches prefill's handshake listener (the contract's KV port); with tracing, how
+    vLLM's OpenTelemetry exporter sends (OTLP/HTTP like pdserve's, vLLM's default is gRPC) and samples (the
+    gateway's decision, else the stack's ratio)."""
     v = _vllm_of(serving, side)
-    if v.kv_connector is not KvConnector.NIXL:
-        return {}
-    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": advertise_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port(serving))}
+    env: dict[str, str] = {}
+    if v.kv_connector is KvConnector.NIXL:
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": advertise_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port(serving))}
+    if serving.tracing is not None:
+        env |= {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{side}",
+                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": str(serving.tracing.sample_ratio)}  # fmt: skip
+    return env
 
 
 def agent_args(

@@ -35,8 +35,7 @@ REQUIRED = {
 MODEL = {Component.GATEWAY: GatewaySettings, Component.SCHEDULER: SchedulerSettings}
 
 
-# The scheduler reads the same settings, but pdstack/contract.py does not render them to it yet.
-@pytest.mark.parametrize("component", [c for c in Component if c is not Component.SCHEDULER])
+@pytest.mark.parametrize("component", list(Component))
 def test_every_component_on_a_request_path_reads_the_stacks_tracing(component: Component) -> None:
     env = contract(serving(otlp_endpoint=ENDPOINT, sample_ratio=0.25))[component].env()
     model = MODEL.get(component, ServerSettings)

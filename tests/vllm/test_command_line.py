@@ -18,8 +18,8 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from pdstack.contract import environment_serving
-from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Vllm
-from pdstack.vllm_command import API_SERVER, engine_args, engine_command
+from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Tracing, Vllm
+from pdstack.vllm_command import API_SERVER, engine_args, engine_command, engine_env
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 HOST = "10.20.1.7"
@@ -86,6 +86,16 @@ def test_vllm_parses_the_rendered_argv_to_the_stacks_settings(
         assert issubclass(connector, KVConnectorBase_V1)
     else:
         assert (kv.kv_connector, kv.kv_connector_module_path) == ("NixlConnector", None)
+
+
+def test_with_tracing_vllm_exports_to_the_stacks_endpoint(parser: FlexibleArgumentParser) -> None:
+    endpoint = "http://collector.internal:4318/v1/traces"
+    traced = CPU.model_copy(update={"tracing": Tracing(otlp_endpoint=endpoint, sample_ratio=0.5)})
+    for side in (PoolRole.PREFILL, PoolRole.DECODE):
+        engine = AsyncEngineArgs.from_cli_args(parsed(parser, engine_args(traced, side, HOST)))
+        assert engine.otlp_traces_endpoint == endpoint
+        assert engine_env(traced, side, HOST)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert AsyncEngineArgs.from_cli_args(parsed(parser, engine_args(CPU, side, HOST))).otlp_traces_endpoint is None
 
 
 def test_cpu_extra_args_reach_vllm(parser: FlexibleArgumentParser) -> None:
