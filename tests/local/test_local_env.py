@@ -28,6 +28,7 @@ from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
 from tests.dashboardcheck import query_problems
+from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.load import LONG_PROMPT, ClientLoad
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,6 +256,11 @@ def test_a_killed_decode_container_is_restarted_and_requests_recover(local: Loca
     assert after and all(r.ok for r in after), [r.detail for r in after if not r.ok]
     # The gateway retries a failed decode on the other one; at most the streams cut off mid-way fail.
     assert sum(not r.ok for r in results) <= 0.1 * len(results), load.failures()
+
+
+def test_the_restarted_decode_alert_reaches_a_webhook_through_alertmanager(local: Local) -> None:
+    """Right after the kill above: its PdstackContainerRestarting goes Prometheus -> Alertmanager -> webhook."""
+    assert_a_restarted_decode_reaches_the_webhook(local)
 
 
 def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Local) -> None:
