@@ -31,8 +31,13 @@ from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
 
 API_KEY = "sk-bench-" + secrets.token_hex(8)
-BODY = {"model": "bench", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 8,
-        "temperature": 0, "ignore_eos": True}
+BODY = {
+    "model": "bench",
+    "prompt": "The quick brown fox jumps over the lazy dog",
+    "max_tokens": 8,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 
 def free_port() -> int:
@@ -61,30 +66,88 @@ def wait_ok(url: str, timeout: float = 60.0) -> None:
 def start_stack(work: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     model = make_test_checkpoint("dense", work / "model")
     identity, engine_id = secrets.token_hex(32), secrets.token_hex(16)
-    tokens = {"admin.token": secrets.token_hex(16), "identity.key": identity, "server.token": secrets.token_hex(16),
-              "colocated.token": derive_token(identity, f"instance:colocated-{engine_id[:24]}"),
-              "gateway.token": derive_token(identity, "gateway")}
+    tokens = {
+        "admin.token": secrets.token_hex(16),
+        "identity.key": identity,
+        "server.token": secrets.token_hex(16),
+        "colocated.token": derive_token(identity, f"instance:colocated-{engine_id[:24]}"),
+        "gateway.token": derive_token(identity, "gateway"),
+    }
     for name, value in tokens.items():
         (work / name).write_text(value)
     (work / "keys.json").write_text(json.dumps({"bench": [API_KEY]}))
     sched_port, server_port, gateway_port = free_port(), free_port(), free_port()
     scheduler_url = f"http://127.0.0.1:{sched_port}"
-    procs = [launch(["pdserve.scheduler", "--port", str(sched_port), "--state-file", str(work / "state.json"),
-                     "--admin-token-file", str(work / "admin.token"), "--identity-key-file",
-                     str(work / "identity.key"), "--heartbeat-interval", "1"],
-                    work / "scheduler.log")]
+    procs = [
+        launch(
+            [
+                "pdserve.scheduler",
+                "--port",
+                str(sched_port),
+                "--state-file",
+                str(work / "state.json"),
+                "--admin-token-file",
+                str(work / "admin.token"),
+                "--identity-key-file",
+                str(work / "identity.key"),
+                "--heartbeat-interval",
+                "1",
+            ],
+            work / "scheduler.log",
+        )
+    ]
     wait_ok(scheduler_url + "/health/live")
-    procs.append(launch(["pdserve.cli", "colocated", "--model", str(model), "--host", "127.0.0.1", "--port",
-                         str(server_port), "--served-model-name", "bench", "--scheduler-url", scheduler_url,
-                         "--engine-id", engine_id, "--scheduler-token-file", str(work / "colocated.token"),
-                         "--heartbeat-seconds", "1"],
-                        work / "colocated.log"))
-    procs.append(launch(["pdserve.gateway", "--port", str(gateway_port), "--scheduler-url", scheduler_url,
-                         "--scheduler-token-file", str(work / "gateway.token"), "--server-token-file",
-                         str(work / "server.token"), "--api-keys-file", str(work / "keys.json"),
-                         "--requests-per-second", "100000", "--request-burst", "100000",
-                         "--tokens-per-minute", "100000000", "--log-level", "warning"],
-                        work / "gateway.log"))
+    procs.append(
+        launch(
+            [
+                "pdserve.cli",
+                "colocated",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(server_port),
+                "--served-model-name",
+                "bench",
+                "--scheduler-url",
+                scheduler_url,
+                "--engine-id",
+                engine_id,
+                "--scheduler-token-file",
+                str(work / "colocated.token"),
+                "--heartbeat-seconds",
+                "1",
+            ],
+            work / "colocated.log",
+        )
+    )
+    procs.append(
+        launch(
+            [
+                "pdserve.gateway",
+                "--port",
+                str(gateway_port),
+                "--scheduler-url",
+                scheduler_url,
+                "--scheduler-token-file",
+                str(work / "gateway.token"),
+                "--server-token-file",
+                str(work / "server.token"),
+                "--api-keys-file",
+                str(work / "keys.json"),
+                "--requests-per-second",
+                "100000",
+                "--request-burst",
+                "100000",
+                "--tokens-per-minute",
+                "100000000",
+                "--log-level",
+                "warning",
+            ],
+            work / "gateway.log",
+        )
+    )
     server_url, gateway_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
     wait_ok(server_url + "/health/ready")
     wait_ok(gateway_url + "/health/ready")
@@ -99,8 +162,9 @@ async def run_round(client: httpx.AsyncClient, url: str, requests: int, concurre
     async def worker() -> None:
         for _ in queue:
             started = time.perf_counter()
-            response = await client.post(url + "/v1/completions", json=BODY,
-                                         headers={"Authorization": f"Bearer {API_KEY}"})
+            response = await client.post(
+                url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {API_KEY}"}
+            )
             response.raise_for_status()
             latencies.append(time.perf_counter() - started)
 
@@ -131,12 +195,19 @@ async def measure(targets: dict[str, str], requests: int, rounds: int) -> dict[s
 
 
 def summarise(latency: dict[str, list[float]], throughput: dict[str, list[float]]) -> dict[str, Any]:
-    stats = {name: {"p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
-                    "requests_per_second_c8": statistics.median(throughput[name]), "samples": len(lat)}
-             for name, lat in latency.items()}
+    stats = {
+        name: {
+            "p50_ms": percentile(lat, 50) * 1e3,
+            "p99_ms": percentile(lat, 99) * 1e3,
+            "requests_per_second_c8": statistics.median(throughput[name]),
+            "samples": len(lat),
+        }
+        for name, lat in latency.items()
+    }
     direct, gateway = stats["direct"], stats["gateway"]
     return {
-        "direct": direct, "gateway": gateway,
+        "direct": direct,
+        "gateway": gateway,
         "added_p50_ms": gateway["p50_ms"] - direct["p50_ms"],
         "added_p99_ms": gateway["p99_ms"] - direct["p99_ms"],
         "p50_ratio": gateway["p50_ms"] / direct["p50_ms"],
@@ -162,7 +233,10 @@ def main() -> None:
                 proc.wait(10)
     result["setup"] = {
         "workload": "non-streaming /v1/completions, 8 generated tokens, tiny dense test checkpoint",
-        "latency_concurrency": 1, "throughput_concurrency": 8, "requests": args.requests, "rounds": args.rounds,
+        "latency_concurrency": 1,
+        "throughput_concurrency": 8,
+        "requests": args.requests,
+        "rounds": args.rounds,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "note": "client, gateway, scheduler and server share this machine's cores",
     }

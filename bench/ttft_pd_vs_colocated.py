@@ -38,10 +38,23 @@ CONCURRENCY = (1, 4, 16, 64)
 DECODE_PROMPT_TOKENS = 32
 DECODE_NEW_TOKENS = 64
 # Bigger than the test models so the figures mean something, still CPU-cheap; context room for 8K prompts.
-BENCH_MODEL = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-               "intermediate_size": 688, "num_hidden_layers": 4, "max_position_embeddings": 16384}
-KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+BENCH_MODEL = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 16384,
+}
+KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def free_port() -> int:
@@ -52,8 +65,20 @@ def free_port() -> int:
 
 def start_server(role: str, model: Path, key: Path, logs: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    args = [sys.executable, "-m", "pdserve.cli", role, "--model", str(model), "--port", str(port),
-            "--max-num-seqs", "128", "--log-level", "warning"]
+    args = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        role,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "128",
+        "--log-level",
+        "warning",
+    ]
     if role != "colocated":
         args += ["--kv-key-file", str(key), "--kv-port", "0"]
     process = subprocess.Popen(args, stdout=open(logs / f"{role}.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -71,8 +96,9 @@ def start_server(role: str, model: Path, key: Path, logs: Path) -> tuple[subproc
 async def first_token_seconds(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
     """Seconds from sending a streaming request to the first chunk carrying a token."""
     started = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True,
-                                                                     "return_token_ids": True}) as response:
+    async with client.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True}
+    ) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("token_ids"):
@@ -81,8 +107,9 @@ async def first_token_seconds(client: httpx.AsyncClient, url: str, body: dict[st
 
 
 async def prefill(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = await client.post(url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False,
-                                                                "kv_transfer_params": KV_PARAMS})
+    response = await client.post(
+        url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": KV_PARAMS}
+    )
     response.raise_for_status()
     return dict(response.json()["kv_transfer_params"])
 
@@ -94,8 +121,9 @@ async def pd_ttft(client: httpx.AsyncClient, prefill_url: str, decode_url: str, 
     return after_prefill + await first_token_seconds(client, decode_url, {**body, "kv_transfer_params": params})
 
 
-async def measure_ttft(urls: dict[str, str], lengths: list[int], repeats: int, rng: np.random.Generator,
-                       vocab: int) -> list[dict[str, Any]]:
+async def measure_ttft(
+    urls: dict[str, str], lengths: list[int], repeats: int, rng: np.random.Generator, vocab: int
+) -> list[dict[str, Any]]:
     rows = []
     async with httpx.AsyncClient(timeout=3600) as client:
         for length in lengths:
@@ -104,19 +132,26 @@ async def measure_ttft(urls: dict[str, str], lengths: list[int], repeats: int, r
                 body = {"prompt": rng.integers(3, vocab, size=length).tolist(), "max_tokens": 4, "temperature": 0}
                 colocated.append(await first_token_seconds(client, urls["colocated"], body))
                 disaggregated.append(await pd_ttft(client, urls["prefill"], urls["decode"], body))
-            row = {"prompt_tokens": length, "colocated_ttft_s": statistics.median(colocated),
-                   "pd_ttft_s": statistics.median(disaggregated)}
+            row = {
+                "prompt_tokens": length,
+                "colocated_ttft_s": statistics.median(colocated),
+                "pd_ttft_s": statistics.median(disaggregated),
+            }
             row["pd_over_colocated"] = row["pd_ttft_s"] / row["colocated_ttft_s"]
             rows.append(row)
-            print(f"TTFT {length:>5} tokens: colocated {row['colocated_ttft_s']:.3f} s, PD {row['pd_ttft_s']:.3f} s, "
-                  f"ratio {row['pd_over_colocated']:.2f}", flush=True)
+            print(
+                f"TTFT {length:>5} tokens: colocated {row['colocated_ttft_s']:.3f} s, PD {row['pd_ttft_s']:.3f} s, "
+                f"ratio {row['pd_over_colocated']:.2f}",
+                flush=True,
+            )
     return rows
 
 
 async def decode_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> int:
     tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True,
-                                                                     "return_token_ids": True}) as response:
+    async with client.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True}
+    ) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
@@ -124,20 +159,33 @@ async def decode_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return tokens
 
 
-async def decode_round(client: httpx.AsyncClient, urls: dict[str, str], clients: int, rng: np.random.Generator,
-                       vocab: int) -> tuple[int, float]:
+async def decode_round(
+    client: httpx.AsyncClient, urls: dict[str, str], clients: int, rng: np.random.Generator, vocab: int
+) -> tuple[int, float]:
     """One measurement: `clients` requests prefilled remotely, then decoded concurrently; (tokens, decode seconds)."""
-    bodies = [{"prompt": rng.integers(3, vocab, size=DECODE_PROMPT_TOKENS).tolist(), "temperature": 0,
-               "max_tokens": DECODE_NEW_TOKENS, "ignore_eos": True} for _ in range(clients)]
+    bodies = [
+        {
+            "prompt": rng.integers(3, vocab, size=DECODE_PROMPT_TOKENS).tolist(),
+            "temperature": 0,
+            "max_tokens": DECODE_NEW_TOKENS,
+            "ignore_eos": True,
+        }
+        for _ in range(clients)
+    ]
     params = await asyncio.gather(*(prefill(client, urls["prefill"], b) for b in bodies))
     started = time.perf_counter()
-    counts = await asyncio.gather(*(decode_stream(client, urls["decode"], {**b, "kv_transfer_params": p})
-                                    for b, p in zip(bodies, params, strict=True)))
+    counts = await asyncio.gather(
+        *(
+            decode_stream(client, urls["decode"], {**b, "kv_transfer_params": p})
+            for b, p in zip(bodies, params, strict=True)
+        )
+    )
     return sum(counts), time.perf_counter() - started
 
 
-async def measure_decode(urls: dict[str, str], rounds: int, rng: np.random.Generator,
-                         vocab: int) -> list[dict[str, Any]]:
+async def measure_decode(
+    urls: dict[str, str], rounds: int, rng: np.random.Generator, vocab: int
+) -> list[dict[str, Any]]:
     """Rounds interleave the concurrency levels, so a change in the machine's load hits every level alike."""
     samples: dict[int, list[float]] = {clients: [] for clients in CONCURRENCY}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
@@ -147,12 +195,21 @@ async def measure_decode(urls: dict[str, str], rounds: int, rng: np.random.Gener
                 tokens, seconds = await decode_round(client, urls, clients, rng, vocab)
                 assert tokens == clients * DECODE_NEW_TOKENS
                 samples[clients].append(tokens / seconds)
-    rows = [{"concurrent_requests": clients, "tokens_per_second": statistics.median(rates),
-             "tokens_per_second_all_rounds": rates} for clients, rates in samples.items()]
+    rows = [
+        {
+            "concurrent_requests": clients,
+            "tokens_per_second": statistics.median(rates),
+            "tokens_per_second_all_rounds": rates,
+        }
+        for clients, rates in samples.items()
+    ]
     for row in rows:
         row["ratio_to_1"] = row["tokens_per_second"] / rows[0]["tokens_per_second"]
-        print(f"decode {row['concurrent_requests']:>2} clients: {row['tokens_per_second']:8.1f} tokens/s, "
-              f"x{row['ratio_to_1']:.2f} of 1 client", flush=True)
+        print(
+            f"decode {row['concurrent_requests']:>2} clients: {row['tokens_per_second']:8.1f} tokens/s, "
+            f"x{row['ratio_to_1']:.2f} of 1 client",
+            flush=True,
+        )
     return rows
 
 
@@ -181,8 +238,12 @@ def main() -> None:
                 process.wait(30)
     result = {
         "benchmark": "pdserve TTFT PD vs colocated; decode tokens/s vs concurrency",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
         "model": {"kind": "dense (llama, GQA)", **BENCH_MODEL},
         "link": "loopback (KV channel over 127.0.0.1, 4 streams, HMAC auth, no TLS)",
         "ttft": ttft,

@@ -22,8 +22,10 @@ EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
 def assume_policy(service: str, tag_session: bool = False) -> str:
     actions = ["sts:AssumeRole", "sts:TagSession"] if tag_session else "sts:AssumeRole"
     return json.dumps(
-        {"Version": "2012-10-17",
-         "Statement": [{"Effect": "Allow", "Principal": {"Service": service}, "Action": actions}]}
+        {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Principal": {"Service": service}, "Action": actions}],
+        }
     )
 
 
@@ -55,13 +57,22 @@ class ControlPlane(pulumi.ComponentResource):
         tags = dict(args.tags)
         cluster_role = self._role(f"{name}-cluster", "eks.amazonaws.com", ["AmazonEKSClusterPolicy"], child)
         api_group = aws.ec2.SecurityGroup(
-            f"{name}-api", vpc_id=args.vpc_id, description="EKS API from the management subnets",
-            tags=tags, opts=child,
+            f"{name}-api",
+            vpc_id=args.vpc_id,
+            description="EKS API from the management subnets",
+            tags=tags,
+            opts=child,
         )
         for i, cidr in enumerate(args.management_cidrs):
             aws.vpc.SecurityGroupIngressRule(
-                f"{name}-api-{i}", security_group_id=api_group.id, ip_protocol="tcp", from_port=443, to_port=443,
-                cidr_ipv4=cidr, description=f"kubectl from management {cidr}", tags={**tags, PURPOSE: "kube-api"},
+                f"{name}-api-{i}",
+                security_group_id=api_group.id,
+                ip_protocol="tcp",
+                from_port=443,
+                to_port=443,
+                cidr_ipv4=cidr,
+                description=f"kubectl from management {cidr}",
+                tags={**tags, PURPOSE: "kube-api"},
                 opts=child,
             )
         self.cluster = aws.eks.Cluster(
@@ -85,10 +96,20 @@ class ControlPlane(pulumi.ComponentResource):
         nodes = self._node_group(name, args, child)
         self._addons(name, nodes, child)
         self.prometheus_role = self._pod_role(
-            f"{name}-prometheus", PROMETHEUS_SERVICE_ACCOUNT, args.namespace, child,
-            inline={"Version": "2012-10-17", "Statement": [
-                {"Effect": "Allow", "Action": ["ec2:DescribeInstances", "ec2:DescribeAvailabilityZones"],
-                 "Resource": "*"}]},
+            f"{name}-prometheus",
+            PROMETHEUS_SERVICE_ACCOUNT,
+            args.namespace,
+            child,
+            inline={
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Allow",
+                        "Action": ["ec2:DescribeInstances", "ec2:DescribeAvailabilityZones"],
+                        "Resource": "*",
+                    }
+                ],
+            },
         )
         self.provider = k8s.Provider(
             f"{name}-k8s",
@@ -110,22 +131,40 @@ class ControlPlane(pulumi.ComponentResource):
 
     def _node_group(self, name: str, args: ControlPlaneArgs, opts: pulumi.ResourceOptions) -> aws.eks.NodeGroup:
         role = self._role(
-            f"{name}-nodes", "ec2.amazonaws.com",
-            ["AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly",
-             "AmazonSSMManagedInstanceCore"],
+            f"{name}-nodes",
+            "ec2.amazonaws.com",
+            [
+                "AmazonEKSWorkerNodePolicy",
+                "AmazonEKS_CNI_Policy",
+                "AmazonEC2ContainerRegistryReadOnly",
+                "AmazonSSMManagedInstanceCore",
+            ],
             opts,
         )
         template = aws.ec2.LaunchTemplate(
             f"{name}-nodes",
-            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
-                              "http_put_response_hop_limit": 1, "instance_metadata_tags": "enabled"},
-            block_device_mappings=[{
-                "device_name": "/dev/xvda",
-                "ebs": {"volume_size": args.pool.data_volume_gib or 100, "volume_type": "gp3", "encrypted": "true",
-                        "kms_key_id": args.volume_key_arn, "delete_on_termination": "true"},
-            }],
-            tag_specifications=[{"resource_type": kind, "tags": dict(args.node_tags)}
-                                for kind in ("instance", "volume", "network-interface")],
+            metadata_options={
+                "http_endpoint": "enabled",
+                "http_tokens": "required",
+                "http_put_response_hop_limit": 1,
+                "instance_metadata_tags": "enabled",
+            },
+            block_device_mappings=[
+                {
+                    "device_name": "/dev/xvda",
+                    "ebs": {
+                        "volume_size": args.pool.data_volume_gib or 100,
+                        "volume_type": "gp3",
+                        "encrypted": "true",
+                        "kms_key_id": args.volume_key_arn,
+                        "delete_on_termination": "true",
+                    },
+                }
+            ],
+            tag_specifications=[
+                {"resource_type": kind, "tags": dict(args.node_tags)}
+                for kind in ("instance", "volume", "network-interface")
+            ],
             update_default_version=True,
             tags=dict(args.tags),
             opts=opts,
@@ -137,8 +176,11 @@ class ControlPlane(pulumi.ComponentResource):
             subnet_ids=list(args.subnet_ids),
             instance_types=[args.pool.instance_type],
             ami_type="AL2023_x86_64_STANDARD",
-            scaling_config={"min_size": args.pool.min_size, "desired_size": args.pool.desired_size,
-                            "max_size": args.pool.max_size},
+            scaling_config={
+                "min_size": args.pool.min_size,
+                "desired_size": args.pool.desired_size,
+                "max_size": args.pool.max_size,
+            },
             update_config={"max_unavailable": 1},
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             labels={"pdstack/pool": args.pool.name},
@@ -148,34 +190,61 @@ class ControlPlane(pulumi.ComponentResource):
 
     def _addons(self, name: str, nodes: aws.eks.NodeGroup, opts: pulumi.ResourceOptions) -> None:
         after_nodes = pulumi.ResourceOptions(parent=self, depends_on=[nodes])
-        aws.eks.Addon(f"{name}-pod-identity", cluster_name=self.cluster.name, addon_name="eks-pod-identity-agent",
-                      opts=opts)
         aws.eks.Addon(
-            f"{name}-vpc-cni", cluster_name=self.cluster.name, addon_name="vpc-cni",
+            f"{name}-pod-identity", cluster_name=self.cluster.name, addon_name="eks-pod-identity-agent", opts=opts
+        )
+        aws.eks.Addon(
+            f"{name}-vpc-cni",
+            cluster_name=self.cluster.name,
+            addon_name="vpc-cni",
             # NetworkPolicies are only enforced when the VPC CNI's policy agent is on.
-            configuration_values=json.dumps({"enableNetworkPolicy": "true"}), opts=opts,
+            configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
+            opts=opts,
         )
         for addon in ("coredns", "kube-proxy"):
             aws.eks.Addon(f"{name}-{addon}", cluster_name=self.cluster.name, addon_name=addon, opts=after_nodes)
         ebs_role = aws.iam.Role(
-            f"{name}-ebs-csi", assume_role_policy=assume_policy("pods.eks.amazonaws.com", tag_session=True),
-            tags=dict(self.args.tags), opts=opts,
+            f"{name}-ebs-csi",
+            assume_role_policy=assume_policy("pods.eks.amazonaws.com", tag_session=True),
+            tags=dict(self.args.tags),
+            opts=opts,
         )
         aws.iam.RolePolicyAttachment(
-            f"{name}-ebs-csi", role=ebs_role.name,
-            policy_arn="arn:aws:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy", opts=opts,
+            f"{name}-ebs-csi",
+            role=ebs_role.name,
+            policy_arn="arn:aws:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy",
+            opts=opts,
         )
         aws.iam.RolePolicy(
-            f"{name}-ebs-csi-kms", role=ebs_role.id,
+            f"{name}-ebs-csi-kms",
+            role=ebs_role.id,
             policy=pulumi.Output.from_input(self.args.volume_key_arn).apply(
-                lambda arn: json.dumps({"Version": "2012-10-17", "Statement": [
-                    {"Effect": "Allow", "Action": ["kms:CreateGrant", "kms:Decrypt", "kms:Encrypt",
-                     "kms:GenerateDataKeyWithoutPlaintext", "kms:DescribeKey", "kms:ReEncrypt*"], "Resource": arn}]})
+                lambda arn: json.dumps(
+                    {
+                        "Version": "2012-10-17",
+                        "Statement": [
+                            {
+                                "Effect": "Allow",
+                                "Action": [
+                                    "kms:CreateGrant",
+                                    "kms:Decrypt",
+                                    "kms:Encrypt",
+                                    "kms:GenerateDataKeyWithoutPlaintext",
+                                    "kms:DescribeKey",
+                                    "kms:ReEncrypt*",
+                                ],
+                                "Resource": arn,
+                            }
+                        ],
+                    }
+                )
             ),
             opts=opts,
         )
         aws.eks.Addon(
-            f"{name}-ebs-csi", cluster_name=self.cluster.name, addon_name="aws-ebs-csi-driver",
+            f"{name}-ebs-csi",
+            cluster_name=self.cluster.name,
+            addon_name="aws-ebs-csi-driver",
             pod_identity_associations=[{"role_arn": ebs_role.arn, "service_account": EBS_CSI_SERVICE_ACCOUNT}],
             opts=after_nodes,
         )
@@ -184,13 +253,19 @@ class ControlPlane(pulumi.ComponentResource):
         self, name: str, service_account: str, namespace: str, opts: pulumi.ResourceOptions, inline: dict[str, Any]
     ) -> aws.iam.Role:
         role = aws.iam.Role(
-            name, assume_role_policy=assume_policy("pods.eks.amazonaws.com", tag_session=True),
-            tags=dict(self.args.tags), opts=opts,
+            name,
+            assume_role_policy=assume_policy("pods.eks.amazonaws.com", tag_session=True),
+            tags=dict(self.args.tags),
+            opts=opts,
         )
         aws.iam.RolePolicy(name, role=role.id, policy=json.dumps(inline), opts=opts)
         aws.eks.PodIdentityAssociation(
-            name, cluster_name=self.cluster.name, namespace=namespace, service_account=service_account,
-            role_arn=role.arn, opts=opts,
+            name,
+            cluster_name=self.cluster.name,
+            namespace=namespace,
+            service_account=service_account,
+            role_arn=role.arn,
+            opts=opts,
         )
         return role
 

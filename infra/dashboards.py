@@ -26,12 +26,17 @@ def dashboard_config_maps(namespace: str, directory: Path = DASHBOARDS_DIR) -> l
         text = path.read_text()
         if len(text.encode()) >= CONFIG_MAP_LIMIT_BYTES:
             raise ValueError(f"{path.name}: {len(text.encode())} bytes do not fit one ConfigMap")
-        maps.append({
-            "metadata": {"name": f"pdstack-dashboard-{path.stem}", "namespace": namespace,
-                         "labels": {SIDECAR_LABEL: "1", "app.kubernetes.io/part-of": "pdstack"},
-                         "annotations": {FOLDER_ANNOTATION: FOLDER}},
-            "data": {path.name: text},
-        })
+        maps.append(
+            {
+                "metadata": {
+                    "name": f"pdstack-dashboard-{path.stem}",
+                    "namespace": namespace,
+                    "labels": {SIDECAR_LABEL: "1", "app.kubernetes.io/part-of": "pdstack"},
+                    "annotations": {FOLDER_ANNOTATION: FOLDER},
+                },
+                "data": {path.name: text},
+            }
+        )
     if not maps:
         raise ValueError(f"no dashboards in {directory}: run `pdstack dashboards`")
     return maps
@@ -46,6 +51,10 @@ class GrafanaDashboards(pulumi.ComponentResource):
     def __init__(self, name: str, args: GrafanaDashboardsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("pdstack:control:GrafanaDashboards", name, None, opts)
         for spec in dashboard_config_maps(args.namespace):
-            k8s.core.v1.ConfigMap(f"{name}-{spec['metadata']['name']}", metadata=spec["metadata"], data=spec["data"],
-                                  opts=pulumi.ResourceOptions(parent=self))
+            k8s.core.v1.ConfigMap(
+                f"{name}-{spec['metadata']['name']}",
+                metadata=spec["metadata"],
+                data=spec["data"],
+                opts=pulumi.ResourceOptions(parent=self),
+            )
         self.register_outputs({})

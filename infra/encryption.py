@@ -30,8 +30,13 @@ def key_policy(account_id: str, allow_autoscaling: bool) -> str:
     if allow_autoscaling:
         asg_role = f"arn:aws:iam::{account_id}:role/{AUTOSCALING_ROLE}"
         statements += [
-            {"Sid": "AutoScalingUses", "Effect": "Allow", "Principal": {"AWS": asg_role}, "Action": KEY_USE,
-             "Resource": "*"},
+            {
+                "Sid": "AutoScalingUses",
+                "Effect": "Allow",
+                "Principal": {"AWS": asg_role},
+                "Action": KEY_USE,
+                "Resource": "*",
+            },
             {
                 "Sid": "AutoScalingGrants",
                 "Effect": "Allow",

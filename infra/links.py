@@ -67,12 +67,16 @@ class TransitHub(pulumi.ComponentResource):
             opts=child,
         )
         aws.ec2transitgateway.RouteTableAssociation(
-            f"{name}-vpc", transit_gateway_attachment_id=attachment.id,
-            transit_gateway_route_table_id=self.route_table.id, opts=child,
+            f"{name}-vpc",
+            transit_gateway_attachment_id=attachment.id,
+            transit_gateway_route_table_id=self.route_table.id,
+            opts=child,
         )
         aws.ec2transitgateway.RouteTablePropagation(
-            f"{name}-vpc", transit_gateway_attachment_id=attachment.id,
-            transit_gateway_route_table_id=self.route_table.id, opts=child,
+            f"{name}-vpc",
+            transit_gateway_attachment_id=attachment.id,
+            transit_gateway_route_table_id=self.route_table.id,
+            opts=child,
         )
         self.register_outputs({"transit_gateway_id": self.gateway.id, "route_table_id": self.route_table.id})
 
@@ -140,13 +144,20 @@ class PeerLink(pulumi.ComponentResource):
         after = pulumi.ResourceOptions(parent=self, depends_on=[accepter])
         for i, table in enumerate(a.local.route_table_ids):
             aws.ec2.Route(
-                f"{name}-out-{i}", route_table_id=table, destination_cidr_block=a.peer_cidr,
-                vpc_peering_connection_id=connection.id, opts=after,
+                f"{name}-out-{i}",
+                route_table_id=table,
+                destination_cidr_block=a.peer_cidr,
+                vpc_peering_connection_id=connection.id,
+                opts=after,
             )
         for i, table in enumerate(self._peer_route_tables()):
             aws.ec2.Route(
-                f"{name}-back-{i}", route_table_id=table, destination_cidr_block=a.local.cidr,
-                vpc_peering_connection_id=connection.id, region=a.peer_region, opts=after,
+                f"{name}-back-{i}",
+                route_table_id=table,
+                destination_cidr_block=a.local.cidr,
+                vpc_peering_connection_id=connection.id,
+                region=a.peer_region,
+                opts=after,
             )
 
     def _transit_gateway_peering(self, name: str) -> None:
@@ -174,21 +185,35 @@ class PeerLink(pulumi.ComponentResource):
             ("back", peer_table, a.local.cidr, a.peer_region),
         ):
             aws.ec2transitgateway.RouteTableAssociation(
-                f"{name}-tgw-{side}", transit_gateway_attachment_id=attachment.id,
-                transit_gateway_route_table_id=table, region=region, opts=after,
+                f"{name}-tgw-{side}",
+                transit_gateway_attachment_id=attachment.id,
+                transit_gateway_route_table_id=table,
+                region=region,
+                opts=after,
             )
             aws.ec2transitgateway.Route(
-                f"{name}-tgw-{side}", destination_cidr_block=cidr, transit_gateway_attachment_id=attachment.id,
-                transit_gateway_route_table_id=table, region=region, opts=after,
+                f"{name}-tgw-{side}",
+                destination_cidr_block=cidr,
+                transit_gateway_attachment_id=attachment.id,
+                transit_gateway_route_table_id=table,
+                region=region,
+                opts=after,
             )
         for i, table in enumerate(a.local.route_table_ids):
             aws.ec2.Route(
-                f"{name}-out-{i}", route_table_id=table, destination_cidr_block=a.peer_cidr,
-                transit_gateway_id=a.local.transit_gateway_id, opts=after,
+                f"{name}-out-{i}",
+                route_table_id=table,
+                destination_cidr_block=a.peer_cidr,
+                transit_gateway_id=a.local.transit_gateway_id,
+                opts=after,
             )
         peer_gateway = self._peer(outputs.TRANSIT_GATEWAY_ID)
         for i, table in enumerate(self._peer_route_tables()):
             aws.ec2.Route(
-                f"{name}-back-{i}", route_table_id=table, destination_cidr_block=a.local.cidr,
-                transit_gateway_id=peer_gateway, region=a.peer_region, opts=after,
+                f"{name}-back-{i}",
+                route_table_id=table,
+                destination_cidr_block=a.local.cidr,
+                transit_gateway_id=peer_gateway,
+                region=a.peer_region,
+                opts=after,
             )

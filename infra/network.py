@@ -117,8 +117,11 @@ class Network(pulumi.ComponentResource):
         igw = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=self.vpc.id, tags=dict(self.args.tags), opts=opts)
         table = aws.ec2.RouteTable(f"{name}-public", vpc_id=self.vpc.id, tags=dict(self.args.tags), opts=opts)
         aws.ec2.Route(
-            f"{name}-public-default", route_table_id=table.id, destination_cidr_block="0.0.0.0/0",
-            gateway_id=igw.id, opts=opts,
+            f"{name}-public-default",
+            route_table_id=table.id,
+            destination_cidr_block="0.0.0.0/0",
+            gateway_id=igw.id,
+            opts=opts,
         )
         for i, subnet in enumerate(public):
             aws.ec2.RouteTableAssociation(f"{name}-public-{i}", route_table_id=table.id, subnet_id=subnet.id, opts=opts)
@@ -132,8 +135,11 @@ class Network(pulumi.ComponentResource):
             eip = aws.ec2.Eip(f"{name}-nat-{i}", domain="vpc", tags=dict(self.args.tags), opts=opts)
             nats.append(
                 aws.ec2.NatGateway(
-                    f"{name}-nat-{i}", allocation_id=eip.id, subnet_id=public[i].id,
-                    tags=dict(self.args.tags), opts=opts,
+                    f"{name}-nat-{i}",
+                    allocation_id=eip.id,
+                    subnet_id=public[i].id,
+                    tags=dict(self.args.tags),
+                    opts=opts,
                 )
             )
         return nats
@@ -144,12 +150,17 @@ class Network(pulumi.ComponentResource):
         tables: list[aws.ec2.RouteTable] = []
         for i in range(AZ_COUNT):
             table = aws.ec2.RouteTable(
-                f"{name}-private-{i}", vpc_id=self.vpc.id,
-                tags={**self.args.tags, "Name": f"pdstack-{self.args.dc}-private-{i}"}, opts=opts,
+                f"{name}-private-{i}",
+                vpc_id=self.vpc.id,
+                tags={**self.args.tags, "Name": f"pdstack-{self.args.dc}-private-{i}"},
+                opts=opts,
             )
             aws.ec2.Route(
-                f"{name}-private-{i}-default", route_table_id=table.id, destination_cidr_block="0.0.0.0/0",
-                nat_gateway_id=nats[min(i, len(nats) - 1)].id, opts=opts,
+                f"{name}-private-{i}-default",
+                route_table_id=table.id,
+                destination_cidr_block="0.0.0.0/0",
+                nat_gateway_id=nats[min(i, len(nats) - 1)].id,
+                opts=opts,
             )
             for tier, subnets in (
                 ("management", self.management_subnets),

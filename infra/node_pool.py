@@ -40,7 +40,9 @@ def network_interfaces(
     if not efa:
         return [
             aws.ec2.LaunchTemplateNetworkInterfaceArgs(
-                device_index=0, security_groups=[security_group_id], associate_public_ip_address="false",
+                device_index=0,
+                security_groups=[security_group_id],
+                associate_public_ip_address="false",
                 delete_on_termination="true",
             )
         ]
@@ -158,8 +160,10 @@ class GpuNodePool(pulumi.ComponentResource):
             opts=opts,
         )
         aws.iam.RolePolicyAttachment(
-            f"{name}-ssm", role=role.name,
-            policy_arn="arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore", opts=opts,
+            f"{name}-ssm",
+            role=role.name,
+            policy_arn="arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+            opts=opts,
         )
         aws.iam.RolePolicy(
             f"{name}-node",
@@ -179,8 +183,12 @@ class GpuNodePool(pulumi.ComponentResource):
 def node_policy(arns: dict[str, Any], secrets_region: str) -> str:
     """Read this environment's node secrets, pull its images, read its model bucket: nothing else."""
     statements = [
-        {"Sid": "ReadNodeSecrets", "Effect": "Allow", "Action": "secretsmanager:GetSecretValue",
-         "Resource": arns["secrets"]},
+        {
+            "Sid": "ReadNodeSecrets",
+            "Effect": "Allow",
+            "Action": "secretsmanager:GetSecretValue",
+            "Resource": arns["secrets"],
+        },
         {
             "Sid": "DecryptSecrets",
             "Effect": "Allow",
@@ -189,12 +197,20 @@ def node_policy(arns: dict[str, Any], secrets_region: str) -> str:
             "Condition": {"StringEquals": {"kms:ViaService": f"secretsmanager.{secrets_region}.amazonaws.com"}},
         },
         {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"},
-        {"Sid": "PullImages", "Effect": "Allow", "Action": ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer",
-         "ecr:BatchCheckLayerAvailability"], "Resource": arns["repositories"]},
+        {
+            "Sid": "PullImages",
+            "Effect": "Allow",
+            "Action": ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
+            "Resource": arns["repositories"],
+        },
         {"Sid": "ListModels", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": arns["bucket"]},
         {"Sid": "ReadModels", "Effect": "Allow", "Action": "s3:GetObject", "Resource": f"{arns['bucket']}/*"},
-        {"Sid": "DecryptModels", "Effect": "Allow", "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
-         "Resource": arns["volume_key"]},
+        {
+            "Sid": "DecryptModels",
+            "Effect": "Allow",
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+            "Resource": arns["volume_key"],
+        },
     ]
     return json.dumps({"Version": "2012-10-17", "Statement": statements})
 

@@ -52,7 +52,11 @@ def main() -> None:
     network = Network(
         dc.name,
         NetworkArgs(
-            env=view.env, dc=dc.name, region=dc.region, cidr=dc.cidr, tags=tags,
+            env=view.env,
+            dc=dc.name,
+            region=dc.region,
+            cidr=dc.cidr,
+            tags=tags,
             nat_per_zone=view.this.environment is not Environment.DEV,
             availability_zones=view.settings.availability_zones,
         ),
@@ -122,14 +126,17 @@ def build_datacenter(
 ) -> None:
     dc = view.this.datacenter
     catalog = load_catalog()
-    control = pulumi.StackReference(
-        "control", stack_name=_qualified(view.stack_of(view.control.datacenter.name))
-    )
+    control = pulumi.StackReference("control", stack_name=_qualified(view.stack_of(view.control.datacenter.name)))
     storage = ModelStorage(
         dc.name,
         ModelStorageArgs(
-            env=view.env, dc=dc.name, account_id=account_id, key_arn=key.key.arn, tags=tags,
-            vpc_id=network.vpc.id, lustre_subnet_id=network.service_subnets[0].id,
+            env=view.env,
+            dc=dc.name,
+            account_id=account_id,
+            key_arn=key.key.arn,
+            tags=tags,
+            vpc_id=network.vpc.id,
+            lustre_subnet_id=network.service_subnets[0].id,
             service_cidrs=[str(c) for c in network.plan.service],
             lustre_capacity_gib=view.settings.lustre_capacity_gib,
         ),
@@ -188,7 +195,10 @@ def build_control_plane(
     secrets = EnvironmentSecrets(
         "env",
         EnvironmentSecretsArgs(
-            env=view.env, specs=cfg.secret_specs, account_id=account_id, tags=tags,
+            env=view.env,
+            specs=cfg.secret_specs,
+            account_id=account_id,
+            tags=tags,
             recovery_window_days=7 if cfg.environment is Environment.DEV else 30,
         ),
     )
@@ -198,17 +208,26 @@ def build_control_plane(
     plane = ControlPlane(
         "eks",
         ControlPlaneArgs(
-            env=view.env, region=dc.region, kubernetes_version=view.settings.kubernetes_version, pool=control_pool,
-            vpc_id=network.vpc.id, subnet_ids=[s.id for s in network.service_subnets],
+            env=view.env,
+            region=dc.region,
+            kubernetes_version=view.settings.kubernetes_version,
+            pool=control_pool,
+            vpc_id=network.vpc.id,
+            subnet_ids=[s.id for s in network.service_subnets],
             management_cidrs=[str(c) for c in network.plan.management],
             public_access_cidrs=view.settings.eks_public_access_cidrs,
-            secrets_key_arn=secrets.key.key.arn, volume_key_arn=key.key.arn, namespace=namespace, tags=tags,
+            secrets_key_arn=secrets.key.key.arn,
+            volume_key_arn=key.key.arn,
+            namespace=namespace,
+            tags=tags,
             node_tags=pool_tags(view.env, dc.name, str(control_pool.role), control_pool.name),
         ),
     )
     serving_dcs = [c.datacenter for c in view.datacenters.values() if c.datacenter.role is not DatacenterRole.CONTROL]
-    images = {name: registry.repositories[name].repository_url.apply(lambda u: f"{u}:{view.settings.release}")
-              for name in ("gateway", "scheduler")}
+    images = {
+        name: registry.repositories[name].repository_url.apply(lambda u: f"{u}:{view.settings.release}")
+        for name in ("gateway", "scheduler")
+    }
     replicas = 2 if cfg.environment is Environment.DEV else 3
     workloads = ControlWorkloads(
         "workloads",
@@ -220,8 +239,9 @@ def build_control_plane(
             config_files={
                 "serving.json": serving.model_dump_json(indent=2),
                 "canary.json": cfg.canary.model_dump_json(indent=2) if cfg.canary else "{}",
-                "datacenters.json": json.dumps({d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role}
-                                                for d in serving_dcs}, indent=2),
+                "datacenters.json": json.dumps(
+                    {d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role} for d in serving_dcs}, indent=2
+                ),
             },
             secret_values={
                 **secrets.values,
@@ -229,14 +249,17 @@ def build_control_plane(
                 API_KEYS: secrets.values[API_KEYS].apply(lambda key: gateway_keys_file(key, view.env)),  # still secret
                 GATEWAY_TOKEN: secrets.principal_token("gateway"),
                 RATELIMIT_STORE_CONFIG: secrets.values[RATELIMIT_PASSWORD].apply(
-                    lambda password: ratelimit_store_config(password, contract(serving).ratelimit_store.port)),
+                    lambda password: ratelimit_store_config(password, contract(serving).ratelimit_store.port)
+                ),
             },
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
             controller_cidrs=[str(c) for c in network.plan.management],
             cluster_cidr=str(dc.cidr),
             prometheus_config=scrape_config(
-                view.env, namespace, contract(serving),
+                view.env,
+                namespace,
+                contract(serving),
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
             ),
             alert_rules=ALERT_RULES.read_text(),
@@ -247,8 +270,11 @@ def build_control_plane(
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
-    GrafanaDashboards("dashboards", GrafanaDashboardsArgs(namespace=namespace),
-                      opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]))  # its namespace
+    GrafanaDashboards(
+        "dashboards",
+        GrafanaDashboardsArgs(namespace=namespace),
+        opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]),
+    )  # its namespace
     pulumi.export(outputs.ENV_KEY_ARN, secrets.key.key.arn)
     pulumi.export(outputs.SECRET_ARNS, secrets.arns)
     pulumi.export(outputs.SECRET_VALUES, pulumi.Output.secret(secrets.values))
@@ -258,14 +284,20 @@ def build_control_plane(
     # The scheduler's URL, for the GPU nodes' deploy: in SSM Parameter Store, where inventories/aws reads it on the
     # controller (which needs no access to the Pulumi state), and as an output.
     aws.ssm.Parameter(
-        "scheduler-url", name=scheduler_url_parameter(view.env), type="String", value=workloads.scheduler_url,
+        "scheduler-url",
+        name=scheduler_url_parameter(view.env),
+        type="String",
+        value=workloads.scheduler_url,
         description=f"pdstack {view.env}: the scheduler's load balancer URL (the GPU nodes' PDSERVE_SCHEDULER_URL)",
         tags=tags,
     )
     pulumi.export(outputs.SCHEDULER_URL, workloads.scheduler_url)
     # Prometheus' URL, for the controller's canary judge (deploy.yml), the same way.
     aws.ssm.Parameter(
-        "prometheus-url", name=prometheus_url_parameter(view.env), type="String", value=workloads.prometheus_url,
+        "prometheus-url",
+        name=prometheus_url_parameter(view.env),
+        type="String",
+        value=workloads.prometheus_url,
         description=f"pdstack {view.env}: Prometheus' load balancer URL (the canary judge's --prometheus)",
         tags=tags,
     )

@@ -47,8 +47,11 @@ class ImageRegistry(pulumi.ComponentResource):
                             {
                                 "rulePriority": 1,
                                 "description": f"keep the last {KEEP_IMAGES} images (rollback targets)",
-                                "selection": {"tagStatus": "any", "countType": "imageCountMoreThan",
-                                              "countNumber": KEEP_IMAGES},
+                                "selection": {
+                                    "tagStatus": "any",
+                                    "countType": "imageCountMoreThan",
+                                    "countNumber": KEEP_IMAGES,
+                                },
                                 "action": {"type": "expire"},
                             }
                         ]

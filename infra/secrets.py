@@ -89,7 +89,9 @@ class EnvironmentSecrets(pulumi.ComponentResource):
                 opts=child,
             )
             aws.secretsmanager.SecretVersion(
-                f"{name}-{spec.name}", secret_id=stored.id, secret_string=value,
+                f"{name}-{spec.name}",
+                secret_id=stored.id,
+                secret_string=value,
                 opts=pulumi.ResourceOptions(parent=stored),
             )
             self.arns[spec.name] = stored.arn

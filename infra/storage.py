@@ -52,8 +52,10 @@ class ModelStorage(pulumi.ComponentResource):
         )
         on_bucket = pulumi.ResourceOptions(parent=self.bucket)
         aws.s3.BucketOwnershipControls(
-            f"{name}-ownership", bucket=self.bucket.bucket,
-            rule={"object_ownership": "BucketOwnerEnforced"}, opts=on_bucket,
+            f"{name}-ownership",
+            bucket=self.bucket.bucket,
+            rule={"object_ownership": "BucketOwnerEnforced"},
+            opts=on_bucket,
         )
         aws.s3.BucketPublicAccessBlock(
             f"{name}-public-access",
@@ -65,8 +67,10 @@ class ModelStorage(pulumi.ComponentResource):
             opts=on_bucket,
         )
         aws.s3.BucketVersioning(
-            f"{name}-versioning", bucket=self.bucket.bucket,
-            versioning_configuration={"status": "Enabled"}, opts=on_bucket,
+            f"{name}-versioning",
+            bucket=self.bucket.bucket,
+            versioning_configuration={"status": "Enabled"},
+            opts=on_bucket,
         )
         aws.s3.BucketServerSideEncryptionConfiguration(
             f"{name}-encryption",
@@ -108,20 +112,35 @@ class ModelStorage(pulumi.ComponentResource):
 
     def _lustre(self, name: str, args: ModelStorageArgs, opts: pulumi.ResourceOptions) -> aws.fsx.LustreFileSystem:
         group = aws.ec2.SecurityGroup(
-            f"{name}-lustre", vpc_id=args.vpc_id, description="FSx for Lustre: clients in the service subnets",
-            tags=dict(args.tags), opts=opts,
+            f"{name}-lustre",
+            vpc_id=args.vpc_id,
+            description="FSx for Lustre: clients in the service subnets",
+            tags=dict(args.tags),
+            opts=opts,
         )
         for low, high in LUSTRE_PORTS:
             for i, cidr in enumerate(args.service_cidrs):
                 aws.vpc.SecurityGroupIngressRule(
-                    f"{name}-lustre-{low}-{i}", security_group_id=group.id, ip_protocol="tcp",
-                    from_port=low, to_port=high, cidr_ipv4=cidr, description=f"Lustre from {cidr}",
-                    tags={**args.tags, PURPOSE: "lustre"}, opts=opts,
+                    f"{name}-lustre-{low}-{i}",
+                    security_group_id=group.id,
+                    ip_protocol="tcp",
+                    from_port=low,
+                    to_port=high,
+                    cidr_ipv4=cidr,
+                    description=f"Lustre from {cidr}",
+                    tags={**args.tags, PURPOSE: "lustre"},
+                    opts=opts,
                 )
             aws.vpc.SecurityGroupIngressRule(
-                f"{name}-lustre-{low}-self", security_group_id=group.id, ip_protocol="tcp",
-                from_port=low, to_port=high, referenced_security_group_id=group.id,
-                description="Lustre servers among themselves", tags={**args.tags, PURPOSE: "lustre"}, opts=opts,
+                f"{name}-lustre-{low}-self",
+                security_group_id=group.id,
+                ip_protocol="tcp",
+                from_port=low,
+                to_port=high,
+                referenced_security_group_id=group.id,
+                description="Lustre servers among themselves",
+                tags={**args.tags, PURPOSE: "lustre"},
+                opts=opts,
             )
         lustre = aws.fsx.LustreFileSystem(
             f"{name}-lustre",

@@ -132,10 +132,19 @@ def probes(port: str, live: str, ready: str) -> dict[str, Any]:
     """Liveness asks "is the process wedged" (slow to fire, restarts); readiness asks "may it take traffic now"
     (fast, removes it from the Service while the scheduler or a dependency is away)."""
     return {
-        "liveness_probe": {"http_get": {"path": live, "port": port}, "initial_delay_seconds": 10,
-                           "period_seconds": 10, "timeout_seconds": 2, "failure_threshold": 6},
-        "readiness_probe": {"http_get": {"path": ready, "port": port}, "period_seconds": 5,
-                            "timeout_seconds": 2, "failure_threshold": 2},
+        "liveness_probe": {
+            "http_get": {"path": live, "port": port},
+            "initial_delay_seconds": 10,
+            "period_seconds": 10,
+            "timeout_seconds": 2,
+            "failure_threshold": 6,
+        },
+        "readiness_probe": {
+            "http_get": {"path": ready, "port": port},
+            "period_seconds": 5,
+            "timeout_seconds": 2,
+            "failure_threshold": 2,
+        },
     }
 
 
@@ -147,26 +156,36 @@ class ControlWorkloads(pulumi.ComponentResource):
         ns = args.namespace
         k8s.core.v1.Namespace(
             f"{name}-ns",
-            metadata={"name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                                             "pdstack/env": args.env}},
+            metadata={
+                "name": ns,
+                "labels": {"pod-security.kubernetes.io/enforce": "restricted", "pdstack/env": args.env},
+            },
             opts=self.opts,
         )
         k8s.core.v1.Secret(
-            f"{name}-secrets", metadata={"name": SECRET_NAME, "namespace": ns}, type="Opaque",
-            string_data=dict(args.secret_values), opts=self.opts,
+            f"{name}-secrets",
+            metadata={"name": SECRET_NAME, "namespace": ns},
+            type="Opaque",
+            string_data=dict(args.secret_values),
+            opts=self.opts,
         )
         k8s.core.v1.ConfigMap(
-            f"{name}-config", metadata={"name": "pdstack-config", "namespace": ns},
-            data=dict(args.config_files), opts=self.opts,
+            f"{name}-config",
+            metadata={"name": "pdstack-config", "namespace": ns},
+            data=dict(args.config_files),
+            opts=self.opts,
         )
         served = args.contract
         scheduler_url = f"http://scheduler.{ns}.svc.cluster.local:{served[Component.SCHEDULER].port}"
         gateway_contract = served[Component.GATEWAY]
         store = served.ratelimit_storage(f"{RATELIMIT_STORE}.{ns}.svc.cluster.local")
         gateway = AppSpec(
-            "gateway", gateway_contract, args.gateway_replicas, "1", "1Gi",
-            env={**gateway_contract.env(), "PDSERVE_SCHEDULER_URL": scheduler_url,
-                 "PDSERVE_RATE_LIMIT_STORAGE": store},
+            "gateway",
+            gateway_contract,
+            args.gateway_replicas,
+            "1",
+            "1Gi",
+            env={**gateway_contract.env(), "PDSERVE_SCHEDULER_URL": scheduler_url, "PDSERVE_RATE_LIMIT_STORAGE": store},
         )
         # One scheduler: its registry is soft state rebuilt from heartbeats within seconds; two replicas would
         # each see half the heartbeats behind the load balancer.
@@ -187,24 +206,30 @@ class ControlWorkloads(pulumi.ComponentResource):
                 "scale_target_ref": {"api_version": "apps/v1", "kind": "Deployment", "name": "gateway"},
                 "min_replicas": args.gateway_replicas,
                 "max_replicas": args.gateway_max_replicas,
-                "metrics": [{"type": "Resource", "resource": {"name": "cpu",
-                                                              "target": {"type": "Utilization",
-                                                                         "average_utilization": 70}}}],
+                "metrics": [
+                    {
+                        "type": "Resource",
+                        "resource": {"name": "cpu", "target": {"type": "Utilization", "average_utilization": 70}},
+                    }
+                ],
             },
             opts=self.opts,
         )
         self._load_balancer(name, gateway, sources=[*args.client_cidrs])
-        scheduler_service = self._load_balancer(name, scheduler,
-                                                sources=[*args.datacenter_cidrs, *args.controller_cidrs])
+        scheduler_service = self._load_balancer(
+            name, scheduler, sources=[*args.datacenter_cidrs, *args.controller_cidrs]
+        )
         # What the GPU nodes call: the scheduler's internal load balancer (known once AWS has made it)
         self.scheduler_url: pulumi.Output[str | None] = scheduler_service.status.apply(
-            lambda status: load_balancer_url(status, served))
+            lambda status: load_balancer_url(status, served)
+        )
         for app in (gateway, scheduler):
             self._pods_service(name, app)
         self._network_policies(name)
         # What the controller's canary judge queries: Prometheus' internal load balancer
         self.prometheus_url: pulumi.Output[str | None] = self._prometheus(name).status.apply(
-            lambda status: prometheus_load_balancer_url(status, served))
+            lambda status: prometheus_load_balancer_url(status, served)
+        )
         self._alertmanager(name)
         self._ratelimit_store(name)
         self.register_outputs({})
@@ -212,14 +237,23 @@ class ControlWorkloads(pulumi.ComponentResource):
     def _deployment(self, name: str, app: AppSpec, recreate: bool) -> None:
         labels = {"app": app.name, "pdstack/env": self.args.env}
         env: list[Any] = [{"name": k, "value": v} for k, v in app.env.items()]
-        mounts: list[Any] = [{"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
-                             {"name": "secrets", "mount_path": SECRETS_DIR, "read_only": True},
-                             {"name": "tmp", "mount_path": "/tmp"}]  # noqa: S108 (a private emptyDir)
+        mounts: list[Any] = [
+            {"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
+            {"name": "secrets", "mount_path": SECRETS_DIR, "read_only": True},
+            {"name": "tmp", "mount_path": "/tmp"},  # noqa: S108 (a private emptyDir)
+        ]
         volumes: list[Any] = [
             {"name": "config", "config_map": {"name": "pdstack-config"}},
             # `optional: false` said out loud: a missing key must stop the pod, not start it without a credential
-            {"name": "secrets", "secret": {"secret_name": SECRET_NAME, "optional": False,
-                                           "default_mode": SECRET_FILE_MODE, "items": app.secret_items}},
+            {
+                "name": "secrets",
+                "secret": {
+                    "secret_name": SECRET_NAME,
+                    "optional": False,
+                    "default_mode": SECRET_FILE_MODE,
+                    "items": app.secret_items,
+                },
+            },
             {"name": "tmp", "empty_dir": {}},
         ]
         if app.served.component is Component.SCHEDULER:
@@ -232,31 +266,45 @@ class ControlWorkloads(pulumi.ComponentResource):
             spec={  # pyright: ignore[reportArgumentType]
                 "replicas": app.replicas,
                 "selector": {"match_labels": {"app": app.name}},
-                "strategy": {"type": "Recreate"} if recreate else
-                {"type": "RollingUpdate", "rolling_update": {"max_unavailable": 0, "max_surge": 1}},
+                "strategy": {"type": "Recreate"}
+                if recreate
+                else {"type": "RollingUpdate", "rolling_update": {"max_unavailable": 0, "max_surge": 1}},
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": {
-                        "security_context": {"run_as_non_root": True, "run_as_user": RUNTIME_UID,
-                                             "run_as_group": RUNTIME_UID, "fs_group": RUNTIME_UID,
-                                             "seccomp_profile": {"type": "RuntimeDefault"}},
-                        "topology_spread_constraints": [{"max_skew": 1, "topology_key": "topology.kubernetes.io/zone",
-                                                         "when_unsatisfiable": "ScheduleAnyway",
-                                                         "label_selector": {"match_labels": {"app": app.name}}}],
+                        "security_context": {
+                            "run_as_non_root": True,
+                            "run_as_user": RUNTIME_UID,
+                            "run_as_group": RUNTIME_UID,
+                            "fs_group": RUNTIME_UID,
+                            "seccomp_profile": {"type": "RuntimeDefault"},
+                        },
+                        "topology_spread_constraints": [
+                            {
+                                "max_skew": 1,
+                                "topology_key": "topology.kubernetes.io/zone",
+                                "when_unsatisfiable": "ScheduleAnyway",
+                                "label_selector": {"match_labels": {"app": app.name}},
+                            }
+                        ],
                         "termination_grace_period_seconds": 60,  # let streams in flight finish
-                        "containers": [{
-                            "name": app.name,
-                            "image": self.args.images[app.name],
-                            "command": list(app.served.command[:1]),
-                            "args": list(app.served.args),
-                            "ports": [{"name": "http", "container_port": app.port}],
-                            "env": env,
-                            "resources": {"requests": {"cpu": app.cpu, "memory": app.memory},
-                                          "limits": {"memory": app.memory}},
-                            "volume_mounts": mounts,
-                            "security_context": RESTRICTED_CONTAINER,
-                            **probes("http", app.served.health_live, app.served.health_ready),
-                        }],
+                        "containers": [
+                            {
+                                "name": app.name,
+                                "image": self.args.images[app.name],
+                                "command": list(app.served.command[:1]),
+                                "args": list(app.served.args),
+                                "ports": [{"name": "http", "container_port": app.port}],
+                                "env": env,
+                                "resources": {
+                                    "requests": {"cpu": app.cpu, "memory": app.memory},
+                                    "limits": {"memory": app.memory},
+                                },
+                                "volume_mounts": mounts,
+                                "security_context": RESTRICTED_CONTAINER,
+                                **probes("http", app.served.health_live, app.served.health_ready),
+                            }
+                        ],
                         "volumes": volumes,
                     },
                 },
@@ -273,8 +321,11 @@ class ControlWorkloads(pulumi.ComponentResource):
         k8s.core.v1.PersistentVolumeClaim(
             f"{name}-{SCHEDULER_STATE_CLAIM}",
             metadata={"name": SCHEDULER_STATE_CLAIM, "namespace": self.args.namespace},
-            spec={"access_modes": ["ReadWriteOnce"], "storage_class_name": storage_class(self.args.env),
-                  "resources": {"requests": {"storage": SCHEDULER_STATE_SIZE}}},
+            spec={
+                "access_modes": ["ReadWriteOnce"],
+                "storage_class_name": storage_class(self.args.env),
+                "resources": {"requests": {"storage": SCHEDULER_STATE_SIZE}},
+            },
             opts=self.opts,
         )
         return SCHEDULER_STATE_CLAIM
@@ -284,8 +335,12 @@ class ControlWorkloads(pulumi.ComponentResource):
         k8s.core.v1.Service(
             f"{name}-{pods_service(app.name)}",
             metadata={"name": pods_service(app.name), "namespace": self.args.namespace},
-            spec={"cluster_ip": "None", "publish_not_ready_addresses": True, "selector": {"app": app.name},
-                  "ports": [{"name": "http", "port": app.port, "target_port": "http", "protocol": "TCP"}]},
+            spec={
+                "cluster_ip": "None",
+                "publish_not_ready_addresses": True,
+                "selector": {"app": app.name},
+                "ports": [{"name": "http", "port": app.port, "target_port": "http", "protocol": "TCP"}],
+            },
             opts=self.opts,
         )
 
@@ -324,26 +379,65 @@ class ControlWorkloads(pulumi.ComponentResource):
 
         policy("default-deny-ingress", {}, [])
         gateway_port = a.contract[Component.GATEWAY].port
-        policy("gateway", {"match_labels": {"app": "gateway"}},
-               [{"from": blocks(a.client_cidrs), "ports": [{"port": gateway_port, "protocol": "TCP"}]}])
-        policy("scheduler", {"match_labels": {"app": "scheduler"}}, [
-            {"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}},
-                      {"pod_selector": {"match_labels": {"app": "prometheus"}}}, *blocks(a.datacenter_cidrs)],
-             "ports": [{"port": a.contract[Component.SCHEDULER].port, "protocol": "TCP"}]},
-        ])
-        policy("gateway-metrics", {"match_labels": {"app": "gateway"}}, [
-            {"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
-             "ports": [{"port": gateway_port, "protocol": "TCP"}]},
-        ])
-        policy("prometheus", {"match_labels": {"app": "prometheus"}},
-               [{"from": [{"pod_selector": {}}, *blocks(a.controller_cidrs)],
-                 "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}]}])
-        policy(RATELIMIT_STORE, {"match_labels": {"app": RATELIMIT_STORE}},
-               [{"from": [{"pod_selector": {"match_labels": {"app": "gateway"}}}],
-                 "ports": [{"port": a.contract.ratelimit_store.port, "protocol": "TCP"}]}])
-        policy("alertmanager", {"match_labels": {"app": "alertmanager"}},
-               [{"from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
-                 "ports": [{"port": a.contract.alertmanager.port, "protocol": "TCP"}]}])
+        policy(
+            "gateway",
+            {"match_labels": {"app": "gateway"}},
+            [{"from": blocks(a.client_cidrs), "ports": [{"port": gateway_port, "protocol": "TCP"}]}],
+        )
+        policy(
+            "scheduler",
+            {"match_labels": {"app": "scheduler"}},
+            [
+                {
+                    "from": [
+                        {"pod_selector": {"match_labels": {"app": "gateway"}}},
+                        {"pod_selector": {"match_labels": {"app": "prometheus"}}},
+                        *blocks(a.datacenter_cidrs),
+                    ],
+                    "ports": [{"port": a.contract[Component.SCHEDULER].port, "protocol": "TCP"}],
+                },
+            ],
+        )
+        policy(
+            "gateway-metrics",
+            {"match_labels": {"app": "gateway"}},
+            [
+                {
+                    "from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
+                    "ports": [{"port": gateway_port, "protocol": "TCP"}],
+                },
+            ],
+        )
+        policy(
+            "prometheus",
+            {"match_labels": {"app": "prometheus"}},
+            [
+                {
+                    "from": [{"pod_selector": {}}, *blocks(a.controller_cidrs)],
+                    "ports": [{"port": a.contract.prometheus.port, "protocol": "TCP"}],
+                }
+            ],
+        )
+        policy(
+            RATELIMIT_STORE,
+            {"match_labels": {"app": RATELIMIT_STORE}},
+            [
+                {
+                    "from": [{"pod_selector": {"match_labels": {"app": "gateway"}}}],
+                    "ports": [{"port": a.contract.ratelimit_store.port, "protocol": "TCP"}],
+                }
+            ],
+        )
+        policy(
+            "alertmanager",
+            {"match_labels": {"app": "alertmanager"}},
+            [
+                {
+                    "from": [{"pod_selector": {"match_labels": {"app": "prometheus"}}}],
+                    "ports": [{"port": a.contract.alertmanager.port, "protocol": "TCP"}],
+                }
+            ],
+        )
 
     def _prometheus(self, name: str) -> k8s.core.v1.Service:
         a, ns = self.args, self.args.namespace
@@ -352,8 +446,10 @@ class ControlWorkloads(pulumi.ComponentResource):
             f"{name}-prometheus", metadata={"name": PROMETHEUS_SERVICE_ACCOUNT, "namespace": ns}, opts=self.opts
         )
         k8s.core.v1.ConfigMap(
-            f"{name}-prometheus", metadata={"name": "prometheus", "namespace": ns},
-            data={"prometheus.yml": prometheus_yaml(a.prometheus_config), RULES_FILE: a.alert_rules}, opts=self.opts,
+            f"{name}-prometheus",
+            metadata={"name": "prometheus", "namespace": ns},
+            data={"prometheus.yml": prometheus_yaml(a.prometheus_config), RULES_FILE: a.alert_rules},
+            opts=self.opts,
         )
         k8s.storage.v1.StorageClass(
             f"{name}-gp3",
@@ -379,34 +475,54 @@ class ControlWorkloads(pulumi.ComponentResource):
                     "metadata": {"labels": labels},
                     "spec": {
                         "service_account_name": PROMETHEUS_SERVICE_ACCOUNT,
-                        "security_context": {"run_as_non_root": True, "run_as_user": 65534, "fs_group": 65534,
-                                             "seccomp_profile": {"type": "RuntimeDefault"}},
-                        "containers": [{
-                            "name": "prometheus",
-                            "image": PROMETHEUS_IMAGE,
-                            "args": ["--config.file=/etc/prometheus/prometheus.yml",
-                                     "--storage.tsdb.path=/prometheus",
-                                     f"--storage.tsdb.retention.time={PROMETHEUS_RETENTION}",
-                                     f"--web.listen-address=:{port}"],
-                            "ports": [{"name": "http", "container_port": port}],
-                            "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
-                            "liveness_probe": {"http_get": {"path": a.contract.prometheus.health_live, "port": "http"},
-                                               "period_seconds": 15, "failure_threshold": 6},
-                            "readiness_probe": {"http_get": {"path": a.contract.prometheus.health_ready,
-                                                             "port": "http"},
-                                                "period_seconds": 5, "failure_threshold": 3},
-                            "volume_mounts": [{"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
-                                              {"name": "data", "mount_path": "/prometheus"}],
-                            "security_context": RESTRICTED_CONTAINER,
-                        }],
+                        "security_context": {
+                            "run_as_non_root": True,
+                            "run_as_user": 65534,
+                            "fs_group": 65534,
+                            "seccomp_profile": {"type": "RuntimeDefault"},
+                        },
+                        "containers": [
+                            {
+                                "name": "prometheus",
+                                "image": PROMETHEUS_IMAGE,
+                                "args": [
+                                    "--config.file=/etc/prometheus/prometheus.yml",
+                                    "--storage.tsdb.path=/prometheus",
+                                    f"--storage.tsdb.retention.time={PROMETHEUS_RETENTION}",
+                                    f"--web.listen-address=:{port}",
+                                ],
+                                "ports": [{"name": "http", "container_port": port}],
+                                "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+                                "liveness_probe": {
+                                    "http_get": {"path": a.contract.prometheus.health_live, "port": "http"},
+                                    "period_seconds": 15,
+                                    "failure_threshold": 6,
+                                },
+                                "readiness_probe": {
+                                    "http_get": {"path": a.contract.prometheus.health_ready, "port": "http"},
+                                    "period_seconds": 5,
+                                    "failure_threshold": 3,
+                                },
+                                "volume_mounts": [
+                                    {"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
+                                    {"name": "data", "mount_path": "/prometheus"},
+                                ],
+                                "security_context": RESTRICTED_CONTAINER,
+                            }
+                        ],
                         "volumes": [{"name": "config", "config_map": {"name": "prometheus"}}],
                     },
                 },
-                "volume_claim_templates": [{
-                    "metadata": {"name": "data"},
-                    "spec": {"access_modes": ["ReadWriteOnce"], "storage_class_name": storage_class(a.env),
-                             "resources": {"requests": {"storage": f"{PROMETHEUS_VOLUME_GIB}Gi"}}},
-                }],
+                "volume_claim_templates": [
+                    {
+                        "metadata": {"name": "data"},
+                        "spec": {
+                            "access_modes": ["ReadWriteOnce"],
+                            "storage_class_name": storage_class(a.env),
+                            "resources": {"requests": {"storage": f"{PROMETHEUS_VOLUME_GIB}Gi"}},
+                        },
+                    }
+                ],
             },
             opts=self.opts,
         )
@@ -419,26 +535,44 @@ class ControlWorkloads(pulumi.ComponentResource):
         listener = a.contract.alertmanager
         # A Secret, not a ConfigMap: with a webhook the configuration holds its URL, which may carry a token.
         k8s.core.v1.Secret(
-            f"{name}-alertmanager", metadata={"name": "alertmanager", "namespace": a.namespace}, type="Opaque",
-            string_data={"alertmanager.yml": a.alertmanager_config}, opts=self.opts,
+            f"{name}-alertmanager",
+            metadata={"name": "alertmanager", "namespace": a.namespace},
+            type="Opaque",
+            string_data={"alertmanager.yml": a.alertmanager_config},
+            opts=self.opts,
         )
         container: dict[str, Any] = {
             "name": "alertmanager",
             "image": ALERTMANAGER_IMAGE,
-            "args": ["--config.file=/etc/alertmanager/alertmanager.yml", "--storage.path=/alertmanager",
-                     f"--web.listen-address=:{listener.port}"],
+            "args": [
+                "--config.file=/etc/alertmanager/alertmanager.yml",
+                "--storage.path=/alertmanager",
+                f"--web.listen-address=:{listener.port}",
+            ],
             "ports": [{"name": "http", "container_port": listener.port}],
             "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-            "liveness_probe": {"http_get": {"path": listener.health_live, "port": "http"},
-                               "period_seconds": 15, "failure_threshold": 6},
-            "readiness_probe": {"http_get": {"path": listener.health_ready, "port": "http"},
-                                "period_seconds": 5, "failure_threshold": 3},
-            "volume_mounts": [{"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
-                              {"name": "data", "mount_path": "/alertmanager"}],
+            "liveness_probe": {
+                "http_get": {"path": listener.health_live, "port": "http"},
+                "period_seconds": 15,
+                "failure_threshold": 6,
+            },
+            "readiness_probe": {
+                "http_get": {"path": listener.health_ready, "port": "http"},
+                "period_seconds": 5,
+                "failure_threshold": 3,
+            },
+            "volume_mounts": [
+                {"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
+                {"name": "data", "mount_path": "/alertmanager"},
+            ],
         }
-        volumes: list[Any] = [{"name": "config", "secret": {"secret_name": "alertmanager", "optional": False,
-                                                            "default_mode": SECRET_FILE_MODE}},
-                              {"name": "data", "empty_dir": {}}]
+        volumes: list[Any] = [
+            {
+                "name": "config",
+                "secret": {"secret_name": "alertmanager", "optional": False, "default_mode": SECRET_FILE_MODE},
+            },
+            {"name": "data", "empty_dir": {}},
+        ]
         self._single_pod(name, "alertmanager", 65534, container, volumes)
 
     def _ratelimit_store(self, name: str) -> None:
@@ -451,13 +585,21 @@ class ControlWorkloads(pulumi.ComponentResource):
             "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "320Mi"}},
             "readiness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 5},
             "liveness_probe": {"tcp_socket": {"port": "redis"}, "period_seconds": 15, "failure_threshold": 6},
-            "volume_mounts": [{"name": "config", "mount_path": "/etc/redis", "read_only": True},
-                              {"name": "data", "mount_path": "/data"}],
+            "volume_mounts": [
+                {"name": "config", "mount_path": "/etc/redis", "read_only": True},
+                {"name": "data", "mount_path": "/data"},
+            ],
         }
         volumes: list[Any] = [
-            {"name": "config", "secret": {"secret_name": SECRET_NAME, "optional": False,
-                                          "default_mode": SECRET_FILE_MODE,
-                                          "items": [{"key": RATELIMIT_STORE_CONFIG, "path": "redis.conf"}]}},
+            {
+                "name": "config",
+                "secret": {
+                    "secret_name": SECRET_NAME,
+                    "optional": False,
+                    "default_mode": SECRET_FILE_MODE,
+                    "items": [{"key": RATELIMIT_STORE_CONFIG, "path": "redis.conf"}],
+                },
+            },
             {"name": "data", "empty_dir": {}},
         ]
         self._single_pod(name, RATELIMIT_STORE, RATELIMIT_STORE_UID, container, volumes)
@@ -476,8 +618,13 @@ class ControlWorkloads(pulumi.ComponentResource):
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": {
-                        "security_context": {"run_as_non_root": True, "run_as_user": uid, "run_as_group": uid,
-                                             "fs_group": uid, "seccomp_profile": {"type": "RuntimeDefault"}},
+                        "security_context": {
+                            "run_as_non_root": True,
+                            "run_as_user": uid,
+                            "run_as_group": uid,
+                            "fs_group": uid,
+                            "seccomp_profile": {"type": "RuntimeDefault"},
+                        },
                         "containers": [{**container, "security_context": RESTRICTED_CONTAINER}],
                         "volumes": volumes,
                     },
@@ -489,13 +636,25 @@ class ControlWorkloads(pulumi.ComponentResource):
         k8s.core.v1.Service(
             f"{name}-{app}",
             metadata={"name": app, "namespace": ns},
-            spec={"type": "ClusterIP", "selector": labels,
-                  "ports": [{"name": port["name"], "port": port["container_port"], "target_port": port["name"],
-                             "protocol": "TCP"}]},
+            spec={
+                "type": "ClusterIP",
+                "selector": labels,
+                "ports": [
+                    {
+                        "name": port["name"],
+                        "port": port["container_port"],
+                        "target_port": port["name"],
+                        "protocol": "TCP",
+                    }
+                ],
+            },
             opts=self.opts,
         )
 
+
 def ratelimit_store_config(password: str, port: int) -> str:
     """The in-cluster store's redis.conf: the password, no persistence, a memory ceiling (counters expire)."""
-    return (f"port {port}\nbind 0.0.0.0\nprotected-mode yes\nrequirepass {password}\nsave \"\"\n"
-            "appendonly no\nmaxmemory 256mb\nmaxmemory-policy volatile-ttl\n")
+    return (
+        f'port {port}\nbind 0.0.0.0\nprotected-mode yes\nrequirepass {password}\nsave ""\n'
+        "appendonly no\nmaxmemory 256mb\nmaxmemory-policy volatile-ttl\n"
+    )

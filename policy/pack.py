@@ -38,8 +38,11 @@ def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:
             report_violation(message, None)
 
     return ResourceValidationPolicy(
-        name=rule.name, description=rule.description, validate=validate,
-        enforcement_level=EnforcementLevel.MANDATORY, config_schema=CONFIG_SCHEMA,
+        name=rule.name,
+        description=rule.description,
+        validate=validate,
+        enforcement_level=EnforcementLevel.MANDATORY,
+        config_schema=CONFIG_SCHEMA,
     )
 
 
@@ -50,8 +53,11 @@ def stack_policy(rule: rules.StackRule) -> StackValidationPolicy:
             report_violation(message, resource.urn)
 
     return StackValidationPolicy(
-        name=rule.name, description=rule.description, validate=validate,
-        enforcement_level=EnforcementLevel.MANDATORY, config_schema=CONFIG_SCHEMA,
+        name=rule.name,
+        description=rule.description,
+        validate=validate,
+        enforcement_level=EnforcementLevel.MANDATORY,
+        config_schema=CONFIG_SCHEMA,
     )
 
 

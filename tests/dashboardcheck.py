@@ -16,8 +16,11 @@ VLLM_PREFIX = "vllm:"
 
 def dashboard_queries() -> list[tuple[str, str, list[str]]]:
     """(dashboard, panel title, [expr, ...]) of every panel of every committed dashboard."""
-    return [(path.stem, title, exprs) for path in sorted(DASHBOARDS.glob("*.json"))
-            for title, exprs in panels(json.loads(path.read_text()))]
+    return [
+        (path.stem, title, exprs)
+        for path in sorted(DASHBOARDS.glob("*.json"))
+        for title, exprs in panels(json.loads(path.read_text()))
+    ]
 
 
 def query_problems(prometheus: str, window_s: float, step_s: float) -> list[str]:
@@ -28,11 +31,14 @@ def query_problems(prometheus: str, window_s: float, step_s: float) -> list[str]
     with httpx.Client(timeout=10) as client:
         for board, title, exprs in dashboard_queries():
             for expr in exprs:
-                answer = client.get(f"{prometheus}/api/v1/query_range", params={
-                    "query": expand(expr), "start": str(now - window_s), "end": str(now), "step": str(step_s)}).json()
+                answer = client.get(
+                    f"{prometheus}/api/v1/query_range",
+                    params={"query": expand(expr), "start": str(now - window_s), "end": str(now), "step": str(step_s)},
+                ).json()
                 if answer["status"] != "success":
                     problems.append(f"{board} / {title}: {expr}: {answer.get('error')}")
                 elif not answer["data"]["result"] and not any(
-                        name.startswith(VLLM_PREFIX) for name in metric_names(expr)):
+                    name.startswith(VLLM_PREFIX) for name in metric_names(expr)
+                ):
                     problems.append(f"{board} / {title}: no series: {expr}")
     return problems

@@ -98,9 +98,19 @@ def monitoring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]
             f"--web.listen-address=127.0.0.1:{ports['alertmanager']}", "--cluster.listen-address="],
             am, folder / "alertmanager.log").start())  # fmt: skip
         prom = f"http://127.0.0.1:{ports['prometheus']}"
-        started.append(Daemon("prometheus", [
-            str(PROMETHEUS), f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{ports['prometheus']}"], prom, folder / "prometheus.log").start())
+        started.append(
+            Daemon(
+                "prometheus",
+                [
+                    str(PROMETHEUS),
+                    f"--config.file={folder / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={folder / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{ports['prometheus']}",
+                ],
+                prom,
+                folder / "prometheus.log",
+            ).start()
+        )
         yield Monitoring(prom, am, webhook, decode, folder)
     finally:
         for daemon in reversed(started):

@@ -46,8 +46,7 @@ NODE_VARS: dict[str, Any] = {
     # Prompts of 8+ tokens take the prefill -> KV channel -> decode path (the local stack uses 32).
     "pdserve_env": {"PDSERVE_OFFLOAD_THRESHOLD_TOKENS": "8"},
 }
-RUNTIME_PLAY = [{"name": "Container runtime", "hosts": "all", "gather_facts": True,
-                 "roles": ["container_runtime"]}]
+RUNTIME_PLAY = [{"name": "Container runtime", "hosts": "all", "gather_facts": True, "roles": ["container_runtime"]}]
 
 
 @dataclass
@@ -56,8 +55,11 @@ class Played:
     output: str
 
     def changed(self) -> int:
-        return sum(int(line.split("changed=")[1].split()[0]) for line in self.output.splitlines()
-                   if " changed=" in line and " ok=" in line)
+        return sum(
+            int(line.split("changed=")[1].split()[0])
+            for line in self.output.splitlines()
+            if " changed=" in line and " ok=" in line
+        )
 
 
 @dataclass
@@ -98,9 +100,12 @@ class Serving:
         return f"http://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
 
     def complete(self, prompt: str = LONG_PROMPT, max_tokens: int = 8) -> httpx.Response:
-        return httpx.post(f"{self.gateway()}/v1/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {self.secrets.api_key.read_text().strip()}"},
-                          json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        return httpx.post(
+            f"{self.gateway()}/v1/completions",
+            timeout=60,
+            headers={"Authorization": f"Bearer {self.secrets.api_key.read_text().strip()}"},
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        )
 
 
 def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Played:
@@ -114,8 +119,9 @@ def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Pla
 
 
 def bridge_gateway() -> str:
-    info = json.loads(subprocess.run(["podman", "network", "inspect", "podman"], capture_output=True, text=True,
-                                     check=True).stdout)
+    info = json.loads(
+        subprocess.run(["podman", "network", "inspect", "podman"], capture_output=True, text=True, check=True).stdout
+    )
     return str(info[0]["subnets"][0]["gateway"])
 
 

@@ -36,8 +36,17 @@ class Traffic:
     server: str = field(default="")
 
 
-def _histogram_lines(name: str, labels: str, buckets: tuple[float, ...], rng: np.random.Generator, *,
-                     median: float, per_scrape: int, start: int, scrapes: int) -> list[str]:
+def _histogram_lines(
+    name: str,
+    labels: str,
+    buckets: tuple[float, ...],
+    rng: np.random.Generator,
+    *,
+    median: float,
+    per_scrape: int,
+    start: int,
+    scrapes: int,
+) -> list[str]:
     lines = []
     cumulative = np.zeros(len(buckets) + 1)
     total = 0.0
@@ -65,24 +74,42 @@ def openmetrics(traffic: list[Traffic], start: int, scrapes: int, seed: int = 0)
             if share == 0:
                 continue
             labels = f'{gw},endpoint="/v1/completions",status="{status}",tenant="t",version="{t.version}"'
-            out += [f"pdserve_gateway_requests_total{{{labels}}} {round(i * per_scrape * share)} {start + i * SCRAPE_S}"
-                    for i in range(scrapes)]
-    for family, buckets, attr in (("pdserve_gateway_time_to_first_token_seconds", LATENCY_BUCKETS, "ttft_s"),
-                                  ("pdserve_gateway_inter_token_latency_seconds", TOKEN_GAP_BUCKETS, "itl_s")):
+            out += [
+                f"pdserve_gateway_requests_total{{{labels}}} {round(i * per_scrape * share)} {start + i * SCRAPE_S}"
+                for i in range(scrapes)
+            ]
+    for family, buckets, attr in (
+        ("pdserve_gateway_time_to_first_token_seconds", LATENCY_BUCKETS, "ttft_s"),
+        ("pdserve_gateway_inter_token_latency_seconds", TOKEN_GAP_BUCKETS, "itl_s"),
+    ):
         out.append(f"# TYPE {family} histogram")
         for t in traffic:
-            out += _histogram_lines(family, f'{gw},version="{t.version}"', buckets, rng, median=getattr(t, attr),
-                                    per_scrape=int(t.rps * SCRAPE_S), start=start, scrapes=scrapes)
+            out += _histogram_lines(
+                family,
+                f'{gw},version="{t.version}"',
+                buckets,
+                rng,
+                median=getattr(t, attr),
+                per_scrape=int(t.rps * SCRAPE_S),
+                start=start,
+                scrapes=scrapes,
+            )
     out.append("# TYPE pdserve_build_info gauge")
     for t in traffic:
         if t.server:
-            out += [f'pdserve_build_info{{instance="{t.server}",job="pdserve-decode",role="decode",'
-                    f'version="{t.version}"}} 1 {start + i * SCRAPE_S}' for i in range(scrapes)]
+            out += [
+                f'pdserve_build_info{{instance="{t.server}",job="pdserve-decode",role="decode",'
+                f'version="{t.version}"}} 1 {start + i * SCRAPE_S}'
+                for i in range(scrapes)
+            ]
     out.append("# TYPE pdserve_kv_load_failures counter")
     for t in traffic:
         if t.server:
-            out += [f'pdserve_kv_load_failures_total{{instance="{t.server}",job="pdserve-decode",cause="checksum",'
-                    f'action="fail"}} {i * t.kv_failures_per_scrape} {start + i * SCRAPE_S}' for i in range(scrapes)]
+            out += [
+                f'pdserve_kv_load_failures_total{{instance="{t.server}",job="pdserve-decode",cause="checksum",'
+                f'action="fail"}} {i * t.kv_failures_per_scrape} {start + i * SCRAPE_S}'
+                for i in range(scrapes)
+            ]
     out.append("# EOF")
     return "\n".join(out) + "\n"
 
@@ -96,12 +123,22 @@ def prometheus_with(text: str, port: int) -> Iterator[str]:
         root = Path(folder)
         (root / "data.om").write_text(text)
         (root / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\n")
-        subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(root / "data.om"),
-                        str(root / "tsdb")], check=True, capture_output=True)
+        subprocess.run(
+            ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(root / "data.om"), str(root / "tsdb")],
+            check=True,
+            capture_output=True,
+        )
         process = subprocess.Popen(
-            ["prometheus", f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=10y"],
-            stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
+            [
+                "prometheus",
+                f"--config.file={root / 'prometheus.yml'}",
+                f"--storage.tsdb.path={root / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=10y",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(root / "prometheus.log").open("w"),
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_ready(url, process, root / "prometheus.log")

@@ -19,8 +19,11 @@ CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"  # what p
 
 def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, object]) -> tuple[int, str]:
     playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{"name": "test", "hosts": "localhost", "connection": "local",
-                                         "gather_facts": False, "tasks": tasks}]))
+    playbook.write_text(
+        yaml.safe_dump(
+            [{"name": "test", "hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]
+        )
+    )
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", f"@{CONTRACT_VARS}", "-e", json.dumps(variables),
          "-e", "ansible_python_interpreter=/usr/bin/python3"],
@@ -36,8 +39,15 @@ def include(role: str, tasks_from: str = "main") -> list[dict[str, object]]:
 
 
 def test_ansible_lint_production_profile(tmp_path: Path) -> None:
-    targets = ["roles/pdserve", "roles/model_artifacts", "roles/prometheus", "roles/redis",
-               "playbooks/serving.yml", "playbooks/deploy.yml", "playbooks/rollback.yml"]
+    targets = [
+        "roles/pdserve",
+        "roles/model_artifacts",
+        "roles/prometheus",
+        "roles/redis",
+        "playbooks/serving.yml",
+        "playbooks/deploy.yml",
+        "playbooks/rollback.yml",
+    ]
     result = subprocess.run(
         [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
         capture_output=True, text=True, cwd=REPO, check=False,
@@ -46,49 +56,82 @@ def test_ansible_lint_production_profile(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("role", "variables", "message"), [
-    ("pdserve", {"pdserve_component": "router"}, "pdserve_component must be one of"),
-    ("pdserve", {"pdserve_component": "decode", "pdserve_restart_policy": "sometimes"},
-     "pdserve_restart_policy must be one of"),
-    ("pdserve", {"pdserve_component": "decode", "pdserve_kv_load_failure_policy": "guess"},
-     "pdserve_kv_load_failure_policy must be one of"),
-    ("prometheus", {"prometheus_port": "nine"}, "prometheus_port"),
-    ("model_artifacts", {}, "missing required arguments: model_artifacts_source"),
-    ("redis", {}, "redis_password_file must name a file on the controller"),
-    ("redis", {"redis_password_file": "/nonexistent", "redis_maxmemory_policy": "lru"},
-     "redis_maxmemory_policy must be one of"),
-    ("redis", {"redis_password_file": "/nonexistent", "redis_port": "six"}, "redis_port"),
-])
-def test_bad_variables_are_refused_naming_them(tmp_path: Path, role: str, variables: dict[str, object],
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("role", "variables", "message"),
+    [
+        ("pdserve", {"pdserve_component": "router"}, "pdserve_component must be one of"),
+        (
+            "pdserve",
+            {"pdserve_component": "decode", "pdserve_restart_policy": "sometimes"},
+            "pdserve_restart_policy must be one of",
+        ),
+        (
+            "pdserve",
+            {"pdserve_component": "decode", "pdserve_kv_load_failure_policy": "guess"},
+            "pdserve_kv_load_failure_policy must be one of",
+        ),
+        ("prometheus", {"prometheus_port": "nine"}, "prometheus_port"),
+        ("model_artifacts", {}, "missing required arguments: model_artifacts_source"),
+        ("redis", {}, "redis_password_file must name a file on the controller"),
+        (
+            "redis",
+            {"redis_password_file": "/nonexistent", "redis_maxmemory_policy": "lru"},
+            "redis_maxmemory_policy must be one of",
+        ),
+        ("redis", {"redis_password_file": "/nonexistent", "redis_port": "six"}, "redis_port"),
+    ],
+)
+def test_bad_variables_are_refused_naming_them(
+    tmp_path: Path, role: str, variables: dict[str, object], message: str
+) -> None:
     code, output = play(tmp_path, include(role), variables)
     assert code != 0
     assert message in output, output[-3000:]
 
 
-@pytest.mark.parametrize(("variables", "message"), [
-    ({"pdserve_image": "10.210.255.1:5000/pdstack/pdserve:latest", "pdserve_version": "r1"},
-     "pdserve_image must be an image by digest"),
-    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "release 1"}, "got 'release 1'"),
-    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1"}, "needs pdserve_kv_key_file"),
-    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1", "pdserve_kv_key_file": "/k"},
-     "needs pdserve_identity_key_file"),
-    ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1", "pdserve_kv_key_file": "/k",
-      "pdserve_identity_key_file": "/i"}, "needs pdserve_server_token_file"),
-])
-def test_release_and_secret_checks_name_the_problem(tmp_path: Path, variables: dict[str, object],
-                                                    message: str) -> None:
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        (
+            {"pdserve_image": "10.210.255.1:5000/pdstack/pdserve:latest", "pdserve_version": "r1"},
+            "pdserve_image must be an image by digest",
+        ),
+        ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "release 1"}, "got 'release 1'"),
+        ({"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1"}, "needs pdserve_kv_key_file"),
+        (
+            {"pdserve_image": DIGEST_IMAGE, "pdserve_version": "r1", "pdserve_kv_key_file": "/k"},
+            "needs pdserve_identity_key_file",
+        ),
+        (
+            {
+                "pdserve_image": DIGEST_IMAGE,
+                "pdserve_version": "r1",
+                "pdserve_kv_key_file": "/k",
+                "pdserve_identity_key_file": "/i",
+            },
+            "needs pdserve_server_token_file",
+        ),
+    ],
+)
+def test_release_and_secret_checks_name_the_problem(tmp_path: Path, variables: dict[str, object], message: str) -> None:
     code, output = play(tmp_path, include("pdserve"), {"pdserve_component": "decode", **variables})
     assert code != 0
     assert message in output, output[-3000:]
 
 
-SECRET_FILES = {"pdserve_kv_key_file": "/s/kv", "pdserve_admin_token_file": "/s/admin",
-                "pdserve_identity_key_file": "/s/identity", "pdserve_server_token_file": "/s/server",
-                "pdserve_api_keys_file": "/s/keys", "pdserve_rate_limit_password_file": "/s/redis",
-                "pdserve_rate_limit_storage": "redis://10.210.0.10:6379/0"}
-SERVER_ENV = {"PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
-              "PDSERVE_API_TOKEN_FILE": "/run/secrets/server.token"}
+SECRET_FILES = {
+    "pdserve_kv_key_file": "/s/kv",
+    "pdserve_admin_token_file": "/s/admin",
+    "pdserve_identity_key_file": "/s/identity",
+    "pdserve_server_token_file": "/s/server",
+    "pdserve_api_keys_file": "/s/keys",
+    "pdserve_rate_limit_password_file": "/s/redis",
+    "pdserve_rate_limit_storage": "redis://10.210.0.10:6379/0",
+}
+SERVER_ENV = {
+    "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
+    "PDSERVE_API_TOKEN_FILE": "/run/secrets/server.token",
+}
 
 
 def rendered(tmp_path: Path, component: str) -> dict[str, object]:
@@ -105,9 +148,13 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
                        str(CONTRACT_VARS)],
         "tasks": [task],
     }]))  # fmt: skip
-    variables = {**SECRET_FILES, "pdserve_component": component, "pdserve__engine_id": "node-1-0123abcd",
-                 "pdserve__release": {"image": DIGEST_IMAGE, "version": "r1", "config_version": "1"},
-                 "ansible_python_interpreter": "/usr/bin/python3"}
+    variables = {
+        **SECRET_FILES,
+        "pdserve_component": component,
+        "pdserve__engine_id": "node-1-0123abcd",
+        "pdserve__release": {"image": DIGEST_IMAGE, "version": "r1", "config_version": "1"},
+        "ansible_python_interpreter": "/usr/bin/python3",
+    }
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
         capture_output=True, text=True, cwd=REPO, check=False,
@@ -163,16 +210,22 @@ def model(tmp_path: Path) -> Path:
     (source / "config.json").write_text('{"model_type": "llama"}')
     (source / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     (source / "sub" / "tokenizer.json").write_text("{}")
-    sums = subprocess.run(["sha256sum", "config.json", "model.safetensors", "sub/tokenizer.json"], cwd=source,
-                          capture_output=True, text=True, check=True).stdout
+    sums = subprocess.run(
+        ["sha256sum", "config.json", "model.safetensors", "sub/tokenizer.json"],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     (source / "SHA256SUMS").write_text(sums)
     return source
 
 
 def test_model_is_copied_and_verified_then_a_changed_file_is_named(tmp_path: Path, model: Path) -> None:
     dest = tmp_path / "node" / "models" / "tiny"
-    code, output = play(tmp_path, include("model_artifacts"),
-                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(dest)})
+    code, output = play(
+        tmp_path, include("model_artifacts"), {"model_artifacts_source": str(model), "model_artifacts_dest": str(dest)}
+    )
     assert code == 0, output[-3000:]
     assert (dest / "sub" / "tokenizer.json").read_text() == "{}"
     assert "3 files match the manifest" in output
@@ -186,15 +239,21 @@ def test_model_is_copied_and_verified_then_a_changed_file_is_named(tmp_path: Pat
 
 def test_a_malformed_manifest_line_is_named(tmp_path: Path, model: Path) -> None:
     (model / "SHA256SUMS").write_text("not-a-hash  config.json\n")
-    code, output = play(tmp_path, include("model_artifacts"),
-                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")})
+    code, output = play(
+        tmp_path,
+        include("model_artifacts"),
+        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")},
+    )
     assert code != 0 and "line 'not-a-hash config.json' is not" in output.replace("  ", " ")
 
 
 def test_a_manifest_path_leaving_the_model_folder_is_refused(tmp_path: Path, model: Path) -> None:
     (model / "SHA256SUMS").write_text("ab" * 32 + "  ../../etc/passwd\n")
-    code, output = play(tmp_path, include("model_artifacts"),
-                        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")})
+    code, output = play(
+        tmp_path,
+        include("model_artifacts"),
+        {"model_artifacts_source": str(model), "model_artifacts_dest": str(tmp_path / "dest")},
+    )
     assert code != 0 and "../../etc/passwd" in output
 
 

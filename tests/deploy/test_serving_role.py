@@ -24,19 +24,24 @@ def admin(serving: Serving) -> dict[str, str]:
 
 
 def instances(serving: Serving) -> list[dict[str, object]]:
-    found: list[dict[str, object]] = httpx.get(f"{serving.scheduler()}/v1/instances", headers=admin(serving),
-                                               timeout=5).json()["instances"]
+    found: list[dict[str, object]] = httpx.get(
+        f"{serving.scheduler()}/v1/instances", headers=admin(serving), timeout=5
+    ).json()["instances"]
     return found
 
 
 def instance_id(serving: Serving, node: str, component: str) -> str:
-    return serving.node(node, "podman", "inspect", "--format", '{{index .Config.Labels "pdstack.instance_id"}}',
-                        f"pdserve-{component}").strip()
+    return serving.node(
+        node, "podman", "inspect", "--format", '{{index .Config.Labels "pdstack.instance_id"}}', f"pdserve-{component}"
+    ).strip()
 
 
 def versions_ready(serving: Serving) -> set[tuple[str, str]]:
-    return {(str(i["info"]["role"]), str(i["info"]["version"]))  # type: ignore[index]
-            for i in instances(serving) if i["state"] == "ready"}
+    return {
+        (str(i["info"]["role"]), str(i["info"]["version"]))  # type: ignore[index]
+        for i in instances(serving)
+        if i["state"] == "ready"
+    }
 
 
 def serve(serving: Serving, *wanted: tuple[str, str], timeout: float = 30.0) -> bool:
@@ -162,8 +167,15 @@ def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serv
         refused = httpx.post(f"{prometheus}{path}", timeout=5)
         assert refused.status_code == 403 and "Lifecycle API is not enabled" in refused.text, path
     started = installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus")
-    changed = installed.play("serving.yml", "--tags", "prometheus", "-e", "prometheus_scrape_interval=7s",
-                             "-e", f"@{installed.release_vars('r1', **extra)}")
+    changed = installed.play(
+        "serving.yml",
+        "--tags",
+        "prometheus",
+        "-e",
+        "prometheus_scrape_interval=7s",
+        "-e",
+        f"@{installed.release_vars('r1', **extra)}",
+    )
     assert changed.returncode == 0, changed.output[-5000:]
     assert "Send Prometheus SIGHUP" in changed.output
     config = httpx.get(f"{prometheus}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
@@ -172,7 +184,7 @@ def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serv
 
 
 def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> None:
-    metrics = "pdserve_scheduler_instance_transitions_total{state=\"draining\"}"
+    metrics = 'pdserve_scheduler_instance_transitions_total{state="draining"}'
 
     def drained() -> float:
         text = httpx.get(f"{installed.scheduler()}/metrics", timeout=5).text  # open, like /health
@@ -191,11 +203,15 @@ def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> N
 def test_rollback_restores_the_previous_release(installed: Serving) -> None:
     rollback = installed.play("rollback.yml", "-e", f"@{installed.release_vars('r2', '2')}")
     assert rollback.returncode == 0, rollback.output[-5000:]
-    assert installed.record(NODE_B, "decode")["current"] == {"image": installed.image, "version": "r1",
-                                                             "config_version": "1"}
+    assert installed.record(NODE_B, "decode")["current"] == {
+        "image": installed.image,
+        "version": "r1",
+        "config_version": "1",
+    }
     assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
-    weights = httpx.get(f"{installed.scheduler()}/v1/admin/weights", headers=admin(installed),
-                        timeout=5).json()["weights"]
+    weights = httpx.get(f"{installed.scheduler()}/v1/admin/weights", headers=admin(installed), timeout=5).json()[
+        "weights"
+    ]
     assert weights == {"r1": 100}
     assert installed.complete().status_code == 200
 
@@ -205,8 +221,7 @@ def test_a_corrupt_model_stops_the_rollout_before_any_server_restarts(installed:
     original = weights.read_bytes()
     try:
         weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-        bad = installed.play("serving.yml", "--skip-tags", "prometheus",
-                             "-e", f"@{installed.release_vars('r3', '3')}")
+        bad = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r3', '3')}")
     finally:
         weights.write_bytes(original)
     assert bad.returncode != 0
@@ -224,8 +239,9 @@ def test_a_killed_decode_container_is_restarted_and_requests_recover(installed: 
     # wait for podman to restart the container and its health check (GET /health/ready) to pass.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        state = installed.node(NODE_B, "podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}",
-                               "pdserve-decode").split()
+        state = installed.node(
+            NODE_B, "podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}", "pdserve-decode"
+        ).split()
         if state[0] not in ("0", pid) and state[1:] == ["healthy"]:
             break
         time.sleep(2)

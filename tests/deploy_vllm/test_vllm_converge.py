@@ -86,8 +86,9 @@ class Deployed:
 
     def instances(self) -> list[dict[str, Any]]:
         admin = self.cluster.secrets.scheduler_admin_token.read_text().strip()
-        found: list[dict[str, Any]] = httpx.get(f"{self.cluster.scheduler()}/v1/instances", timeout=5,
-                                                headers={"Authorization": f"Bearer {admin}"}).json()["instances"]
+        found: list[dict[str, Any]] = httpx.get(
+            f"{self.cluster.scheduler()}/v1/instances", timeout=5, headers={"Authorization": f"Bearer {admin}"}
+        ).json()["instances"]
         return found
 
 
@@ -131,9 +132,12 @@ def test_install_runs_both_containers_and_vllm_answers_on_the_nodes_address(depl
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
                           timeout=60).status_code == 401  # fmt: skip
-        answer = httpx.post(f"{url}/v1/completions", timeout=120,
-                            headers={"Authorization": f"Bearer {deployed.token()}"},
-                            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            headers={"Authorization": f"Bearer {deployed.token()}"},
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 4
         record = deployed.cluster.record(node, side)
@@ -169,7 +173,9 @@ def test_a_new_release_replaces_both_engines_agent_first(deployed: Deployed) -> 
     instances = deployed.instances()
     assert not {i["instance_id"] for i in instances} & set(before.values())  # the agents deregistered the old ones
     assert {(i["info"]["role"], i["info"]["version"]) for i in instances if i["state"] == "ready"} >= {
-        ("prefill", "r2"), ("decode", "r2")}
+        ("prefill", "r2"),
+        ("decode", "r2"),
+    }
     record = deployed.cluster.record(NODE_B, "decode")
     assert record["current"]["version"] == "r2" and record["previous"]["version"] == "r1"
 
@@ -181,9 +187,12 @@ def test_rollback_restores_the_previous_release(deployed: Deployed) -> None:
         record = deployed.cluster.record(node, side)
         assert (record["current"]["version"], record["current"]["config_version"]) == ("r1", "1")
         assert deployed.labels(node, f"vllm-{side}-agent")["pdstack.release.version"] == "r1"
-        answer = httpx.post(f"{deployed.url(node, side)}/v1/completions", timeout=120,
-                            headers={"Authorization": f"Bearer {deployed.token()}"},
-                            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        answer = httpx.post(
+            f"{deployed.url(node, side)}/v1/completions",
+            timeout=120,
+            headers={"Authorization": f"Bearer {deployed.token()}"},
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
         assert answer.status_code == 200, answer.text
     ready = {(i["info"]["role"], i["info"]["version"]) for i in deployed.instances() if i["state"] == "ready"}
     assert ready == {("prefill", "r1"), ("decode", "r1")}, ready

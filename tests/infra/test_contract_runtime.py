@@ -221,12 +221,15 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
             assert files[s.path] == s.key, s
 
     built = (gateway_app if app == "gateway" else scheduler_app)(
-        load_settings(model, rest, prog=f"pdserve {role}", env=_materialise(environ, files, secret, tmp_path)))  # type: ignore[arg-type]
+        load_settings(model, rest, prog=f"pdserve {role}", env=_materialise(environ, files, secret, tmp_path))
+    )  # type: ignore[arg-type]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["port"] == "http"
         assert container[probe]["httpGet"]["path"] in _routes(built), probe
     assert (container["livenessProbe"]["httpGet"]["path"], container["readinessProbe"]["httpGet"]["path"]) == (
-        served.health_live, served.health_ready)
+        served.health_live,
+        served.health_ready,
+    )
 
 
 def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: dict[str, Synthesis]) -> None:
@@ -250,8 +253,12 @@ def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: di
     files = _mounted_files(pod, pod["containers"][0], secret_object)
     assert config["requirepass"] == secret[files[str(gateway.rate_limit_password_file)]]
     policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")[RATELIMIT_STORE]["spec"]
-    assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
-                                  "ports": [{"port": store.port, "protocol": "TCP"}]}]
+    assert policy["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "ports": [{"port": store.port, "protocol": "TCP"}],
+        }
+    ]
 
 
 def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dict[str, Synthesis]) -> None:
@@ -391,8 +398,11 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     graph = graphs[f"{env}-control"]
     (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "scheduler-url"]
     stacks = yaml.safe_load((ROOT / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
-    assert parameter.inputs["name"] == scheduler_url_parameter(env) == stacks["pdstack_cloud"][env][
-        "scheduler_url_parameter"]
+    assert (
+        parameter.inputs["name"]
+        == scheduler_url_parameter(env)
+        == stacks["pdstack_cloud"][env]["scheduler_url_parameter"]
+    )
     assert parameter.inputs["type"] == "String"  # an address, not a SecureString
     assert "scheduler_url" in graph.outputs
     service = _objects(graph, "kubernetes:core/v1:Service")["scheduler"]
@@ -402,13 +412,15 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     _, rest, environ = _started(deployment["spec"]["template"]["spec"]["containers"][0])
     scheduler = load_settings(SchedulerSettings, rest, prog="pdserve scheduler", env=environ)
     nlb = "internal-a1b2c3-0123456789.elb.us-east-1.amazonaws.com"
-    status = k8s_outputs.ServiceStatus(load_balancer=k8s_outputs.LoadBalancerStatus(
-        ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)]))
+    status = k8s_outputs.ServiceStatus(
+        load_balancer=k8s_outputs.LoadBalancerStatus(ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)])
+    )
     url = load_balancer_url(status, contract_of(env))
     assert url is not None
     rendered = ansible_contract(env)["pdserve_components"]["prefill"]["env"]
-    server = settings_from_args("prefill", [], environ={**rendered, "PDSERVE_MODEL": "/model",
-                                                      "PDSERVE_SCHEDULER_URL": url})
+    server = settings_from_args(
+        "prefill", [], environ={**rendered, "PDSERVE_MODEL": "/model", "PDSERVE_SCHEDULER_URL": url}
+    )
     parsed = httpx.URL(server.scheduler_url)
     assert parsed.host == nlb
     assert parsed.port == service["spec"]["ports"][0]["port"] == scheduler.port
@@ -438,9 +450,12 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     sources = set(service["spec"]["loadBalancerSourceRanges"])
     assert sources == {str(c) for c in plan_subnets(control_vpc).management}
     assert sources <= set(services["scheduler"]["spec"]["loadBalancerSourceRanges"])
-    decode_rules = [r.inputs["cidrIpv4"] for g in graphs_of(graphs, env).values()
-                    for r in g.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
-                    if r.inputs["tags"].get("pdstack:purpose") == "serving-decode"]
+    decode_rules = [
+        r.inputs["cidrIpv4"]
+        for g in graphs_of(graphs, env).values()
+        for r in g.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+        if r.inputs["tags"].get("pdstack:purpose") == "serving-decode"
+    ]
     assert decode_rules
     assert all(any(ip_network(c).subnet_of(ip_network(rule)) for rule in decode_rules) for c in sources)
     policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")["prometheus"]
@@ -450,8 +465,9 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     listen = next(a for a in container["args"] if a.startswith("--web.listen-address="))
     nlb = "internal-e5f6a7-0123456789.elb.us-east-1.amazonaws.com"
-    status = k8s_outputs.ServiceStatus(load_balancer=k8s_outputs.LoadBalancerStatus(
-        ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)]))
+    status = k8s_outputs.ServiceStatus(
+        load_balancer=k8s_outputs.LoadBalancerStatus(ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)])
+    )
     url = prometheus_load_balancer_url(status, contract_of(env))
     assert url is not None
     parsed = httpx.URL(url)

@@ -32,12 +32,16 @@ def test_an_empty_dashboards_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_control_stack_ships_them_in_its_namespace(graphs: dict[str, Synthesis]) -> None:
-    shipped = {c.inputs["metadata"]["name"]: c.inputs for c in graphs["prod-control"].of_type(
-        "kubernetes:core/v1:ConfigMap") if c.inputs["metadata"].get("labels", {}).get(SIDECAR_LABEL) == "1"}
+    shipped = {
+        c.inputs["metadata"]["name"]: c.inputs
+        for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
+        if c.inputs["metadata"].get("labels", {}).get(SIDECAR_LABEL) == "1"
+    }
     wanted = dashboard_config_maps("pdstack-prod")
     assert sorted(shipped) == [spec["metadata"]["name"] for spec in wanted]
     for spec in wanted:
         made = shipped[spec["metadata"]["name"]]
         assert made["data"] == spec["data"]
         assert {k: made["metadata"][k] for k in ("namespace", "labels", "annotations")} == {
-            k: spec["metadata"][k] for k in ("namespace", "labels", "annotations")}
+            k: spec["metadata"][k] for k in ("namespace", "labels", "annotations")
+        }

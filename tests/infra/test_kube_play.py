@@ -176,7 +176,8 @@ def playable(run: Run, app: str, env_rewrites: dict[str, str]) -> list[dict[str,
         if "persistentVolumeClaim" in volume:
             claim = copy.deepcopy(run.objects[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])])
             claim["metadata"]["name"] = volume["persistentVolumeClaim"]["claimName"] = run.name(
-                volume["persistentVolumeClaim"]["claimName"])
+                volume["persistentVolumeClaim"]["claimName"]
+            )
             claim["spec"].pop("storageClassName")  # EBS here is podman's local volume driver
             if podman("volume", "exists", claim["metadata"]["name"], check=False).returncode != 0:
                 docs.append(claim)  # made once; a later pod binds the claim that is there
@@ -261,8 +262,10 @@ def wait_probe(container: dict[str, Any], probe: str, address: str, logs: str) -
         except httpx.TransportError as exc:
             last = repr(exc)
         time.sleep(min(1.0, spec.get("periodSeconds", 10)))
-    raise AssertionError(f"{probe} {url} never passed: {last}\n{podman('logs', logs, check=False).stdout[-3000:]}"
-                         f"{podman('logs', logs, check=False).stderr[-3000:]}")
+    raise AssertionError(
+        f"{probe} {url} never passed: {last}\n{podman('logs', logs, check=False).stdout[-3000:]}"
+        f"{podman('logs', logs, check=False).stderr[-3000:]}"
+    )
 
 
 def service_url(run: Run, service: str, addresses: list[str]) -> str:
@@ -295,23 +298,33 @@ def start_server(
     strings = run.secret["stringData"]
     engine_id = hashlib.sha256(f"{run.prefix}/{role}".encode()).hexdigest()[:24]
     env = dict(contract_env(role))
-    files = {"PDSERVE_KV_KEY_FILE": strings["kv-channel-key"], "PDSERVE_API_TOKEN_FILE": strings["server-api-token"],
-             "PDSERVE_SCHEDULER_TOKEN_FILE": derive_token(strings["scheduler-identity-key"],
-                                                          f"instance:{role}-{engine_id}")}
+    files = {
+        "PDSERVE_KV_KEY_FILE": strings["kv-channel-key"],
+        "PDSERVE_API_TOKEN_FILE": strings["server-api-token"],
+        "PDSERVE_SCHEDULER_TOKEN_FILE": derive_token(strings["scheduler-identity-key"], f"instance:{role}-{engine_id}"),
+    }
     for variable, value in files.items():
         assert variable in env, variable
         path = folder / Path(env[variable]).name
         path.write_text(value)
         env[variable] = str(path)
     port = free_port()
-    env |= {"PDSERVE_PORT": str(port), "PDSERVE_MODEL": str(model), "PDSERVE_SERVED_MODEL_NAME": "dense",
-            "PDSERVE_ADVERTISE_HOST": advertise, "PDSERVE_ENGINE_ID": engine_id, "PDSERVE_VERSION": "r1",
-            "PDSERVE_SCHEDULER_URL": scheduler_url, "PDSERVE_HEARTBEAT_SECONDS": "0.5"}
+    env |= {
+        "PDSERVE_PORT": str(port),
+        "PDSERVE_MODEL": str(model),
+        "PDSERVE_SERVED_MODEL_NAME": "dense",
+        "PDSERVE_ADVERTISE_HOST": advertise,
+        "PDSERVE_ENGINE_ID": engine_id,
+        "PDSERVE_VERSION": "r1",
+        "PDSERVE_SCHEDULER_URL": scheduler_url,
+        "PDSERVE_HEARTBEAT_SECONDS": "0.5",
+    }
     if role == "prefill":
         env["PDSERVE_KV_PORT"] = str(free_port())
     with (folder / "log").open("ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", role], stdout=log, stderr=log,
-                                   env={**os.environ, **env})
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", role], stdout=log, stderr=log, env={**os.environ, **env}
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -338,19 +351,29 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
         processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
                                            "--dir", str(tmp)], stdout=subprocess.DEVNULL))  # fmt: skip
         gateway_env = {e["name"]: e["value"] for e in run.container("gateway")["env"]}
-        gateway_ips = play(run, "gateway", {
-            "PDSERVE_SCHEDULER_URL": scheduler_url,
-            "PDSERVE_RATE_LIMIT_STORAGE": gateway_env["PDSERVE_RATE_LIMIT_STORAGE"].replace(
-                httpx.URL(gateway_env["PDSERVE_RATE_LIMIT_STORAGE"]).netloc.decode(), f"{host}:{store_port}"),
-        })
+        gateway_ips = play(
+            run,
+            "gateway",
+            {
+                "PDSERVE_SCHEDULER_URL": scheduler_url,
+                "PDSERVE_RATE_LIMIT_STORAGE": gateway_env["PDSERVE_RATE_LIMIT_STORAGE"].replace(
+                    httpx.URL(gateway_env["PDSERVE_RATE_LIMIT_STORAGE"]).netloc.decode(), f"{host}:{store_port}"
+                ),
+            },
+        )
         model = make_test_checkpoint("dense", tmp / "model")
         servers = {}
         for role in ("prefill", "decode"):
             process, url = start_server(run, role, scheduler_url, host, model)
             processes.append(process)
             servers[role] = url
-        yield {"run": run, "scheduler": [scheduler_ip], "gateway": gateway_ips, "servers": servers,
-               "scheduler_url": scheduler_url}
+        yield {
+            "run": run,
+            "scheduler": [scheduler_ip],
+            "gateway": gateway_ips,
+            "servers": servers,
+            "scheduler_url": scheduler_url,
+        }
     finally:
         for process in processes:
             process.terminate()

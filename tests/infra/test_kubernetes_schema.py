@@ -25,8 +25,18 @@ def manifests(graph: Synthesis) -> list[dict[str, Any]]:
 def test_every_kubernetes_object_matches_the_pinned_schema(graphs: dict[str, Synthesis], name: str) -> None:
     objects = manifests(graphs[name])
     kinds = {o["kind"] for o in objects}
-    assert {"Namespace", "Deployment", "StatefulSet", "Service", "NetworkPolicy", "PodDisruptionBudget",
-            "HorizontalPodAutoscaler", "Secret", "ConfigMap", "StorageClass"} <= kinds
+    assert {
+        "Namespace",
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "Secret",
+        "ConfigMap",
+        "StorageClass",
+    } <= kinds
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 

@@ -50,7 +50,8 @@ def test_no_ingress_from_the_internet(graphs: dict[str, Synthesis], name: str) -
 
 def _kv_rules(graph: Synthesis, kv_port: int) -> list:
     return [
-        r for r in graph.of_type(INGRESS)
+        r
+        for r in graph.of_type(INGRESS)
         if (r.inputs.get("ipProtocol") == "-1" and "cidrIpv4" in r.inputs)
         or r.inputs.get("fromPort", -1) <= kv_port <= r.inputs.get("toPort", -1)
     ]
@@ -63,7 +64,9 @@ def test_kv_port_opens_only_to_linked_decode_peers(graphs: dict[str, Synthesis],
     control = next(c for c in env.values() if c.serving is not None)
     kv_port = control.serving.ports.kv
     linked = {link.peer for link in cfg.datacenter.links} | {
-        other.datacenter.name for other in env.values() for link in other.datacenter.links
+        other.datacenter.name
+        for other in env.values()
+        for link in other.datacenter.links
         if link.peer == cfg.datacenter.name
     }
     expected = set()
@@ -78,11 +81,12 @@ def test_kv_port_opens_only_to_linked_decode_peers(graphs: dict[str, Synthesis],
 @pytest.mark.parametrize("name", CLOUD_STACKS)
 def test_serving_and_ssh_open_only_to_control_and_management(graphs: dict[str, Synthesis], name: str) -> None:
     cfg = stack_config(name)
-    control_cidr = next(
-        str(stack_config(n).datacenter.cidr) for n in CLOUD_STACKS if n == f"{cfg.environment}-control"
-    )
-    management = {r.inputs["cidrBlock"] for r in graphs[name].of_type("aws:ec2/subnet:Subnet")
-                  if r.inputs["tags"]["pdstack:tier"] == "management"}
+    control_cidr = next(str(stack_config(n).datacenter.cidr) for n in CLOUD_STACKS if n == f"{cfg.environment}-control")
+    management = {
+        r.inputs["cidrBlock"]
+        for r in graphs[name].of_type("aws:ec2/subnet:Subnet")
+        if r.inputs["tags"]["pdstack:tier"] == "management"
+    }
     for rule in graphs[name].of_type(INGRESS):
         purpose = rule.inputs["tags"]["pdstack:purpose"]
         if purpose.startswith("serving") or purpose == "metrics":
@@ -104,9 +108,7 @@ def test_everything_at_rest_is_encrypted_with_customer_keys(graphs: dict[str, Sy
         assert key.inputs["enableKeyRotation"] is True
     for secret in graph.of_type("aws:secretsmanager/secret:Secret"):
         assert secret.inputs["kmsKeyId"]
-    for sse in graph.of_type(
-        "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
-    ):
+    for sse in graph.of_type("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"):
         assert sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "aws:kms"
     buckets = graph.of_type("aws:s3/bucket:Bucket")
     blocks = graph.of_type("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
@@ -175,13 +177,18 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
     assert len(values) == 6
     assert outputs.SECRET_VALUES in graph.secret_outputs
     assert {s.inputs["name"].rsplit("/", 1)[1] for s in graph.of_type("aws:secretsmanager/secret:Secret")} == {
-        "gateway-api-keys", "kv-channel-key", "scheduler-admin-token", "scheduler-identity-key", "server-api-token",
+        "gateway-api-keys",
+        "kv-channel-key",
+        "scheduler-admin-token",
+        "scheduler-identity-key",
+        "server-api-token",
         "ratelimit-store-password",
     }
     for version in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion"):
         assert "secretString" in version.secret_inputs
-    k8s_secret = next(s for s in graph.of_type("kubernetes:core/v1:Secret")
-                      if s.inputs["metadata"]["name"] == SECRET_NAME)  # not alertmanager's
+    k8s_secret = next(
+        s for s in graph.of_type("kubernetes:core/v1:Secret") if s.inputs["metadata"]["name"] == SECRET_NAME
+    )  # not alertmanager's
     assert "stringData" in k8s_secret.secret_inputs
     # The gateway's scheduler token is derived from the identity key (contract §1), secret like the key itself.
     key = graph.outputs[outputs.SECRET_VALUES]["scheduler-identity-key"]
@@ -196,8 +203,9 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
 
 
 def test_control_workloads_read_the_hardened_credentials_as_files(graphs: dict[str, Synthesis]) -> None:
-    deployments = {d.inputs["metadata"]["name"]: d for d in graphs["prod-control"].of_type(
-        "kubernetes:apps/v1:Deployment")}
+    deployments = {
+        d.inputs["metadata"]["name"]: d for d in graphs["prod-control"].of_type("kubernetes:apps/v1:Deployment")
+    }
 
     def mounted(app: str) -> dict[str, str]:
         """secret key -> file under /run/secrets"""
@@ -209,8 +217,12 @@ def test_control_workloads_read_the_hardened_credentials_as_files(graphs: dict[s
     env = deployments["gateway"].inputs["spec"]["template"]["spec"]["containers"][0]["env"]
     assert not any("valueFrom" in e for e in env)  # no secret value in an environment variable
     assert mounted("scheduler") == {"scheduler-admin-token": "admin.token", "scheduler-identity-key": "identity.key"}
-    assert mounted("gateway") == {"gateway-api-keys": "api-keys.json", "scheduler-gateway-token": "scheduler.token",
-                                  "server-api-token": "server.token", "ratelimit-store-password": "ratelimit.password"}
+    assert mounted("gateway") == {
+        "gateway-api-keys": "api-keys.json",
+        "scheduler-gateway-token": "scheduler.token",
+        "server-api-token": "server.token",
+        "ratelimit-store-password": "ratelimit.password",
+    }
     assert mounted("ratelimit") == {"ratelimit-store-redis.conf": "redis.conf"}  # requirepass: a file, not an arg
 
 
@@ -225,16 +237,22 @@ def test_each_link_is_built_once_by_its_later_end_with_routes_both_ways(graphs: 
     assert len(decode.of_type("aws:ec2transitgateway/peeringAttachment:PeeringAttachment")) == 2
     accepters = decode.of_type("aws:ec2transitgateway/peeringAttachmentAccepter:PeeringAttachmentAccepter")
     assert {a.inputs["region"] for a in accepters} == {"us-east-1"}
-    routes = {(r.name, r.inputs["destinationCidrBlock"], r.inputs.get("region"))
-              for r in decode.of_type("aws:ec2/route:Route") if r.name.startswith("link-prefill")}
+    routes = {
+        (r.name, r.inputs["destinationCidrBlock"], r.inputs.get("region"))
+        for r in decode.of_type("aws:ec2/route:Route")
+        if r.name.startswith("link-prefill")
+    }
     assert routes == {
         ("link-prefill-us-east-1-out-0", "10.31.0.0/16", None),
         ("link-prefill-us-east-1-out-1", "10.31.0.0/16", None),
         ("link-prefill-us-east-1-back-0", "10.32.0.0/16", "us-east-1"),
         ("link-prefill-us-east-1-back-1", "10.32.0.0/16", "us-east-1"),
     }
-    tgw_routes = {(r.inputs["destinationCidrBlock"], r.inputs.get("region"))
-                  for r in decode.of_type("aws:ec2transitgateway/route:Route") if r.name.startswith("link-prefill")}
+    tgw_routes = {
+        (r.inputs["destinationCidrBlock"], r.inputs.get("region"))
+        for r in decode.of_type("aws:ec2transitgateway/route:Route")
+        if r.name.startswith("link-prefill")
+    }
     assert tgw_routes == {("10.31.0.0/16", None), ("10.32.0.0/16", "us-east-1")}
     prefill = graphs["prod-prefill-us-east-1"]
     assert len(prefill.of_type("aws:ec2/vpcPeeringConnection:VpcPeeringConnection")) == 1  # kind vpc_peering
@@ -255,8 +273,9 @@ def test_exports_cover_what_stack_references_read(graphs: dict[str, Synthesis]) 
 
 
 def test_nodes_may_read_only_the_kv_key_and_server_token(graphs: dict[str, Synthesis]) -> None:
-    policy = next(p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy")
-                  if p.name.endswith("-node"))
+    policy = next(
+        p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy") if p.name.endswith("-node")
+    )
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
     assert statements["ReadNodeSecrets"]["Resource"] == [
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/kv-channel-key-AbCdEf",
@@ -266,8 +285,11 @@ def test_nodes_may_read_only_the_kv_key_and_server_token(graphs: dict[str, Synth
 
 
 def test_prometheus_scrapes_every_datacenters_nodes(graphs: dict[str, Synthesis]) -> None:
-    config_map = next(c for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
-                      if c.inputs["metadata"]["name"] == "prometheus")
+    config_map = next(
+        c
+        for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
+        if c.inputs["metadata"]["name"] == "prometheus"
+    )
     jobs = {j["job_name"]: j for j in yaml.safe_load(config_map.inputs["data"]["prometheus.yml"])["scrape_configs"]}
     assert {"node", "pdserve-prefill", "pdserve-decode", "pdserve-gateway", "pdserve-scheduler"} <= set(jobs)
     assert {sd["region"] for sd in jobs["node"]["ec2_sd_configs"]} == {"us-east-1", "us-west-2"}
@@ -286,7 +308,10 @@ def test_gateway_is_an_internal_nlb_open_only_to_the_environment(graphs: dict[st
     # subnets (weights); Prometheus, internal too: the controller alone (canary judge)
     controller = {"10.30.10.0/24", "10.30.11.0/24"}
     assert set(services["scheduler"].inputs["spec"]["loadBalancerSourceRanges"]) == {
-        "10.31.0.0/16", "10.32.0.0/16", *controller}
+        "10.31.0.0/16",
+        "10.32.0.0/16",
+        *controller,
+    }
     prometheus = services["prometheus"].inputs
     assert prometheus["spec"]["type"] == "LoadBalancer"
     assert prometheus["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] == "true"

@@ -32,8 +32,11 @@ def test_synth_json_redacts_secrets(in_project: None) -> None:
     assert stack["violations"] == [] and stack["outputs"]["secret_values"] == "[secret]"
     assert "mock-" not in result.output  # no generated value is printed, not even the mocks' stand-ins
     types = {r["type"] for r in stack["resources"]}
-    assert {"aws:eks/cluster:Cluster", "kubernetes:apps/v1:Deployment",
-            "random:index/randomPassword:RandomPassword"} <= types
+    assert {
+        "aws:eks/cluster:Cluster",
+        "kubernetes:apps/v1:Deployment",
+        "random:index/randomPassword:RandomPassword",
+    } <= types
 
 
 def test_synth_names_the_known_stacks_when_asked_for_an_unknown_one(in_project: None) -> None:

@@ -14,8 +14,13 @@ BASEDPYRIGHT = Path(sys.executable).with_name("basedpyright")
 
 
 def run_check(project: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BASEDPYRIGHT), "--project", str(project), "--pythonpath", sys.executable],
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [str(BASEDPYRIGHT), "--project", str(project), "--pythonpath", sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_a_misspelled_argument_of_a_copied_component_fails_the_check(tmp_path: Path) -> None:

@@ -378,7 +378,10 @@ def load_balancer_status(hostname: str) -> Any:
 
 
 def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_balancer(
-    launched: dict[str, dict[str, Any]], synthesised: list[dict[str, Any]], moto: str, aws_env: dict[str, str],
+    launched: dict[str, dict[str, Any]],
+    synthesised: list[dict[str, Any]],
+    moto: str,
+    aws_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
     """The control-plane stack's SSM parameters (as `pdstack synth` names them) hold the scheduler's and Prometheus'
@@ -393,10 +396,12 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     parameters = {r["name"]: r["inputs"] for r in control["resources"] if r["type"] == "aws:ssm/parameter:Parameter"}
     assert parameters["prometheus-url"]["name"] == prometheus_url_parameter("prod")
     served = contract(environment_serving(REPO / "stacks", "prod"))
-    url = load_balancer_url(load_balancer_status("internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"),
-                            served)
+    url = load_balancer_url(
+        load_balancer_status("internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"), served
+    )
     prometheus_url = prometheus_load_balancer_url(
-        load_balancer_status("internal-e5f6a7b8-0123456789abcdef.elb.us-east-1.amazonaws.com"), served)
+        load_balancer_status("internal-e5f6a7b8-0123456789abcdef.elb.us-east-1.amazonaws.com"), served
+    )
     assert url is not None and prometheus_url is not None
     ssm = boto3.client("ssm", region_name=control["outputs"]["region"], endpoint_url=moto,
                        aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip

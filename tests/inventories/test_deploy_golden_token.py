@@ -34,8 +34,22 @@ def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
     play_vars = {k: v for k, v in play["vars"].items() if k != "pdserve_canary_baseline"}
     play_vars |= {"pdstack_cli": str(cli), "canary_decode": "decode-a", "baseline_decode": "decode-b",
                   "decode_port": 8300, **extra}  # fmt: skip
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"decode": {"hosts": {
-        "decode-a": {"pdstack_address": "10.31.0.10"}, "decode-b": {"pdstack_address": "10.31.0.11"}}}}}}))
+    (tmp_path / "hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "children": {
+                        "decode": {
+                            "hosts": {
+                                "decode-a": {"pdstack_address": "10.31.0.10"},
+                                "decode-b": {"pdstack_address": "10.31.0.11"},
+                            }
+                        }
+                    }
+                }
+            }
+        )
+    )
     (tmp_path / "golden.yml").write_text(yaml.safe_dump(
         [{"name": "Golden check", "hosts": "localhost", "connection": "local", "gather_facts": False,
           "vars": play_vars, "tasks": [golden]}]))  # fmt: skip

@@ -33,8 +33,11 @@ from tests.local.load import LONG_PROMPT, ClientLoad
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
-RECAP = re.compile(r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-                   r"\s+failed=(?P<failed>\d+)", re.MULTILINE)
+RECAP = re.compile(
+    r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+    r"\s+failed=(?P<failed>\d+)",
+    re.MULTILINE,
+)
 LOAD_RATE = 5.0  # requests/s: what the local stack's canary policy (min_samples 10 at a 20 % step) is sized for
 
 pytestmark = pytest.mark.timeout(3600)
@@ -77,13 +80,15 @@ class Local:
         return {"Authorization": f"Bearer {self.env.secrets.scheduler_admin_token.read_text().strip()}"}
 
     def instances(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = httpx.get(f"{self.scheduler}/v1/instances",
-                                                headers=self.scheduler_admin(), timeout=10).json()["instances"]
+        found: list[dict[str, Any]] = httpx.get(
+            f"{self.scheduler}/v1/instances", headers=self.scheduler_admin(), timeout=10
+        ).json()["instances"]
         return found
 
     def weights(self) -> dict[str, int]:
-        weights: dict[str, int] = httpx.get(f"{self.scheduler}/v1/admin/weights",
-                                            headers=self.scheduler_admin(), timeout=10).json()["weights"]
+        weights: dict[str, int] = httpx.get(
+            f"{self.scheduler}/v1/admin/weights", headers=self.scheduler_admin(), timeout=10
+        ).json()["weights"]
         return weights
 
     def release(self) -> dict[str, Any]:
@@ -102,12 +107,25 @@ class Local:
     def deploy(self, version: str, config_version: str, **release: Any) -> subprocess.CompletedProcess[str]:
         """Run playbooks/deploy.yml for a release of the current image with this version and config."""
         path = self.env.state_dir / f"release-{version}.json"
-        path.write_text(json.dumps({"pdstack_release": {**self.release(), "version": version,
-                                                        "config_version": config_version, **release}}))
+        path.write_text(
+            json.dumps(
+                {"pdstack_release": {**self.release(), "version": version, "config_version": config_version, **release}}
+            )
+        )
         argv = self.env.playbook_argv("deploy.yml", "-e", f"@{path}")
-        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False,
-                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.env.state_dir),
-                                   "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=False,
+            env={
+                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                "HOME": str(self.env.state_dir),
+                "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+                "ANSIBLE_NOCOLOR": "1",
+            },
+        )
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -129,8 +147,12 @@ def wan_bytes(local: Local, a: str, b: str) -> int:
     """Bytes received by datacenter `b`'s router from its WAN link to `a` (the forwarder's TUN device)."""
     dc_b = local.topology.datacenter(b)
     link = next(lk for lk in local.topology.links if {lk.a, lk.b} == {a, b})
-    shown = subprocess.run(["ip", "-n", dc_b.router_namespace, "-s", "-j", "link", "show", link.device_towards(a)],
-                           capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(
+        ["ip", "-n", dc_b.router_namespace, "-s", "-j", "link", "show", link.device_towards(a)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
 
 
@@ -178,8 +200,9 @@ def test_a_completion_is_prefilled_in_dc1_and_decoded_in_dc2_across_the_wan(loca
     kv_before = metric_sum(local.gateway_metrics(), "pdserve_gateway_kv_transfer_bytes_sum")
     wan_before = wan_bytes(local, "dc1", "dc2")
     client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=60)
-    completion = client.completions.create(model=local.topology.serving.model.name, prompt=LONG_PROMPT,
-                                           max_tokens=8, temperature=0)
+    completion = client.completions.create(
+        model=local.topology.serving.model.name, prompt=LONG_PROMPT, max_tokens=8, temperature=0
+    )
     assert completion.choices[0].text
     metrics = local.gateway_metrics()
     kv_moved = metric_sum(metrics, "pdserve_gateway_kv_transfer_bytes_sum") - kv_before
@@ -242,8 +265,9 @@ def test_a_killed_decode_container_is_restarted_and_requests_recover(local: Loca
         killed_at = time.monotonic()
         deadline = killed_at + 180
         while time.monotonic() < deadline:
-            now = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}",
-                                            "pdserve-decode"]).split()
+            now = nodes.exec_in_node(
+                node, ["podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}", "pdserve-decode"]
+            ).split()
             if now[0] not in ("0", pid) and now[1:] == ["healthy"]:
                 break
             time.sleep(2)

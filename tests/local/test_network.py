@@ -94,8 +94,12 @@ def network(project: Path, topology: Topology) -> Iterator[LocalNetwork]:
 
 
 def ping_rtts_ms(namespace: str, address: str, count: int = 5) -> list[float]:
-    out = subprocess.run(["ip", "netns", "exec", namespace, "ping", "-c", str(count), "-i", "0.2", address],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, "ping", "-c", str(count), "-i", "0.2", address],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [float(m) for m in re.findall(r"time=([\d.]+) ms", out)]
 
 
@@ -139,8 +143,13 @@ def test_a_forwarder_without_a_control_file_is_never_signalled(topology: Topolog
 
 def test_topology_follows_the_local_stacks(topology: Topology) -> None:
     assert [dc.name for dc in topology.datacenters] == ["control", "dc1", "dc2"]
-    assert [n.name for n in topology.nodes] == ["control-control-1", "dc1-prefill-1", "dc1-prefill-2",
-                                                "dc2-decode-1", "dc2-decode-2"]
+    assert [n.name for n in topology.nodes] == [
+        "control-control-1",
+        "dc1-prefill-1",
+        "dc1-prefill-2",
+        "dc2-decode-1",
+        "dc2-decode-2",
+    ]
     wan = next(link for link in topology.links if {link.a, link.b} == {"dc1", "dc2"})
     assert (wan.rate_mbit, wan.rtt_ms) == (1000, 20)
 

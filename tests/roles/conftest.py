@@ -28,8 +28,11 @@ ANSIBLE_PLAYBOOK = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "
 NODE_A = f"pdstack-role-a-{os.getpid()}"
 NODE_B = f"pdstack-role-b-{os.getpid()}"
 DISK_BYTES = 512 * 1024 * 1024
-RECAP = re.compile(r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-                   r"\s+failed=(?P<failed>\d+)", re.MULTILINE)
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+    r"\s+failed=(?P<failed>\d+)",
+    re.MULTILINE,
+)
 
 # Test settings: every address a node may talk to is its own loopback or the nodes' own network.
 TEST_VARS: dict[str, Any] = {
@@ -107,8 +110,9 @@ def attach_loop_device(image: Path, size: int = DISK_BYTES) -> str:
     image.unlink(missing_ok=True)
     with image.open("wb") as handle:
         handle.truncate(size)
-    return subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["losetup", "-f", "--show", str(image)], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def detach_loop_device(device: str) -> None:

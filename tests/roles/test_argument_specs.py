@@ -33,16 +33,22 @@ def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subproc
         ("kernel_tuning", {"kernel_tuning_nofile": [1]}, "kernel_tuning_nofile"),
         ("gpu_driver", {"gpu_driver_branch": "999"}, "gpu_driver_branch must be one of"),
         ("gpu_driver", {"gpu_driver_fabric_manager": "sometimes"}, "gpu_driver_fabric_manager must be one of"),
-        ("storage", {"storage_network_mounts": [{"path": "/mnt/shared"}]},
-         "missing required arguments: src found in storage_network_mounts"),
+        (
+            "storage",
+            {"storage_network_mounts": [{"path": "/mnt/shared"}]},
+            "missing required arguments: src found in storage_network_mounts",
+        ),
         ("storage", {"storage_fstype": "btrfs"}, "storage_fstype must be one of"),
         ("time_sync", {"time_sync_servers": {"pool": "ntp.test"}}, "time_sync_servers"),
         ("time_sync", {"time_sync_maxdistance": "far"}, "time_sync_maxdistance"),
         ("numa", {"numa_cpu_governor": "turbo"}, "numa_cpu_governor must be one of"),
         ("container_runtime", {"container_runtime_engine": "docker"}, "container_runtime_engine must be one of"),
         ("node_exporter", {"node_exporter_port": "ninety-one hundred"}, "node_exporter_port"),
-        ("container_runtime", {"container_runtime_registry_auths": [{"registry": "r.test", "username": "u"}]},
-         "missing required arguments: password found in container_runtime_registry_auths"),
+        (
+            "container_runtime",
+            {"container_runtime_registry_auths": [{"registry": "r.test", "username": "u"}]},
+            "missing required arguments: password found in container_runtime_registry_auths",
+        ),
     ],
 )
 def test_bad_variable_fails_naming_it(tmp_path: Path, role: str, variables: dict[str, object], message: str) -> None:

@@ -80,8 +80,9 @@ def test_raid_and_network_mounts_in_check_mode(cluster: Cluster, two_blank_disks
 
 
 def test_aws_time_sync_in_check_mode(cluster: Cluster) -> None:
-    run = cluster.playbook("--check", "--diff", "--limit", NODE_B, "--tags", "time_sync",
-                           *extra_vars({"time_sync_aws": True}))
+    run = cluster.playbook(
+        "--check", "--diff", "--limit", NODE_B, "--tags", "time_sync", *extra_vars({"time_sync_aws": True})
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert "+server 169.254.169.123 prefer iburst minpoll 4 maxpoll 4" in run.output
     node = testinfra.get_host(f"podman://{NODE_B}")

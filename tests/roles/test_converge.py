@@ -178,7 +178,7 @@ def test_podman_is_configured(cluster: Cluster) -> None:
     node = host(NODE_A)
     assert node.package("podman").is_installed
     conf = node.file("/etc/containers/containers.conf").content_string
-    assert 'log_size_max = 52428800' in conf
+    assert "log_size_max = 52428800" in conf
     assert 'cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]' in conf
     info = json.loads(node.check_output("podman info --format json"))
     assert info["host"]["ociRuntime"]["name"] == "runc"
@@ -205,6 +205,8 @@ def test_node_exporter_serves_the_clock_state_on_the_node_address(cluster: Clust
     assert node.service("prometheus-node-exporter").is_running
     assert node.service("prometheus-node-exporter").is_enabled
     address = node.check_output("hostname -I").split()[0]
-    metrics = node.check_output(f"python3 -c \"import urllib.request; print(urllib.request.urlopen("
-                                f"'http://{address}:9100/metrics', timeout=5).read().decode())\"")
+    metrics = node.check_output(
+        f'python3 -c "import urllib.request; print(urllib.request.urlopen('
+        f"'http://{address}:9100/metrics', timeout=5).read().decode())\""
+    )
     assert "node_timex_offset_seconds" in metrics and "node_timex_sync_status" in metrics

@@ -25,8 +25,13 @@ def pd_stack(tmp: Path, kv_key: Path, model: Path, env: Mapping[str, str] | None
         for name, value in (env or {}).items():
             patch.setenv(name, value)
         try:
-            cluster.start_pd([("p", "prefill", model, "v1"), ("d", "decode", model, "v1")],
-                             "--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", "8")
+            cluster.start_pd(
+                [("p", "prefill", model, "v1"), ("d", "decode", model, "v1")],
+                "--tokenizer-file",
+                str(model / "tokenizer.json"),
+                "--offload-threshold-tokens",
+                "8",
+            )
             yield cluster
         finally:
             cluster.stop()

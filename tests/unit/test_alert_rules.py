@@ -14,7 +14,6 @@ RULE_TESTS = sorted((MONITORING / "tests").glob("*.yml"))
 PROMTOOL = shutil.which("promtool")
 
 
-
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     assert PROMTOOL is not None, "promtool is not installed: apt-get install prometheus"
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, check=False, cwd=MONITORING)
@@ -44,9 +43,15 @@ def test_every_alert_is_tested_firing() -> None:
 
 
 def test_the_symptoms_operators_hunt_first_are_covered() -> None:
-    wanted = {"PdstackTimeoutsRising", "PdstackKVTransferFailures", "PdstackKVTransferSlow",
-              "PdstackContainerRestarting", "PdstackRolloutErrorRate", "PdstackThroughputBelowPlan",
-              "PdstackClockSkew"}
+    wanted = {
+        "PdstackTimeoutsRising",
+        "PdstackKVTransferFailures",
+        "PdstackKVTransferSlow",
+        "PdstackContainerRestarting",
+        "PdstackRolloutErrorRate",
+        "PdstackThroughputBelowPlan",
+        "PdstackClockSkew",
+    }
     assert wanted <= alert_names()
 
 
@@ -57,7 +62,11 @@ def test_a_broken_threshold_makes_the_unit_tests_fail(tmp_path: Path) -> None:
     for path in RULE_TESTS:
         (tmp_path / "tests" / path.name).write_text(path.read_text())
     assert PROMTOOL is not None
-    result = subprocess.run([PROMTOOL, "test", "rules", *(str(tmp_path / "tests" / p.name) for p in RULE_TESTS)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", *(str(tmp_path / "tests" / p.name) for p in RULE_TESTS)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode != 0
     assert "PdstackTimeoutsRising" in result.stdout + result.stderr

@@ -45,8 +45,9 @@ def chat_chunk(text: str) -> dict[str, Any]:
 USAGE = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
 
 
-def measure(handler: Callable[[httpx.Request], Any], endpoint: Endpoint = CHAT, timeout_s: float = 5.0
-            ) -> RequestResult:
+def measure(
+    handler: Callable[[httpx.Request], Any], endpoint: Endpoint = CHAT, timeout_s: float = 5.0
+) -> RequestResult:
     async def go() -> RequestResult:
         async with httpx.AsyncClient(base_url=endpoint.base_url, transport=httpx.MockTransport(handler)) as client:
             body = request_body(endpoint, "hello there", max_tokens=3, ignore_eos=False)
@@ -61,8 +62,9 @@ def test_a_streamed_chat_answer_is_timed_and_counted_from_usage() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         role_only = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
-        return httpx.Response(200, content=sse(role_only, chat_chunk("a"), chat_chunk(" b"), chat_chunk(" c"), USAGE,
-                                               "[DONE]"))
+        return httpx.Response(
+            200, content=sse(role_only, chat_chunk("a"), chat_chunk(" b"), chat_chunk(" c"), USAGE, "[DONE]")
+        )
 
     result = measure(handler)
     assert result.ok, result.detail
@@ -113,8 +115,11 @@ def test_an_error_event_inside_the_stream() -> None:
 
 @pytest.mark.parametrize(
     ("body", "why"),
-    [(sse(chat_chunk("a")), "without [DONE]"), (b"data: {not json\n\n", "not JSON"),
-     (sse(USAGE, "[DONE]"), "no generated text")],
+    [
+        (sse(chat_chunk("a")), "without [DONE]"),
+        (b"data: {not json\n\n", "not JSON"),
+        (sse(USAGE, "[DONE]"), "no generated text"),
+    ],
 )
 def test_malformed_streams_are_protocol_errors(body: bytes, why: str) -> None:
     result = measure(lambda _: httpx.Response(200, content=body))

@@ -92,8 +92,12 @@ def test_a_distribution_of_another_shape_disagrees_even_with_the_same_mean() -> 
 
 
 def test_latency_histograms_are_found_by_name() -> None:
-    names = {"pdserve_time_to_first_token_seconds": [0.1], "pdserve_request_duration_seconds": [0.2],
-             "pdserve_step_duration_seconds": [0.01], "vllm:e2e_request_latency_seconds": [0.3]}
+    names = {
+        "pdserve_time_to_first_token_seconds": [0.1],
+        "pdserve_request_duration_seconds": [0.2],
+        "pdserve_step_duration_seconds": [0.01],
+        "vllm:e2e_request_latency_seconds": [0.3],
+    }
     histograms = parse_histograms(page({n.replace(":", "_"): v for n, v in names.items()}))
     assert find_histogram(histograms, None, TTFT_HINTS) == "pdserve_time_to_first_token_seconds"
     assert find_histogram(histograms, None, E2E_HINTS) == "pdserve_request_duration_seconds"
@@ -112,11 +116,18 @@ def answered(ttft: float, e2e: float, first_event: float) -> RequestResult:
 
 
 def test_check_run_compares_the_run_only_and_names_what_it_could_not_compare() -> None:
-    before = parse_histograms(page({"srv_time_to_first_token_seconds": [9.0] * 3,
-                                    "srv_request_duration_seconds": [9.0] * 3}))
+    before = parse_histograms(
+        page({"srv_time_to_first_token_seconds": [9.0] * 3, "srv_request_duration_seconds": [9.0] * 3})
+    )
     run = [answered(0.03, 0.3, 0.002), answered(0.04, 0.4, 0.003)]
-    after = parse_histograms(page({"srv_time_to_first_token_seconds": [9.0] * 3 + [0.03, 0.04],
-                                   "srv_request_duration_seconds": [9.0] * 3 + [0.3, 0.4]}))
+    after = parse_histograms(
+        page(
+            {
+                "srv_time_to_first_token_seconds": [9.0] * 3 + [0.03, 0.04],
+                "srv_request_duration_seconds": [9.0] * 3 + [0.3, 0.4],
+            }
+        )
+    )
     checks, notes = check_run(after, before, run, (None, None), step_s=0.01)
     assert notes == []
     verdicts = {(c.measure, c.q): c.agrees for c in checks}

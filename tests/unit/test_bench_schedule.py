@@ -56,8 +56,12 @@ def test_duration_bounds_the_schedule() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"rate": 0.0, "count": 5}, "rate"), ({"rate": -1.0, "count": 5}, "rate"),
-     ({"rate": 1.0, "count": 0}, "requests"), ({"rate": 1.0, "count": 5, "max_duration_s": 0.0}, "max duration")],
+    [
+        ({"rate": 0.0, "count": 5}, "rate"),
+        ({"rate": -1.0, "count": 5}, "rate"),
+        ({"rate": 1.0, "count": 0}, "requests"),
+        ({"rate": 1.0, "count": 5, "max_duration_s": 0.0}, "max duration"),
+    ],
 )
 def test_impossible_settings_are_refused_by_name(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ScheduleError, match=f"^{field}:"):

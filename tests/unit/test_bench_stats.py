@@ -10,8 +10,17 @@ from pdstack.bench.stats import SLO, nearest_rank, percentile, summarize
 
 
 def ok(index: int, start: float, *, ttft: float, e2e: float, tokens: int, prompt_tokens: int = 10) -> RequestResult:
-    return RequestResult(index, scheduled_s=start, start_s=start, prompt_kind="short", ttft_s=ttft, e2e_s=e2e,
-                         prompt_tokens=prompt_tokens, completion_tokens=tokens, content_chunks=tokens)
+    return RequestResult(
+        index,
+        scheduled_s=start,
+        start_s=start,
+        prompt_kind="short",
+        ttft_s=ttft,
+        e2e_s=e2e,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=tokens,
+        content_chunks=tokens,
+    )
 
 
 def failed(index: int, start: float, cause: str) -> RequestResult:
@@ -90,8 +99,9 @@ def test_summary_of_a_known_run() -> None:
 
 
 def test_arrival_lateness_is_reported() -> None:
-    late = RequestResult(0, scheduled_s=1.0, start_s=1.25, prompt_kind="short", ttft_s=0.1, e2e_s=0.2,
-                         completion_tokens=2)
+    late = RequestResult(
+        0, scheduled_s=1.0, start_s=1.25, prompt_kind="short", ttft_s=0.1, e2e_s=0.2, completion_tokens=2
+    )
     assert summarize([late], SLO(1, 1), offered_rate=1.0).max_lateness_s == pytest.approx(0.25)
 
 

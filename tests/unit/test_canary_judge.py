@@ -7,16 +7,28 @@ import numpy as np
 from pdstack.canary.judge import Observations, Outcome, judge
 from pdstack.model import CanaryThresholds
 
-THRESHOLDS = CanaryThresholds(success_rate_min_pct=99.0, ttft_p95_max_ratio=1.2, itl_p95_max_ratio=1.2,
-                              kv_transfer_failures_max=0, confidence=0.98)
+THRESHOLDS = CanaryThresholds(
+    success_rate_min_pct=99.0,
+    ttft_p95_max_ratio=1.2,
+    itl_p95_max_ratio=1.2,
+    kv_transfer_failures_max=0,
+    confidence=0.98,
+)
 
 
 def latencies(center: float, n: int = 30, seed: int = 0) -> list[float]:
     return list(np.random.default_rng(seed).normal(center, center * 0.05, n))
 
 
-def obs(*, requests: int = 500, successes: int = 500, kv_failures: int = 0, ttft: float = 0.2, itl: float = 0.02,
-        seed: int = 0) -> Observations:
+def obs(
+    *,
+    requests: int = 500,
+    successes: int = 500,
+    kv_failures: int = 0,
+    ttft: float = 0.2,
+    itl: float = 0.02,
+    seed: int = 0,
+) -> Observations:
     return Observations(requests, successes, kv_failures, latencies(ttft, seed=seed), latencies(itl, seed=seed + 1))
 
 
@@ -70,8 +82,10 @@ def test_failures_that_already_decide_the_success_rate_fail_before_the_sample_is
     # 1 failure in 8 requests: even with 42 more successes, 49 of 50 is 98 % < 99 %.
     verdict = judge(obs(requests=8, successes=7), obs(requests=20, successes=20), THRESHOLDS, min_samples=50)
     assert verdict.outcome is Outcome.FAIL
-    assert verdict.report() == ("FAIL success_rate_pct: canary 87.5 vs baseline 100, threshold >= 99.0 "
-                                "(1 of 8 requests failed: at most 98 % over 50 requests)")
+    assert verdict.report() == (
+        "FAIL success_rate_pct: canary 87.5 vs baseline 100, threshold >= 99.0 "
+        "(1 of 8 requests failed: at most 98 % over 50 requests)"
+    )
     # still within reach (1 failure in 100 possible): too few requests stays inconclusive
     lenient = THRESHOLDS.model_copy(update={"success_rate_min_pct": 98.0})
     assert judge(obs(requests=8, successes=7), obs(), lenient, min_samples=50).outcome is Outcome.INCONCLUSIVE

@@ -62,13 +62,16 @@ def test_kv_failures_are_attributed_to_the_version_through_build_info(prom: Prom
     assert observe(prom, "v2-good", WINDOW, END).kv_transfer_failures == 0
 
 
-@pytest.mark.parametrize(("canary", "expected"), [
-    ("v2-good", Outcome.PASS),
-    ("v3-slow", Outcome.FAIL),
-    ("v4-errors", Outcome.FAIL),
-    ("v5-kv", Outcome.FAIL),
-    ("v6-idle", Outcome.INCONCLUSIVE),
-])
+@pytest.mark.parametrize(
+    ("canary", "expected"),
+    [
+        ("v2-good", Outcome.PASS),
+        ("v3-slow", Outcome.FAIL),
+        ("v4-errors", Outcome.FAIL),
+        ("v5-kv", Outcome.FAIL),
+        ("v6-idle", Outcome.INCONCLUSIVE),
+    ],
+)
 def test_verdicts(prom: Prometheus, canary: str, expected: Outcome) -> None:
     assert verdict_for(prom, canary) is expected
 
@@ -85,9 +88,28 @@ def test_a_bad_query_names_the_cause() -> None:
 
 def run_judge(prom: Prometheus, canary: str, *extra: str) -> tuple[int, str]:
     stacks = Path(__file__).resolve().parents[2] / "stacks"
-    result = CliRunner().invoke(app, ["canary", "judge", "--prometheus", prom.url, "--canary", canary,
-                                      "--baseline", "v1", "--stacks", str(stacks), "--env", "local",
-                                      "--window", str(WINDOW), "--end", str(END), *extra])
+    result = CliRunner().invoke(
+        app,
+        [
+            "canary",
+            "judge",
+            "--prometheus",
+            prom.url,
+            "--canary",
+            canary,
+            "--baseline",
+            "v1",
+            "--stacks",
+            str(stacks),
+            "--env",
+            "local",
+            "--window",
+            str(WINDOW),
+            "--end",
+            str(END),
+            *extra,
+        ],
+    )
     return result.exit_code, result.output
 
 

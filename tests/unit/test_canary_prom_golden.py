@@ -25,10 +25,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     procs = {
         "baseline": ServerProcess("colocated", model, log_path=root / "baseline.log"),
         "twin": ServerProcess("colocated", model, log_path=root / "twin.log"),
-        "perturbed": ServerProcess("colocated", model, env={"PDSERVE_FAULT_PERTURB_OUTPUT": "true"},
-                                   log_path=root / "perturbed.log"),
-        "failing": ServerProcess("colocated", model, env={"PDSERVE_FAULT_ERROR_RATE": "1"},
-                                 log_path=root / "failing.log"),
+        "perturbed": ServerProcess(
+            "colocated", model, env={"PDSERVE_FAULT_PERTURB_OUTPUT": "true"}, log_path=root / "perturbed.log"
+        ),
+        "failing": ServerProcess(
+            "colocated", model, env={"PDSERVE_FAULT_ERROR_RATE": "1"}, log_path=root / "failing.log"
+        ),
     }
     start_all(list(procs.values()))
     yield procs
@@ -43,8 +45,9 @@ def golden(*args: str) -> tuple[int, str]:
 
 def test_same_release_gives_the_same_greedy_tokens(servers: dict[str, ServerProcess]) -> None:
     prompts = list(DEFAULT_PROMPTS)
-    report = compare(generate(servers["twin"].url, prompts, MAX_TOKENS),
-                     generate(servers["baseline"].url, prompts, MAX_TOKENS))
+    report = compare(
+        generate(servers["twin"].url, prompts, MAX_TOKENS), generate(servers["baseline"].url, prompts, MAX_TOKENS)
+    )
     assert report.passed
     assert all(c.first_difference is None for c in report.comparisons)
 
@@ -78,11 +81,14 @@ def test_golden_file_without_outputs_needs_a_baseline(servers: dict[str, ServerP
     assert code == 2 and "--baseline" in output
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("max_tokens: 0\nprompts: [a]\n", "max_tokens"),
-    ("prompts: []\n", "prompts"),
-    ("prompts: [a]\noutputs: [{prompt: b, token_ids: [1]}]\n", "no output for prompt 'a'"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_tokens: 0\nprompts: [a]\n", "max_tokens"),
+        ("prompts: []\n", "prompts"),
+        ("prompts: [a]\noutputs: [{prompt: b, token_ids: [1]}]\n", "no output for prompt 'a'"),
+    ],
+)
 def test_bad_golden_files_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "golden.yaml"
     path.write_text(text)

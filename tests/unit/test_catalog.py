@@ -7,9 +7,18 @@ import pytest
 from pdstack.catalog import Catalog, load_catalog
 
 REQUIRED_GPUS = {"A100-40GB", "A100-80GB", "H100", "H200", "H20", "L40S", "B200", "GB200"}
-REQUIRED_TYPES = {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge",
-                  *(f"g6e.{size}" for size in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge",
-                                               "24xlarge", "48xlarge"))}
+REQUIRED_TYPES = {
+    "p4d.24xlarge",
+    "p4de.24xlarge",
+    "p5.48xlarge",
+    "p5e.48xlarge",
+    "p5en.48xlarge",
+    "p6-b200.48xlarge",
+    *(
+        f"g6e.{size}"
+        for size in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge", "24xlarge", "48xlarge")
+    ),
+}
 
 
 def test_catalog_holds_the_required_entries() -> None:
@@ -19,10 +28,17 @@ def test_catalog_holds_the_required_entries() -> None:
     assert any(not i.has_gpu and i.provider == "aws" for i in catalog.instances.values()), "CPU types for control"
 
 
-@pytest.mark.parametrize(("instance", "gpu", "count", "total_gb"), [
-    ("p4d.24xlarge", "A100-40GB", 8, 320), ("p4de.24xlarge", "A100-80GB", 8, 640), ("p5.48xlarge", "H100", 8, 640),
-    ("p5e.48xlarge", "H200", 8, 1128), ("p6-b200.48xlarge", "B200", 8, 1440), ("g6e.48xlarge", "L40S", 8, 384),
-])
+@pytest.mark.parametrize(
+    ("instance", "gpu", "count", "total_gb"),
+    [
+        ("p4d.24xlarge", "A100-40GB", 8, 320),
+        ("p4de.24xlarge", "A100-80GB", 8, 640),
+        ("p5.48xlarge", "H100", 8, 640),
+        ("p5e.48xlarge", "H200", 8, 1128),
+        ("p6-b200.48xlarge", "B200", 8, 1440),
+        ("g6e.48xlarge", "L40S", 8, 384),
+    ],
+)
 def test_instance_gpu_memory_matches_aws_figures(instance: str, gpu: str, count: int, total_gb: int) -> None:
     catalog = load_catalog()
     inst = catalog.instances[instance]

@@ -87,8 +87,9 @@ def test_the_command_is_the_images_entry_point() -> None:
 
 def test_job_names_are_one_scheme() -> None:
     assert len(set(JOBS)) == len(JOBS)
-    assert {g.job for g in DEFAULT.scrape_groups} == {f"pdserve-{c}" for c in ("scheduler", "gateway", "prefill",
-                                                                              "decode")}
+    assert {g.job for g in DEFAULT.scrape_groups} == {
+        f"pdserve-{c}" for c in ("scheduler", "gateway", "prefill", "decode")
+    }
 
 
 def test_role_defaults_outside_the_serving_plays_equal_the_contract() -> None:
@@ -97,8 +98,10 @@ def test_role_defaults_outside_the_serving_plays_equal_the_contract() -> None:
     assert node_exporter["node_exporter_port"] == NODE_EXPORTER_PORT
     prometheus = yaml.safe_load((REPO / "roles" / "prometheus" / "defaults" / "main.yml").read_text())
     assert prometheus["prometheus_port"] == Ports().prometheus
-    assert (prometheus["prometheus_job"], prometheus["prometheus_node_job"]) == (DEFAULT.prometheus.job,
-                                                                                DEFAULT.node_exporter.job)
+    assert (prometheus["prometheus_job"], prometheus["prometheus_node_job"]) == (
+        DEFAULT.prometheus.job,
+        DEFAULT.node_exporter.job,
+    )
     pdserve = (REPO / "roles" / "pdserve" / "defaults" / "main.yml").read_text()
     assert not re.search(r"\b(8[0-9]{3}|14579)\b", pdserve), "the pdserve role types a port of its own"
 

@@ -85,6 +85,8 @@ def test_every_panel_names_metrics_and_its_queries_expand() -> None:
 
 
 def test_metric_names_skip_functions_labels_and_keywords() -> None:
-    expr = ('histogram_quantile(0.95, sum by (le, version) (rate(a_bucket{job="x", b=~"$y"}[5m]))) '
-            '/ on (instance) group_left () vllm:b offset 1m > bool 2e3 or vector(0)')
+    expr = (
+        'histogram_quantile(0.95, sum by (le, version) (rate(a_bucket{job="x", b=~"$y"}[5m]))) '
+        "/ on (instance) group_left () vllm:b offset 1m > bool 2e3 or vector(0)"
+    )
     assert metric_names(expr) == {"a_bucket", "vllm:b"}

@@ -16,10 +16,25 @@ DASHBOARDS = sorted((REPO / "monitoring" / "dashboards").glob("*.json"))
 
 def converge(tmp_path: Path, **variables: str) -> str:
     playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{"name": "grafana", "hosts": "localhost", "connection": "local",
-                                         "gather_facts": False, "roles": ["grafana_dashboards"]}]))
-    settings = {"grafana_dashboards_service": "", "grafana_dashboards_dir": str(tmp_path / "dashboards"),
-                "grafana_dashboards_provisioning_dir": str(tmp_path / "provisioning"), **variables}
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "grafana",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "roles": ["grafana_dashboards"],
+                }
+            ]
+        )
+    )
+    settings = {
+        "grafana_dashboards_service": "",
+        "grafana_dashboards_dir": str(tmp_path / "dashboards"),
+        "grafana_dashboards_provisioning_dir": str(tmp_path / "provisioning"),
+        **variables,
+    }
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(settings),
          "-e", "ansible_python_interpreter=/usr/bin/python3"],

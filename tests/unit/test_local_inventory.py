@@ -25,8 +25,9 @@ def test_committed_inventory_matches_the_stacks() -> None:
 
 def test_ansible_groups_nodes_by_role_and_datacenter() -> None:
     bin_dir = Path(sys.executable).parent
-    out = subprocess.run([str(bin_dir / "ansible-inventory"), "-i", str(INVENTORY), "--list"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(bin_dir / "ansible-inventory"), "-i", str(INVENTORY), "--list"], capture_output=True, text=True, check=True
+    ).stdout
     groups = json.loads(out)
     assert groups["prefill"]["hosts"] == ["dc1-prefill-1", "dc1-prefill-2"]
     assert groups["decode"]["hosts"] == ["dc2-decode-1", "dc2-decode-2"]

@@ -39,8 +39,14 @@ json.dump(out, sys.stdout)
 
 def apply_plugin(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """The filter's answer for each (key, principal), as Ansible on the controller would compute it."""
-    result = subprocess.run([sys.executable, "-c", APPLY_PLUGIN, str(PLUGIN)], input=json.dumps(pairs),
-                            capture_output=True, text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", APPLY_PLUGIN, str(PLUGIN)],
+        input=json.dumps(pairs),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     answers: list[dict[str, Any]] = json.loads(result.stdout)
     return answers
 

@@ -27,8 +27,12 @@ def test_without_the_section_no_component_gets_a_tracing_variable() -> None:
 
 
 REQUIRED = {
-    GatewaySettings: {"scheduler_url": "http://s:1", "scheduler_token_file": "/t", "server_token_file": "/t",
-                      "api_keys_file": "/k"},
+    GatewaySettings: {
+        "scheduler_url": "http://s:1",
+        "scheduler_token_file": "/t",
+        "server_token_file": "/t",
+        "api_keys_file": "/k",
+    },
     ServerSettings: {"role": "decode", "model": "/m", "kv_key_file": "/k", "api_token_file": "/t"},
     SchedulerSettings: {"state_file": "/s", "admin_token_file": "/a", "identity_key_file": "/i"},
 }
@@ -45,8 +49,15 @@ def test_every_component_on_a_request_path_reads_the_stacks_tracing(component: C
     assert (parsed.otlp_traces_endpoint, parsed.trace_sample_ratio, parsed.trace_prompts) == (ENDPOINT, 0.25, False)
 
 
-@pytest.mark.parametrize("url", ["collector:4318", "ftp://collector/v1/traces", "http://user:pw@collector/v1/traces",
-                                 "http://collector/v1/traces?token=x"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "collector:4318",
+        "ftp://collector/v1/traces",
+        "http://user:pw@collector/v1/traces",
+        "http://collector/v1/traces?token=x",
+    ],
+)
 def test_a_bad_endpoint_is_refused_naming_the_field(url: str) -> None:
     with pytest.raises(ValidationError, match="otlp_endpoint"):
         serving(otlp_endpoint=url)

@@ -45,11 +45,15 @@ def test_cli_accepts_examples_and_lists_environments() -> None:
 
 
 def test_overlapping_cidrs_across_two_stacks_of_one_environment(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml",
-         lambda c: c["pdstack:datacenter"].update(cidr="10.31.128.0/17"))
+    edit(
+        stacks_dir / "Pulumi.prod-decode-us-west-2.yaml",
+        lambda c: c["pdstack:datacenter"].update(cidr="10.31.128.0/17"),
+    )
     found = problems_of(stacks_dir)
-    assert found == [f"{stacks_dir}/Pulumi.prod-prefill-us-east-1.yaml: pdstack:datacenter.cidr: "
-                     f"10.31.0.0/16 overlaps 10.31.128.0/17 of {stacks_dir}/Pulumi.prod-decode-us-west-2.yaml"]
+    assert found == [
+        f"{stacks_dir}/Pulumi.prod-prefill-us-east-1.yaml: pdstack:datacenter.cidr: "
+        f"10.31.0.0/16 overlaps 10.31.128.0/17 of {stacks_dir}/Pulumi.prod-decode-us-west-2.yaml"
+    ]
 
 
 def test_same_cidr_in_two_environments_is_fine(stacks_dir: Path) -> None:
@@ -58,35 +62,47 @@ def test_same_cidr_in_two_environments_is_fine(stacks_dir: Path) -> None:
 
 
 def test_link_to_missing_datacenter(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-prefill-us-east-1.yaml",
-         lambda c: c["pdstack:datacenter"]["links"][0].update(peer="decode-eu-west-1"))
+    edit(
+        stacks_dir / "Pulumi.prod-prefill-us-east-1.yaml",
+        lambda c: c["pdstack:datacenter"]["links"][0].update(peer="decode-eu-west-1"),
+    )
     found = problems_of(stacks_dir)
-    assert (f"{stacks_dir}/Pulumi.prod-prefill-us-east-1.yaml: pdstack:datacenter.links[0].peer: no datacenter "
-            "'decode-eu-west-1' in environment prod (known: control, decode-us-west-2, prefill-us-east-1)") in found
+    assert (
+        f"{stacks_dir}/Pulumi.prod-prefill-us-east-1.yaml: pdstack:datacenter.links[0].peer: no datacenter "
+        "'decode-eu-west-1' in environment prod (known: control, decode-us-west-2, prefill-us-east-1)"
+    ) in found
 
 
 def test_unknown_instance_type(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-prefill-us-east-1.yaml",
-         lambda c: c["pdstack:datacenter"]["pools"][0].update(instance_type="p5.24xlarge"))
+    edit(
+        stacks_dir / "Pulumi.prod-prefill-us-east-1.yaml",
+        lambda c: c["pdstack:datacenter"]["pools"][0].update(instance_type="p5.24xlarge"),
+    )
     assert problems_of(stacks_dir) == [
         f"{stacks_dir}/Pulumi.prod-prefill-us-east-1.yaml: pdstack:datacenter.pools[0].instance_type: "
-        "unknown instance type 'p5.24xlarge' (known p5 types: p5.48xlarge)"]
+        "unknown instance type 'p5.24xlarge' (known p5 types: p5.48xlarge)"
+    ]
 
 
 def test_efa_on_a_type_without_it(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.dev-prefill-us-east-1.yaml",
-         lambda c: c["pdstack:datacenter"]["pools"][0].update(efa=True))
+    edit(
+        stacks_dir / "Pulumi.dev-prefill-us-east-1.yaml", lambda c: c["pdstack:datacenter"]["pools"][0].update(efa=True)
+    )
     assert problems_of(stacks_dir) == [
         f"{stacks_dir}/Pulumi.dev-prefill-us-east-1.yaml: pdstack:datacenter.pools[0].efa: "
-        "g6e.xlarge does not support EFA"]
+        "g6e.xlarge does not support EFA"
+    ]
 
 
 def test_min_above_max(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml",
-         lambda c: c["pdstack:datacenter"]["pools"][0].update(min_size=9, desired_size=9, max_size=8))
+    edit(
+        stacks_dir / "Pulumi.prod-decode-us-west-2.yaml",
+        lambda c: c["pdstack:datacenter"]["pools"][0].update(min_size=9, desired_size=9, max_size=8),
+    )
     assert problems_of(stacks_dir) == [
         f"{stacks_dir}/Pulumi.prod-decode-us-west-2.yaml: pdstack:datacenter.pools[0]: "
-        "need min_size <= desired_size <= max_size, got 9 <= 9 <= 8"]
+        "need min_size <= desired_size <= max_size, got 9 <= 9 <= 8"
+    ]
 
 
 def test_typo_in_a_key_suggests_the_right_one(stacks_dir: Path) -> None:
@@ -103,11 +119,14 @@ def test_typo_in_a_key_suggests_the_right_one(stacks_dir: Path) -> None:
 
 
 def test_string_where_a_number_belongs(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-control.yaml",
-         lambda c: c["pdstack:datacenter"]["links"][0].update(bandwidth_gbps="100"))
+    edit(
+        stacks_dir / "Pulumi.prod-control.yaml",
+        lambda c: c["pdstack:datacenter"]["links"][0].update(bandwidth_gbps="100"),
+    )
     assert problems_of(stacks_dir) == [
         f"{stacks_dir}/Pulumi.prod-control.yaml: pdstack:datacenter.links[0].bandwidth_gbps: "
-        "Input should be a valid number, got str '100'"]
+        "Input should be a valid number, got str '100'"
+    ]
 
 
 def test_malformed_yaml_is_a_clear_error_not_a_traceback(stacks_dir: Path) -> None:
@@ -126,39 +145,70 @@ def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert report["valid"] is False
-    assert report["problems"] == [{
-        "file": f"{stacks_dir}/Pulumi.local-dc2.yaml",
-        "path": "pdstack:datacenter.pools[0].max_size",
-        "reason": "Input should be greater than or equal to 1",
-    }]
+    assert report["problems"] == [
+        {
+            "file": f"{stacks_dir}/Pulumi.local-dc2.yaml",
+            "path": "pdstack:datacenter.pools[0].max_size",
+            "reason": "Input should be greater than or equal to 1",
+        }
+    ]
 
 
 @pytest.mark.parametrize(
     ("file", "change", "expected"),
     [
-        ("Pulumi.prod-decode-us-west-2.yaml", lambda c: c.pop("aws:region"),
-         "aws:region: must be set to the datacenter's region 'us-west-2', got None"),
-        ("Pulumi.prod-decode-us-west-2.yaml", lambda c: c["pdstack:datacenter"]["pools"][0].update(
-            instance_type="m7i.xlarge", efa=False),
-         "pdstack:datacenter.pools[0].instance_type: a decode pool needs GPUs, and m7i.xlarge has none"),
-        ("Pulumi.prod-decode-us-west-2.yaml", lambda c: c.update({"pdstack:canary": {"interval_s": 30}}),
-         "pdstack:canary must be set in the control-plane stack, not in a decode one"),
-        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:capacity"].update(headroom_pct=45),
-         "pdstack:capacity.headroom_pct: Input should be less than or equal to 30"),
-        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:canary"].update(steps_pct=[5, 50, 25]),
-         "pdstack:canary: steps_pct must rise strictly and end at 100, got [5, 50, 25]"),
-        ("Pulumi.local-dc1.yaml", lambda c: c["pdstack:datacenter"]["links"][0].update(kind="transit_gateway"),
-         "pdstack:datacenter.links[0].kind: `emulated` links are for the local environment, and only they are"),
-        ("Pulumi.local-dc1.yaml", lambda c: c.update({"pdstack:environment": "qa"}),
-         "pdstack:environment: Input should be 'local', 'dev', 'staging' or 'prod'"),
-        ("Pulumi.local-dc1.yaml", lambda c: c["pdstack:datacenter"].update(cidr="10.210.1.0/33"),
-         "pdstack:datacenter.cidr: Input is not a valid IPv4 network"),
-        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:secrets"].pop(),
-         "pdstack:secrets lacks ratelimit-store-password: the serving runtime reads gateway-api-keys, "
-         "kv-channel-key, scheduler-admin-token, scheduler-identity-key, server-api-token, ratelimit-store-password"),
-        ("Pulumi.prod-control.yaml", lambda c: c["pdstack:secrets"].append({"name": "scheduler-instance-token"}),
-         "pdstack:secrets: scheduler-instance-token is retired (the scheduler derives each server's own token from "
-         "scheduler-identity-key; one token shared by every node let any node act as another)"),
+        (
+            "Pulumi.prod-decode-us-west-2.yaml",
+            lambda c: c.pop("aws:region"),
+            "aws:region: must be set to the datacenter's region 'us-west-2', got None",
+        ),
+        (
+            "Pulumi.prod-decode-us-west-2.yaml",
+            lambda c: c["pdstack:datacenter"]["pools"][0].update(instance_type="m7i.xlarge", efa=False),
+            "pdstack:datacenter.pools[0].instance_type: a decode pool needs GPUs, and m7i.xlarge has none",
+        ),
+        (
+            "Pulumi.prod-decode-us-west-2.yaml",
+            lambda c: c.update({"pdstack:canary": {"interval_s": 30}}),
+            "pdstack:canary must be set in the control-plane stack, not in a decode one",
+        ),
+        (
+            "Pulumi.prod-control.yaml",
+            lambda c: c["pdstack:capacity"].update(headroom_pct=45),
+            "pdstack:capacity.headroom_pct: Input should be less than or equal to 30",
+        ),
+        (
+            "Pulumi.prod-control.yaml",
+            lambda c: c["pdstack:canary"].update(steps_pct=[5, 50, 25]),
+            "pdstack:canary: steps_pct must rise strictly and end at 100, got [5, 50, 25]",
+        ),
+        (
+            "Pulumi.local-dc1.yaml",
+            lambda c: c["pdstack:datacenter"]["links"][0].update(kind="transit_gateway"),
+            "pdstack:datacenter.links[0].kind: `emulated` links are for the local environment, and only they are",
+        ),
+        (
+            "Pulumi.local-dc1.yaml",
+            lambda c: c.update({"pdstack:environment": "qa"}),
+            "pdstack:environment: Input should be 'local', 'dev', 'staging' or 'prod'",
+        ),
+        (
+            "Pulumi.local-dc1.yaml",
+            lambda c: c["pdstack:datacenter"].update(cidr="10.210.1.0/33"),
+            "pdstack:datacenter.cidr: Input is not a valid IPv4 network",
+        ),
+        (
+            "Pulumi.prod-control.yaml",
+            lambda c: c["pdstack:secrets"].pop(),
+            "pdstack:secrets lacks ratelimit-store-password: the serving runtime reads gateway-api-keys, "
+            "kv-channel-key, scheduler-admin-token, scheduler-identity-key, server-api-token, ratelimit-store-password",
+        ),
+        (
+            "Pulumi.prod-control.yaml",
+            lambda c: c["pdstack:secrets"].append({"name": "scheduler-instance-token"}),
+            "pdstack:secrets: scheduler-instance-token is retired (the scheduler derives each server's own token from "
+            "scheduler-identity-key; one token shared by every node let any node act as another)",
+        ),
     ],
 )
 def test_other_mistakes_name_the_field(stacks_dir: Path, file: str, change: Any, expected: str) -> None:
@@ -175,8 +225,12 @@ def test_environment_needs_prefill_decode_and_one_control(stacks_dir: Path) -> N
 
 
 def test_links_declared_on_both_sides_must_agree(stacks_dir: Path) -> None:
-    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml", lambda c: c["pdstack:datacenter"].update(
-        links=[{"peer": "prefill-us-east-1", "kind": "transit_gateway", "bandwidth_gbps": 10, "rtt_ms": 62}]))
+    edit(
+        stacks_dir / "Pulumi.prod-decode-us-west-2.yaml",
+        lambda c: c["pdstack:datacenter"].update(
+            links=[{"peer": "prefill-us-east-1", "kind": "transit_gateway", "bandwidth_gbps": 10, "rtt_ms": 62}]
+        ),
+    )
     found = problems_of(stacks_dir)
     assert any("pdstack:datacenter.links[0]: disagrees with the link" in p for p in found)
 
@@ -184,7 +238,8 @@ def test_links_declared_on_both_sides_must_agree(stacks_dir: Path) -> None:
 def test_stack_file_name_must_match_its_content(stacks_dir: Path) -> None:
     (stacks_dir / "Pulumi.dev-control.yaml").rename(stacks_dir / "Pulumi.dev-ctl.yaml")
     assert problems_of(stacks_dir) == [
-        f"{stacks_dir}/Pulumi.dev-ctl.yaml: stack name 'dev-ctl' does not match environment-datacenter 'dev-control'"]
+        f"{stacks_dir}/Pulumi.dev-ctl.yaml: stack name 'dev-ctl' does not match environment-datacenter 'dev-control'"
+    ]
 
 
 def test_missing_path_exits_2() -> None:

@@ -18,12 +18,18 @@ from tests.conftest import STACKS
 EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(STACKS.glob("Pulumi.*.yaml"))}
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20),
     st.sampled_from(["prefill", "decode", "control", "local", "us-east-1", "10.0.0.0/8", "p5.48xlarge", "emulated"]),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                          max_size=3), max_leaves=6)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def paths_in(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -58,8 +58,9 @@ def stream_tokens(gateway: Service, max_tokens: int, arrivals: list[tuple[float,
     return {"tokens": tokens, "finish_reason": finish}
 
 
-def in_background(gateway: Service, max_tokens: int) -> tuple[threading.Thread, dict[str, Any],
-                                                              list[tuple[float, int]]]:
+def in_background(
+    gateway: Service, max_tokens: int
+) -> tuple[threading.Thread, dict[str, Any], list[tuple[float, int]]]:
     result: dict[str, Any] = {}
     arrivals: list[tuple[float, int]] = []
     thread = threading.Thread(target=lambda: result.update(stream_tokens(gateway, max_tokens, arrivals)))

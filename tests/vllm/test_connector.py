@@ -287,12 +287,18 @@ def test_early_dispatch_decode_asked_first_equals_colocated(pair: Pair) -> None:
     fingerprint = pair.prefill_params(prompt_of(5, seed=42))["kv_fingerprint"]
     transfer = secrets.token_hex(16)
     answers: dict[str, dict[str, object]] = {}
-    decoding = threading.Thread(target=lambda: answers.update(decode=pair.decode.complete(
-        prompt, MAX_TOKENS, kv_transfer_params=early_dispatch_params(pair, transfer, fingerprint))))
+    decoding = threading.Thread(
+        target=lambda: answers.update(
+            decode=pair.decode.complete(
+                prompt, MAX_TOKENS, kv_transfer_params=early_dispatch_params(pair, transfer, fingerprint)
+            )
+        )
+    )
     decoding.start()
     time.sleep(0.5)  # decode asks first
-    prefilled = pair.prefill.complete(prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE,
-                                                                     "pdstack_transfer_id": transfer})
+    prefilled = pair.prefill.complete(
+        prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer}
+    )
     decoding.join(timeout=120)
     assert prefilled["kv_transfer_params"]["remote_request_id"] == transfer
     assert token_ids(answers["decode"]) == colocated

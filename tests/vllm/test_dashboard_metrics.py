@@ -31,16 +31,26 @@ def registered_by_vllm() -> set[str]:
             kind = next((k for k in SUFFIXES if k in func.lower()), None)
             for keyword in node.keywords:
                 value = keyword.value
-                if (kind and keyword.arg == "name" and isinstance(value, ast.Constant)
-                        and str(value.value).startswith("vllm:")):
+                if (
+                    kind
+                    and keyword.arg == "name"
+                    and isinstance(value, ast.Constant)
+                    and str(value.value).startswith("vllm:")
+                ):
                     base = str(value.value)
                     names |= {base + suffix for suffix in SUFFIXES[kind]}
     return names
 
 
 def dashboard_vllm_names() -> set[str]:
-    return {name for path in DASHBOARDS.glob("*.json") for _, exprs in panels(json.loads(path.read_text()))
-            for expr in exprs for name in metric_names(expr) if name.startswith("vllm:")}
+    return {
+        name
+        for path in DASHBOARDS.glob("*.json")
+        for _, exprs in panels(json.loads(path.read_text()))
+        for expr in exprs
+        for name in metric_names(expr)
+        if name.startswith("vllm:")
+    }
 
 
 def test_the_router_gauges_are_read_where_vllm_registers_them() -> None:

@@ -55,8 +55,14 @@ def complete(client: openai.OpenAI, prompt: list[int]) -> list[int]:
 
 def complete_streamed(client: openai.OpenAI, prompt: list[int]) -> list[int]:
     ids: list[int] = []
-    stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     for chunk in stream:
         for choice in chunk.choices:
             ids.extend((choice.model_extra or {}).get("token_ids") or [])
@@ -149,5 +155,6 @@ def test_early_dispatch_equals_colocated(fleet: Fleet, early_gateway: Service, l
 
 
 def early_prefills(gateway: Service) -> float:
-    return metric(httpx.get(gateway.url + "/metrics").text, "pdserve_gateway_early_dispatch_prefills_total",
-                  outcome="ok")
+    return metric(
+        httpx.get(gateway.url + "/metrics").text, "pdserve_gateway_early_dispatch_prefills_total", outcome="ok"
+    )

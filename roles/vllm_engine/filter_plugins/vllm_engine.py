@@ -39,11 +39,15 @@ def vllm_engine_mounts(mounts: list[str], secrets: list[str], targets: dict[str,
 
 def vllm_engine_env_secrets(mounts: list[str], env: dict[str, str], targets: dict[str, str]) -> list[str]:
     """`{VARIABLE: stack secret}` as podman environment secrets (the same podman secret as the file mount)."""
-    return [f"{_mount_of(mounts, targets[secret]).split(',')[0]},type=env,target={name}"
-            for name, secret in env.items()]
+    return [
+        f"{_mount_of(mounts, targets[secret]).split(',')[0]},type=env,target={name}" for name, secret in env.items()
+    ]
 
 
 class FilterModule:
     def filters(self) -> dict[str, object]:
-        return {"vllm_engine_fill": vllm_engine_fill, "vllm_engine_mounts": vllm_engine_mounts,
-                "vllm_engine_env_secrets": vllm_engine_env_secrets}
+        return {
+            "vllm_engine_fill": vllm_engine_fill,
+            "vllm_engine_mounts": vllm_engine_mounts,
+            "vllm_engine_env_secrets": vllm_engine_env_secrets,
+        }

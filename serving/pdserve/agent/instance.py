@@ -17,8 +17,7 @@ from typing import Any
 
 INSTANCE_FILE = "instance.json"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1,
-               "int8": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
 
 
 class InstanceFileError(RuntimeError):
@@ -70,8 +69,14 @@ def read(path: Path) -> ConnectorInstance:
     if host is not None and not isinstance(host, str):
         raise InstanceFileError(f"{path}: kv_host: must be a string or null, got {host!r}")
     fields = body.get("fingerprint_fields")
-    return ConnectorInstance(path, fingerprint, fields if isinstance(fields, dict) else {}, host or None, port,
-                             body.get("kv_streaming") is True)
+    return ConnectorInstance(
+        path,
+        fingerprint,
+        fields if isinstance(fields, dict) else {},
+        host or None,
+        port,
+        body.get("kv_streaming") is True,
+    )
 
 
 def _mtime(path: Path) -> float:

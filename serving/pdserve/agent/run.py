@@ -48,8 +48,11 @@ class Agent:
 
     async def _serve_registration(self, info: InstanceInfo, stop: asyncio.Event) -> None:
         self.replaced.clear()
-        beats = asyncio.create_task(run_heartbeats(self.settings.scheduler_url, info, self.load, token=self.token,
-                                                   interval=self.settings.heartbeat_seconds))
+        beats = asyncio.create_task(
+            run_heartbeats(
+                self.settings.scheduler_url, info, self.load, token=self.token, interval=self.settings.heartbeat_seconds
+            )
+        )
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.replaced.wait())]
         await asyncio.wait({beats, *waits}, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
@@ -59,8 +62,10 @@ class Agent:
         if stop.is_set():
             await self.drain_engine()
         else:
-            log.info("the connector's instance changed (vLLM restarted?): registering again",
-                     extra={"fields": {"instance_id": self.instance_id}})
+            log.info(
+                "the connector's instance changed (vLLM restarted?): registering again",
+                extra={"fields": {"instance_id": self.instance_id}},
+            )
         beats.cancel()  # cancelling deregisters the instance
         await asyncio.gather(beats, return_exceptions=True)
         log.info("deregistered", extra={"fields": {"instance_id": self.instance_id}})
@@ -84,13 +89,28 @@ class Agent:
         connector = find(s.connector_run_dir, s.role)
         model = await self.engine.model()
         self.connector = connector
-        log.info("connector instance found", extra={"fields": {
-            "file": str(connector.path), "fingerprint": connector.fingerprint, "kv_streaming": connector.kv_streaming}})
+        log.info(
+            "connector instance found",
+            extra={
+                "fields": {
+                    "file": str(connector.path),
+                    "fingerprint": connector.fingerprint,
+                    "kv_streaming": connector.kv_streaming,
+                }
+            },
+        )
         return InstanceInfo(
-            instance_id=self.instance_id, role=s.role, version=s.version, kv_fingerprint=connector.fingerprint,
-            url=s.advertise_url, model=model.name, kv_host=connector.kv_host if s.role == "prefill" else None,
-            kv_port=connector.kv_port if s.role == "prefill" else None, supported_params=VLLM_SUPPORTED_PARAMS,
-            max_model_len=model.max_model_len, kv_streaming=connector.kv_streaming,
+            instance_id=self.instance_id,
+            role=s.role,
+            version=s.version,
+            kv_fingerprint=connector.fingerprint,
+            url=s.advertise_url,
+            model=model.name,
+            kv_host=connector.kv_host if s.role == "prefill" else None,
+            kv_port=connector.kv_port if s.role == "prefill" else None,
+            supported_params=VLLM_SUPPORTED_PARAMS,
+            max_model_len=model.max_model_len,
+            kv_streaming=connector.kv_streaming,
         )
 
     async def load(self) -> InstanceLoad:
@@ -111,9 +131,14 @@ class Agent:
         block_bytes = self.connector.block_bytes() if self.connector is not None else None
         if block_bytes is not None and engine.num_blocks is not None:
             capacity = block_bytes * engine.num_blocks
-        return InstanceLoad(ready=ready, active_requests=engine.running, queue_depth=engine.waiting,
-                            max_concurrency=self.settings.max_num_seqs, kv_capacity_bytes=capacity,
-                            kv_used_bytes=round(engine.kv_usage * capacity))
+        return InstanceLoad(
+            ready=ready,
+            active_requests=engine.running,
+            queue_depth=engine.waiting,
+            max_concurrency=self.settings.max_num_seqs,
+            kv_capacity_bytes=capacity,
+            kv_used_bytes=round(engine.kv_usage * capacity),
+        )
 
     def _current_connector(self) -> ConnectorInstance | None:
         try:
@@ -134,8 +159,10 @@ class Agent:
                 log.info("drained: vLLM has no running or waiting request")
                 return
             if time.monotonic() >= deadline:
-                log.warning("drain timed out with requests in flight",
-                            extra={"fields": {"in_flight": remaining, "timeout": s.drain_timeout_seconds}})
+                log.warning(
+                    "drain timed out with requests in flight",
+                    extra={"fields": {"in_flight": remaining, "timeout": s.drain_timeout_seconds}},
+                )
                 return
             await asyncio.sleep(0.2)
 

@@ -21,14 +21,18 @@ class AgentSettings(TracingSettings):
         description="file holding this instance's scheduler token (principal instance:<instance id>)"
     )
     advertise_url: str = Field(
-        pattern=r"^https?://[^/\s]+$", description="vLLM's API server as the gateway reaches it, e.g. http://10.0.1.5:8100"
+        pattern=r"^https?://[^/\s]+$",
+        description="vLLM's API server as the gateway reaches it, e.g. http://10.0.1.5:8100",
     )
     version: str = Field(min_length=1, max_length=64, description="release of model + server, the canary unit")
     connector_run_dir: Path = Field(
         description="PdstackConnector's run_dir (kv_connector_extra_config), where its worker writes instance.json"
     )
     instance_id: str | None = Field(
-        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:-]+$",
         description="id to register as; default <role>-<advertise host>-<port>",
     )
     engine_token_file: Path | None = Field(None, description="file holding vLLM's --api-key, if vLLM was given one")

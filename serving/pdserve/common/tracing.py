@@ -28,7 +28,8 @@ class TracingSettings(BaseModel):
     """The tracing fields every component's settings carry (PDSERVE_OTLP_TRACES_ENDPOINT, ...)."""
 
     otlp_traces_endpoint: str | None = Field(
-        None, pattern=r"^https?://[^/\s?#@]+(/[^\s?#]*)?$",
+        None,
+        pattern=r"^https?://[^/\s?#@]+(/[^\s?#]*)?$",
         description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; unset, nothing is traced",
     )
     trace_sample_ratio: float = Field(1.0, gt=0, le=1, description="share of requests whose trace is kept")
@@ -55,18 +56,26 @@ def configure_tracing(component: str, settings: TracingSettings, attributes: dic
         from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
         from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
     except ImportError as exc:
-        raise SystemExit(f"pdserve {component}: otlp_traces_endpoint is set but this environment lacks {exc.name} "
-                         "(serving/pyproject.toml pins the OpenTelemetry packages tracing needs)") from None
+        raise SystemExit(
+            f"pdserve {component}: otlp_traces_endpoint is set but this environment lacks {exc.name} "
+            "(serving/pyproject.toml pins the OpenTelemetry packages tracing needs)"
+        ) from None
 
-    resource = Resource.create({"service.name": f"pdserve-{component}", "pdserve.component": component,
-                                **(attributes or {})})
+    resource = Resource.create(
+        {"service.name": f"pdserve-{component}", "pdserve.component": component, **(attributes or {})}
+    )
     provider = TracerProvider(resource=resource, sampler=_sampler(settings.trace_sample_ratio))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_traces_endpoint)))
     trace.set_tracer_provider(provider)
     _state["provider"] = provider
     HTTPXClientInstrumentor().instrument(tracer_provider=provider)
-    log.info("tracing on", extra={"otlp_traces_endpoint": settings.otlp_traces_endpoint,
-                                  "trace_sample_ratio": settings.trace_sample_ratio})
+    log.info(
+        "tracing on",
+        extra={
+            "otlp_traces_endpoint": settings.otlp_traces_endpoint,
+            "trace_sample_ratio": settings.trace_sample_ratio,
+        },
+    )
     return True
 
 
@@ -78,8 +87,12 @@ def instrument_app(app: Any, excluded: Sequence[str] = ()) -> Any:
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware  # noqa: PLC0415
 
     # No span per ASGI send/receive: a streamed completion would get one per token.
-    return OpenTelemetryMiddleware(app, excluded_urls=",".join([UNTRACED_PATHS, *excluded]),
-                                   exclude_spans=["receive", "send"], tracer_provider=_state["provider"])
+    return OpenTelemetryMiddleware(
+        app,
+        excluded_urls=",".join([UNTRACED_PATHS, *excluded]),
+        exclude_spans=["receive", "send"],
+        tracer_provider=_state["provider"],
+    )
 
 
 def shutdown_tracing() -> None:
@@ -104,8 +117,14 @@ def _sampler(ratio: float) -> Any:
         """Roots only at a request a component answers: a client call with no request behind it is not kept."""
 
         def should_sample(  # noqa: PLR0917  (the SDK calls it positionally)
-            self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
-            attributes: Any = None, links: Any = None, trace_state: Any = None,
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
         ) -> SamplingResult:
             if kind is not trace.SpanKind.SERVER:
                 return SamplingResult(Decision.DROP)

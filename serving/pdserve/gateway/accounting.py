@@ -72,9 +72,13 @@ class Accounting:
             if message["type"] == "http.response.start":
                 sent.append(message["status"])
                 # the server span ends with the response's last byte, before the request is closed
-                trace.get_current_span().set_attributes({"pdserve.request_id": record.request_id,
-                                                         "pdserve.tenant": record.tenant,
-                                                         "pdserve.version": record.version})
+                trace.get_current_span().set_attributes(
+                    {
+                        "pdserve.request_id": record.request_id,
+                        "pdserve.tenant": record.tenant,
+                        "pdserve.version": record.version,
+                    }
+                )
                 headers = list(message.get("headers", []))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", record.request_id.encode()))
@@ -106,9 +110,15 @@ class Accounting:
         self.metrics.requests.labels(record.endpoint, str(status), record.tenant, record.version).inc()
         if record.dispatched:
             self.metrics.e2e.labels(record.endpoint, record.version).observe(elapsed)
-        fields: dict[str, Any] = {"request_id": record.request_id, "tenant": record.tenant,
-                                  "endpoint": record.endpoint, "status": status, "version": record.version,
-                                  "seconds": round(elapsed, 6), **record.fields}
+        fields: dict[str, Any] = {
+            "request_id": record.request_id,
+            "tenant": record.tenant,
+            "endpoint": record.endpoint,
+            "status": status,
+            "version": record.version,
+            "seconds": round(elapsed, 6),
+            **record.fields,
+        }
         if record.error:
             fields["error"] = record.error
         if prompt is not None:
@@ -117,10 +127,23 @@ class Accounting:
 
 
 async def _internal_error(send: Send, request_id: str) -> None:
-    body = json.dumps({"error": {"message": f"internal error (request {request_id})", "type": "internal_error",
-                                 "param": None, "code": 500}}).encode()
-    await send({"type": "http.response.start", "status": 500,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"internal error (request {request_id})",
+                "type": "internal_error",
+                "param": None,
+                "code": 500,
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 500,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 UPSTREAM_KEEPALIVE_S = 3.0
 
 
-def openai_error(status: int, message: str, error_type: str, request_id: str, *, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> JSONResponse:
+def openai_error(
+    status: int,
+    message: str,
+    error_type: str,
+    request_id: str,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers={"X-Request-Id": request_id, **(headers or {})})
 
@@ -51,16 +58,23 @@ class Gateway:
         if settings.rate_limit_password_file is not None:
             password = read_token(settings.rate_limit_password_file, "rate_limit_password_file")
         self.metrics = GatewayMetrics()
-        defaults = TenantLimits(requests_per_second=settings.requests_per_second,
-                                request_burst=settings.request_burst, tokens_per_minute=settings.tokens_per_minute)
-        self.limiter = RateLimiter(defaults, self.keys.limits, settings.rate_limit_storage, password,
-                                   self.metrics.rate_limit_shared)
+        defaults = TenantLimits(
+            requests_per_second=settings.requests_per_second,
+            request_burst=settings.request_burst,
+            tokens_per_minute=settings.tokens_per_minute,
+        )
+        self.limiter = RateLimiter(
+            defaults, self.keys.limits, settings.rate_limit_storage, password, self.metrics.rate_limit_shared
+        )
         self.counter = PromptCounter(settings.tokenizer_file)
         self.router = Router()
         # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them from the server side;
         # at equal timeouts the gateway could send a request on a connection the server is just closing.
-        limits = httpx.Limits(max_connections=settings.max_connections,
-                              max_keepalive_connections=settings.max_connections, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
+        limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+            keepalive_expiry=UPSTREAM_KEEPALIVE_S,
+        )
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, connect=settings.connect_timeout))
         self.proxy = PDProxy(settings, self.client, self.router, self.metrics, self.server_auth)
         self.early: EarlyDispatch | None = None
@@ -72,8 +86,13 @@ class Gateway:
         if tenant is None:
             self.metrics.auth_failures.inc()
             record.tenant, record.error = "unauthenticated", "authorization"
-            return openai_error(401, "authorization: invalid or missing API key", "authentication_error",
-                                record.request_id, param="authorization")
+            return openai_error(
+                401,
+                "authorization: invalid or missing API key",
+                "authentication_error",
+                record.request_id,
+                param="authorization",
+            )
         record.tenant = tenant
         return None
 
@@ -109,8 +128,13 @@ class Gateway:
             return None
         self.metrics.rate_limited.labels(tenant, decision.limit).inc()
         record.error = f"rate_limit_{decision.limit}"
-        return openai_error(429, f"rate limit exceeded ({decision.limit}); retry after {decision.retry_after}s",
-                            "rate_limit_error", record.request_id, headers={"Retry-After": str(decision.retry_after)})
+        return openai_error(
+            429,
+            f"rate limit exceeded ({decision.limit}); retry after {decision.retry_after}s",
+            "rate_limit_error",
+            record.request_id,
+            headers={"Retry-After": str(decision.retry_after)},
+        )
 
     async def _run(self, request: Request, ctx: Context, record: Record) -> Response:
         """Prefill and decode up to the first token, abandoning the upstream work if the client goes away."""
@@ -133,15 +157,20 @@ class Gateway:
         except UpstreamError as exc:
             record.error = exc.cause
             if exc.body is not None and not exc.retriable:
-                return Response(exc.body, status_code=exc.status, media_type="application/json",
-                                headers={"X-Request-Id": ctx.request_id})
+                return Response(
+                    exc.body,
+                    status_code=exc.status,
+                    media_type="application/json",
+                    headers={"X-Request-Id": ctx.request_id},
+                )
             return openai_error(exc.status, str(exc), "upstream_error", ctx.request_id)
         if isinstance(outcome, Stream):
             record.status = CLIENT_CLOSED  # until the stream ends: a body never iterated means the client left
             record.cleanups.append(outcome.close)
             headers = {"X-Request-Id": ctx.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._stream(ctx, outcome, record), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(
+                self._stream(ctx, outcome, record), media_type="text/event-stream", headers=headers
+            )
         return Response(outcome.content, media_type="application/json", headers={"X-Request-Id": ctx.request_id})
 
     async def _start(self, ctx: Context) -> Stream | httpx.Response:
@@ -179,12 +208,25 @@ class Gateway:
     def _describe(self, ctx: Context, record: Record) -> None:
         """What the request's log line tells about its route, once the route is known."""
         record.version = ctx.version
-        record.fields.update({"route": ctx.route, "prefill": ctx.prefill_id, "decode": ctx.decode_id,
-                              "retries": ctx.retries, "prompt_tokens": ctx.request.prompt_tokens,
-                              "stream": ctx.request.stream, **ctx.timings})
+        record.fields.update(
+            {
+                "route": ctx.route,
+                "prefill": ctx.prefill_id,
+                "decode": ctx.decode_id,
+                "retries": ctx.retries,
+                "prompt_tokens": ctx.request.prompt_tokens,
+                "stream": ctx.request.stream,
+                **ctx.timings,
+            }
+        )
         record.fields["prompt_text"] = ctx.request.prompt_text
-        route = {"pdserve.route": ctx.route, "pdserve.prefill": ctx.prefill_id, "pdserve.decode": ctx.decode_id,
-                 "pdserve.retries": ctx.retries, "pdserve.prompt_tokens": ctx.request.prompt_tokens}
+        route = {
+            "pdserve.route": ctx.route,
+            "pdserve.prefill": ctx.prefill_id,
+            "pdserve.decode": ctx.decode_id,
+            "pdserve.retries": ctx.retries,
+            "pdserve.prompt_tokens": ctx.request.prompt_tokens,
+        }
         trace.get_current_span().set_attributes({k: v for k, v in route.items() if v is not None})
         if self.settings.trace_prompts:  # into the request's span, which ends with the response's last byte
             trace.get_current_span().set_attribute("pdserve.prompt", ctx.request.prompt_text())
@@ -219,12 +261,15 @@ class Gateway:
                     self.metrics.table_generation.set(self.router.table.generation)
                 elif response.status_code != 304:
                     self.metrics.table_errors.inc()
-                    log.warning("routing table poll refused; keeping the last table",
-                                extra={"fields": {"status": response.status_code}})
+                    log.warning(
+                        "routing table poll refused; keeping the last table",
+                        extra={"fields": {"status": response.status_code}},
+                    )
             except (httpx.HTTPError, ValueError) as exc:
                 self.metrics.table_errors.inc()
-                log.warning("routing table poll failed; keeping the last table",
-                            extra={"fields": {"cause": type(exc).__name__}})
+                log.warning(
+                    "routing table poll failed; keeping the last table", extra={"fields": {"cause": type(exc).__name__}}
+                )
             await asyncio.sleep(self.settings.routing_poll_interval)
 
 
@@ -260,8 +305,11 @@ async def no_route(request: Request, exc: Exception) -> Response:
     """404 and 405 as OpenAI errors naming what is wrong: the path, or the method."""
     status = getattr(exc, "status_code", 404)
     field = "method" if status == 405 else "path"
-    message = f"{field}: no {request.method} {request.url.path} here" if status == 405 else \
-        f"path: no endpoint at {request.url.path}"
+    message = (
+        f"{field}: no {request.method} {request.url.path} here"
+        if status == 405
+        else f"path: no endpoint at {request.url.path}"
+    )
     record: Record | None = request.scope.get("state", {}).get("record")  # none on uncounted paths (/health/x)
     request_id = record.request_id if record is not None else uuid.uuid4().hex
     return openai_error(status, message, "invalid_request_error", request_id, param=field)
@@ -275,8 +323,9 @@ async def ready(request: Request) -> Response:
     table = gateway_of(request).router.table
     decodes = sum(1 for i in table.instances if i.info.role in ("decode", "colocated"))
     body = {"routing_generation": table.generation, "instances": len(table.instances), "decode_instances": decodes}
-    return JSONResponse({"status": "ready" if decodes else "no decode instance", **body},
-                        status_code=200 if decodes else 503)
+    return JSONResponse(
+        {"status": "ready" if decodes else "no decode instance", **body}, status_code=200 if decodes else 503
+    )
 
 
 async def metrics(request: Request) -> Response:
@@ -300,9 +349,15 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
+        Route("/health/live", live),
+        Route("/health/ready", ready),
+        Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route},
-                    middleware=[Middleware(Accounting, metrics=gateway.metrics, log_prompts=gateway.prompt_for_log)])
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: no_route, 405: no_route},
+        middleware=[Middleware(Accounting, metrics=gateway.metrics, log_prompts=gateway.prompt_for_log)],
+    )
     app.state.gateway = gateway
     return app

@@ -69,8 +69,10 @@ class KeyStore:
                 raise KeysFileError(f"{path}: tenant {tenant!r}: {where}: {exc.errors()[0]['msg']}") from None
             plaintext = sum(1 for key in tenants[str(tenant)].keys if not DIGEST.match(key))
             if plaintext:
-                log.warning("plaintext API keys in keys file; store sha256: digests instead",
-                            extra={"fields": {"tenant": tenant, "plaintext_keys": plaintext}})
+                log.warning(
+                    "plaintext API keys in keys file; store sha256: digests instead",
+                    extra={"fields": {"tenant": tenant, "plaintext_keys": plaintext}},
+                )
         return cls(tenants)
 
     def tenant_for(self, authorization: str | None) -> str | None:

@@ -55,8 +55,13 @@ def read_params_key(path: Path) -> bytes:
 def streams_kv(plan: Plan) -> bool:
     """Whether this plan can be dispatched early: both ends stream KV, and the prefill named its KV endpoint."""
     prefill = plan.prefill
-    return (prefill is not None and prefill.info.kv_streaming and plan.decode.info.kv_streaming
-            and prefill.info.kv_host is not None and prefill.info.kv_port is not None)
+    return (
+        prefill is not None
+        and prefill.info.kv_streaming
+        and plan.decode.info.kv_streaming
+        and prefill.info.kv_host is not None
+        and prefill.info.kv_port is not None
+    )
 
 
 class EarlyDispatch:
@@ -74,9 +79,14 @@ class EarlyDispatch:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         params = {
-            "do_remote_prefill": True, "remote_request_id": transfer_id, "remote_engine_id": prefill.instance_id,
-            "remote_host": prefill.info.kv_host, "remote_port": prefill.info.kv_port, "remote_block_ids": None,
-            "kv_fingerprint": prefill.info.kv_fingerprint, "pdstack_streamed": True,
+            "do_remote_prefill": True,
+            "remote_request_id": transfer_id,
+            "remote_engine_id": prefill.instance_id,
+            "remote_host": prefill.info.kv_host,
+            "remote_port": prefill.info.kv_port,
+            "remote_block_ids": None,
+            "kv_fingerprint": prefill.info.kv_fingerprint,
+            "pdstack_streamed": True,
         }
         return signed_params.sign(self.key, params), task
 
@@ -104,8 +114,10 @@ class EarlyDispatch:
             raise
         finally:
             proxy.metrics.early_prefills.labels(outcome).inc()
-            log.info("early-dispatch prefill ended", extra={"fields": {
-                "request_id": ctx.request_id, "prefill": prefill.instance_id, "outcome": outcome}})
+            log.info(
+                "early-dispatch prefill ended",
+                extra={"fields": {"request_id": ctx.request_id, "prefill": prefill.instance_id, "outcome": outcome}},
+            )
 
 
 def _json(response: httpx.Response) -> Any:

@@ -13,50 +13,103 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_gateway_requests", "Requests by endpoint, HTTP status, tenant and version",
-                                ["endpoint", "status", "tenant", "version"], registry=r)
-        self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds",
-                              "Request arrival to first streamed token", ["version"], buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pdserve_gateway_inter_token_latency_seconds", "Gap between streamed events",
-                             ["version"], buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_gateway_request_duration_seconds", "Request arrival to last byte",
-                             ["endpoint", "version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram("pdserve_gateway_prefill_duration_seconds", "Duration of remote prefill calls",
-                                 ["version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.rate_limited = Counter("pdserve_gateway_rate_limited", "Requests refused by a rate limit",
-                                    ["tenant", "limit"], registry=r)
-        self.auth_failures = Counter("pdserve_gateway_auth_failures", "Requests without a valid API key",
-                                     registry=r)
-        self.invalid = Counter("pdserve_gateway_invalid_requests", "Requests refused by validation, by field",
-                               ["field"], registry=r)
-        self.routing = Counter("pdserve_gateway_routing_decisions", "Instances chosen, by role, instance and reason",
-                               ["role", "instance", "version", "reason"], registry=r)
-        self.upstream_errors = Counter("pdserve_gateway_upstream_errors", "Failed upstream calls by role and cause",
-                                       ["role", "cause"], registry=r)
-        self.retries = Counter("pdserve_gateway_retries", "Upstream calls retried on another instance", ["role"],
-                               registry=r)
-        self.stream_errors = Counter("pdserve_gateway_stream_errors",
-                                     "Streams ended with an error event after the first token", ["cause"], registry=r)
-        self.client_disconnects = Counter("pdserve_gateway_client_disconnects",
-                                          "Requests whose client went away before the end", registry=r)
-        self.kv_bytes = Histogram("pdserve_gateway_kv_transfer_bytes", "KV bytes moved per request, as decode reports",
-                                  buckets=BYTES_BUCKETS, registry=r)
-        self.kv_seconds = Histogram("pdserve_gateway_kv_transfer_seconds",
-                                    "KV transfer time per request, as decode reports", buckets=LATENCY_BUCKETS,
-                                    registry=r)
-        self.kv_source = Counter("pdserve_gateway_kv_sources",
-                                 "Where decode got each request KV: remote, recompute, local", ["source"],
-                                 registry=r)
-        self.early_prefills = Counter("pdserve_gateway_early_dispatch_prefills",
-                                      "Prefills sent alongside their decode (early dispatch), by outcome: ok, "
-                                      "finished_early, cancelled, or the upstream error's cause", ["outcome"],
-                                      registry=r)
+        self.requests = Counter(
+            "pdserve_gateway_requests",
+            "Requests by endpoint, HTTP status, tenant and version",
+            ["endpoint", "status", "tenant", "version"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_gateway_time_to_first_token_seconds",
+            "Request arrival to first streamed token",
+            ["version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_gateway_inter_token_latency_seconds",
+            "Gap between streamed events",
+            ["version"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_gateway_request_duration_seconds",
+            "Request arrival to last byte",
+            ["endpoint", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve_gateway_prefill_duration_seconds",
+            "Duration of remote prefill calls",
+            ["version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "pdserve_gateway_rate_limited", "Requests refused by a rate limit", ["tenant", "limit"], registry=r
+        )
+        self.auth_failures = Counter("pdserve_gateway_auth_failures", "Requests without a valid API key", registry=r)
+        self.invalid = Counter(
+            "pdserve_gateway_invalid_requests", "Requests refused by validation, by field", ["field"], registry=r
+        )
+        self.routing = Counter(
+            "pdserve_gateway_routing_decisions",
+            "Instances chosen, by role, instance and reason",
+            ["role", "instance", "version", "reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdserve_gateway_upstream_errors", "Failed upstream calls by role and cause", ["role", "cause"], registry=r
+        )
+        self.retries = Counter(
+            "pdserve_gateway_retries", "Upstream calls retried on another instance", ["role"], registry=r
+        )
+        self.stream_errors = Counter(
+            "pdserve_gateway_stream_errors",
+            "Streams ended with an error event after the first token",
+            ["cause"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "pdserve_gateway_client_disconnects", "Requests whose client went away before the end", registry=r
+        )
+        self.kv_bytes = Histogram(
+            "pdserve_gateway_kv_transfer_bytes",
+            "KV bytes moved per request, as decode reports",
+            buckets=BYTES_BUCKETS,
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            "pdserve_gateway_kv_transfer_seconds",
+            "KV transfer time per request, as decode reports",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_source = Counter(
+            "pdserve_gateway_kv_sources",
+            "Where decode got each request KV: remote, recompute, local",
+            ["source"],
+            registry=r,
+        )
+        self.early_prefills = Counter(
+            "pdserve_gateway_early_dispatch_prefills",
+            "Prefills sent alongside their decode (early dispatch), by outcome: ok, "
+            "finished_early, cancelled, or the upstream error's cause",
+            ["outcome"],
+            registry=r,
+        )
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in progress", registry=r)
-        self.rate_limit_shared = Gauge("pdserve_gateway_rate_limit_shared",
-                                       "1 while rate limits are kept in the store shared by the replicas; 0 while "
-                                       "they are kept in this process (memory:// or the store failing)", registry=r)
-        self.table_generation = Gauge("pdserve_gateway_routing_table_generation",
-                                      "Generation of the routing table in use", registry=r)
-        self.table_errors = Counter("pdserve_gateway_routing_table_poll_errors", "Failed routing-table polls",
-                                    registry=r)
+        self.rate_limit_shared = Gauge(
+            "pdserve_gateway_rate_limit_shared",
+            "1 while rate limits are kept in the store shared by the replicas; 0 while "
+            "they are kept in this process (memory:// or the store failing)",
+            registry=r,
+        )
+        self.table_generation = Gauge(
+            "pdserve_gateway_routing_table_generation", "Generation of the routing table in use", registry=r
+        )
+        self.table_errors = Counter(
+            "pdserve_gateway_routing_table_poll_errors", "Failed routing-table polls", registry=r
+        )

@@ -37,8 +37,16 @@ SUSPENDING_CAUSES = frozenset({"connect_error", "connect_timeout", "connection_l
 class UpstreamError(Exception):
     """An upstream call failed. `retriable` failures may be tried on another instance; others go to the client."""
 
-    def __init__(self, role: str, cause: str, message: str, *, status: int = 502, retriable: bool = True,
-                 body: bytes | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        cause: str,
+        message: str,
+        *,
+        status: int = 502,
+        retriable: bool = True,
+        body: bytes | None = None,
+    ) -> None:
         super().__init__(f"{role}: {message}")
         self.role, self.cause, self.status, self.retriable, self.body = role, cause, status, retriable, body
 
@@ -64,9 +72,18 @@ class Context:
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     request = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    request.update(max_tokens=1, stream=False, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-        "remote_host": None, "remote_port": None})
+    request.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     return request
@@ -89,10 +106,12 @@ def finished_early(answer: Any) -> bool:
 def status_error(role: str, response: httpx.Response, body: bytes) -> UpstreamError:
     status = response.status_code
     if status in (429, 503) or status >= 500:
-        return UpstreamError(role, f"http_{status}", f"answered HTTP {status}", status=502 if status >= 500 else status,
-                             body=body)
-    return UpstreamError(role, f"http_{status}", f"refused the request (HTTP {status})", status=status,
-                         retriable=False, body=body)
+        return UpstreamError(
+            role, f"http_{status}", f"answered HTTP {status}", status=502 if status >= 500 else status, body=body
+        )
+    return UpstreamError(
+        role, f"http_{status}", f"refused the request (HTTP {status})", status=status, retriable=False, body=body
+    )
 
 
 @dataclass
@@ -112,8 +131,14 @@ class Stream:
 
 
 class PDProxy:
-    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient, router: Router,
-                 metrics: GatewayMetrics, server_auth: dict[str, str]) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        client: httpx.AsyncClient,
+        router: Router,
+        metrics: GatewayMetrics,
+        server_auth: dict[str, str],
+    ) -> None:
         self.settings, self.client, self.router, self.metrics = settings, client, router, metrics
         self.server_auth = server_auth
         """what prefill and decode require (contract §2); never the client's own key"""
@@ -158,8 +183,7 @@ class PDProxy:
         """Streaming decode up to its first event; failing before that, it is retried once on another instance."""
         return await self._decode_with_retry(ctx, plan, lambda decode: self._open_stream(ctx, decode, kv_params))
 
-    async def _decode_with_retry(self, ctx: Context, plan: Plan,
-                                 call: Callable[[RoutedInstance], Awaitable[T]]) -> T:
+    async def _decode_with_retry(self, ctx: Context, plan: Plan, call: Callable[[RoutedInstance], Awaitable[T]]) -> T:
         decode = plan.decode
         for attempt in (1, 2):
             try:
@@ -207,8 +231,10 @@ class PDProxy:
             if ctx.decode_id is not None:
                 self.router.suspend(ctx.decode_id, SUSPEND_SECONDS)
             ctx.timings["stream_error"] = 1.0
-            log.warning("decode stream broken", extra={"fields": {
-                "request_id": ctx.request_id, "decode": ctx.decode_id, "cause": exc.cause}})
+            log.warning(
+                "decode stream broken",
+                extra={"fields": {"request_id": ctx.request_id, "decode": ctx.decode_id, "cause": exc.cause}},
+            )
             yield error_event(f"decode failed mid-stream: {exc.cause}", "upstream_error", ctx.request_id)
         finally:
             await stream.close()
@@ -240,8 +266,10 @@ class PDProxy:
         self.metrics.upstream_errors.labels(exc.role, exc.cause).inc()
         if exc.cause in SUSPENDING_CAUSES or (exc.cause.startswith("http_5") and exc.cause != "http_503"):
             self.router.suspend(instance.instance_id, SUSPEND_SECONDS)
-        log.warning("upstream failed", extra={"fields": {
-            "role": exc.role, "instance": instance.instance_id, "cause": exc.cause}})
+        log.warning(
+            "upstream failed",
+            extra={"fields": {"role": exc.role, "instance": instance.instance_id, "cause": exc.cause}},
+        )
 
     def _count_route(self, plan: Plan) -> None:
         if plan.prefill is not None:
@@ -276,8 +304,9 @@ class PDProxy:
             raise UpstreamError("prefill", "bad_response", f"kv_transfer_params lacks {', '.join(missing)}")
         return params
 
-    async def _call_decode_json(self, ctx: Context, decode: RoutedInstance,
-                                kv_params: dict[str, Any] | None) -> httpx.Response:
+    async def _call_decode_json(
+        self, ctx: Context, decode: RoutedInstance, kv_params: dict[str, Any] | None
+    ) -> httpx.Response:
         url = decode.info.url + PATHS[ctx.request.endpoint]
         timeout = httpx.Timeout(self.settings.decode_timeout, connect=self.settings.connect_timeout)
         with self.router.dispatched(decode):
@@ -285,8 +314,9 @@ class PDProxy:
         self._observe_kv(response.text)
         return response
 
-    async def post(self, role: str, url: str, body: dict[str, Any], ctx: Context,
-                    timeout: httpx.Timeout) -> httpx.Response:
+    async def post(
+        self, role: str, url: str, body: dict[str, Any], ctx: Context, timeout: httpx.Timeout
+    ) -> httpx.Response:
         try:
             response = await self.client.post(url, json=body, headers=self._headers(ctx), timeout=timeout)
         except httpx.TimeoutException:
@@ -302,8 +332,9 @@ class PDProxy:
         exits.enter_context(self.router.dispatched(decode))
         url = decode.info.url + PATHS[ctx.request.endpoint]
         timeout = httpx.Timeout(None, connect=self.settings.connect_timeout)
-        request = self.client.build_request("POST", url, json=decode_body(ctx.request.body, kv_params),
-                                            headers=self._headers(ctx), timeout=timeout)
+        request = self.client.build_request(
+            "POST", url, json=decode_body(ctx.request.body, kv_params), headers=self._headers(ctx), timeout=timeout
+        )
         response: httpx.Response | None = None
         try:
             async with asyncio.timeout(self.settings.first_token_timeout):
@@ -336,8 +367,9 @@ def _as_upstream_error(exc: BaseException) -> BaseException:
     if isinstance(exc, UpstreamError | asyncio.CancelledError):
         return exc
     if isinstance(exc, httpx.ConnectTimeout):
-        return UpstreamError("decode", "connect_timeout", "decode did not accept the connection within connect_timeout",
-                             status=504)
+        return UpstreamError(
+            "decode", "connect_timeout", "decode did not accept the connection within connect_timeout", status=504
+        )
     if isinstance(exc, TimeoutError | httpx.TimeoutException):
         return UpstreamError("decode", "timeout", "no first event within first_token_timeout", status=504)
     if isinstance(exc, StopAsyncIteration):

@@ -42,8 +42,14 @@ class Decision:
 
 
 class RateLimiter:
-    def __init__(self, defaults: TenantLimits, overrides: dict[str, TenantLimits], storage: str = "memory://",
-                 password: str | None = None, shared_gauge: Gauge | None = None) -> None:
+    def __init__(
+        self,
+        defaults: TenantLimits,
+        overrides: dict[str, TenantLimits],
+        storage: str = "memory://",
+        password: str | None = None,
+        shared_gauge: Gauge | None = None,
+    ) -> None:
         self.defaults, self.overrides = defaults, overrides
         self.shared_gauge = shared_gauge
         self.shared = not storage.startswith("memory://")
@@ -93,8 +99,11 @@ class RateLimiter:
 
     def _fall_back(self, cause: str) -> None:
         if self._use_store:
-            log.warning("rate-limit store failed: limiting in this process only (each replica gives the full limit) "
-                        "until it answers", extra={"fields": {"cause": cause}})
+            log.warning(
+                "rate-limit store failed: limiting in this process only (each replica gives the full limit) "
+                "until it answers",
+                extra={"fields": {"cause": cause}},
+            )
         self._use_store = False
         self._retry_at = time.monotonic() + RETRY_SHARED_SECONDS
         self._set_gauge()
@@ -117,16 +126,20 @@ class RateLimiter:
 
 
 def _shared_storage(uri: str, password: str | None) -> Any:
-    options: dict[str, Any] = {"implementation": "redispy", "wrap_exceptions": True,
-                               "socket_timeout": STORE_TIMEOUT_SECONDS,
-                               "socket_connect_timeout": STORE_TIMEOUT_SECONDS}
+    options: dict[str, Any] = {
+        "implementation": "redispy",
+        "wrap_exceptions": True,
+        "socket_timeout": STORE_TIMEOUT_SECONDS,
+        "socket_connect_timeout": STORE_TIMEOUT_SECONDS,
+    }
     if password is not None:
         options["password"] = password
     return storage_from_string("async+" + uri, **options)
 
 
-async def _check(limiter: SlidingWindowCounterRateLimiter, items: tuple[RateLimitItem, RateLimitItem], tenant: str,
-                 tokens: int) -> Decision:
+async def _check(
+    limiter: SlidingWindowCounterRateLimiter, items: tuple[RateLimitItem, RateLimitItem], tenant: str, tokens: int
+) -> Decision:
     requests, token_item = items
     for name, item, cost in (("requests", requests, 1), ("tokens", token_item, tokens)):
         if not await limiter.test(item, tenant, cost=cost):
@@ -138,7 +151,6 @@ async def _check(limiter: SlidingWindowCounterRateLimiter, items: tuple[RateLimi
     return Decision(True)
 
 
-async def _refusal(limiter: SlidingWindowCounterRateLimiter, name: str, item: RateLimitItem,
-                   tenant: str) -> Decision:
+async def _refusal(limiter: SlidingWindowCounterRateLimiter, name: str, item: RateLimitItem, tenant: str) -> Decision:
     stats = await limiter.get_window_stats(item, tenant)
     return Decision(False, name, max(1, math.ceil(stats.reset_time - time.time())))

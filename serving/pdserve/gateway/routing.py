@@ -72,8 +72,9 @@ class Router:
             reason = "colocated" if all(d.info.role == "colocated" for d in decodes) else "no_prefill_available"
             return Plan(version, self.pick_decode(decodes), None, reason)
         decode = self.pick_decode(paired)
-        return Plan(version, decode, self._pick_prefill(self._compatible(prefills, decode), prompt_tokens),
-                    "remote_prefill")
+        return Plan(
+            version, decode, self._pick_prefill(self._compatible(prefills, decode), prompt_tokens), "remote_prefill"
+        )
 
     @contextmanager
     def dispatched(self, instance: RoutedInstance, prompt_tokens: int = 0) -> Iterator[None]:
@@ -106,8 +107,12 @@ class Router:
         return self._two_choices(decodes, key=self._decode_headroom)
 
     def _pick_prefill(self, prefills: list[RoutedInstance], prompt_tokens: int) -> RoutedInstance:
-        in_bucket = [p for p in prefills if p.info.min_prompt_tokens <= prompt_tokens
-                     and (p.info.max_prompt_tokens is None or prompt_tokens <= p.info.max_prompt_tokens)]
+        in_bucket = [
+            p
+            for p in prefills
+            if p.info.min_prompt_tokens <= prompt_tokens
+            and (p.info.max_prompt_tokens is None or prompt_tokens <= p.info.max_prompt_tokens)
+        ]
         return self._two_choices(in_bucket or prefills, key=lambda p: -self._prefill_backlog(p))
 
     def _decode_headroom(self, decode: RoutedInstance) -> float:
@@ -121,8 +126,7 @@ class Router:
     def _prefill_backlog(self, prefill: RoutedInstance) -> int:
         return prefill.load.outstanding_prompt_tokens + self.pending_tokens[prefill.instance_id]
 
-    def _two_choices(self, candidates: list[RoutedInstance],
-                     key: Callable[[RoutedInstance], float]) -> RoutedInstance:
+    def _two_choices(self, candidates: list[RoutedInstance], key: Callable[[RoutedInstance], float]) -> RoutedInstance:
         """Power of two choices: sample two, keep the better (ties broken by the sample order, which is random)."""
         if len(candidates) == 1:
             return candidates[0]
@@ -132,7 +136,12 @@ class Router:
 
 def alternative_decode(router: Router, failed: RoutedInstance, exclude: frozenset[str]) -> RoutedInstance | None:
     """Another ready instance that can decode the same KV: same role, version and fingerprint."""
-    candidates = [i for i in router.table.instances if i.instance_id not in exclude
-                  and i.info.role == failed.info.role and i.info.version == failed.info.version
-                  and i.info.kv_fingerprint == failed.info.kv_fingerprint]
+    candidates = [
+        i
+        for i in router.table.instances
+        if i.instance_id not in exclude
+        and i.info.role == failed.info.role
+        and i.info.version == failed.info.version
+        and i.info.kv_fingerprint == failed.info.kv_fingerprint
+    ]
     return router.pick_decode(candidates) if candidates else None

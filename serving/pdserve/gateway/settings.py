@@ -24,9 +24,11 @@ class GatewaySettings(TracingSettings):
     api_keys_file: Path = Field(description="JSON/YAML file: tenant -> API keys (sha256:<hex> or plaintext)")
     routing_poll_interval: float = Field(0.5, gt=0, description="seconds between routing-table polls")
     offload_threshold_tokens: int = Field(
-        256, ge=0, description="prompts with fewer tokens skip remote prefill and are prefilled on decode")
+        256, ge=0, description="prompts with fewer tokens skip remote prefill and are prefilled on decode"
+    )
     tokenizer_file: Path | None = Field(
-        None, description="tokenizer.json for exact prompt token counts; without it, count UTF-8 bytes / 4")
+        None, description="tokenizer.json for exact prompt token counts; without it, count UTF-8 bytes / 4"
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body accepted")
     max_prompt_tokens: int = Field(32_768, ge=1, description="longest prompt accepted, in tokens")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
@@ -35,7 +37,8 @@ class GatewaySettings(TracingSettings):
     request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
     tokens_per_minute: int = Field(200_000, ge=1, description="default per-tenant prompt+completion token budget")
     rate_limit_storage: str = Field(
-        "memory://", pattern=r"^(memory|redis|rediss)://",
+        "memory://",
+        pattern=r"^(memory|redis|rediss)://",
         description="where rate-limit counters live: memory:// (this process) or redis://host:port/db, shared by "
         "every gateway replica; when the store fails, limits fall back to this process until it answers again",
     )
@@ -46,7 +49,8 @@ class GatewaySettings(TracingSettings):
     inter_token_timeout: float = Field(30.0, gt=0, description="seconds allowed between streamed events")
     decode_timeout: float = Field(600.0, gt=0, description="seconds a non-streaming decode call may take")
     kv_params_key_file: Path | None = Field(
-        None, description="file holding the kv_transfer_params key (64 hex characters, derived from the KV channel "
+        None,
+        description="file holding the kv_transfer_params key (64 hex characters, derived from the KV channel "
         "key by pdserve.kv.params.derive_params_key); with it, pairs that both registered kv_streaming get prefill "
         "and decode at once (early dispatch)",
     )

@@ -31,8 +31,9 @@ def encode(data: str) -> bytes:
 
 def error_event(message: str, error_type: str, request_id: str) -> bytes:
     """An OpenAI-style error event followed by [DONE]; the official client raises APIError on it."""
-    payload = {"error": {"message": f"{message} (request {request_id})", "type": error_type, "param": None,
-                         "code": 502}}
+    payload = {
+        "error": {"message": f"{message} (request {request_id})", "type": error_type, "param": None, "code": 502}
+    }
     return encode(json.dumps(payload)) + encode(DONE)
 
 

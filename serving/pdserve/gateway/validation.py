@@ -17,8 +17,13 @@ Endpoint = Literal["completions", "chat"]
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
-OPTIONAL_DEFAULTS: dict[str, Any] = {"best_of": 1, "repetition_penalty": 1, "tool_choice": "none",
-                                     "response_format": {"type": "text"}, "parallel_tool_calls": True}
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "best_of": 1,
+    "repetition_penalty": 1,
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "parallel_tool_calls": True,
+}
 """Values of ENGINE_OPTIONAL_PARAMS that ask for nothing, so any backend honours them (besides null and empty)."""
 
 
@@ -69,8 +74,11 @@ class PromptCounter:
     def count(self, endpoint: Endpoint, body: dict[str, Any]) -> int:
         if endpoint == "completions":
             prompt = body["prompt"]
-            return len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
-                self.count_text(prompt if isinstance(prompt, str) else prompt[0])
+            return (
+                len(prompt)
+                if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                else self.count_text(prompt if isinstance(prompt, str) else prompt[0])
+            )
         per_message_overhead = 4  # role markers of a chat template
         return sum(self.count_text(_content_text(m.get("content"))) + per_message_overhead for m in body["messages"])
 
@@ -87,8 +95,9 @@ def parse_body(raw: bytes, settings: GatewaySettings) -> dict[str, Any]:
     return body
 
 
-def validate(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings,
-             counter: PromptCounter) -> ValidRequest:
+def validate(
+    endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings, counter: PromptCounter
+) -> ValidRequest:
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise RequestError("model", "required, a non-empty string")
     if "kv_transfer_params" in body:
@@ -108,8 +117,9 @@ def validate(endpoint: Endpoint, body: dict[str, Any], settings: GatewaySettings
     prompt_tokens = counter.count(endpoint, body)
     valid = ValidRequest(endpoint, body, prompt_tokens, max_tokens, stream, name)
     if prompt_tokens > settings.max_prompt_tokens:
-        raise RequestError(valid.prompt_field,
-                           f"prompt of {prompt_tokens} tokens exceeds the limit of {settings.max_prompt_tokens}")
+        raise RequestError(
+            valid.prompt_field, f"prompt of {prompt_tokens} tokens exceeds the limit of {settings.max_prompt_tokens}"
+        )
     return valid
 
 
@@ -119,19 +129,24 @@ def check_fleet(valid: ValidRequest, instances: list[RoutedInstance]) -> None:
     and a KV lease before decode refused it)."""
     for name in ENGINE_OPTIONAL_PARAMS:
         if asks_for_something(name, valid.body.get(name)) and not all(
-                name in i.info.supported_params for i in instances):
+            name in i.info.supported_params for i in instances
+        ):
             raise RequestError(name, "not supported by the serving engine (no ready instance declares it)")
     limits = [i.info.max_model_len for i in instances if i.info.max_model_len is not None]
     if not limits:
         return
     context = min(limits)
     if valid.prompt_tokens >= context:
-        raise RequestError(valid.prompt_field,
-                           f"prompt of {valid.prompt_tokens} tokens does not fit the model's context of {context}")
+        raise RequestError(
+            valid.prompt_field, f"prompt of {valid.prompt_tokens} tokens does not fit the model's context of {context}"
+        )
     if valid.prompt_tokens + valid.max_tokens > context:
         field = valid.max_tokens_field
-        raise RequestError(field, f"prompt ({valid.prompt_tokens} tokens) plus {field} ({valid.max_tokens}) exceeds "
-                           f"the model's context of {context}")
+        raise RequestError(
+            field,
+            f"prompt ({valid.prompt_tokens} tokens) plus {field} ({valid.max_tokens}) exceeds "
+            f"the model's context of {context}",
+        )
 
 
 def asks_for_something(name: str, value: Any) -> bool:
@@ -182,8 +197,12 @@ def _check_messages(messages: Any) -> None:
 
 
 def _check_sampling(body: dict[str, Any]) -> None:
-    bounds = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-              "frequency_penalty": (-2.0, 2.0)}
+    bounds = {
+        "temperature": (0.0, 2.0),
+        "top_p": (0.0, 1.0),
+        "presence_penalty": (-2.0, 2.0),
+        "frequency_penalty": (-2.0, 2.0),
+    }
     for name, (low, high) in bounds.items():
         value = body.get(name)
         if value is None:
@@ -196,8 +215,11 @@ def _check_sampling(body: dict[str, Any]) -> None:
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise RequestError("seed", f"must be an integer from 0 to {MAX_SEED}")
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) for s in stop)):
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) for s in stop))
+    ):
         raise RequestError("stop", f"must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
 
 
@@ -211,7 +233,8 @@ def _is_number(value: Any) -> bool:
 
 def _is_text_parts(content: Any) -> bool:
     return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    )
 
 
 def _content_text(content: Any) -> str:

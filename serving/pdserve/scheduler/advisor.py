@@ -38,8 +38,9 @@ def role_advice(instances: list[Instance], target: float, up: float, down: float
         scale = "down"
     else:
         scale = "hold"
-    return RoleAdvice(instances=count, utilisation=round(utilisation, 4),
-                      recommended_instances=recommended, scale=scale)
+    return RoleAdvice(
+        instances=count, utilisation=round(utilisation, 4), recommended_instances=recommended, scale=scale
+    )
 
 
 def advise(ready: list[Instance], target: float, up: float, down: float) -> Advice:
@@ -48,5 +49,8 @@ def advise(ready: list[Instance], target: float, up: float, down: float) -> Advi
 
     prefill = role_advice(of_role("prefill"), target, up, down)
     decode = role_advice(of_role("decode"), target, up, down)
-    return Advice(prefill=prefill, decode=decode,
-                  recommended_pd_ratio=round(prefill.recommended_instances / decode.recommended_instances, 4))
+    return Advice(
+        prefill=prefill,
+        decode=decode,
+        recommended_pd_ratio=round(prefill.recommended_instances / decode.recommended_instances, 4),
+    )

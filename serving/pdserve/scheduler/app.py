@@ -80,30 +80,37 @@ class SchedulerState:
         self.admin_token = read_token(settings.admin_token_file, "admin_token_file")
         self.identity_key = read_token(settings.identity_key_file, "identity_key_file")
         if hmac.compare_digest(self.admin_token.encode(), self.identity_key.encode()):
-            raise ValueError("identity_key_file holds the admin token: whoever can mint node tokens could then "
-                             "change the weights")
+            raise ValueError(
+                "identity_key_file holds the admin token: whoever can mint node tokens could then change the weights"
+            )
         self.weights = WeightsStore(settings.state_file)
         self.weights_generation = 0
         self.boot_id = uuid.uuid4().hex[:8]
-        self.registry = Registry(settings.dead_after(), settings.forget_dead_after,
-                                 on_transition=lambda state: self.metrics.transitions.labels(state).inc())
+        self.registry = Registry(
+            settings.dead_after(),
+            settings.forget_dead_after,
+            on_transition=lambda state: self.metrics.transitions.labels(state).inc(),
+        )
         self.metrics = SchedulerMetrics(self.registry, lambda: self.weights.weights, self.advice)
 
     def advice(self) -> Advice:
         s = self.settings
-        return advise(self.registry.in_state("ready"), s.target_utilisation, s.scale_up_utilisation,
-                      s.scale_down_utilisation)
+        return advise(
+            self.registry.in_state("ready"), s.target_utilisation, s.scale_up_utilisation, s.scale_down_utilisation
+        )
 
     def etag(self) -> str:
         return f'"{self.boot_id}-{self.registry.generation + self.weights_generation}"'
 
     def routing_table(self) -> RoutingTable:
-        return RoutingTable(generation=self.registry.generation + self.weights_generation,
-                            weights=self.weights.weights,
-                            instances=[i.routed() for i in self.registry.in_state("ready")])
+        return RoutingTable(
+            generation=self.registry.generation + self.weights_generation,
+            weights=self.weights.weights,
+            instances=[i.routed() for i in self.registry.in_state("ready")],
+        )
 
     def principal(self, request: Request) -> str | None:
-        """"admin", the principal of a valid derived token, or None (no token, or one nobody was given)."""
+        """ "admin", the principal of a valid derived token, or None (no token, or one nobody was given)."""
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         presented = presented.strip()
         if scheme.lower() != "bearer" or not presented:
@@ -175,8 +182,14 @@ async def register(request: Request) -> Response:
         state.metrics.unauthorized.labels("register", "forbidden").inc()
         return error(403, f"principal {principal} may not register instance {info.instance_id}", "instance_id")
     instance = state.registry.register(info)
-    return JSONResponse({"instance_id": instance.instance_id, "state": instance.state,
-                         "heartbeat_interval": state.settings.heartbeat_interval}, status_code=201)
+    return JSONResponse(
+        {
+            "instance_id": instance.instance_id,
+            "state": instance.state,
+            "heartbeat_interval": state.settings.heartbeat_interval,
+        },
+        status_code=201,
+    )
 
 
 async def heartbeat(request: Request) -> Response:
@@ -289,17 +302,24 @@ def create_app(settings: SchedulerSettings) -> Starlette:
     routes = [
         Route("/v1/instances", guarded("register", any_principal, register), methods=["POST"]),
         Route("/v1/instances", guarded("list_instances", gateway, list_instances), methods=["GET"]),
-        Route("/v1/instances/{instance_id}/heartbeat", guarded("heartbeat", path_instance, heartbeat),
-              methods=["POST"]),
+        Route(
+            "/v1/instances/{instance_id}/heartbeat", guarded("heartbeat", path_instance, heartbeat), methods=["POST"]
+        ),
         Route("/v1/instances/{instance_id}/drain", guarded("drain", path_instance, drain), methods=["POST"]),
         Route("/v1/instances/{instance_id}", guarded("deregister", path_instance, deregister), methods=["DELETE"]),
         Route("/v1/routing", guarded("routing", gateway, routing), methods=["GET"]),
         Route("/v1/advice", guarded("advice", gateway, advice), methods=["GET"]),
         Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
-        Route("/health/live", live), Route("/health/ready", ready), Route("/metrics", metrics),
+        Route("/health/live", live),
+        Route("/health/ready", ready),
+        Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: no_route, 405: no_route},
-                    middleware=[Middleware(RequestIdLogContext)])
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: no_route, 405: no_route},
+        middleware=[Middleware(RequestIdLogContext)],
+    )
     app.state.scheduler = state
     return app

@@ -37,8 +37,14 @@ TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 LIMITS = httpx.Limits(keepalive_expiry=3.0)
 
 
-async def run_heartbeats(scheduler_url: str, instance_info: InstanceInfo | dict[str, Any], load_fn: LoadFn, *,
-                         token: str, interval: float = 2.0) -> None:
+async def run_heartbeats(
+    scheduler_url: str,
+    instance_info: InstanceInfo | dict[str, Any],
+    load_fn: LoadFn,
+    *,
+    token: str,
+    interval: float = 2.0,
+) -> None:
     """Register, then send a heartbeat with the current load every `interval` seconds until cancelled."""
     info = InstanceInfo.model_validate(instance_info)
     if info.instance_id is None:
@@ -106,8 +112,9 @@ async def _register(client: httpx.AsyncClient, base: str, info: InstanceInfo) ->
 async def _heartbeat(client: httpx.AsyncClient, base: str, info: InstanceInfo, load: InstanceLoad) -> bool:
     """Send one heartbeat; False means the scheduler does not know us and we must register again."""
     try:
-        response = await client.post(f"{base}/v1/instances/{info.instance_id}/heartbeat",
-                                     json={"load": load.model_dump()})
+        response = await client.post(
+            f"{base}/v1/instances/{info.instance_id}/heartbeat", json={"load": load.model_dump()}
+        )
     except httpx.HTTPError as exc:
         log.warning("heartbeat failed", extra={"fields": {"cause": type(exc).__name__}})
         return True
@@ -115,8 +122,10 @@ async def _heartbeat(client: httpx.AsyncClient, base: str, info: InstanceInfo, l
         log.info("scheduler forgot this instance; registering again")
         return False
     if response.status_code in (401, 403):
-        log.error("heartbeat refused: the scheduler does not accept this token for this instance",
-                  extra={"fields": {"status": response.status_code, "instance_id": info.instance_id}})
+        log.error(
+            "heartbeat refused: the scheduler does not accept this token for this instance",
+            extra={"fields": {"status": response.status_code, "instance_id": info.instance_id}},
+        )
         return False
     return True
 

@@ -58,7 +58,10 @@ class InstanceInfo(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     instance_id: str | None = Field(
-        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:-]+$",
         description="stable id chosen by the instance (re-registering with it is idempotent); generated if absent",
     )
     role: Role
@@ -75,7 +78,8 @@ class InstanceInfo(BaseModel):
     )
     max_model_len: int | None = Field(None, ge=1, description="context length: prompt + generated tokens")
     kv_streaming: bool = Field(
-        False, description="serves KV while prefill computes (early dispatch): the gateway may send prefill and "
+        False,
+        description="serves KV while prefill computes (early dispatch): the gateway may send prefill and "
         "decode at once when both instances of a pair declare it",
     )
 

@@ -34,9 +34,13 @@ class Instance:
 class Registry:
     """Instances by id; `generation` increases on every change so pollers can skip unchanged tables."""
 
-    def __init__(self, dead_after: float, forget_after: float,
-                 on_transition: Callable[[State], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        dead_after: float,
+        forget_after: float,
+        on_transition: Callable[[State], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.dead_after = dead_after
         self.forget_after = forget_after
         self.generation = 1
@@ -48,14 +52,15 @@ class Registry:
         instance_id = info.instance_id or f"{info.role}-{uuid.uuid4().hex[:12]}"
         # A registration is a new process (clients register again only when the scheduler forgot them): it starts
         # afresh even under the id of a drained one, e.g. the same release started again after a rollback.
-        instance = Instance(instance_id, info.model_copy(update={"instance_id": instance_id}),
-                            last_seen=self._clock())
+        instance = Instance(instance_id, info.model_copy(update={"instance_id": instance_id}), last_seen=self._clock())
         self._instances[instance_id] = instance
         if self._on_transition is not None:
             self._on_transition(instance.state)
         self._changed()
-        log.info("instance registered", extra={"fields": {
-            "instance_id": instance_id, "role": info.role, "version": info.version, "url": info.url}})
+        log.info(
+            "instance registered",
+            extra={"fields": {"instance_id": instance_id, "role": info.role, "version": info.version, "url": info.url}},
+        )
         return instance
 
     def heartbeat(self, instance_id: str, load: InstanceLoad) -> Instance:
@@ -109,8 +114,10 @@ class Registry:
     def _set_state(self, instance: Instance, state: State) -> None:
         if instance.state == state:
             return
-        log.info("instance state", extra={"fields": {
-            "instance_id": instance.instance_id, "from": instance.state, "to": state}})
+        log.info(
+            "instance state",
+            extra={"fields": {"instance_id": instance.instance_id, "from": instance.state, "to": state}},
+        )
         instance.state = state
         if self._on_transition is not None:
             self._on_transition(state)

@@ -26,8 +26,12 @@ def load_settings(model: type[M], argv: Sequence[str], prog: str, env: Mapping[s
     for name, field in model.model_fields.items():
         env_key = ENV_PREFIX + name.upper()
         default = "required" if field.is_required() else f"default {field.default!r}"
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                            help=f"{field.description or ''} (env {env_key}; {default})")
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=None,
+            help=f"{field.description or ''} (env {env_key}; {default})",
+        )
     namespace = parser.parse_args(list(argv))
     values: dict[str, object] = {}
     for name in model.model_fields:

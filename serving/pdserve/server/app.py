@@ -65,18 +65,24 @@ async def load_service(state: ServerState) -> None:
         scheduler = BatchScheduler(engine, settings.prefill_token_budget, state.metrics)
         scheduler.start()
         admission = Admission(settings.max_num_seqs, settings.kv_memory_bytes, state.metrics)
-        state.metrics.bind_router_gauges(waiting=lambda: admission.waiting,
-                                         kv_usage=lambda: admission.usage)
-        state.service = GenerationService(settings, engine, scheduler, admission, state.metrics,
-                                          exporter=exporter, importer=importer)
+        state.metrics.bind_router_gauges(waiting=lambda: admission.waiting, kv_usage=lambda: admission.usage)
+        state.service = GenerationService(
+            settings, engine, scheduler, admission, state.metrics, exporter=exporter, importer=importer
+        )
     except Exception as error:
         state.load_error = f"{type(error).__name__}: {error}"
         log.error("model load failed", extra={"error": state.load_error})
         return
     state.metrics.ready.set(1)
-    log.info("ready", extra={"role": settings.role.value, "model": settings.model_name,
-                             "fingerprint": engine.fingerprint,
-                             "kv_port": exporter.server.port if exporter is not None else None})
+    log.info(
+        "ready",
+        extra={
+            "role": settings.role.value,
+            "model": settings.model_name,
+            "fingerprint": engine.fingerprint,
+            "kv_port": exporter.server.port if exporter is not None else None,
+        },
+    )
     heartbeat = start_heartbeats(settings, scheduler_token, state.service, exporter)
     if heartbeat is not None:
         state.background.append(heartbeat)
@@ -106,8 +112,13 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
         if state.service is None:
             reason = f"model load failed: {state.load_error}" if state.load_error else "model loading"
             return JSONResponse({"status": "not_ready", "reason": reason}, 503)
-        body: dict[str, object] = {"status": "ready", "role": settings.role.value, "model": settings.model_name,
-                                   "fingerprint": state.service.engine.fingerprint, "engine_id": settings.engine_id}
+        body: dict[str, object] = {
+            "status": "ready",
+            "role": settings.role.value,
+            "model": settings.model_name,
+            "fingerprint": state.service.engine.fingerprint,
+            "engine_id": settings.engine_id,
+        }
         if state.exporter is not None:
             body["kv_port"] = state.exporter.server.port
         return JSONResponse(body)
@@ -184,6 +195,13 @@ class RequestIdMiddleware:
             endpoint = path if path.startswith(("/v1/", "/health", "/metrics")) else "other"
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if path.startswith("/v1/"):
-                log.info("http request", extra={"request_id": request_id, "path": path, "status": status,
-                                                "seconds": round(time.perf_counter() - started, 4)})
+                log.info(
+                    "http request",
+                    extra={
+                        "request_id": request_id,
+                        "path": path,
+                        "status": status,
+                        "seconds": round(time.perf_counter() - started, 4),
+                    },
+                )
             reset_request_id(bound)

@@ -100,12 +100,19 @@ class Admission:
         """A slot and `nbytes` of KV memory, held until the Reservation is released (raises CapacityError)."""
         if self.requests >= self.max_num_seqs:
             self._metrics.rejected.labels("concurrency").inc()
-            raise CapacityError(429, "concurrency", f"server busy: {self.requests} of {self.max_num_seqs} requests "
-                                "admitted; retry later")
+            raise CapacityError(
+                429,
+                "concurrency",
+                f"server busy: {self.requests} of {self.max_num_seqs} requests admitted; retry later",
+            )
         if self.reserved + nbytes > self.kv_memory_bytes:
             self._metrics.rejected.labels("kv_memory").inc()
-            raise CapacityError(503, "kv_memory", f"KV memory full: this request needs {nbytes} bytes, "
-                                f"{self.kv_memory_bytes - self.reserved} of {self.kv_memory_bytes} are free")
+            raise CapacityError(
+                503,
+                "kv_memory",
+                f"KV memory full: this request needs {nbytes} bytes, "
+                f"{self.kv_memory_bytes - self.reserved} of {self.kv_memory_bytes} are free",
+            )
         self.requests += 1
         self.reserved += nbytes
         self._publish()

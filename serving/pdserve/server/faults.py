@@ -29,5 +29,10 @@ def sampling(settings: ServerSettings, params: SamplingParams) -> SamplingParams
     """With fault_perturb_output, sample hot with a fixed seed: deterministic, but not the greedy output."""
     if not settings.fault_perturb_output:
         return params
-    return dataclasses.replace(params, temperature=PERTURBED_TEMPERATURE, top_k=0, top_p=1.0,
-                               seed=params.seed if params.seed is not None else PERTURBED_SEED)
+    return dataclasses.replace(
+        params,
+        temperature=PERTURBED_TEMPERATURE,
+        top_k=0,
+        top_p=1.0,
+        seed=params.seed if params.seed is not None else PERTURBED_SEED,
+    )

@@ -89,8 +89,17 @@ class Generation:
 
 
 class GenerationService:
-    def __init__(self, settings: ServerSettings, engine: Engine, scheduler: BatchScheduler, admission: Admission,
-                 metrics: ServerMetrics, *, exporter: PrefillExporter | None, importer: DecodeImporter | None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine: Engine,
+        scheduler: BatchScheduler,
+        admission: Admission,
+        metrics: ServerMetrics,
+        *,
+        exporter: PrefillExporter | None,
+        importer: DecodeImporter | None,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.scheduler = scheduler
@@ -98,8 +107,9 @@ class GenerationService:
         self.metrics = metrics
         self.exporter = exporter
         self.importer = importer
-        self.max_model_len = min(settings.max_model_len or engine.config.max_position_embeddings,
-                                 engine.config.max_position_embeddings)
+        self.max_model_len = min(
+            settings.max_model_len or engine.config.max_position_embeddings, engine.config.max_position_embeddings
+        )
 
     # -- prompts -----------------------------------------------------------------------------------------------------
 
@@ -126,23 +136,31 @@ class GenerationService:
     def max_tokens(self, request: _GenerationRequest, prompt_tokens: int, default: int | None) -> int:
         limit = self.max_model_len
         if prompt_tokens >= limit:
-            raise RequestError(f"prompt: {prompt_tokens} tokens, but this model's context length is {limit} tokens "
-                               "(prompt plus at least one generated token must fit)", param="prompt")
+            raise RequestError(
+                f"prompt: {prompt_tokens} tokens, but this model's context length is {limit} tokens "
+                "(prompt plus at least one generated token must fit)",
+                param="prompt",
+            )
         room = limit - prompt_tokens
         if request.max_tokens is not None and request.max_tokens > room:
-            raise RequestError(f"max_tokens: {request.max_tokens} requested, but the prompt takes {prompt_tokens} of "
-                               f"the model's {limit}-token context, leaving {room}", param="max_tokens")
+            raise RequestError(
+                f"max_tokens: {request.max_tokens} requested, but the prompt takes {prompt_tokens} of "
+                f"the model's {limit}-token context, leaving {room}",
+                param="max_tokens",
+            )
         wanted = request.max_tokens if request.max_tokens is not None else default
         granted = min(wanted, room) if wanted is not None else room
         if (request.min_tokens or 0) > granted:
-            raise RequestError(f"min_tokens: {request.min_tokens} is more than max_tokens ({granted})",
-                               param="min_tokens")
+            raise RequestError(
+                f"min_tokens: {request.min_tokens} is more than max_tokens ({granted})", param="min_tokens"
+            )
         return granted
 
     # -- running -----------------------------------------------------------------------------------------------------
 
-    async def start(self, request: _GenerationRequest, prompt_ids: list[int], max_tokens: int,
-                    request_id: str) -> Generation:
+    async def start(
+        self, request: _GenerationRequest, prompt_ids: list[int], max_tokens: int, request_id: str
+    ) -> Generation:
         params = request.kv_transfer_params
         remote_decode = params is not None and params.do_remote_decode
         remote_prefill = params is not None and params.do_remote_prefill
@@ -163,8 +181,9 @@ class GenerationService:
             state = self.engine.new_request(prompt_ids, sampling)
             state.max_total_tokens = self.max_model_len
             sequence = Sequence(request_id, prompt_ids, state, cache)
-            generation = Generation(request_id, sequence, reservation, self, recomputed=recomputed,
-                                    kv_transfer_stats=kv_stats)
+            generation = Generation(
+                request_id, sequence, reservation, self, recomputed=recomputed, kv_transfer_stats=kv_stats
+            )
             if remote_decode:
                 assert self.exporter is not None
                 generation.remote_request_id = f"{self.settings.engine_id}-{uuid.uuid4().hex}"
@@ -172,25 +191,40 @@ class GenerationService:
             reservation.sequence = sequence
             self.scheduler.add(sequence)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        log.info("request admitted", extra={
-            "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
-            "remote_prefill": remote_prefill, "remote_decode": remote_decode,
-            "kv_request_id": generation.remote_request_id, "recomputed": recomputed})
+        log.info(
+            "request admitted",
+            extra={
+                "request_id": request_id,
+                "prompt_tokens": len(prompt_ids),
+                "max_tokens": max_tokens,
+                "remote_prefill": remote_prefill,
+                "remote_decode": remote_decode,
+                "kv_request_id": generation.remote_request_id,
+                "recomputed": recomputed,
+            },
+        )
         return generation
 
     def _check_role(self, remote_decode: bool, remote_prefill: bool, stream: bool) -> None:
         role = self.settings.role.value
         if remote_decode and self.exporter is None:
-            raise RequestError(f"kv_transfer_params.do_remote_decode: this {role} server does not export KV "
-                               "(send it to a prefill server)", param="kv_transfer_params.do_remote_decode")
+            raise RequestError(
+                f"kv_transfer_params.do_remote_decode: this {role} server does not export KV "
+                "(send it to a prefill server)",
+                param="kv_transfer_params.do_remote_decode",
+            )
         if remote_decode and stream:
             raise RequestError("stream: must be false with kv_transfer_params.do_remote_decode", param="stream")
         if remote_prefill and self.importer is None:
-            raise RequestError(f"kv_transfer_params.do_remote_prefill: this {role} server does not import KV "
-                               "(send it to a decode server)", param="kv_transfer_params.do_remote_prefill")
+            raise RequestError(
+                f"kv_transfer_params.do_remote_prefill: this {role} server does not import KV "
+                "(send it to a decode server)",
+                param="kv_transfer_params.do_remote_prefill",
+            )
 
-    def _kv_transfer_stats(self, remote_prefill: bool, recomputed: bool, cache: KVCache,
-                           seconds: float) -> dict[str, Any] | None:
+    def _kv_transfer_stats(
+        self, remote_prefill: bool, recomputed: bool, cache: KVCache, seconds: float
+    ) -> dict[str, Any] | None:
         """What decode tells the gateway about this request's KV (relayed to the gateway's metrics)."""
         if self.importer is None:
             return None
@@ -200,8 +234,9 @@ class GenerationService:
             return {"source": "recompute", "bytes": 0, "seconds": round(seconds, 6)}
         return {"source": "remote", "bytes": cache.nbytes(), "seconds": round(seconds, 6)}
 
-    async def _initial_cache(self, request: _GenerationRequest, prompt_tokens: int,
-                             request_id: str) -> tuple[KVCache, bool]:
+    async def _initial_cache(
+        self, request: _GenerationRequest, prompt_tokens: int, request_id: str
+    ) -> tuple[KVCache, bool]:
         params = request.kv_transfer_params
         if params is None or not params.do_remote_prefill:
             return self.engine.new_cache(), False
@@ -212,9 +247,15 @@ class GenerationService:
             policy = self.settings.kv_load_failure_policy
             action = "recompute" if policy is FailurePolicy.RECOMPUTE else "fail"
             self.metrics.kv_load_failures.labels(failure.cause, action).inc()
-            log.warning("remote KV unusable", extra={"request_id": request_id, "cause": failure.cause,
-                                                     "action": action, "detail": failure.message})
+            log.warning(
+                "remote KV unusable",
+                extra={"request_id": request_id, "cause": failure.cause, "action": action, "detail": failure.message},
+            )
             if policy is FailurePolicy.FAIL:
-                raise RequestError(f"remote KV could not be loaded ({failure}); kv_load_failure_policy is fail",
-                                   param="kv_transfer_params", status=502, kind="kv_load_failure") from failure
+                raise RequestError(
+                    f"remote KV could not be loaded ({failure}); kv_load_failure_policy is fail",
+                    param="kv_transfer_params",
+                    status=502,
+                    kind="kv_load_failure",
+                ) from failure
             return self.engine.new_cache(), True

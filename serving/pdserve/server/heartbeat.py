@@ -16,8 +16,9 @@ def read_scheduler_token(settings: ServerSettings) -> str | None:
     return read_token(settings.scheduler_token_file, "scheduler_token_file")
 
 
-def start_heartbeats(settings: ServerSettings, token: str | None, service: Any,
-                     exporter: Any) -> asyncio.Task[None] | None:
+def start_heartbeats(
+    settings: ServerSettings, token: str | None, service: Any, exporter: Any
+) -> asyncio.Task[None] | None:
     """Start heartbeats to the scheduler in the background; None when no scheduler is configured."""
     if settings.scheduler_url is None or token is None:
         return None

@@ -70,8 +70,14 @@ class PrefillExporter:
         self.engine = engine
         self.key = key
         self.store = LeaseStore(settings.kv_store_bytes, settings.kv_lease_seconds, metrics=metrics.kv)
-        self.server = KVServer(self.store, key, host=settings.kv_host, port=settings.kv_port,
-                               ssl_context=server_tls(settings), metrics=metrics.kv)
+        self.server = KVServer(
+            self.store,
+            key,
+            host=settings.kv_host,
+            port=settings.kv_port,
+            ssl_context=server_tls(settings),
+            metrics=metrics.kv,
+        )
 
     async def start(self) -> None:
         await self.server.start()
@@ -86,22 +92,26 @@ class PrefillExporter:
             layers = [(np.array(k), np.array(v)) for k, v in sequence.cache.layers()]
             meta = KVMeta(remote_request_id, sequence.cache.position, self.engine.fingerprint)
             holder["stored"] = self.store.put(remote_request_id, layers, meta)
+
         return export
 
     def response_params(self, remote_request_id: str, stored: StoredKV, num_tokens: int) -> dict[str, object]:
         """What prefill returns for decode, signed: decode pulls only from where a prefill server said to."""
-        return signed_params.sign(signed_params.derive_params_key(self.key.material), {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.settings.engine_id,
-            "remote_request_id": remote_request_id,
-            "remote_host": self.settings.advertised_host,
-            "remote_port": self.server.port,
-            "remote_block_ids": [],  # pdserve addresses KV by remote_request_id, not by blocks
-            "kv_fingerprint": self.engine.fingerprint,
-            "num_tokens": num_tokens,
-            "kv_checksum": stored.checksum,
-        })
+        return signed_params.sign(
+            signed_params.derive_params_key(self.key.material),
+            {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.settings.engine_id,
+                "remote_request_id": remote_request_id,
+                "remote_host": self.settings.advertised_host,
+                "remote_port": self.server.port,
+                "remote_block_ids": [],  # pdserve addresses KV by remote_request_id, not by blocks
+                "kv_fingerprint": self.engine.fingerprint,
+                "num_tokens": num_tokens,
+                "kv_checksum": stored.checksum,
+            },
+        )
 
     def release(self, remote_request_id: str) -> None:
         self.store.ack(remote_request_id)
@@ -156,7 +166,9 @@ class DecodeImporter:
         if params.num_tokens != prompt_tokens:
             raise RequestError(
                 f"kv_transfer_params.num_tokens: the KV is for {params.num_tokens} prompt tokens, this request's "
-                f"prompt has {prompt_tokens}", param="kv_transfer_params.num_tokens")
+                f"prompt has {prompt_tokens}",
+                param="kv_transfer_params.num_tokens",
+            )
         transfer = (str(params.remote_engine_id), str(params.remote_request_id))
         self._refuse_if_transferred(transfer)
         return transfer
@@ -170,35 +182,61 @@ class DecodeImporter:
 
     def _refuse_if_transferred(self, transfer: tuple[str, str]) -> None:
         if transfer in self._transferred:
-            raise RequestError(f"kv_transfer_params: KV of request {transfer[1]!r} was already transferred (a request "
-                               "transfers at most once)", param="kv_transfer_params.remote_request_id", status=409)
+            raise RequestError(
+                f"kv_transfer_params: KV of request {transfer[1]!r} was already transferred (a request "
+                "transfers at most once)",
+                param="kv_transfer_params.remote_request_id",
+                status=409,
+            )
 
     async def load(self, params: KVTransferParams, prompt_tokens: int) -> KVCache:
         """The KV of prompt[:-1], pulled and verified; raises KVLoadFailure naming the cause."""
         assert params.remote_host and params.remote_port and params.remote_request_id and params.kv_checksum
         if params.kv_fingerprint != self.engine.fingerprint:
-            raise KVLoadFailure("fingerprint", f"prefill's KV fingerprint {params.kv_fingerprint} differs from this "
-                                f"decoder's {self.engine.fingerprint} (different model, dtype or engine version)")
-        with tracer().start_as_current_span("kv pull", kind=SpanKind.CLIENT, attributes={
-            "server.address": params.remote_host, "server.port": params.remote_port,
-            "pdserve.kv.remote_request_id": params.remote_request_id, "pdserve.kv.streams": self.settings.kv_streams,
-        }) as span:
+            raise KVLoadFailure(
+                "fingerprint",
+                f"prefill's KV fingerprint {params.kv_fingerprint} differs from this "
+                f"decoder's {self.engine.fingerprint} (different model, dtype or engine version)",
+            )
+        with tracer().start_as_current_span(
+            "kv pull",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "server.address": params.remote_host,
+                "server.port": params.remote_port,
+                "pdserve.kv.remote_request_id": params.remote_request_id,
+                "pdserve.kv.streams": self.settings.kv_streams,
+            },
+        ) as span:
             started = time.perf_counter()
             try:
                 blob = await pull(
-                    params.remote_host, params.remote_port, params.remote_request_id, params.kv_checksum,
-                    key=self.key, streams=self.settings.kv_streams, expected_fingerprint=self.engine.fingerprint,
-                    ssl_context=self._tls, server_hostname=self.settings.kv_tls_server_name,
+                    params.remote_host,
+                    params.remote_port,
+                    params.remote_request_id,
+                    params.kv_checksum,
+                    key=self.key,
+                    streams=self.settings.kv_streams,
+                    expected_fingerprint=self.engine.fingerprint,
+                    ssl_context=self._tls,
+                    server_hostname=self.settings.kv_tls_server_name,
                     connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                    read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv, pool=self.pool,
+                    read_timeout_s=self.settings.kv_read_timeout_seconds,
+                    metrics=self.metrics.kv,
+                    pool=self.pool,
                 )
             except KVTransferError as error:
                 span.set_status(Status(StatusCode.ERROR, error.message))
                 span.set_attribute("pdserve.kv.cause", str(error.cause))
                 raise KVLoadFailure(error.cause, error.message) from error
             seconds = time.perf_counter() - started
-            span.set_attributes({"pdserve.kv.bytes": blob.nbytes, "pdserve.kv.tokens": blob.meta.token_count,
-                                 "pdserve.kv.goodput_bytes_per_second": blob.nbytes / seconds if seconds else 0.0})
+            span.set_attributes(
+                {
+                    "pdserve.kv.bytes": blob.nbytes,
+                    "pdserve.kv.tokens": blob.meta.token_count,
+                    "pdserve.kv.goodput_bytes_per_second": blob.nbytes / seconds if seconds else 0.0,
+                }
+            )
         if blob.meta.token_count != prompt_tokens - 1:
             message = f"the KV holds {blob.meta.token_count} tokens, expected {prompt_tokens - 1}"
             raise KVLoadFailure("protocol", message)
@@ -212,11 +250,18 @@ class DecodeImporter:
     def _acknowledge(self, host: str, port: int, request_id: str) -> None:
         async def send() -> None:
             try:
-                await ack(host, port, request_id, key=self.key, ssl_context=self._tls,
-                          server_hostname=self.settings.kv_tls_server_name,
-                          connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                          read_timeout_s=self.settings.kv_read_timeout_seconds, metrics=self.metrics.kv,
-                          pool=self.pool)
+                await ack(
+                    host,
+                    port,
+                    request_id,
+                    key=self.key,
+                    ssl_context=self._tls,
+                    server_hostname=self.settings.kv_tls_server_name,
+                    connect_timeout_s=self.settings.kv_connect_timeout_seconds,
+                    read_timeout_s=self.settings.kv_read_timeout_seconds,
+                    metrics=self.metrics.kv,
+                    pool=self.pool,
+                )
             except KVTransferError as error:  # the lease then simply expires
                 log.warning("kv ack failed", extra={"kv_request_id": request_id, "cause": error.cause})
 

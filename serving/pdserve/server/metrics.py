@@ -18,23 +18,31 @@ class ServerMetrics:
         self.registry = registry
         self.kv = KVMetrics(registry)
         self.requests = Counter(
-            "pdserve_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"],
+            "pdserve_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
             registry=registry,
         )
         self.rejected = Counter(
             "pdserve_requests_rejected", "Requests refused for capacity, by reason", ["reason"], registry=registry
         )
         self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds", "Time from request arrival to its first generated token",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "pdserve_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.inter_token = Histogram(
-            "pdserve_inter_token_latency_seconds", "Time between consecutive generated tokens of a request",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.e2e = Histogram(
-            "pdserve_request_duration_seconds", "Time from request arrival to its last token",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "pdserve_request_duration_seconds",
+            "Time from request arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens admitted", registry=registry)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=registry)
@@ -56,8 +64,10 @@ class ServerMetrics:
             "pdserve_step_duration_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS, registry=registry
         )
         self.kv_load_failures = Counter(
-            "pdserve_kv_load_failures", "Remote KV that could not be used, by cause and the action taken",
-            ["cause", "action"], registry=registry,
+            "pdserve_kv_load_failures",
+            "Remote KV that could not be used, by cause and the action taken",
+            ["cause", "action"],
+            registry=registry,
         )
         # The two gauges an endpoint picker (Gateway API Inference Extension) or a KV-aware router reads, with the
         # meaning vLLM gives vllm:num_requests_waiting and vllm:kv_cache_usage_perc (docs/observability.md). Their
@@ -66,19 +76,23 @@ class ServerMetrics:
         self.waiting = Gauge(
             "pdserve_num_requests_waiting",
             "Requests admitted but not yet in an engine step (pulling remote KV, or waiting for their first prompt "
-            "chunk); as vllm:num_requests_waiting", registry=registry,
+            "chunk); as vllm:num_requests_waiting",
+            registry=registry,
         )
         self.kv_usage = Gauge(
             "pdserve_kv_cache_usage_ratio",
             "KV memory reserved by admitted requests over the KV memory available (1 = full: the next request "
-            "is refused); as vllm:kv_cache_usage_perc", registry=registry,
+            "is refused); as vllm:kv_cache_usage_perc",
+            registry=registry,
         )
         self.ready = Gauge(
             "pdserve_ready", "1 once the model is loaded and the server takes requests", registry=registry
         )
         self.build = Gauge(
-            "pdserve_build_info", "Release and role of this server (always 1; join on instance)",
-            ["version", "role"], registry=registry,
+            "pdserve_build_info",
+            "Release and role of this server (always 1; join on instance)",
+            ["version", "role"],
+            registry=registry,
         )
 
     def bind_router_gauges(self, waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:

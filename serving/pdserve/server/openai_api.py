@@ -60,14 +60,19 @@ class OpenAIEndpoints:
     def service(self) -> GenerationService:
         service: GenerationService | None = self._ref()
         if service is None:
-            raise RequestError("the model is still loading; retry once /health/ready answers 200", status=503,
-                               kind="not_ready")
+            raise RequestError(
+                "the model is still loading; retry once /health/ready answers 200", status=503, kind="not_ready"
+            )
         return service
 
     async def models(self, request: Request) -> Response:
         service = self._ref()
-        entry: dict[str, Any] = {"id": self.model_name, "object": "model", "created": int(time.time()),
-                                 "owned_by": "pdserve"}
+        entry: dict[str, Any] = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pdserve",
+        }
         if service is not None:
             entry["max_model_len"] = service.max_model_len
         return JSONResponse({"object": "list", "data": [entry]})
@@ -98,8 +103,9 @@ class OpenAIEndpoints:
         finally:
             generation.close()
 
-    async def _admit(self, request: Request, chat: bool,
-                     request_id: str) -> tuple[ChatCompletionRequest | CompletionRequest, Generation]:
+    async def _admit(
+        self, request: Request, chat: bool, request_id: str
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, Generation]:
         """Parse, check and admit a request; nothing is reserved unless this returns."""
         body = await _json_body(request)
         service = self.service
@@ -119,8 +125,12 @@ class OpenAIEndpoints:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise RequestError(f"model: {model!r} is not served here (this server serves {self.model_name!r})",
-                               param="model", status=404, kind="model_not_found")
+            raise RequestError(
+                f"model: {model!r} is not served here (this server serves {self.model_name!r})",
+                param="model",
+                status=404,
+                kind="model_not_found",
+            )
 
 
 async def _drain(generation: Generation) -> None:
@@ -179,17 +189,23 @@ class _Formatter:
 
     @staticmethod
     def usage(generation: Generation) -> dict[str, int]:
-        return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens,
-                "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+        return {
+            "prompt_tokens": generation.prompt_tokens,
+            "completion_tokens": generation.completion_tokens,
+            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+        }
 
     def full(self, generation: Generation) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": generation.text},
-                                      "logprobs": None, "finish_reason": generation.finish_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": generation.text},
+                "logprobs": None,
+                "finish_reason": generation.finish_reason,
+            }
             body = self._envelope("chat.completion")
         else:
-            choice = {"index": 0, "text": generation.text, "logprobs": None,
-                      "finish_reason": generation.finish_reason}
+            choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             body = self._envelope("text_completion")
         if self.return_token_ids:
             choice["prompt_token_ids"] = list(generation.sequence.prompt_ids)

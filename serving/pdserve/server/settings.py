@@ -42,8 +42,11 @@ class ServerSettings(TracingSettings):
     advertise_host: str | None = Field(None, description="host decode should pull KV from (default: --host)")
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="this instance's remote_engine_id")
     kv_key_file: Path | None = Field(None, description="shared KV-channel key (prefill and decode)")
-    api_token_file: Path | None = Field(None, description="bearer token every caller must present (all paths but "
-                                        "/health*, /metrics); required for prefill and decode")
+    api_token_file: Path | None = Field(
+        None,
+        description="bearer token every caller must present (all paths but "
+        "/health*, /metrics); required for prefill and decode",
+    )
     kv_tls_cert: Path | None = None
     kv_tls_key: Path | None = None
     kv_tls_ca: Path | None = Field(None, description="CA bundle decode trusts for the KV channel")
@@ -59,12 +62,17 @@ class ServerSettings(TracingSettings):
     prefill_token_budget: int = Field(512, ge=16, description="prompt tokens per engine step (chunked prefill)")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
     scheduler_url: str | None = Field(None, description="register and heartbeat with this pdserve scheduler")
-    scheduler_token_file: Path | None = Field(None, description="the scheduler's instance token (needed with "
-                                              "--scheduler-url)")
+    scheduler_token_file: Path | None = Field(
+        None, description="the scheduler's instance token (needed with --scheduler-url)"
+    )
     version: str = Field(importlib.metadata.version("pdserve"), description="release reported to the scheduler")
     heartbeat_seconds: float = Field(5.0, gt=0)
-    blas_threads: int = Field(1, ge=1, description="BLAS threads per process (1: the engine step, KV hashing and "
-                              "HTTP share few cores; spinning BLAS threads starve them)")
+    blas_threads: int = Field(
+        1,
+        ge=1,
+        description="BLAS threads per process (1: the engine step, KV hashing and "
+        "HTTP share few cores; spinning BLAS threads starve them)",
+    )
     log_level: str = "info"
     fault_error_rate: float = Field(0.0, ge=0, le=1, description="fault injection: share of requests failed with 500")
     fault_delay_ms: float = Field(0.0, ge=0, description="fault injection: delay added before every request")
@@ -75,8 +83,10 @@ class ServerSettings(TracingSettings):
         if self.role is not Role.COLOCATED and self.kv_key_file is None:
             raise ValueError(f"kv_key_file: the {self.role.value} role needs the KV channel's shared key file")
         if self.role is not Role.COLOCATED and self.api_token_file is None:
-            raise ValueError(f"api_token_file: the {self.role.value} role serves only callers holding the API token "
-                             "(the gateway); give its file")
+            raise ValueError(
+                f"api_token_file: the {self.role.value} role serves only callers holding the API token "
+                "(the gateway); give its file"
+            )
         if self.scheduler_url is not None and self.scheduler_token_file is None:
             raise ValueError("scheduler_token_file: registering with a scheduler needs its instance token file")
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):

@@ -51,25 +51,54 @@ def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     (work / "kv.key").write_text(secrets.token_hex(32))
     api_key = f"sk-bench-{secrets.token_hex(12)}"
     (work / "api.key").write_text(api_key + "\n")
-    (work / "keys.json").write_text(json.dumps({"bench": {"keys": [api_key], "requests_per_second": 1000,
-                                                          "request_burst": 1000, "tokens_per_minute": 10**9}}))
+    (work / "keys.json").write_text(
+        json.dumps(
+            {
+                "bench": {
+                    "keys": [api_key],
+                    "requests_per_second": 1000,
+                    "request_burst": 1000,
+                    "tokens_per_minute": 10**9,
+                }
+            }
+        )
+    )
     scheduler, _ = start_scheduler(work, heartbeat_interval=1.0, missed=10)
     started: list[Service | ServerProcess] = [scheduler]
     try:
         for role, extra in (("prefill", ["--kv-port", "0"]), ("decode", [])):
             engine_id = secrets.token_hex(16)
             token = instance_token_file(work, f"{role}-{engine_id[:24]}")  # the id the server registers as
-            args = ["--kv-key-file", str(work / "kv.key"), "--scheduler-url", scheduler.url, "--engine-id", engine_id,
-                    "--scheduler-token-file", str(token), *extra]
+            args = [
+                "--kv-key-file",
+                str(work / "kv.key"),
+                "--scheduler-url",
+                scheduler.url,
+                "--engine-id",
+                engine_id,
+                "--scheduler-token-file",
+                str(token),
+                *extra,
+            ]
             server = ServerProcess(role, bench_model, args, {}, work / f"{role}.log")
             started.append(server.start())
         for server in started[1:]:
             assert isinstance(server, ServerProcess)
             server.wait_ready()
-        front = Service("pdserve.gateway", ["--scheduler-url", scheduler.url,
-                                            "--scheduler-token-file", str(gateway_token_file(work)),
-                                            "--server-token-file", str(api_token_file()),
-                                            "--api-keys-file", str(work / "keys.json")], work / "gateway.log")
+        front = Service(
+            "pdserve.gateway",
+            [
+                "--scheduler-url",
+                scheduler.url,
+                "--scheduler-token-file",
+                str(gateway_token_file(work)),
+                "--server-token-file",
+                str(api_token_file()),
+                "--api-keys-file",
+                str(work / "keys.json"),
+            ],
+            work / "gateway.log",
+        )
         started.append(front.start())
         _wait_for_both_roles(front)
         yield Gateway(front.url, api_key, work / "api.key")
@@ -80,8 +109,16 @@ def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="module")
 def completions_run(gateway: Gateway, run_bench: BenchRunner) -> dict[str, Any]:
-    return run_bench(gateway.url, *LOW_RATE, "--api", "completions", "--api-key-file",
-                     str(gateway.api_key_file), "--metrics-url", gateway.metrics_url)
+    return run_bench(
+        gateway.url,
+        *LOW_RATE,
+        "--api",
+        "completions",
+        "--api-key-file",
+        str(gateway.api_key_file),
+        "--metrics-url",
+        gateway.metrics_url,
+    )
 
 
 def checks_of(results: dict[str, Any], metric: str, measure: str) -> list[dict[str, Any]]:
@@ -119,7 +156,15 @@ def test_percentiles_fall_in_the_gateways_histogram_buckets(
 
 
 def test_chat_ttft_falls_in_the_gateways_ttft_buckets(gateway: Gateway, run_bench: BenchRunner) -> None:
-    results = run_bench(gateway.url, *LOW_RATE, "--api", "chat", "--api-key-file",
-                        str(gateway.api_key_file), "--metrics-url", gateway.metrics_url)
+    results = run_bench(
+        gateway.url,
+        *LOW_RATE,
+        "--api",
+        "chat",
+        "--api-key-file",
+        str(gateway.api_key_file),
+        "--metrics-url",
+        gateway.metrics_url,
+    )
     checks = checks_of(results, GATEWAY_TTFT, "ttft")
     assert checks and all(c["agrees"] for c in checks if c["q"] in (50, 90)), checks

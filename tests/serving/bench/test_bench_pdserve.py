@@ -88,8 +88,9 @@ def test_e2e_percentiles_fall_in_the_servers_histogram_buckets(
 
 
 def test_a_server_at_capacity_is_counted_as_429(one_at_a_time: ServerProcess, run_bench: BenchRunner) -> None:
-    results = run_bench(one_at_a_time.url, "--rate", "40", "--requests", "8", "--workload", "short",
-                        "--max-tokens", "16")
+    results = run_bench(
+        one_at_a_time.url, "--rate", "40", "--requests", "8", "--workload", "short", "--max-tokens", "16"
+    )
     run = results["runs"][0]
     assert set(run["errors"]) == {"http_429"}, run["errors"]
     assert run["completed"] >= 1
@@ -99,8 +100,9 @@ def test_a_server_at_capacity_is_counted_as_429(one_at_a_time: ServerProcess, ru
 
 
 def test_a_request_the_server_refuses_is_counted_as_4xx(colocated: ServerProcess, run_bench: BenchRunner) -> None:
-    results = run_bench(colocated.url, "--rate", "20", "--requests", "4", "--workload", "short",
-                        "--max-tokens", "100000")
+    results = run_bench(
+        colocated.url, "--rate", "20", "--requests", "4", "--workload", "short", "--max-tokens", "100000"
+    )
     run = results["runs"][0]
     assert run["errors"] == {"http_4xx": 4}
     assert run["goodput_rps"] == 0.0
@@ -111,8 +113,21 @@ def test_peak_probe_then_shares_of_it_with_json_and_plot(
 ) -> None:
     plot = tmp_path / "latency.png"
     results = run_bench(
-        colocated.url, "--peak-shares", "50,100", "--probe-seconds", "3", "--probe-max-concurrency", "4",
-        "--requests", "8", "--workload", "short", "--max-tokens", "8", "--plot", str(plot),
+        colocated.url,
+        "--peak-shares",
+        "50,100",
+        "--probe-seconds",
+        "3",
+        "--probe-max-concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--workload",
+        "short",
+        "--max-tokens",
+        "8",
+        "--plot",
+        str(plot),
     )
     peak = results["peak"]
     steps = peak["steps"]

@@ -80,9 +80,7 @@ def test_chat_through_vllm_router_equals_colocated(router: Service, colocated: S
     assert routed["choices"][0]["message"]["content"] == local["choices"][0]["message"]["content"]
 
 
-def test_streaming_through_vllm_router_equals_colocated(
-    router: Service, colocated: ServerProcess, model: str
-) -> None:
+def test_streaming_through_vllm_router_equals_colocated(router: Service, colocated: ServerProcess, model: str) -> None:
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200

@@ -161,8 +161,7 @@ def test_min_tokens_holds_back_every_way_to_stop(load_engine: Any) -> None:
     eos = engine.eos_token_ids[-1]
     favour_eos = np.zeros(engine.config.vocab_size, dtype=np.float32)
     favour_eos[eos] = 10.0
-    state = engine.new_request([5, 6], SamplingParams(temperature=0, max_tokens=10, min_tokens=2,
-                                                      stop_token_ids=(42,)))
+    state = engine.new_request([5, 6], SamplingParams(temperature=0, max_tokens=10, min_tokens=2, stop_token_ids=(42,)))
     assert state.sample(favour_eos) != eos
     assert not state.append(42).finished  # the first token: a stop id does not end it yet
     assert state.sample(favour_eos) != eos

@@ -25,8 +25,13 @@ from ..scheduler.services import (
 
 # One client for the test requests: building an httpx client per request costs more than a tiny-model completion.
 HTTP = httpx.Client(timeout=60)
-KEYS = {"acme": "sk-acme-0123456789abcdef", "slow": "sk-slow-0123456789abcdef", "budget": "sk-budget-0123456789",
-        "bulk": "sk-bulk-0123456789abcdef", "scarce": "sk-scarce-0123456789abcd"}
+KEYS = {
+    "acme": "sk-acme-0123456789abcdef",
+    "slow": "sk-slow-0123456789abcdef",
+    "budget": "sk-budget-0123456789",
+    "bulk": "sk-bulk-0123456789abcdef",
+    "scarce": "sk-scarce-0123456789abcd",
+}
 
 
 FOUR_SERVERS = (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"))
@@ -40,10 +45,13 @@ def write_keys_file(path: Path) -> Path:
     document = {
         "acme": [digest],
         "slow": {"keys": [KEYS["slow"]], "requests_per_second": 1, "request_burst": 2},
-        "budget": {"keys": ["sha256:" + hashlib.sha256(KEYS["budget"].encode()).hexdigest()],
-                   "tokens_per_minute": 300},
-        "bulk": {"keys": [KEYS["bulk"]], "requests_per_second": 1000, "request_burst": 1000,
-                 "tokens_per_minute": 10_000_000},
+        "budget": {"keys": ["sha256:" + hashlib.sha256(KEYS["budget"].encode()).hexdigest()], "tokens_per_minute": 300},
+        "bulk": {
+            "keys": [KEYS["bulk"]],
+            "requests_per_second": 1000,
+            "request_burst": 1000,
+            "tokens_per_minute": 10_000_000,
+        },
         "scarce": {"keys": [KEYS["scarce"]], "requests_per_second": 0.01, "request_burst": 3},
     }
     path.write_text(json.dumps(document))
@@ -81,8 +89,9 @@ class Cluster:
     gateways: list[Service] = field(default_factory=list)
 
     def start_scheduler(self) -> None:
-        self.scheduler, self.admin_token = start_scheduler(self.tmp, heartbeat_interval=0.2,
-                                                           missed=self.missed_heartbeats)
+        self.scheduler, self.admin_token = start_scheduler(
+            self.tmp, heartbeat_interval=0.2, missed=self.missed_heartbeats
+        )
 
     @property
     def server_token_file(self) -> Path:
@@ -96,10 +105,26 @@ class Cluster:
         assert self.scheduler is not None
         engine_id = hashlib.sha256(f"{self.tmp}/{name}".encode()).hexdigest()[:32]
         token_file = instance_token_file(self.tmp, f"{role}-{engine_id[:24]}")  # the id the server registers as
-        args = ["--model", str(model), "--kv-key-file", str(self.kv_key_file), "--scheduler-url", self.scheduler.url,
-                "--scheduler-token-file", str(token_file), "--engine-id", engine_id,
-                "--api-token-file", str(self.server_token_file),
-                "--heartbeat-seconds", "0.2", "--version", version, "--served-model-name", "dense"]
+        args = [
+            "--model",
+            str(model),
+            "--kv-key-file",
+            str(self.kv_key_file),
+            "--scheduler-url",
+            self.scheduler.url,
+            "--scheduler-token-file",
+            str(token_file),
+            "--engine-id",
+            engine_id,
+            "--api-token-file",
+            str(self.server_token_file),
+            "--heartbeat-seconds",
+            "0.2",
+            "--version",
+            version,
+            "--served-model-name",
+            "dense",
+        ]
         if role == "prefill":
             args += ["--kv-port", "0"]
         server = Service("pdserve.cli", args, self.tmp / f"{name}.log", role=[role])
@@ -109,9 +134,19 @@ class Cluster:
     def start_gateway(self, *flags: str) -> Service:
         assert self.scheduler is not None
         keys = write_keys_file(self.tmp / "api-keys.json")
-        args = ["--scheduler-url", self.scheduler.url, "--api-keys-file", str(keys),
-                "--scheduler-token-file", str(gateway_token_file(self.tmp)),
-                "--server-token-file", str(self.server_token_file), "--routing-poll-interval", "0.1", *flags]
+        args = [
+            "--scheduler-url",
+            self.scheduler.url,
+            "--api-keys-file",
+            str(keys),
+            "--scheduler-token-file",
+            str(gateway_token_file(self.tmp)),
+            "--server-token-file",
+            str(self.server_token_file),
+            "--routing-poll-interval",
+            "0.1",
+            *flags,
+        ]
         gateway = Service("pdserve.gateway", args, self.tmp / f"gateway-{len(self.gateways)}.log").start()
         self.gateways.append(gateway)
         return gateway
@@ -133,15 +168,19 @@ class Cluster:
 
     def wait_routable(self, gateway: Service, instances: int) -> None:
         """Until the gateway's routing table lists `instances` ready instances."""
-        wait_for(lambda: httpx.get(f"{gateway.url}/health/ready").json()["instances"] == instances,
-                 what=f"{instances} routable instances")
+        wait_for(
+            lambda: httpx.get(f"{gateway.url}/health/ready").json()["instances"] == instances,
+            what=f"{instances} routable instances",
+        )
 
     def sync(self, gateway: Service) -> None:
         """Until the gateway uses a routing table at least as new as the scheduler's current one."""
         assert self.scheduler is not None
         target = httpx.get(f"{self.scheduler.url}/v1/routing", headers=self.gateway_auth()).json()["generation"]
-        wait_for(lambda: httpx.get(f"{gateway.url}/health/ready").json()["routing_generation"] >= target,
-                 what="gateway routing table in sync")
+        wait_for(
+            lambda: httpx.get(f"{gateway.url}/health/ready").json()["routing_generation"] >= target,
+            what="gateway routing table in sync",
+        )
 
     def instance_auth(self, instance_id: str) -> dict[str, str]:
         """What the server registered as `instance_id` (and the drain before its stop) presents to the scheduler."""
@@ -157,8 +196,9 @@ class Cluster:
     def instances(self) -> list[dict[str, Any]]:
         """The scheduler's registry, as a gateway may read it."""
         assert self.scheduler is not None
-        listed: list[dict[str, Any]] = httpx.get(f"{self.scheduler.url}/v1/instances",
-                                                 headers=self.gateway_auth()).json()["instances"]
+        listed: list[dict[str, Any]] = httpx.get(
+            f"{self.scheduler.url}/v1/instances", headers=self.gateway_auth()
+        ).json()["instances"]
         return listed
 
     def instance_id(self, name: str) -> str:
@@ -171,8 +211,10 @@ class Cluster:
     def served(self, name: str) -> float:
         """Completion requests a server answered with 200, by its own /metrics."""
         text = httpx.get(f"{self.servers[name].url}/metrics", headers=self.server_auth()).text
-        return sum(metric(text, "pdserve_requests_total", status="200", endpoint=endpoint)
-                   for endpoint in ("/v1/completions", "/v1/chat/completions"))
+        return sum(
+            metric(text, "pdserve_requests_total", status="200", endpoint=endpoint)
+            for endpoint in ("/v1/completions", "/v1/chat/completions")
+        )
 
     def running(self, name: str) -> float:
         return metric(httpx.get(f"{self.servers[name].url}/metrics").text, "pdserve_running_requests")

@@ -28,8 +28,16 @@ from tests.serving.ports import free_port
 from .cluster import HTTP, KEYS, Cluster, wait_for
 
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("", "_count", "_sum"),
-            "gauge": ("",), "unknown": ("",), "info": ("_info",), "stateset": ("",), "gaugehistogram": ("_bucket",)}
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "summary": ("", "_count", "_sum"),
+    "gauge": ("",),
+    "unknown": ("",),
+    "info": ("_info",),
+    "stateset": ("",),
+    "gaugehistogram": ("_bucket",),
+}
 
 
 @dataclass
@@ -41,16 +49,16 @@ class Observed:
 def registered_sample_names(text: str) -> set[str]:
     """Every sample name a scrape may carry, from its families' TYPE lines (so a labelled counter that has not
     counted anything yet still counts as registered)."""
-    return {family.name + suffix for family in text_string_to_metric_families(text)
-            for suffix in SUFFIXES[family.type]}
+    return {family.name + suffix for family in text_string_to_metric_families(text) for suffix in SUFFIXES[family.type]}
 
 
 def start_node_exporter(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     assert binary, "node_exporter is not installed: apt-get install prometheus-node-exporter"
     port = free_port()
-    process = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                               stderr=log.open("wb"))
+    process = subprocess.Popen(
+        [binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=log.open("wb")
+    )
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _answers(url + "/metrics"), what="node_exporter answering")
     return process, url
@@ -65,15 +73,21 @@ def _answers(url: str) -> bool:
 
 def scrape_config(targets: dict[str, tuple[str, dict[str, str]]]) -> str:
     """One job per component with the labels roles/prometheus gives it; scraped every second."""
-    jobs = [{"job_name": job, "static_configs": [{"targets": [url.removeprefix("http://")], "labels": labels}]}
-            for job, (url, labels) in targets.items()]
+    jobs = [
+        {"job_name": job, "static_configs": [{"targets": [url.removeprefix("http://")], "labels": labels}]}
+        for job, (url, labels) in targets.items()
+    ]
     return json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs})
 
 
 def send_traffic(gateway: str) -> None:
     def complete(i: int) -> int:
-        body = {"model": "dense", "prompt": f"request {i} crosses from prefill to decode", "max_tokens": 6,
-                "stream": i % 2 == 0}
+        body = {
+            "model": "dense",
+            "prompt": f"request {i} crosses from prefill to decode",
+            "max_tokens": 6,
+            "stream": i % 2 == 0,
+        }
         return HTTP.post(f"{gateway}/v1/completions", json=body, headers=AUTH).status_code
 
     with ThreadPoolExecutor(4) as pool:
@@ -88,28 +102,46 @@ def observed(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mod
     node_exporter, node_url = start_node_exporter(tmp / "node_exporter.log")
     prometheus = None
     try:
-        gateway = cluster.start_pd([("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
-                                   "--offload-threshold-tokens", "0", "--requests-per-second", "1000")
+        gateway = cluster.start_pd(
+            [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
+            "--offload-threshold-tokens",
+            "0",
+            "--requests-per-second",
+            "1000",
+        )
         assert cluster.scheduler is not None
-        weights = httpx.put(f"{cluster.scheduler.url}/v1/admin/weights", json={"weights": {"v1": 1.0}},
-                            headers={"Authorization": f"Bearer {cluster.admin_token}"})  # as a canary rollout does
+        weights = httpx.put(
+            f"{cluster.scheduler.url}/v1/admin/weights",
+            json={"weights": {"v1": 1.0}},
+            headers={"Authorization": f"Bearer {cluster.admin_token}"},
+        )  # as a canary rollout does
         assert weights.status_code == 200, weights.text
         control = {"datacenter": "dc-control", "role": "control", "pool": "control"}
         targets = {
             Component.GATEWAY.job: (gateway.url, control),
             Component.SCHEDULER.job: (cluster.scheduler.url, control),
-            Component.PREFILL.job: (cluster.servers["p1"].url, {"datacenter": "dc-a", "role": "prefill",
-                                                                "pool": "prefill"}),
-            Component.DECODE.job: (cluster.servers["d1"].url, {"datacenter": "dc-b", "role": "decode",
-                                                               "pool": "decode"}),
+            Component.PREFILL.job: (
+                cluster.servers["p1"].url,
+                {"datacenter": "dc-a", "role": "prefill", "pool": "prefill"},
+            ),
+            Component.DECODE.job: (
+                cluster.servers["d1"].url,
+                {"datacenter": "dc-b", "role": "decode", "pool": "decode"},
+            ),
             NODE_JOB: (node_url, {}),
         }
         (tmp / "prometheus.yml").write_text(scrape_config(targets))
         port = free_port()
         prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-            stderr=(tmp / "prometheus.log").open("wb"))
+            [
+                "prometheus",
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp / "prometheus.log").open("wb"),
+        )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(url + "/-/ready"), timeout=60, what="prometheus ready")
         wait_for(lambda: all_targets_up(url, len(targets)), timeout=60, what="every target scraped")
@@ -134,8 +166,15 @@ def all_targets_up(url: str, count: int) -> bool:
 def test_every_metric_a_panel_uses_is_registered_by_a_component(observed: Observed) -> None:
     """vllm: names are vLLM's own: tests/vllm/test_dashboard_metrics.py checks them against vLLM's registrations."""
     registered = set().union(*map(registered_sample_names, observed.scrapes.values()))
-    unknown = sorted({(board, title, name) for board, title, exprs in dashboard_queries() for expr in exprs
-                      for name in metric_names(expr) if name not in registered and not name.startswith(VLLM_PREFIX)})
+    unknown = sorted(
+        {
+            (board, title, name)
+            for board, title, exprs in dashboard_queries()
+            for expr in exprs
+            for name in metric_names(expr)
+            if name not in registered and not name.startswith(VLLM_PREFIX)
+        }
+    )
     assert unknown == []
 
 

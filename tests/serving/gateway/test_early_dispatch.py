@@ -64,8 +64,14 @@ class Upstream:
             self.saw_decode_first.append(await asyncio.to_thread(self.decode_arrived.wait, HOLD_SECONDS))
         if body.get("prompt") == "fail prefill":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r-seq",
-                  "remote_host": "127.0.0.1", "remote_port": 9, "remote_block_ids": [0]}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "p",
+            "remote_request_id": "r-seq",
+            "remote_host": "127.0.0.1",
+            "remote_port": 9,
+            "remote_block_ids": [0],
+        }
         return JSONResponse({"choices": [{"text": "p", "finish_reason": "length"}], "kv_transfer_params": params})
 
     @staticmethod
@@ -100,14 +106,25 @@ class Setup:
 
     def ask(self, gateway: str, prompt: str = "hello there", **extra: Any) -> httpx.Response:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, **extra}
-        return httpx.post(self.gateways[gateway].url + "/v1/completions", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {KEYS['bulk']}"})
+        return httpx.post(
+            self.gateways[gateway].url + "/v1/completions",
+            json=body,
+            timeout=30,
+            headers={"Authorization": f"Bearer {KEYS['bulk']}"},
+        )
 
 
 def register(tmp: Path, scheduler: Service, instance_id: str, upstream: Upstream, streaming: bool) -> None:
     auth = bearer(principal_token(tmp, f"instance:{instance_id}"))
-    info = {"instance_id": instance_id, "role": upstream.role, "version": "v1", "kv_fingerprint": "sha256:fp",
-            "url": upstream.url, "model": "tiny", "kv_streaming": streaming}
+    info = {
+        "instance_id": instance_id,
+        "role": upstream.role,
+        "version": "v1",
+        "kv_fingerprint": "sha256:fp",
+        "url": upstream.url,
+        "model": "tiny",
+        "kv_streaming": streaming,
+    }
     if upstream.role == "prefill":
         info.update(kv_host="10.0.1.5", kv_port=14600)
     assert httpx.post(f"{scheduler.url}/v1/instances", json=info, headers=auth).status_code == 201
@@ -119,9 +136,21 @@ def register(tmp: Path, scheduler: Service, instance_id: str, upstream: Upstream
 def start_gateway(tmp: Path, scheduler: Service, name: str, *flags: str) -> Service:
     token_file = tmp / "server.token"
     token_file.write_text(secrets.token_urlsafe(16))
-    args = ["--scheduler-url", scheduler.url, "--api-keys-file", str(write_keys_file(tmp / "keys.json")),
-            "--scheduler-token-file", str(gateway_token_file(tmp)), "--server-token-file", str(token_file),
-            "--routing-poll-interval", "0.1", "--offload-threshold-tokens", "0", *flags]
+    args = [
+        "--scheduler-url",
+        scheduler.url,
+        "--api-keys-file",
+        str(write_keys_file(tmp / "keys.json")),
+        "--scheduler-token-file",
+        str(gateway_token_file(tmp)),
+        "--server-token-file",
+        str(token_file),
+        "--routing-poll-interval",
+        "0.1",
+        "--offload-threshold-tokens",
+        "0",
+        *flags,
+    ]
     gateway = Service("pdserve.gateway", args, tmp / f"gateway-{name}.log").start()
     wait_for(lambda: httpx.get(gateway.url + "/health/ready").json()["instances"] == 2, what="routable pair")
     return gateway
@@ -176,9 +205,15 @@ def test_prefill_and_decode_go_out_together(setup: Setup, stream: bool) -> None:
     assert len(transfer_id) == 32 and int(transfer_id, 16) >= 0
     params = signed_params.verify(setup.key, decode_body["kv_transfer_params"])
     assert {k: v for k, v in params.items() if k != signed_params.SIGNATURE_FIELD} == {
-        "do_remote_prefill": True, "remote_request_id": transfer_id, "remote_engine_id": "prefill-s",
-        "remote_host": "10.0.1.5", "remote_port": 14600, "remote_block_ids": None, "kv_fingerprint": "sha256:fp",
-        "pdstack_streamed": True}
+        "do_remote_prefill": True,
+        "remote_request_id": transfer_id,
+        "remote_engine_id": "prefill-s",
+        "remote_host": "10.0.1.5",
+        "remote_port": 14600,
+        "remote_block_ids": None,
+        "kv_fingerprint": "sha256:fp",
+        "pdstack_streamed": True,
+    }
     assert (decode_body["max_tokens"], decode_body["stream"]) == (8, stream)
 
 
@@ -215,10 +250,22 @@ def test_without_the_params_key_the_flow_stays_sequential(setup: Setup) -> None:
 def test_a_bad_params_key_file_is_refused_at_start(setup: Setup, tmp_path: Path) -> None:
     bad = tmp_path / "params.key"
     bad.write_text("not hex")
-    gateway = Service("pdserve.gateway", ["--scheduler-url", setup.scheduler.url, "--api-keys-file",
-                      str(setup.tmp / "keys.json"), "--scheduler-token-file", str(setup.tmp / "tokens/gateway.token"),
-                      "--server-token-file", str(setup.tmp / "server.token"), "--kv-params-key-file", str(bad)],
-                      tmp_path / "gateway.log")
+    gateway = Service(
+        "pdserve.gateway",
+        [
+            "--scheduler-url",
+            setup.scheduler.url,
+            "--api-keys-file",
+            str(setup.tmp / "keys.json"),
+            "--scheduler-token-file",
+            str(setup.tmp / "tokens/gateway.token"),
+            "--server-token-file",
+            str(setup.tmp / "server.token"),
+            "--kv-params-key-file",
+            str(bad),
+        ],
+        tmp_path / "gateway.log",
+    )
     gateway.launch()
     assert gateway.process is not None and gateway.process.wait(30) != 0
     assert "kv_params_key_file" in gateway.logs() and "64 hex characters" in gateway.logs()

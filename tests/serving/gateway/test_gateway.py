@@ -29,8 +29,13 @@ AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-main"), gateway_kv_key)
     try:
-        cluster.start_pd([(name, role, model_v1, "v1") for name, role in FOUR_SERVERS],
-                         "--tokenizer-file", str(model_v1 / "tokenizer.json"), "--offload-threshold-tokens", "16")
+        cluster.start_pd(
+            [(name, role, model_v1, "v1") for name, role in FOUR_SERVERS],
+            "--tokenizer-file",
+            str(model_v1 / "tokenizer.json"),
+            "--offload-threshold-tokens",
+            "16",
+        )
         yield cluster
     finally:
         cluster.stop()
@@ -57,23 +62,27 @@ def test_requests_without_a_valid_key_get_401(gateway_url: str, cluster: Cluster
     assert [m["id"] for m in models["data"]] == ["dense"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-wrong").completions.create(
-            model="dense", prompt=LONG_PROMPT, max_tokens=2)
+            model="dense", prompt=LONG_PROMPT, max_tokens=2
+        )
     log = cluster.gateways[0].logs()
     assert "sk-not-a-key" not in log and "sk-wrong" not in log and KEYS["acme"] not in log
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"prompt": LONG_PROMPT, "max_tokens": -1}, "max_tokens"),
-    ({"prompt": LONG_PROMPT, "max_tokens": 100_000}, "max_tokens"),
-    ({"prompt": LONG_PROMPT, "temperature": 7}, "temperature"),
-    ({"prompt": LONG_PROMPT, "top_p": 0}, "top_p"),
-    ({"prompt": LONG_PROMPT, "n": 3}, "n"),
-    ({"prompt": LONG_PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": LONG_PROMPT, "stream": "yes"}, "stream"),
-    ({"model": 5, "prompt": LONG_PROMPT}, "model"),
-    ({"prompt": "word " * 40_000}, "prompt"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": LONG_PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": LONG_PROMPT, "max_tokens": 100_000}, "max_tokens"),
+        ({"prompt": LONG_PROMPT, "temperature": 7}, "temperature"),
+        ({"prompt": LONG_PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": LONG_PROMPT, "n": 3}, "n"),
+        ({"prompt": LONG_PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": LONG_PROMPT, "stream": "yes"}, "stream"),
+        ({"model": 5, "prompt": LONG_PROMPT}, "model"),
+        ({"prompt": "word " * 40_000}, "prompt"),
+    ],
+)
 def test_bad_parameters_get_400_naming_the_field(gateway_url: str, body: dict[str, Any], field: str) -> None:
     response = httpx.post(f"{gateway_url}/v1/completions", json={"model": "dense"} | body, headers=AUTH)
     assert response.status_code == 400, response.text
@@ -97,18 +106,28 @@ def test_bad_chat_messages_and_bodies_are_refused(gateway_url: str) -> None:
 def test_official_openai_client_sync_and_streaming(gateway_url: str, cluster: Cluster) -> None:
     client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=KEYS["acme"], max_retries=0)
     sync = client.completions.create(model="dense", prompt=LONG_PROMPT, max_tokens=12, temperature=0)
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model="dense", prompt=LONG_PROMPT, max_tokens=12, temperature=0, stream=True) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model="dense", prompt=LONG_PROMPT, max_tokens=12, temperature=0, stream=True
+        )
+        if chunk.choices
+    )
     # The same request sent straight to a decode server, which then prefills locally: the PD result must match.
-    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", timeout=60, headers=cluster.server_auth(),
-                        json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0}).json()
+    direct = httpx.post(
+        f"{cluster.servers['d1'].url}/v1/completions",
+        timeout=60,
+        headers=cluster.server_auth(),
+        json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0},
+    ).json()
     assert sync.choices[0].text == streamed == direct["choices"][0]["text"]
     assert sync.usage is not None and sync.usage.completion_tokens == 12
 
     messages: list[Any] = [{"role": "user", "content": LONG_PROMPT}]
     chat = client.chat.completions.create(model="dense", messages=messages, max_tokens=8, temperature=0)
-    chat_stream = client.chat.completions.create(model="dense", messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True)
+    chat_stream = client.chat.completions.create(
+        model="dense", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
     streamed_chat = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
     assert chat.choices[0].message.content == streamed_chat
     assert chat.choices[0].finish_reason in ("length", "stop")
@@ -118,11 +137,19 @@ def test_a_prefill_whose_one_token_ends_the_request_hands_over_to_decode(gateway
     """The prompt's greedy first token is a stop string: prefill finishes with "stop" and, as vLLM, exports no KV.
     That is no prefill failure: decode computes the prompt itself and answers what a single server would."""
     body = {"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
-    first = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"max_tokens": 1},
-                       headers=cluster.server_auth(), timeout=60).json()["choices"][0]["text"]
+    first = httpx.post(
+        f"{cluster.servers['d1'].url}/v1/completions",
+        json=body | {"max_tokens": 1},
+        headers=cluster.server_auth(),
+        timeout=60,
+    ).json()["choices"][0]["text"]
     assert first, "premise: the first token has text to stop on"
-    direct = httpx.post(f"{cluster.servers['d1'].url}/v1/completions", json=body | {"stop": [first]},
-                        headers=cluster.server_auth(), timeout=60)
+    direct = httpx.post(
+        f"{cluster.servers['d1'].url}/v1/completions",
+        json=body | {"stop": [first]},
+        headers=cluster.server_auth(),
+        timeout=60,
+    )
     errors_before = metric(httpx.get(f"{gateway_url}/metrics").text, "pdserve_gateway_upstream_errors_total")
     response = complete(gateway_url, stop=[first])
     assert response.status_code == 200, response.text
@@ -135,8 +162,12 @@ def test_a_prefill_whose_one_token_ends_the_request_hands_over_to_decode(gateway
 
 def test_request_id_is_carried_end_to_end(gateway_url: str, cluster: Cluster) -> None:
     before = {name: cluster.served(name) for name in cluster.servers}
-    response = httpx.post(f"{gateway_url}/v1/completions", headers=AUTH | {"X-Request-Id": "rid-e2e-4242"},
-                          json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 2}, timeout=60)
+    response = httpx.post(
+        f"{gateway_url}/v1/completions",
+        headers=AUTH | {"X-Request-Id": "rid-e2e-4242"},
+        json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 2},
+        timeout=60,
+    )
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "rid-e2e-4242"
     used = [name for name in cluster.servers if cluster.served(name) > before[name]]
@@ -144,8 +175,12 @@ def test_request_id_is_carried_end_to_end(gateway_url: str, cluster: Cluster) ->
     for name in used:  # ... and both logged it under the client's id
         assert "rid-e2e-4242" in cluster.servers[name].logs()
     assert '"request_id": "rid-e2e-4242"' in cluster.gateways[0].logs()
-    generated = httpx.post(f"{gateway_url}/v1/completions", headers=AUTH,
-                           json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 2}, timeout=60)
+    generated = httpx.post(
+        f"{gateway_url}/v1/completions",
+        headers=AUTH,
+        json={"model": "dense", "prompt": LONG_PROMPT, "max_tokens": 2},
+        timeout=60,
+    )
     assert len(generated.headers["x-request-id"]) == 32
 
 
@@ -163,11 +198,17 @@ def test_short_prompts_skip_remote_prefill(gateway_url: str, cluster: Cluster) -
 def test_kv_transfer_figures_relayed_from_decode(gateway_url: str) -> None:
     def kv_metrics() -> dict[str, float]:
         text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
-        wanted = ("pdserve_gateway_kv_transfer_bytes_sum", "pdserve_gateway_kv_transfer_bytes_count",
-                  'pdserve_gateway_kv_sources_total{source="remote"}',
-                  'pdserve_gateway_kv_sources_total{source="local"}')
-        found = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith(wanted)}
+        wanted = (
+            "pdserve_gateway_kv_transfer_bytes_sum",
+            "pdserve_gateway_kv_transfer_bytes_count",
+            'pdserve_gateway_kv_sources_total{source="remote"}',
+            'pdserve_gateway_kv_sources_total{source="local"}',
+        )
+        found = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(wanted)
+        }
         return {name: found.get(name, 0.0) for name in wanted}
 
     before = kv_metrics()
@@ -176,16 +217,19 @@ def test_kv_transfer_figures_relayed_from_decode(gateway_url: str) -> None:
     after = kv_metrics()
     assert after["pdserve_gateway_kv_transfer_bytes_sum"] > before["pdserve_gateway_kv_transfer_bytes_sum"]
     assert after['pdserve_gateway_kv_sources_total{source="remote"}'] == (
-        before['pdserve_gateway_kv_sources_total{source="remote"}'] + 1)
+        before['pdserve_gateway_kv_sources_total{source="remote"}'] + 1
+    )
     assert after['pdserve_gateway_kv_sources_total{source="local"}'] == (
-        before['pdserve_gateway_kv_sources_total{source="local"}'] + 1)
+        before['pdserve_gateway_kv_sources_total{source="local"}'] + 1
+    )
 
 
 def test_instances_share_the_load(gateway_url: str, cluster: Cluster) -> None:
     before = {name: cluster.served(name) for name in cluster.servers}
     with ThreadPoolExecutor(4) as pool:
-        statuses = list(pool.map(lambda _: complete(gateway_url, key=KEYS["bulk"], max_tokens=8).status_code,
-                                 range(24)))
+        statuses = list(
+            pool.map(lambda _: complete(gateway_url, key=KEYS["bulk"], max_tokens=8).status_code, range(24))
+        )
     assert statuses == [200] * 24
     shares = {name: cluster.served(name) - before[name] for name in cluster.servers}
     assert shares["p1"] + shares["p2"] == 24 and shares["d1"] + shares["d2"] == 24
@@ -230,6 +274,7 @@ def test_metrics_follow_prometheus_conventions(gateway_url: str) -> None:
     assert metric(text, "pdserve_gateway_routing_decisions_total", role="prefill", reason="remote_prefill") > 0
     promtool = shutil.which("promtool")
     assert promtool, "promtool missing: apt-get install prometheus"
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False,
-                            timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False, timeout=30
+    )
     assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result.stdout + result.stderr

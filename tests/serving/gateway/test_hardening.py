@@ -31,8 +31,13 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-hardening"), gateway_kv_key)
     try:
-        cluster.start_pd([("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
-                         "--tokenizer-file", str(model_v1 / "tokenizer.json"), "--offload-threshold-tokens", "16")
+        cluster.start_pd(
+            [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
+            "--tokenizer-file",
+            str(model_v1 / "tokenizer.json"),
+            "--offload-threshold-tokens",
+            "16",
+        )
         yield cluster
     finally:
         cluster.stop()
@@ -66,11 +71,18 @@ def test_client_kv_transfer_params_are_refused_and_cause_no_connection(gateway_u
         trap.bind(("127.0.0.1", 0))
         trap.listen(8)
         trap.settimeout(2.0)
-        params = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "y",
-                  "remote_host": "127.0.0.1", "remote_port": trap.getsockname()[1], "remote_block_ids": []}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "x",
+            "remote_request_id": "y",
+            "remote_host": "127.0.0.1",
+            "remote_port": trap.getsockname()[1],
+            "remote_block_ids": [],
+        }
         for prompt in ("Hi", PROMPT):  # offloaded to decode, and through remote prefill
-            response = post(gateway_url, {"model": "dense", "prompt": prompt, "max_tokens": 2,
-                                          "kv_transfer_params": params})
+            response = post(
+                gateway_url, {"model": "dense", "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+            )
             assert response.status_code == 400, response.text
             assert response.json()["error"]["param"] == "kv_transfer_params"
             assert "not by clients" in response.json()["error"]["message"]
@@ -78,17 +90,26 @@ def test_client_kv_transfer_params_are_refused_and_cause_no_connection(gateway_u
             trap.accept()
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"), ({"guided_regex": "a+"}, "guided_regex"),
-    ({"functions": [{"name": "f"}]}, "functions"), ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-])
-def test_parameters_the_engine_does_not_honour_are_refused(gateway_url: str, extra: dict[str, Any],
-                                                           field: str) -> None:
-    for path, base in ((PATHS["completions"], {"prompt": PROMPT}),
-                       (PATHS["chat"], {"messages": [{"role": "user", "content": PROMPT}]})):
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"best_of": 2}, "best_of"),
+        ({"best_of": True}, "best_of"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ],
+)
+def test_parameters_the_engine_does_not_honour_are_refused(gateway_url: str, extra: dict[str, Any], field: str) -> None:
+    for path, base in (
+        (PATHS["completions"], {"prompt": PROMPT}),
+        (PATHS["chat"], {"messages": [{"role": "user", "content": PROMPT}]}),
+    ):
         response = post(gateway_url, {"model": "dense", "max_tokens": 2, **base, **extra}, path)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field
@@ -96,8 +117,17 @@ def test_parameters_the_engine_does_not_honour_are_refused(gateway_url: str, ext
 
 
 def test_parameters_at_their_defaults_pass(gateway_url: str) -> None:
-    body = {"model": "dense", "prompt": PROMPT, "max_tokens": 2, "best_of": 1, "tools": None, "logit_bias": {},
-            "repetition_penalty": 1.0, "response_format": {"type": "text"}, "seed": 0}
+    body = {
+        "model": "dense",
+        "prompt": PROMPT,
+        "max_tokens": 2,
+        "best_of": 1,
+        "tools": None,
+        "logit_bias": {},
+        "repetition_penalty": 1.0,
+        "response_format": {"type": "text"},
+        "seed": 0,
+    }
     response = post(gateway_url, body)
     assert response.status_code == 200, response.text
 
@@ -110,8 +140,11 @@ def test_prompts_past_the_context_are_refused_before_any_prefill(gateway_url: st
         response = post(gateway_url, {"model": "dense", "prompt": prompt, "max_tokens": max_tokens})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field
-    chat = post(gateway_url, {"model": "dense", "messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": context}, PATHS["chat"])
+    chat = post(
+        gateway_url,
+        {"model": "dense", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": context},
+        PATHS["chat"],
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_completion_tokens", chat.text
     assert cluster.served("p1") == prefilled_before, "a refused prompt must not reach prefill"
     fits = post(gateway_url, {"model": "dense", "prompt": [1] * (context - 4), "max_tokens": 4})
@@ -143,8 +176,9 @@ NAN_BODIES = [
 
 
 @pytest.mark.parametrize(("body", "field"), NAN_BODIES, ids=[field for _, field in NAN_BODIES])
-def test_malformed_input_is_400_naming_the_field_and_counted(gateway_url: str, cluster: Cluster, body: bytes,
-                                                             field: str) -> None:
+def test_malformed_input_is_400_naming_the_field_and_counted(
+    gateway_url: str, cluster: Cluster, body: bytes, field: str
+) -> None:
     """Finding 5: these gave 500s, uncounted and unlogged, and left the in-flight gauge above zero."""
     path = PATHS["chat"] if b'"messages"' in body else PATHS["completions"]
     before, _ = counted(gateway_url)
@@ -162,8 +196,12 @@ def test_refused_and_unauthenticated_requests_are_counted_and_logged(gateway_url
     before, _ = counted(gateway_url)
     ids = [f"refused-{n}-{uuid.uuid4().hex}" for n in range(4)]
     assert post(gateway_url, {"model": "dense"}, **{"X-Request-Id": ids[0]}).status_code == 400
-    assert post(gateway_url, {"model": "dense", "prompt": "hi"}, **{"X-Request-Id": ids[1],
-                                                                    "Authorization": "Bearer nope"}).status_code == 401
+    assert (
+        post(
+            gateway_url, {"model": "dense", "prompt": "hi"}, **{"X-Request-Id": ids[1], "Authorization": "Bearer nope"}
+        ).status_code
+        == 401
+    )
     missing = HTTP.get(f"{gateway_url}/v1/nowhere", headers={"X-Request-Id": ids[2]})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "path"
     wrong_method = HTTP.post(f"{gateway_url}/v1/models", headers={"X-Request-Id": ids[3]})
@@ -190,21 +228,52 @@ def test_a_client_gone_mid_stream_leaves_nothing_in_flight(gateway_url: str, clu
     assert (after, inflight) == (before + 1, 0)
 
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
-          "stop", "stream", "stream_options", "kv_transfer_params", "best_of", "tools", "logit_bias", "logprobs",
-          "echo", "user", "min_tokens", "ignore_eos", "role", "content", "frequency_penalty"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "kv_transfer_params",
+    "best_of",
+    "tools",
+    "logit_bias",
+    "logprobs",
+    "echo",
+    "user",
+    "min_tokens",
+    "ignore_eos",
+    "role",
+    "content",
+    "frequency_penalty",
+]
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["dense", "", "\ud800", "\udfff x", "user"]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["dense", "", "\ud800", "\udfff x", "user"]),
     st.text(max_size=20),
 )
-JSON_VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=4)),
-    max_leaves=12)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 BODIES = st.one_of(
-    st.fixed_dictionaries({"model": st.sampled_from(["dense", 3, None])},
-                          optional={name: JSON_VALUES for name in FIELDS if name != "model"}).map(
-        lambda d: json.dumps(d, allow_nan=True).encode()),
+    st.fixed_dictionaries(
+        {"model": st.sampled_from(["dense", 3, None])},
+        optional={name: JSON_VALUES for name in FIELDS if name != "model"},
+    ).map(lambda d: json.dumps(d, allow_nan=True).encode()),
     JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True).encode()),
     st.binary(max_size=64),
     st.integers(min_value=1, max_value=5000).map(lambda n: b'{"model": "dense", "prompt": ' + b"[" * n),
@@ -215,8 +284,13 @@ def test_generated_garbage_never_gets_a_5xx_and_is_all_counted(gateway_url: str,
     before, _ = counted(gateway_url)
     sent: list[str] = []
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(body=BODIES, endpoint=st.sampled_from(sorted(PATHS)), key=st.sampled_from([KEYS["bulk"], None]))
     def throw(body: bytes, endpoint: str, key: str | None) -> None:
         request_id = f"fuzz-{len(sent)}-{uuid.uuid4().hex[:8]}"

@@ -42,8 +42,9 @@ class RedisServer:
         assert server, "redis-server missing: apt-get install -y redis-server"
         password = self.password_file.read_text().strip()
         # The password goes in through stdin (a config file read from "-"), not argv, which ps shows.
-        config = (f"port {self.port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\nappendonly no\n"
-                  f"dir {self.directory}\n")
+        config = (
+            f'port {self.port}\nbind 127.0.0.1\nrequirepass {password}\nsave ""\nappendonly no\ndir {self.directory}\n'
+        )
         log = (self.directory / "redis.log").open("ab")
         self.process = subprocess.Popen([server, "-"], stdin=subprocess.PIPE, stdout=log, stderr=log)
         assert self.process.stdin is not None
@@ -85,8 +86,10 @@ def cluster(tmp_path: Path, gateway_kv_key: Path) -> Iterator[Cluster]:
 
 def statuses(urls: list[str], count: int) -> list[int]:
     """`count` requests of tenant scarce, spread round-robin over the gateways at `urls`."""
-    return [httpx.post(f"{urls[n % len(urls)]}/v1/completions", json=BODY, headers=AUTH, timeout=30).status_code
-            for n in range(count)]
+    return [
+        httpx.post(f"{urls[n % len(urls)]}/v1/completions", json=BODY, headers=AUTH, timeout=30).status_code
+        for n in range(count)
+    ]
 
 
 def shared_gauge(url: str) -> float:
@@ -122,8 +125,9 @@ def test_two_replicas_sharing_the_store_give_the_limit_once(store: RedisServer, 
     assert [shared_gauge(url) for url in urls] == [1, 1]
 
 
-def test_a_store_refusing_the_password_means_per_process_limits(store: RedisServer, cluster: Cluster,
-                                                                 tmp_path: Path) -> None:
+def test_a_store_refusing_the_password_means_per_process_limits(
+    store: RedisServer, cluster: Cluster, tmp_path: Path
+) -> None:
     wrong = tmp_path / "wrong.password"
     wrong.write_text("not-the-password\n")
     url = cluster.start_gateway("--rate-limit-storage", store.url, "--rate-limit-password-file", str(wrong)).url

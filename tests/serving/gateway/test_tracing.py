@@ -132,17 +132,26 @@ def environment(**values: str) -> Iterator[None]:
 
 
 def start(cluster: Cluster, model: Path) -> None:
-    cluster.start_pd([("p1", "prefill", model, "v1"), ("d1", "decode", model, "v1")],
-                     "--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", "8")
+    cluster.start_pd(
+        [("p1", "prefill", model, "v1"), ("d1", "decode", model, "v1")],
+        "--tokenizer-file",
+        str(model / "tokenizer.json"),
+        "--offload-threshold-tokens",
+        "8",
+    )
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
-           receiver: Receiver) -> Iterator[Cluster]:
+def traced(
+    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, receiver: Receiver
+) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("traced"), gateway_kv_key)
     try:
-        with environment(PDSERVE_OTLP_TRACES_ENDPOINT=receiver.url(), OTEL_BSP_SCHEDULE_DELAY="100",
-                         OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
+        with environment(
+            PDSERVE_OTLP_TRACES_ENDPOINT=receiver.url(),
+            OTEL_BSP_SCHEDULE_DELAY="100",
+            OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}",
+        ):
             start(cluster, model_v1)  # the processes keep the environment they started with
         yield cluster
     finally:
@@ -150,8 +159,11 @@ def traced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model
 
 
 def completion(gateway: Service, request_id: str) -> httpx.Response:
-    response = HTTP.post(f"{gateway.url}/v1/completions", headers=AUTH | {"X-Request-Id": request_id},
-                         json={"model": "dense", "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    response = HTTP.post(
+        f"{gateway.url}/v1/completions",
+        headers=AUTH | {"X-Request-Id": request_id},
+        json={"model": "dense", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -159,6 +171,7 @@ def completion(gateway: Service, request_id: str) -> httpx.Response:
 def request_trace(receiver: Receiver, request_id: str) -> list[Span]:
     """The spans of the trace whose gateway span carries `request_id`, once every process has exported its part:
     gateway (server + 2 clients), prefill and decode servers, decode's kv pull and prefill's kv serve per stream."""
+
     def found() -> list[Span]:
         roots = [s for s in receiver.spans if s.attributes.get("pdserve.request_id") == request_id]
         spans = receiver.trace(roots[0].trace_id) if roots else []
@@ -207,13 +220,22 @@ def test_a_request_is_one_trace_across_gateway_prefill_kv_pull_and_decode(traced
     assert "pdserve.prompt" not in root.attributes
 
 
-def test_prompt_text_is_in_the_gateways_span_only_when_asked(traced: Cluster, receiver: Receiver,
-                                                             model_v1: Path) -> None:
-    with environment(OTEL_BSP_SCHEDULE_DELAY="100",
-                     OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
-        gateway = traced.start_gateway("--tokenizer-file", str(model_v1 / "tokenizer.json"),
-                                       "--offload-threshold-tokens", "8", "--otlp-traces-endpoint", receiver.url(),
-                                       "--trace-prompts", "true")
+def test_prompt_text_is_in_the_gateways_span_only_when_asked(
+    traced: Cluster, receiver: Receiver, model_v1: Path
+) -> None:
+    with environment(
+        OTEL_BSP_SCHEDULE_DELAY="100", OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"
+    ):
+        gateway = traced.start_gateway(
+            "--tokenizer-file",
+            str(model_v1 / "tokenizer.json"),
+            "--offload-threshold-tokens",
+            "8",
+            "--otlp-traces-endpoint",
+            receiver.url(),
+            "--trace-prompts",
+            "true",
+        )
     traced.wait_routable(gateway, 2)
     completion(gateway, "rid-prompt-5")
     spans = request_trace(receiver, "rid-prompt-5")
@@ -236,18 +258,26 @@ def test_every_line_has_one_schema_and_a_requests_lines_carry_its_ids(traced: Cl
     # the scheduler answering an admin call that comes with its own traceparent and request id
     assert traced.scheduler is not None
     parent = f"00-{ADMIN_TRACE}-{'cd' * 8}-01"
-    weights = httpx.put(f"{traced.scheduler.url}/v1/admin/weights", json={"weights": {"v1": 1.0}},
-                        headers={"Authorization": f"Bearer {traced.admin_token}", "X-Request-Id": "rid-admin-3",
-                                 "traceparent": parent})
+    weights = httpx.put(
+        f"{traced.scheduler.url}/v1/admin/weights",
+        json={"weights": {"v1": 1.0}},
+        headers={"Authorization": f"Bearer {traced.admin_token}", "X-Request-Id": "rid-admin-3", "traceparent": parent},
+    )
     assert weights.status_code == 200, weights.text
-    services = {"gateway": traced.gateways[0], "prefill": traced.servers["p1"], "decode": traced.servers["d1"],
-                "scheduler": traced.scheduler}
+    services = {
+        "gateway": traced.gateways[0],
+        "prefill": traced.servers["p1"],
+        "decode": traced.servers["d1"],
+        "scheduler": traced.scheduler,
+    }
 
     def lines(service: Service) -> list[dict[str, Any]]:
         return [json.loads(line) for line in service.logs().splitlines() if line.strip()]
 
-    wait_for(lambda: any(line.get("request_id") == "rid-admin-3" for line in lines(traced.scheduler)),
-             what="the scheduler's line of the admin call")
+    wait_for(
+        lambda: any(line.get("request_id") == "rid-admin-3" for line in lines(traced.scheduler)),
+        what="the scheduler's line of the admin call",
+    )
     for component, service in services.items():
         records = lines(service)  # every line is JSON (json.loads raises otherwise)
         assert records, f"{component} logged nothing"
@@ -267,10 +297,28 @@ def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> N
     assert traced.scheduler is not None
     dead = "http://127.0.0.1:9"  # the discard port: nothing answers
     log_path = tmp_path / "agent.log"
-    command = [sys.executable, "-m", "pdserve.cli", "agent", "--engine-url", dead, "--role", "decode",
-               "--scheduler-url", traced.scheduler.url, "--advertise-url", dead, "--version", "v1",
-               "--scheduler-token-file", str(instance_token_file(tmp_path, "decode-agent")),
-               "--connector-run-dir", str(tmp_path), "--instance-id", "decode-agent"]
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "agent",
+        "--engine-url",
+        dead,
+        "--role",
+        "decode",
+        "--scheduler-url",
+        traced.scheduler.url,
+        "--advertise-url",
+        dead,
+        "--version",
+        "v1",
+        "--scheduler-token-file",
+        str(instance_token_file(tmp_path, "decode-agent")),
+        "--connector-run-dir",
+        str(tmp_path),
+        "--instance-id",
+        "decode-agent",
+    ]
     with log_path.open("ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log)
     try:
@@ -284,14 +332,18 @@ def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> N
 
 
 @pytest.fixture(scope="module")
-def untraced(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
-             receiver: Receiver, traced: Cluster) -> Iterator[Cluster]:
+def untraced(
+    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, receiver: Receiver, traced: Cluster
+) -> Iterator[Cluster]:
     """pdserve's setting unset; the OTel SDK's own endpoint variable set, which must not turn tracing on."""
     traced.stop()  # its tests are done (this module's last test uses this one): two clusters at once only crawl
     cluster = Cluster(tmp_path_factory.mktemp("untraced"), gateway_kv_key)
     try:
-        with environment(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url("/untraced"), OTEL_BSP_SCHEDULE_DELAY="100",
-                         OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}"):
+        with environment(
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url("/untraced"),
+            OTEL_BSP_SCHEDULE_DELAY="100",
+            OTEL_EXPORTER_OTLP_TRACES_HEADERS=f"Authorization=Bearer {RECEIVER_TOKEN}",
+        ):
             start(cluster, model_v1)
         yield cluster
     finally:

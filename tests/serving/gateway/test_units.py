@@ -18,20 +18,30 @@ from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad, RoutedInstanc
 
 
 def routed(instance_id: str, role: str, version: str = "v1", fingerprint: str = "fp1", **load: int) -> RoutedInstance:
-    info = InstanceInfo(instance_id=instance_id, role=role, version=version, kv_fingerprint=fingerprint,  # type: ignore[arg-type]
-                        url=f"http://{instance_id}:1")
-    return RoutedInstance(instance_id=instance_id, state="ready", info=info,
-                          load=InstanceLoad(max_concurrency=10, **load))
+    info = InstanceInfo(
+        instance_id=instance_id,
+        role=role,
+        version=version,
+        kv_fingerprint=fingerprint,  # type: ignore[arg-type]
+        url=f"http://{instance_id}:1",
+    )
+    return RoutedInstance(
+        instance_id=instance_id, state="ready", info=info, load=InstanceLoad(max_concurrency=10, **load)
+    )
 
 
 def router(*instances: RoutedInstance, weights: dict[str, float] | None = None) -> Router:
-    return Router(rng=random.Random(7), table=RoutingTable(generation=1, weights=weights or {},
-                                                           instances=list(instances)))
+    return Router(
+        rng=random.Random(7), table=RoutingTable(generation=1, weights=weights or {}, instances=list(instances))
+    )
 
 
 def test_only_fingerprint_compatible_pairs() -> None:
-    r = router(routed("p-old", "prefill", fingerprint="fp-old"), routed("p-new", "prefill", fingerprint="fp-new"),
-               routed("d-new", "decode", fingerprint="fp-new"))
+    r = router(
+        routed("p-old", "prefill", fingerprint="fp-old"),
+        routed("p-new", "prefill", fingerprint="fp-new"),
+        routed("d-new", "decode", fingerprint="fp-new"),
+    )
     for _ in range(50):
         plan = r.plan(prompt_tokens=100, offload_threshold=10)
         assert plan.prefill is not None and plan.prefill.instance_id == "p-new"
@@ -50,16 +60,22 @@ def test_short_prompts_are_offloaded() -> None:
 
 
 def test_power_of_two_prefers_the_less_loaded() -> None:
-    r = router(routed("d-busy", "decode", active_requests=9), routed("d-idle", "decode", active_requests=1),
-               routed("p-busy", "prefill", outstanding_prompt_tokens=5000), routed("p-idle", "prefill"))
+    r = router(
+        routed("d-busy", "decode", active_requests=9),
+        routed("d-idle", "decode", active_requests=1),
+        routed("p-busy", "prefill", outstanding_prompt_tokens=5000),
+        routed("p-idle", "prefill"),
+    )
     plans = [r.plan(prompt_tokens=100, offload_threshold=10) for _ in range(20)]
     assert {p.decode.instance_id for p in plans} == {"d-idle"}
     assert {p.prefill.instance_id for p in plans if p.prefill} == {"p-idle"}
 
 
 def test_decode_kv_memory_counts_as_load() -> None:
-    r = router(routed("d-full", "decode", kv_used_bytes=95, kv_capacity_bytes=100),
-               routed("d-roomy", "decode", active_requests=5, kv_used_bytes=10, kv_capacity_bytes=100))
+    r = router(
+        routed("d-full", "decode", kv_used_bytes=95, kv_capacity_bytes=100),
+        routed("d-roomy", "decode", active_requests=5, kv_used_bytes=10, kv_capacity_bytes=100),
+    )
     assert r.plan(prompt_tokens=1, offload_threshold=10).decode.instance_id == "d-roomy"
 
 
@@ -124,11 +140,13 @@ def test_limits_refuse_then_name_the_limit_and_the_wait() -> None:
 
 def test_tenant_overrides_default_limits(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"a": ["key-a"], "b": {"keys": ["key-b"], "requests_per_second": 1,
-                                                      "request_burst": 1}}))
+    path.write_text(
+        json.dumps({"a": ["key-a"], "b": {"keys": ["key-b"], "requests_per_second": 1, "request_burst": 1}})
+    )
     keys = KeyStore.from_file(path)
-    limiter = RateLimiter(TenantLimits(requests_per_second=100, request_burst=100, tokens_per_minute=10**6),
-                          keys.limits)
+    limiter = RateLimiter(
+        TenantLimits(requests_per_second=100, request_burst=100, tokens_per_minute=10**6), keys.limits
+    )
 
     async def scenario() -> None:
         assert (await limiter.check("b", 1)).allowed and not (await limiter.check("b", 1)).allowed
@@ -149,12 +167,15 @@ def test_keys_file_digests_and_plaintext(tmp_path: Path) -> None:
     assert keys.tenant_for("Basic secret-one") is None
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("{not json", "not valid JSON"),
-    ('{"acme": []}', "tenant 'acme': keys"),
-    ('{"acme": {"keys": ["k"], "requests_per_second": -1}}', "tenant 'acme': requests_per_second"),
-    ("[]", "mapping tenant -> keys"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"acme": []}', "tenant 'acme': keys"),
+        ('{"acme": {"keys": ["k"], "requests_per_second": -1}}', "tenant 'acme': requests_per_second"),
+        ("[]", "mapping tenant -> keys"),
+    ],
+)
 def test_bad_keys_files_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "keys.json"
     path.write_text(content)

@@ -23,12 +23,14 @@ NAMES = {"pa": ("prefill", "v1"), "da": ("decode", "v1"), "pb": ("prefill", "v2"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path,
-            model_v2: Path) -> Iterator[Cluster]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, model_v2: Path
+) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-versions"), gateway_kv_key)
     try:
-        servers = [(name, role, model_v1 if version == "v1" else model_v2, version)
-                   for name, (role, version) in NAMES.items()]
+        servers = [
+            (name, role, model_v1 if version == "v1" else model_v2, version) for name, (role, version) in NAMES.items()
+        ]
         cluster.start_pd(servers, "--offload-threshold-tokens", "0", "--requests-per-second", "1000")
         yield cluster
     finally:
@@ -43,8 +45,11 @@ def complete(url: str) -> int:
 
 def set_weights(cluster: Cluster, weights: dict[str, float]) -> None:
     assert cluster.scheduler is not None
-    response = httpx.put(f"{cluster.scheduler.url}/v1/admin/weights", json={"weights": weights},
-                         headers={"Authorization": f"Bearer {cluster.admin_token}"})
+    response = httpx.put(
+        f"{cluster.scheduler.url}/v1/admin/weights",
+        json={"weights": weights},
+        headers={"Authorization": f"Bearer {cluster.admin_token}"},
+    )
     assert response.status_code == 200, response.text
     cluster.sync(cluster.gateways[0])
 

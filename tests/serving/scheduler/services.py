@@ -118,14 +118,24 @@ def gateway_token_file(tmp: Path) -> Path:
     return principal_token_file(tmp, GATEWAY)
 
 
-def start_scheduler(tmp: Path, heartbeat_interval: float = 0.2, missed: int = 3, port: int | None = None,
-                    state_file: Path | None = None) -> tuple[Service, str]:
+def start_scheduler(
+    tmp: Path, heartbeat_interval: float = 0.2, missed: int = 3, port: int | None = None, state_file: Path | None = None
+) -> tuple[Service, str]:
     """A scheduler process; returns it and its admin token (principal tokens: principal_token(tmp, ...))."""
     token_file = tmp / "admin.token"
     token = token_file.read_text().strip() if token_file.exists() else write_secret(token_file)
-    args = ["--state-file", str(state_file or tmp / "scheduler-state.json"), "--admin-token-file", str(token_file),
-            "--identity-key-file", str(identity_key_file(tmp)),
-            "--heartbeat-interval", str(heartbeat_interval), "--missed-heartbeats", str(missed)]
+    args = [
+        "--state-file",
+        str(state_file or tmp / "scheduler-state.json"),
+        "--admin-token-file",
+        str(token_file),
+        "--identity-key-file",
+        str(identity_key_file(tmp)),
+        "--heartbeat-interval",
+        str(heartbeat_interval),
+        "--missed-heartbeats",
+        str(missed),
+    ]
     service = Service("pdserve.scheduler", args, tmp / "scheduler.log")
     if port is not None:
         service.port = port

@@ -84,8 +84,11 @@ def test_every_endpoint_refuses_every_caller_it_does_not_serve(scheduler: tuple[
             assert response.json()["error"]["field"] == "authorization"
             reason = "missing_token" if name == "missing_token" else "invalid_token"
             expected_refusals[endpoint, reason] = expected_refusals.get((endpoint, reason), 0) + 1
-    forbidden = {"other_instance": (other_instance, ENDPOINTS), "gateway": (gateway, (*WRITES, "put_weights")),
-                 "own_instance": (own, (*READS, "put_weights"))}
+    forbidden = {
+        "other_instance": (other_instance, ENDPOINTS),
+        "gateway": (gateway, (*WRITES, "put_weights")),
+        "own_instance": (own, (*READS, "put_weights")),
+    }
     for name, (headers, endpoints) in forbidden.items():
         for endpoint in endpoints:
             response = call(base, endpoint, headers)
@@ -95,7 +98,8 @@ def test_every_endpoint_refuses_every_caller_it_does_not_serve(scheduler: tuple[
 
     listed = httpx.get(base + "/v1/instances", headers=gateway).json()["instances"]
     assert [(i["instance_id"], i["state"], i["info"]["url"]) for i in listed] == [
-        (VICTIM, "starting", "http://127.0.0.1:9")], "a refused request must change nothing"
+        (VICTIM, "starting", "http://127.0.0.1:9")
+    ], "a refused request must change nothing"
     assert httpx.get(base + "/v1/admin/weights", headers=gateway).json()["weights"] == {}
 
     for endpoint in READS:
@@ -129,12 +133,15 @@ def test_registration_needs_an_instance_id(scheduler: tuple[Service, str, Path])
     assert response.status_code == 400 and response.json()["error"]["field"] == "instance_id"
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    (b"[" * 100_000, "body"),
-    (b'{"load": {"queue_depth": NaN}}', "load.queue_depth"),
-    (b'{"load": "\xff"}', "body"),
-    (b'{"load": {"ready": Infinity}}', "load.ready"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"[" * 100_000, "body"),
+        (b'{"load": {"queue_depth": NaN}}', "load.queue_depth"),
+        (b'{"load": "\xff"}', "body"),
+        (b'{"load": {"ready": Infinity}}', "load.ready"),
+    ],
+)
 def test_malformed_bodies_are_400_not_500(scheduler: tuple[Service, str, Path], body: bytes, field: str) -> None:
     service, _, tmp = scheduler
     own = bearer(principal_token(tmp, f"instance:{VICTIM}"))

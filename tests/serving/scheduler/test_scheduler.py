@@ -63,13 +63,22 @@ def register(scheduler: Scheduler, body: dict[str, Any]) -> httpx.Response:
 
 
 def instance(instance_id: str, role: str = "decode", version: str = "v1", fingerprint: str = "fp-a") -> dict[str, Any]:
-    return {"instance_id": instance_id, "role": role, "version": version, "kv_fingerprint": fingerprint,
-            "url": "http://127.0.0.1:9", "model": "tiny"}
+    return {
+        "instance_id": instance_id,
+        "role": role,
+        "version": version,
+        "kv_fingerprint": fingerprint,
+        "url": "http://127.0.0.1:9",
+        "model": "tiny",
+    }
 
 
 def beat(scheduler: Scheduler, instance_id: str, **load: Any) -> httpx.Response:
-    return httpx.post(f"{scheduler.url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True, **load}},
-                      headers=scheduler.auth(instance_id))
+    return httpx.post(
+        f"{scheduler.url}/v1/instances/{instance_id}/heartbeat",
+        json={"load": {"ready": True, **load}},
+        headers=scheduler.auth(instance_id),
+    )
 
 
 def states(scheduler: Scheduler) -> dict[str, str]:
@@ -97,8 +106,12 @@ def check_state_machine(scheduler: Scheduler) -> None:
     url = scheduler.url
     assert register(scheduler, instance("d1")).status_code == 201
     assert states(scheduler) == {"d1": "starting"}
-    assert httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}},
-                      headers=scheduler.auth("d1")).json()["state"] == "starting"
+    assert (
+        httpx.post(
+            f"{url}/v1/instances/d1/heartbeat", json={"load": {"ready": False}}, headers=scheduler.auth("d1")
+        ).json()["state"]
+        == "starting"
+    )
     assert beat(scheduler, "d1").json()["state"] == "ready"
     assert httpx.post(f"{url}/v1/instances/d1/drain", headers=scheduler.auth("d1")).json()["state"] == "draining"
     assert beat(scheduler, "d1").json()["state"] == "draining", "a heartbeat must not undo draining"
@@ -153,8 +166,9 @@ def test_bad_registration_names_the_field(scheduler: Scheduler) -> None:
     assert response.json()["error"]["field"] == "role"
     response = register(scheduler, instance("d1") | {"url": "ftp://x"})
     assert response.json()["error"]["field"] == "url"
-    response = httpx.post(f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}},
-                          headers=scheduler.auth("d1"))
+    response = httpx.post(
+        f"{url}/v1/instances/d1/heartbeat", json={"load": {"queue_depth": -1}}, headers=scheduler.auth("d1")
+    )
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "load.queue_depth"
 
@@ -168,8 +182,9 @@ def test_weights_need_the_admin_token(scheduler: Scheduler) -> None:
     ok = httpx.put(f"{url}/v1/admin/weights", json=body, headers={"Authorization": f"Bearer {token}"})
     assert ok.status_code == 200
     assert scheduler.get("/v1/routing").json()["weights"] == {"v1": 90, "v2": 10}
-    negative = httpx.put(f"{url}/v1/admin/weights", json={"weights": {"v2": -1}},
-                         headers={"Authorization": f"Bearer {token}"})
+    negative = httpx.put(
+        f"{url}/v1/admin/weights", json={"weights": {"v2": -1}}, headers={"Authorization": f"Bearer {token}"}
+    )
     assert negative.status_code == 400
     assert "weights.v2" in negative.json()["error"]["message"]
 
@@ -182,24 +197,40 @@ def test_scheduler_refuses_to_start_without_a_usable_identity_key(tmp_path: Path
     (tmp_path / "admin.token").write_text("same-token\n")
     (tmp_path / "same.key").write_text("same-token\n")
     (tmp_path / "empty.key").write_text("\n")
-    base = [sys.executable, "-m", "pdserve.scheduler", "--state-file", str(tmp_path / "s.json"),
-            "--admin-token-file", str(tmp_path / "admin.token")]
+    base = [
+        sys.executable,
+        "-m",
+        "pdserve.scheduler",
+        "--state-file",
+        str(tmp_path / "s.json"),
+        "--admin-token-file",
+        str(tmp_path / "admin.token"),
+    ]
     causes = (("missing.key", "missing.key"), ("empty.key", "is empty"), ("same.key", "holds the admin token"))
     for key, cause in causes:
-        result = subprocess.run([*base, "--identity-key-file", str(tmp_path / key)], check=False, capture_output=True,
-                                text=True, timeout=30)
+        result = subprocess.run(
+            [*base, "--identity-key-file", str(tmp_path / key)], check=False, capture_output=True, text=True, timeout=30
+        )
         assert result.returncode != 0
         assert "identity_key_file" in result.stderr and cause in result.stderr, result.stderr
-    old = subprocess.run([*base, "--instance-token-file", str(tmp_path / "same.key")], check=False,
-                         capture_output=True, text=True, timeout=30)
+    old = subprocess.run(
+        [*base, "--instance-token-file", str(tmp_path / "same.key")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert old.returncode == 2 and "--instance-token-file" in old.stderr, "the shared instance token is gone"
 
 
 def test_weights_survive_a_restart(tmp_path: Path) -> None:
     service, token = start_scheduler(tmp_path)
     try:
-        httpx.put(f"{service.url}/v1/admin/weights", json={"weights": {"v1": 75, "v2": 25}},
-                  headers={"Authorization": f"Bearer {token}"}).raise_for_status()
+        httpx.put(
+            f"{service.url}/v1/admin/weights",
+            json={"weights": {"v1": 75, "v2": 25}},
+            headers={"Authorization": f"Bearer {token}"},
+        ).raise_for_status()
     finally:
         service.kill()  # no graceful shutdown: the state must already be on disk
     restarted, _ = start_scheduler(tmp_path, port=service.port)
@@ -230,10 +261,25 @@ def test_advice_recommends_ratio_and_direction(scheduler: Scheduler) -> None:
 
 
 def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "pdserve.scheduler", "--state-file", str(tmp_path / "s.json"),
-                             "--admin-token-file", str(tmp_path / "t"), "--identity-key-file",
-                             str(tmp_path / "i"), "--heartbeat-interval", "soon"],
-                            check=False, capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.scheduler",
+            "--state-file",
+            str(tmp_path / "s.json"),
+            "--admin-token-file",
+            str(tmp_path / "t"),
+            "--identity-key-file",
+            str(tmp_path / "i"),
+            "--heartbeat-interval",
+            "soon",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "--heartbeat-interval" in result.stderr
 
@@ -248,7 +294,8 @@ def test_metrics_pass_promtool(scheduler: Scheduler) -> None:
     assert 'pdserve_scheduler_instances{role="decode",state="ready",version="v1"} 1.0' in text
     promtool = shutil.which("promtool")
     assert promtool, "promtool missing: apt-get install prometheus"
-    result = subprocess.run([promtool, "check", "metrics"], input=text, check=False, capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, check=False, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr

@@ -40,8 +40,9 @@ def spawn(server_logs: Path, kv_key_file: Path) -> Iterator[Callable[..., Server
     """spawn(role, model, *args, ready=True, key=True, env=None): a server process stopped at session end."""
     started: list[ServerProcess] = []
 
-    def factory(role: str, model: Path, *args: str, ready: bool = True, key: bool = True,
-                env: dict[str, str] | None = None) -> ServerProcess:
+    def factory(
+        role: str, model: Path, *args: str, ready: bool = True, key: bool = True, env: dict[str, str] | None = None
+    ) -> ServerProcess:
         extra = list(args)
         if key and role != "colocated":
             extra += ["--kv-key-file", str(kv_key_file)]
@@ -58,8 +59,9 @@ def spawn(server_logs: Path, kv_key_file: Path) -> Iterator[Callable[..., Server
 
 
 @pytest.fixture(scope="session")
-def deployments(make_checkpoint: Callable[..., Path], server_logs: Path,
-                kv_key_file: Path) -> Iterator[dict[str, Deployment]]:
+def deployments(
+    make_checkpoint: Callable[..., Path], server_logs: Path, kv_key_file: Path
+) -> Iterator[dict[str, Deployment]]:
     """All nine servers start together so their model loads overlap."""
     found: dict[str, Deployment] = {}
     servers: list[ServerProcess] = []
@@ -69,8 +71,9 @@ def deployments(make_checkpoint: Callable[..., Path], server_logs: Path,
         trio = [
             ServerProcess("colocated", model, [], {}, server_logs / f"{kind}-colocated.log"),
             ServerProcess("prefill", model, [*key, "--kv-port", "0"], {}, server_logs / f"{kind}-prefill.log"),
-            ServerProcess("decode", model, [*key, "--kv-load-failure-policy", "fail"], {},
-                          server_logs / f"{kind}-decode.log"),
+            ServerProcess(
+                "decode", model, [*key, "--kv-load-failure-policy", "fail"], {}, server_logs / f"{kind}-decode.log"
+            ),
         ]
         servers += trio
         found[kind] = Deployment(*trio, model=model)

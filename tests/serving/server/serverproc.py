@@ -50,13 +50,27 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Prefill and decode get --api-token-file API_TOKEN unless the args give one (colocated only if asked)."""
-        token = [] if self.role == "colocated" or "--api-token-file" in self.args else [
-            "--api-token-file", str(api_token_file())]
-        command = [sys.executable, "-m", "pdserve.cli", self.role, "--model", str(self.model),
-                   "--host", "127.0.0.1", "--port", str(self.port), *token, *self.args]
+        token = (
+            []
+            if self.role == "colocated" or "--api-token-file" in self.args
+            else ["--api-token-file", str(api_token_file())]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            self.role,
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *token,
+            *self.args,
+        ]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **self.env})
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
@@ -95,8 +109,7 @@ class ServerProcess:
 
     def post(self, path: str, body: object, **options: object) -> httpx.Response:
         """POST a JSON body with the API token."""
-        return httpx.post(self.url + path, json=body, headers=AUTH, timeout=options.pop("timeout", 60),
-                          **options)  # type: ignore[arg-type]
+        return httpx.post(self.url + path, json=body, headers=AUTH, timeout=options.pop("timeout", 60), **options)  # type: ignore[arg-type]
 
     def log_tail(self, lines: int = 20) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -24,8 +24,7 @@ PROMPT = "a request joins the running batch and leaves it when done"
 
 def post(url: str, body: Any, endpoint: str = "/v1/completions") -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(url + endpoint, content=content, headers={"content-type": "application/json", **AUTH},
-                      timeout=60)
+    return httpx.post(url + endpoint, content=content, headers={"content-type": "application/json", **AUTH}, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -93,8 +92,13 @@ def sse_events(response: httpx.Response) -> Iterator[Any]:
 def test_streaming_equals_non_streaming(dense: Deployment) -> None:
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = post(dense.colocated.url, body).json()
-    with httpx.stream("POST", dense.colocated.url + "/v1/completions", timeout=60, headers=AUTH,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+    with httpx.stream(
+        "POST",
+        dense.colocated.url + "/v1/completions",
+        timeout=60,
+        headers=AUTH,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(response))
     assert events[-1] == "[DONE]"
@@ -114,19 +118,30 @@ def test_official_openai_client_against_pd(dense: Deployment) -> None:
     expected = colocated.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     for stream in (False, True):
         first = prefill_client.chat.completions.create(
-            model=model, messages=messages, max_tokens=1, temperature=0,
+            model=model,
+            messages=messages,
+            max_tokens=1,
+            temperature=0,
             extra_body={"kv_transfer_params": {"do_remote_decode": True}},
         )
         params = (first.model_extra or {})["kv_transfer_params"]
         if stream:
             pieces = decode_client.chat.completions.create(
-                model=model, messages=messages, max_tokens=8, temperature=0, stream=True,
+                model=model,
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
                 extra_body={"kv_transfer_params": params},
             )
             text = "".join(chunk.choices[0].delta.content or "" for chunk in pieces if chunk.choices)
         else:
             answer = decode_client.chat.completions.create(
-                model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"kv_transfer_params": params},
+                model=model,
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"kv_transfer_params": params},
             )
             text = answer.choices[0].message.content or ""
         assert text == expected.choices[0].message.content
@@ -134,8 +149,16 @@ def test_official_openai_client_against_pd(dense: Deployment) -> None:
 
 def test_continuous_batching_gives_each_request_its_own_output(dense: Deployment) -> None:
     """Requests of different lengths run concurrently (joining and leaving the batch); each gets what it gets alone."""
-    bodies = [{"prompt": PROMPT * (1 + i % 3), "max_tokens": 40 + 10 * i, "temperature": 0, "ignore_eos": True,
-               "return_token_ids": True} for i in range(6)]
+    bodies = [
+        {
+            "prompt": PROMPT * (1 + i % 3),
+            "max_tokens": 40 + 10 * i,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        for i in range(6)
+    ]
     alone = [post(dense.colocated.url, body).json()["choices"][0]["token_ids"] for body in bodies]
     batched_before = _multi_sequence_steps(dense.colocated)
     start = threading.Barrier(len(bodies))  # sent together, so they overlap however slow the client threads are
@@ -154,11 +177,13 @@ def test_continuous_batching_gives_each_request_its_own_output(dense: Deployment
 def _multi_sequence_steps(server: ServerProcess) -> float:
     text = server.metrics()
     return metric_value(text, "pdserve_step_batch_size_count") - metric_value(
-        text, "pdserve_step_batch_size_bucket", {"le": "1.0"})
+        text, "pdserve_step_batch_size_bucket", {"le": "1.0"}
+    )
 
 
-def test_concurrency_limit_answers_429_and_frees_on_disconnect(make_checkpoint: Callable[..., Path],
-                                                               spawn: Callable[..., ServerProcess]) -> None:
+def test_concurrency_limit_answers_429_and_frees_on_disconnect(
+    make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess]
+) -> None:
     # A long context, so the slot stays taken for seconds however slow the machine: the holder leaves when done.
     long_context = make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
     single = spawn("colocated", long_context, "--max-num-seqs", "1")
@@ -189,13 +214,18 @@ def test_concurrency_limit_answers_429_and_frees_on_disconnect(make_checkpoint: 
         pytest.fail("the slot of a disconnected client was never freed")
 
 
-def test_non_streaming_request_is_cancelled_when_the_client_leaves(make_checkpoint: Callable[..., Path],
-                                                                   spawn: Callable[..., ServerProcess]) -> None:
+def test_non_streaming_request_is_cancelled_when_the_client_leaves(
+    make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess]
+) -> None:
     long_context = make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
     single = spawn("colocated", long_context, "--max-num-seqs", "1")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(single.url + "/v1/completions", timeout=1.0, headers=AUTH,
-                   json={"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True})
+        httpx.post(
+            single.url + "/v1/completions",
+            timeout=1.0,
+            headers=AUTH,
+            json={"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True},
+        )
     for _ in range(100):  # without cancellation the slot stays taken for all 8000 tokens
         answer = post(single.url, {"prompt": PROMPT, "max_tokens": 2})
         if answer.status_code == 200:
@@ -238,8 +268,11 @@ def test_models_endpoint(dense: Deployment) -> None:
 
 
 def test_request_id_is_echoed(dense: Deployment) -> None:
-    response = httpx.post(dense.colocated.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
-                          headers={"X-Request-Id": "req-1234", **AUTH})
+    response = httpx.post(
+        dense.colocated.url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 1},
+        headers={"X-Request-Id": "req-1234", **AUTH},
+    )
     assert response.headers["x-request-id"] == "req-1234"
 
 
@@ -250,15 +283,19 @@ def test_metrics_pass_promtool(dense: Deployment) -> None:
     for server in (dense.colocated, dense.prefill, dense.decode):
         text = server.metrics()
         assert "pdserve_time_to_first_token_seconds_bucket" in text
-        checked = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True,
-                                 check=False)
+        checked = subprocess.run(
+            ["promtool", "check", "metrics"], input=text.encode(), capture_output=True, check=False
+        )
         assert checked.returncode == 0, (server.role, checked.stdout.decode() + checked.stderr.decode())
 
 
-def test_environment_variables_configure_the_server(dense: Deployment,
-                                                    spawn: Callable[..., ServerProcess]) -> None:
-    env_only = spawn("colocated", dense.model, env={"PDSERVE_SERVED_MODEL_NAME": "from-env",
-                                                     "PDSERVE_MAX_NUM_SEQS": "not-a-number"}, ready=False)
+def test_environment_variables_configure_the_server(dense: Deployment, spawn: Callable[..., ServerProcess]) -> None:
+    env_only = spawn(
+        "colocated",
+        dense.model,
+        env={"PDSERVE_SERVED_MODEL_NAME": "from-env", "PDSERVE_MAX_NUM_SEQS": "not-a-number"},
+        ready=False,
+    )
     assert env_only.process is not None and env_only.process.wait(30) != 0
     assert "max_num_seqs" in env_only.log_tail()
     named = spawn("colocated", dense.model, env={"PDSERVE_SERVED_MODEL_NAME": "from-env"})

@@ -22,8 +22,9 @@ def engine(make_checkpoint: Callable[..., Path]) -> Engine:
 
 def sequence(engine: Engine, prompt_tokens: int) -> Sequence:
     prompt = [5 + i % 50 for i in range(prompt_tokens)]
-    return Sequence(f"r{prompt_tokens}", prompt, engine.new_request(prompt, SamplingParams(max_tokens=4)),
-                    engine.new_cache())
+    return Sequence(
+        f"r{prompt_tokens}", prompt, engine.new_request(prompt, SamplingParams(max_tokens=4)), engine.new_cache()
+    )
 
 
 def scheduler(engine: Engine) -> BatchScheduler:

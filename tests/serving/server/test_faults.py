@@ -18,8 +18,12 @@ from .conftest import Deployment
 from .faultproxy import ByteFlipProxy
 from .serverproc import AUTH, ServerProcess, metric_value, prefill
 
-BODY = {"prompt": "the decode server pulls the cache from the prefill server over the network", "max_tokens": 10,
-        "temperature": 0, "return_token_ids": True}
+BODY = {
+    "prompt": "the decode server pulls the cache from the prefill server over the network",
+    "max_tokens": 10,
+    "temperature": 0,
+    "return_token_ids": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,9 @@ def recompute_decode(dense: Deployment, spawn: Callable[..., ServerProcess]) -> 
 
 
 def decode(server: ServerProcess, params: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, timeout=60,
-                      headers=AUTH)
+    return httpx.post(
+        server.url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, timeout=60, headers=AUTH
+    )
 
 
 def resigned(params: dict[str, Any], key_file: Path, **edits: object) -> dict[str, Any]:
@@ -56,8 +61,9 @@ def recomputed(server: ServerProcess, cause: str) -> float:
     return metric_value(server.metrics(), "pdserve_kv_load_failures_total", {"cause": cause, "action": "recompute"})
 
 
-def test_flipped_byte_in_kv_stream_is_detected(dense: Deployment, recompute_decode: ServerProcess,
-                                               expected: list[int], kv_key_file: Path) -> None:
+def test_flipped_byte_in_kv_stream_is_detected(
+    dense: Deployment, recompute_decode: ServerProcess, expected: list[int], kv_key_file: Path
+) -> None:
     for server in (dense.decode, recompute_decode):
         params = prefill(dense.prefill.url, BODY)
         proxy = ByteFlipProxy(int(params["remote_port"]), flip_at=1500).start()  # type: ignore[call-overload]
@@ -74,8 +80,9 @@ def test_flipped_byte_in_kv_stream_is_detected(dense: Deployment, recompute_deco
     assert recomputed(recompute_decode, "checksum") >= 1
 
 
-def test_prefill_killed_after_answering(dense: Deployment, recompute_decode: ServerProcess,
-                                        spawn: Callable[..., ServerProcess], expected: list[int]) -> None:
+def test_prefill_killed_after_answering(
+    dense: Deployment, recompute_decode: ServerProcess, spawn: Callable[..., ServerProcess], expected: list[int]
+) -> None:
     doomed = spawn("prefill", dense.model)
     first, second = prefill(doomed.url, BODY), prefill(doomed.url, BODY)
     doomed.kill()
@@ -94,8 +101,13 @@ def test_expired_lease(dense: Deployment, spawn: Callable[..., ServerProcess]) -
     assert metric_value(short_lease.metrics(), "pdserve_kv_leases_released_total", {"reason": "expired"}) >= 1
 
 
-def test_wrong_fingerprint(dense: Deployment, deployments: dict[str, Deployment], recompute_decode: ServerProcess,
-                           expected: list[int], kv_key_file: Path) -> None:
+def test_wrong_fingerprint(
+    dense: Deployment,
+    deployments: dict[str, Deployment],
+    recompute_decode: ServerProcess,
+    expected: list[int],
+    kv_key_file: Path,
+) -> None:
     tampered = resigned(prefill(dense.prefill.url, BODY), kv_key_file, kv_fingerprint="0" * 64)
     assert_clean_failure(decode(dense.decode, tampered), "fingerprint")
     other_model = deployments["moe"].decode  # same tokenizer, different weights: its fingerprint differs
@@ -112,8 +124,16 @@ def test_unauthenticated_kv_client_is_refused(dense: Deployment, tmp_path: Path,
     refused_before = metric_value(dense.prefill.metrics(), "pdserve_kv_auth_refused_total")
     wrong_key = SecretKey(b"not-the-shared-key-at-all-0123456789")
     with pytest.raises(KVTransferError) as caught:
-        asyncio.run(pull("127.0.0.1", int(params["remote_port"]), str(params["remote_request_id"]),  # type: ignore[call-overload]
-                         str(params["kv_checksum"]), key=wrong_key, retries=0))
+        asyncio.run(
+            pull(
+                "127.0.0.1",
+                int(params["remote_port"]),
+                str(params["remote_request_id"]),  # type: ignore[call-overload]
+                str(params["kv_checksum"]),
+                key=wrong_key,
+                retries=0,
+            )
+        )
     assert caught.value.cause == "auth"
     assert metric_value(dense.prefill.metrics(), "pdserve_kv_auth_refused_total") > refused_before
     # the KV stays held for the rightful decoder
@@ -121,8 +141,9 @@ def test_unauthenticated_kv_client_is_refused(dense: Deployment, tmp_path: Path,
     assert response.json()["choices"][0]["token_ids"] == expected
 
 
-def test_decoder_with_wrong_key_fails_cleanly(dense: Deployment, spawn: Callable[..., ServerProcess],
-                                              tmp_path: Path) -> None:
+def test_decoder_with_wrong_key_fails_cleanly(
+    dense: Deployment, spawn: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
     key_file = tmp_path / "other.key"
     key_file.write_text("a-different-key-0123456789abcdef")
     outsider = spawn("decode", dense.model, "--kv-key-file", str(key_file), key=False)
@@ -143,6 +164,14 @@ def test_kv_is_freed_once_decode_acknowledges(dense: Deployment, kv_key_file: Pa
             break
         time.sleep(0.1)
     with pytest.raises(KVTransferError) as caught:
-        asyncio.run(pull("127.0.0.1", int(params["remote_port"]), str(params["remote_request_id"]),  # type: ignore[call-overload]
-                         str(params["kv_checksum"]), key=SecretKey.from_file(kv_key_file), retries=0))
+        asyncio.run(
+            pull(
+                "127.0.0.1",
+                int(params["remote_port"]),
+                str(params["remote_request_id"]),  # type: ignore[call-overload]
+                str(params["kv_checksum"]),
+                key=SecretKey.from_file(kv_key_file),
+                retries=0,
+            )
+        )
     assert caught.value.cause == "not_found"

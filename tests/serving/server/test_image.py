@@ -43,9 +43,25 @@ def readable_model(make_checkpoint: Callable[..., Path], tmp_path: Path) -> Iter
 def test_image_serves_colocated_as_non_root(image: str, readable_model: Path) -> None:
     port = free_port()
     name = f"pdserve-test-{port}"
-    podman("run", "-d", "--rm", "--name", name, "--network", "host", "-v", f"{readable_model}:/model:ro",
-           "-e", "PDSERVE_MODEL=/model", "-e", f"PDSERVE_PORT={port}", "-e", "PDSERVE_HOST=127.0.0.1", image,
-           "colocated")
+    podman(
+        "run",
+        "-d",
+        "--rm",
+        "--name",
+        name,
+        "--network",
+        "host",
+        "-v",
+        f"{readable_model}:/model:ro",
+        "-e",
+        "PDSERVE_MODEL=/model",
+        "-e",
+        f"PDSERVE_PORT={port}",
+        "-e",
+        "PDSERVE_HOST=127.0.0.1",
+        image,
+        "colocated",
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -62,15 +78,20 @@ def test_image_serves_colocated_as_non_root(image: str, readable_model: Path) ->
         answer = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         assert podman("exec", name, "id", "-u").stdout.strip() != "0"
-        assert podman("exec", name, "python3", "-c", "import importlib.util as u; print(u.find_spec('torch'))"
-                      ).stdout.strip() == "None"
+        assert (
+            podman(
+                "exec", name, "python3", "-c", "import importlib.util as u; print(u.find_spec('torch'))"
+            ).stdout.strip()
+            == "None"
+        )
     finally:
         podman("rm", "-f", name, check=False)
 
 
 def test_image_declares_healthcheck_ports_and_user(image: str) -> None:
-    inspected = podman("image", "inspect", image, "--format",
-                       "{{.Config.User}}|{{.Config.ExposedPorts}}|{{.Config.Healthcheck}}").stdout
+    inspected = podman(
+        "image", "inspect", image, "--format", "{{.Config.User}}|{{.Config.ExposedPorts}}|{{.Config.Healthcheck}}"
+    ).stdout
     user, ports, healthcheck = inspected.strip().split("|")
     assert user == "pdserve"
     assert "8000" in ports and "14579" in ports

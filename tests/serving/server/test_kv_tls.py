@@ -24,10 +24,18 @@ def test_pd_over_tls_kv_channel(dense: Deployment, spawn: Callable[..., ServerPr
     tls_decode = spawn("decode", dense.model, "--kv-tls-ca", str(cert), "--kv-tls-server-name", "localhost")
     body = {"prompt": "sealed in transit", "max_tokens": 6, "temperature": 0}
     expected = httpx.post(dense.colocated.url + "/v1/completions", headers=AUTH, json=body).json()["choices"][0]["text"]
-    decoded = httpx.post(tls_decode.url + "/v1/completions", headers=AUTH,
-                         json={**body, "kv_transfer_params": prefill(tls_prefill.url, body)}, timeout=60)
+    decoded = httpx.post(
+        tls_decode.url + "/v1/completions",
+        headers=AUTH,
+        json={**body, "kv_transfer_params": prefill(tls_prefill.url, body)},
+        timeout=60,
+    )
     assert decoded.json()["choices"][0]["text"] == expected
     # a decoder that does not speak TLS to it gets no KV
-    plain = httpx.post(dense.decode.url + "/v1/completions", headers=AUTH,
-                       json={**body, "kv_transfer_params": prefill(tls_prefill.url, body)}, timeout=60)
+    plain = httpx.post(
+        dense.decode.url + "/v1/completions",
+        headers=AUTH,
+        json={**body, "kv_transfer_params": prefill(tls_prefill.url, body)},
+        timeout=60,
+    )
     assert plain.status_code == 502

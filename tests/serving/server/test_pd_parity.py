@@ -41,8 +41,7 @@ def pd_completion(deployment: Deployment, body: dict[str, Any]) -> dict[str, Any
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_pd_equals_colocated_equals_transformers(kind: str, prompt: str, deployments: dict[str, Deployment]) -> None:
     deployment = deployments[kind]
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     colocated = completion(deployment.colocated.url, body)
     disaggregated = pd_completion(deployment, body)
     expected = hf_greedy(reference_model(deployment.model), colocated["prompt_token_ids"], NEW_TOKENS)
@@ -54,21 +53,31 @@ def test_pd_equals_colocated_equals_transformers(kind: str, prompt: str, deploym
 @pytest.mark.parametrize("kind", KINDS)
 def test_chat_through_pd_equals_colocated(kind: str, deployments: dict[str, Deployment]) -> None:
     deployment = deployments[kind]
-    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a cache?"}],
-            "max_tokens": 8, "temperature": 0}
+    body = {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a cache?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     chat = "/v1/chat/completions"
     colocated = httpx.post(deployment.colocated.url + chat, headers=AUTH, json=body, timeout=60).json()
     params = prefill(deployment.prefill.url, body, chat)
-    decoded = httpx.post(deployment.decode.url + chat, headers=AUTH, json={**body, "kv_transfer_params": params},
-                         timeout=60).json()
+    decoded = httpx.post(
+        deployment.decode.url + chat, headers=AUTH, json={**body, "kv_transfer_params": params}, timeout=60
+    ).json()
     assert decoded["choices"][0]["message"] == colocated["choices"][0]["message"]
     assert decoded["usage"] == colocated["usage"]
 
 
 def test_seeded_sampling_through_pd_equals_colocated(dense: Deployment) -> None:
     """Decode draws every token with the request's own seeded sampler, so even sampled output matches."""
-    body = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0.9, "top_p": 0.95, "seed": 7,
-            "return_token_ids": True}
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+        "return_token_ids": True,
+    }
     assert pd_completion(dense, body)["token_ids"] == completion(dense.colocated.url, body)["token_ids"]
 
 
@@ -89,8 +98,7 @@ def test_prefill_ending_on_a_stop_token_returns_no_kv_params(dense: Deployment) 
     """As vLLM: kv_transfer_params only when the request ended at its length cap; the KV is then freed."""
     body = {"prompt": PROMPTS[0], "temperature": 0, "return_token_ids": True, "max_tokens": 1}
     first = completion(dense.colocated.url, body)["token_ids"][0]
-    request = {**body, "stop_token_ids": [first], "stream": False,
-               "kv_transfer_params": {"do_remote_decode": True}}
+    request = {**body, "stop_token_ids": [first], "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     answer = httpx.post(dense.prefill.url + "/v1/completions", headers=AUTH, json=request, timeout=60).json()
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert answer["kv_transfer_params"] is None
@@ -109,8 +117,9 @@ def test_decode_reports_where_the_kv_came_from(dense: Deployment) -> None:
     """The gateway relays these figures into its KV metrics: bytes and seconds of the pull, or a local prefill."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     params = prefill(dense.prefill.url, body)
-    remote = httpx.post(dense.decode.url + "/v1/completions", headers=AUTH, json={**body, "kv_transfer_params": params},
-                        timeout=120).json()["kv_transfer_stats"]
+    remote = httpx.post(
+        dense.decode.url + "/v1/completions", headers=AUTH, json={**body, "kv_transfer_params": params}, timeout=120
+    ).json()["kv_transfer_stats"]
     assert remote["source"] == "remote" and remote["bytes"] > 0 and remote["seconds"] > 0
     url = dense.decode.url + "/v1/completions"
     local = httpx.post(url, headers=AUTH, json=body, timeout=120).json()["kv_transfer_stats"]

@@ -38,9 +38,19 @@ class Sample:
 
 def sample(server: ServerProcess) -> Sample:
     text = server.metrics()
-    return Sample(text, *(metric_value(text, name) for name in (
-        WAITING, USAGE, "pdserve_admitted_requests", "pdserve_kv_memory_reserved_bytes",
-        "pdserve_kv_memory_limit_bytes")))
+    return Sample(
+        text,
+        *(
+            metric_value(text, name)
+            for name in (
+                WAITING,
+                USAGE,
+                "pdserve_admitted_requests",
+                "pdserve_kv_memory_reserved_bytes",
+                "pdserve_kv_memory_limit_bytes",
+            )
+        ),
+    )
 
 
 def wait_for_baseline(server: ServerProcess, timeout: float = 60.0) -> Sample:
@@ -83,8 +93,12 @@ def test_gauges_move_with_load_and_return_to_baseline(chunked: ServerProcess) ->
     answers: list[int] = []
 
     def complete() -> None:
-        answer = httpx.post(chunked.url + "/v1/completions", headers=AUTH, timeout=120,
-                            json={"prompt": LONG_PROMPT, "max_tokens": 16, "ignore_eos": True})
+        answer = httpx.post(
+            chunked.url + "/v1/completions",
+            headers=AUTH,
+            timeout=120,
+            json={"prompt": LONG_PROMPT, "max_tokens": 16, "ignore_eos": True},
+        )
         answers.append(answer.status_code)
 
     threads = in_threads([complete] * 6)
@@ -119,8 +133,12 @@ def test_cancelled_requests_leave_no_gauge_behind(chunked: ServerProcess) -> Non
 
     def give_up_while_waiting() -> None:
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(chunked.url + "/v1/completions", headers=AUTH, timeout=0.5,
-                       json={"prompt": LONG_PROMPT, "max_tokens": 5000, "ignore_eos": True})
+            httpx.post(
+                chunked.url + "/v1/completions",
+                headers=AUTH,
+                timeout=0.5,
+                json={"prompt": LONG_PROMPT, "max_tokens": 5000, "ignore_eos": True},
+            )
 
     streams = in_threads([stream_then_drop] * 3)
     streaming.wait()  # three streams are generating
@@ -162,16 +180,17 @@ def black_hole() -> Iterator[int]:
 
 
 def test_a_failed_kv_pull_counts_as_waiting_then_returns_to_baseline(
-        make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess], kv_key_file: Path,
-        black_hole: int) -> None:
+    make_checkpoint: Callable[..., Path], spawn: Callable[..., ServerProcess], kv_key_file: Path, black_hole: int
+) -> None:
     model = make_checkpoint("dense")
     prefill_server = spawn("prefill", model)
     decode_server = spawn("decode", model, "--kv-load-failure-policy", "fail", "--kv-read-timeout-seconds", "0.5")
     body = {"prompt": LONG_PROMPT[:600], "max_tokens": 4}
     params = resigned(prefill(prefill_server.url, body), kv_key_file, remote_port=black_hole)
     answers: list[httpx.Response] = []
-    pulling = in_threads([lambda: answers.append(decode_server.post(
-        "/v1/completions", {**body, "kv_transfer_params": params}))])[0]
+    pulling = in_threads(
+        [lambda: answers.append(decode_server.post("/v1/completions", {**body, "kv_transfer_params": params}))]
+    )[0]
     seen: list[Sample] = []
     while pulling.is_alive():
         seen.append(sample(decode_server))

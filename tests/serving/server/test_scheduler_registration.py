@@ -30,11 +30,24 @@ def scheduler_url(tmp_path: Path) -> Iterator[str]:
     key = (tmp_path / "identity.key").read_text()
     (tmp_path / "instance.token").write_text(derive_token(key, f"instance:prefill-{ENGINE_ID[:24]}"))
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "scheduler", "--port", str(port),
-                                "--state-file", str(tmp_path / "state.json"),
-                                "--admin-token-file", str(tmp_path / "admin.token"),
-                                "--identity-key-file", str(tmp_path / "identity.key")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "scheduler",
+            "--port",
+            str(port),
+            "--state-file",
+            str(tmp_path / "state.json"),
+            "--admin-token-file",
+            str(tmp_path / "admin.token"),
+            "--identity-key-file",
+            str(tmp_path / "identity.key"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -50,10 +63,21 @@ def scheduler_url(tmp_path: Path) -> Iterator[str]:
         process.wait(10)
 
 
-def test_prefill_registers_with_the_scheduler(dense: Deployment, spawn: Callable[..., ServerProcess],
-                                              scheduler_url: str, tmp_path: Path) -> None:
-    server = spawn("prefill", dense.model, "--scheduler-url", scheduler_url, "--heartbeat-seconds", "0.2",
-                   "--scheduler-token-file", str(tmp_path / "instance.token"), "--engine-id", ENGINE_ID)
+def test_prefill_registers_with_the_scheduler(
+    dense: Deployment, spawn: Callable[..., ServerProcess], scheduler_url: str, tmp_path: Path
+) -> None:
+    server = spawn(
+        "prefill",
+        dense.model,
+        "--scheduler-url",
+        scheduler_url,
+        "--heartbeat-seconds",
+        "0.2",
+        "--scheduler-token-file",
+        str(tmp_path / "instance.token"),
+        "--engine-id",
+        ENGINE_ID,
+    )
     admin = bearer((tmp_path / "admin.token").read_text())
     info = server.ready_info()
     instances: list[dict[str, Any]] = []

@@ -35,8 +35,12 @@ def vllm_toy_proxy(prefill_url: str, decode_url: str) -> Starlette:
         request_id = str(uuid.uuid4())
         prefill_data = req_data.copy()
         prefill_data["kv_transfer_params"] = {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
         }
         prefill_data["stream"] = False
         prefill_data["max_tokens"] = 1
@@ -56,24 +60,32 @@ def vllm_toy_proxy(prefill_url: str, decode_url: str) -> Starlette:
             req_data["kv_transfer_params"] = kv_transfer_params
 
         async def stream() -> AsyncIterator[bytes]:
-            async with httpx.AsyncClient(base_url=decode_url + "/v1", timeout=None) as client, client.stream(
-                "POST", api, json=req_data, headers=headers
-            ) as decoded:
+            async with (
+                httpx.AsyncClient(base_url=decode_url + "/v1", timeout=None) as client,
+                client.stream("POST", api, json=req_data, headers=headers) as decoded,
+            ):
                 decoded.raise_for_status()
                 async for chunk in decoded.aiter_bytes():
                     yield chunk
 
         return StreamingResponse(stream(), media_type="application/json")
 
-    return Starlette(routes=[Route("/v1/completions", handle, methods=["POST"]),
-                             Route("/v1/chat/completions", handle, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", handle, methods=["POST"]),
+            Route("/v1/chat/completions", handle, methods=["POST"]),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
 def proxy_url(dense: Deployment) -> Iterator[str]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(vllm_toy_proxy(dense.prefill.url, dense.decode.url), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            vllm_toy_proxy(dense.prefill.url, dense.decode.url), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -89,8 +101,12 @@ def test_vllm_proxy_drives_completions(dense: Deployment, proxy_url: str) -> Non
     client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=API_TOKEN)
     colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key=API_TOKEN)
     model = colocated.models.list().data[0].id
-    args: dict[str, Any] = {"model": model, "prompt": "the proxy sends prefill one token", "max_tokens": 12,
-                            "temperature": 0}
+    args: dict[str, Any] = {
+        "model": model,
+        "prompt": "the proxy sends prefill one token",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     expected = colocated.completions.create(**args).choices[0].text
     assert client.completions.create(**args).choices[0].text == expected
     streamed = client.completions.create(**args, stream=True, stream_options={"include_usage": True})
@@ -101,8 +117,12 @@ def test_vllm_proxy_drives_chat_with_min_tokens(dense: Deployment, proxy_url: st
     client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=API_TOKEN)
     colocated = openai.OpenAI(base_url=dense.colocated.url + "/v1", api_key=API_TOKEN)
     model = colocated.models.list().data[0].id
-    args: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hello there"}],
-                            "max_completion_tokens": 9, "temperature": 0}
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_completion_tokens": 9,
+        "temperature": 0,
+    }
     expected = colocated.chat.completions.create(**args).choices[0].message.content
     pulled_before = metric_value(dense.decode.metrics(), "pdserve_kv_transfer_bytes_total", {"role": "receiver"})
     answer = client.chat.completions.create(**args, extra_body={"min_tokens": 0})
