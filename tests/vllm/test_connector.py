@@ -330,4 +330,4 @@ def test_both_workers_describe_their_instance_for_the_agent(pair: Pair) -> None:
     assert producer["fingerprint"] == consumer["fingerprint"] == pair.prefill_params([7, 8, 9])["kv_fingerprint"]
     assert producer["fingerprint_fields"]["block_size"] == BLOCK_SIZE
     assert producer["kv_streaming"] is consumer["kv_streaming"] is True
-    assert producer["connector_version"] == consumer["connector_version"] == "2"
+    assert producer["connector_version"] == consumer["connector_version"] == "3"

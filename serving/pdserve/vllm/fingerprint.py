@@ -16,7 +16,7 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.platforms import current_platform
 
-CONNECTOR_VERSION = "2"  # 2: KV channel protocol v2 (CRC-32C, per-block digests, range and streamed pulls)
+CONNECTOR_VERSION = "3"  # 3: KV channel protocol v4 (a pull's streams share its chunks; v3 peers are refused)
 FIELDS = (
     "vllm_version",
     "connector_version",
