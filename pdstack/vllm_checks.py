@@ -7,7 +7,8 @@
 - the block size is a multiple of what the engine's attention kernels take;
 - `nixl` only between pools that both have EFA, in one region;
 - `pdstack` (PdstackConnector) only with equal tensor_parallel_size on both sides (each prefill TP rank serves its
-  own KV shard to the decode rank of the same index), and its KV ports (one per prefill worker, from
+  own KV shard to the decode rank of the same index), only with a model vLLM can serve without its hybrid KV cache
+  manager (no linear-attention layers: see _hybrid_cache), and its KV ports (one per prefill worker, from
   serving.ports.kv up: pdserve.vllm.settings.kv_port_of) clear of every other port and below 65536;
 - the context: the gateway's limits fit in `max_model_len`, which fits the checkpoint;
 - with a known model (see plan.stacks.model_for): its shapes allow the parallelism, and the weights and one
@@ -72,6 +73,7 @@ def vllm_problems(stacks: list[StackFile], catalog: Catalog) -> list[Problem]:
     model, _ = model_for(control.config)
     problems += _fingerprint(where, v, pools, model)
     problems += _context(where, serving, model)
+    problems += _hybrid_cache(where, v, model)
     problems += _block_sizes(where, v, pools, model)
     if model is not None:
         problems += _model_fit(where, v, pools, model, catalog)
@@ -241,6 +243,24 @@ def _pdstack_connector(where: str, serving: Serving) -> list[Problem]:
         )
         out.append(Problem(where, "pdstack:serving.ports.kv", reason))
     return out
+
+
+def _hybrid_cache(where: str, v: Vllm, model: ModelSpec | None) -> list[Problem]:
+    """vLLM 0.32 turns its hybrid KV cache manager (HMA) off for a connector that does not subclass SupportsHMA
+    (config/vllm.py), as PdstackConnector does not. Without HMA, full-attention layers and linear-attention (Mamba-
+    style) state layers cannot share one KV cache group, and the engine fails at start-up (kv_cache_utils.py
+    get_kv_cache_groups: "Failed to promote local KV cache specs to one unified type"). Sliding-window layers are
+    only promoted to full attention (more KV memory, not a failure), so they are not refused here."""
+    if v.kv_connector is not KvConnector.PDSTACK or model is None or not model.count(Attention.LINEAR):
+        return []
+    reason = (
+        f"pdstack cannot serve {model.name}: {model.count(Attention.LINEAR)} of its {model.num_layers} layers are "
+        "linear attention, whose per-request state only vLLM's hybrid KV cache manager holds beside the attention "
+        "KV. PdstackConnector moves one full-attention KV cache group and does not subclass SupportsHMA, so vLLM "
+        "disables that manager and the engine fails at start-up. nixl supports it, but only between EFA pools in "
+        "one region; across regions serve a model without linear attention"
+    )
+    return [Problem(where, "pdstack:serving.vllm.kv_connector", reason)]
 
 
 def _context(where: str, serving: Serving, model: ModelSpec | None) -> list[Problem]:

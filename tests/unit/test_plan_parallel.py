@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +20,7 @@ from pdstack.plan.parallel import Parallelism, engine_memory, memory_misfits, sh
 from pdstack.plan.planner import PlanInputs, Slo, make_plan
 from pdstack.plan.timing import Efficiency, decode_step_seconds, engine_step_seconds, model_costs
 from pdstack.plan.workload import from_distribution
+from tests.unit.test_validate import edit
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 GPUS = load_catalog().gpus
@@ -203,11 +205,40 @@ def test_plan_command_takes_parallelism_options() -> None:
     assert bad.exit_code == 2 and "tensor_parallel_size and data_parallel_size must be at least 1" in bad.output
 
 
+def _plan_json(stacks: Path) -> tuple[dict[str, Any], int]:
+    result = CliRunner().invoke(app, ["plan", "--env", "prod", "--stacks", str(stacks), "--json"])
+    return json.loads(result.stdout), result.exit_code
+
+
 def test_plan_from_stacks_reads_the_vllm_settings() -> None:
-    result = CliRunner().invoke(app, ["plan", "--env", "prod", "--stacks", str(STACKS), "--json"])
-    data = json.loads(result.stdout)
+    data, code = _plan_json(STACKS)
+    prefill, decode = data["parallelism"]["prefill"], data["parallelism"]["decode"]
+    assert prefill["tensor_parallel_size"] == decode["tensor_parallel_size"] == 8
+    assert prefill["expert_parallel_size"] == decode["expert_parallel_size"] == 1  # Llama-3.1-70B: dense
+    assert decode["kv_bytes_per_token_per_gpu"] == 80 * 2 * 1 * 128 * 2  # one of the 8 KV heads per GPU
+    assert prefill["block_size"] == decode["block_size"] == 16 and decode["context_tokens"] == 40960
+    assert code == 0, data["verdict"]
+
+
+def test_plan_from_stacks_reads_expert_parallelism(stacks_dir: Path) -> None:
+    # Qwen3-Next (512 routed experts, hybrid) in prod, through nixl with decode moved beside prefill (PdstackConnector
+    # cannot serve a hybrid model), EP on both sides and 32 redundant experts on decode.
+    def beside_prefill(c: dict[str, Any]) -> None:
+        c["aws:region"] = "us-east-1"
+        c["pdstack:datacenter"]["region"] = "us-east-1"
+
+    def hybrid_moe(c: dict[str, Any]) -> None:
+        serving = c["pdstack:serving"]
+        serving["model"]["name"] = "qwen3-next-80b-a3b-instruct"
+        serving["vllm"].update(kv_connector="nixl", block_size=544)
+        serving["vllm"]["prefill"]["enable_expert_parallel"] = True
+        serving["vllm"]["decode"].update(enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=32)
+
+    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml", beside_prefill)
+    edit(stacks_dir / "Pulumi.prod-control.yaml", hybrid_moe)
+    data, code = _plan_json(stacks_dir)
     prefill, decode = data["parallelism"]["prefill"], data["parallelism"]["decode"]
     assert (prefill["tensor_parallel_size"], prefill["experts_per_gpu"]) == (8, 512 // 8)
     assert (decode["tensor_parallel_size"], decode["experts_per_gpu"]) == (8, (512 + 32) // 8)
     assert prefill["block_size"] == decode["block_size"] == 544 and decode["context_tokens"] == 40960
-    assert result.exit_code == 0, data["verdict"]
+    assert code == 0, data["verdict"]

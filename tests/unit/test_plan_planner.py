@@ -177,13 +177,14 @@ def _rewrite(tmp_path: Path, env: str, edit: dict[str, dict[str, object]]) -> Pa
             link.update(edit.get("link", {}))
         if "pdstack:serving" in raw["config"]:
             raw["config"]["pdstack:serving"]["model"].update(edit.get("model", {}))
+            raw["config"]["pdstack:capacity"].update(edit.get("capacity", {}))
         (tmp_path / path.name).write_text(yaml.safe_dump(raw))
     return tmp_path
 
 
 def test_link_problems_name_the_link_and_both_figures_when_overloaded(tmp_path: Path) -> None:
-    dense = {"link": {"bandwidth_gbps": 50, "loss_pct": 0.0}, "model": {"name": "llama-3.1-70b-instruct"}}
-    root = _rewrite(tmp_path, "prod", dense)
+    busy = {"link": {"bandwidth_gbps": 50, "loss_pct": 0.0}, "capacity": {"requests_per_second": 20}}
+    root = _rewrite(tmp_path, "prod", busy)
     problems = link_problems(_env("prod", root))
     assert len(problems) == 1
     p = problems[0]
@@ -232,7 +233,7 @@ def test_plan_command_from_stacks_and_bad_input() -> None:
     runner = CliRunner()
     result = runner.invoke(app, ["plan", "--env", "prod", "--stacks", str(STACKS), "--json"])
     data = json.loads(result.stdout)
-    assert data["model"]["name"] == "Qwen3-Next-80B-A3B" and data["link"]["streams"] == 8
+    assert data["model"]["name"] == "Llama-3.1-70B" and data["link"]["streams"] == 8
     assert result.exit_code == 0, "the prod example is a viable split"
     assert data["link_checks"][0]["link"] == "prefill-us-east-1 -> decode-us-west-2"
     bad = runner.invoke(app, ["plan", "--env", "prod", "--stacks", str(STACKS), "--prefill", "p9.huge"])

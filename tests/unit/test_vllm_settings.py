@@ -135,30 +135,61 @@ def test_prefill_and_decode_must_agree_on_dtype_and_block_size(stacks_dir: Path)
     ]
 
 
+def _hybrid_with_nixl_in_one_region(stacks_dir: Path) -> None:
+    """Prod serving Qwen3-Next (3 in 4 layers Gated DeltaNet, MoE) through nixl, its decode moved beside prefill:
+    the only way vLLM serves a hybrid model disaggregated (nixl supports the hybrid KV cache manager)."""
+
+    def beside_prefill(c: dict[str, Any]) -> None:
+        c["aws:region"] = "us-east-1"
+        c["pdstack:datacenter"]["region"] = "us-east-1"
+
+    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml", beside_prefill)
+    edit(stacks_dir / "Pulumi.prod-control.yaml", lambda c: c["pdstack:serving"]["model"].update(name=QWEN3_NEXT))
+    edit(stacks_dir / "Pulumi.prod-control.yaml", vllm({"kv_connector": "nixl"}))
+
+
+QWEN3_NEXT = "qwen3-next-80b-a3b-instruct"
+
+
+def test_the_pdstack_connector_refuses_a_model_that_needs_the_hybrid_kv_cache_manager(stacks_dir: Path) -> None:
+    # vLLM 0.32 turns its hybrid KV cache manager off for a connector without SupportsHMA; Qwen3-Next's Gated
+    # DeltaNet state and its attention KV then cannot share a KV cache group, and the engine fails at start-up.
+    # Sliding-window layers only cost memory without that manager (promoted to full attention): not refused.
+    assert _only(stacks_dir, "dev", lambda c: c["pdstack:serving"]["model"].update(name="mistral-7b-v0.1")) == []
+    qwen = lambda c: c["pdstack:serving"]["model"].update(name=QWEN3_NEXT)  # noqa: E731
+    assert _only(stacks_dir, "prod", qwen) == [
+        "pdstack:serving.vllm.kv_connector: pdstack cannot serve Qwen3-Next-80B-A3B: 36 of its 48 layers are linear "
+        "attention, whose per-request state only vLLM's hybrid KV cache manager holds beside the attention KV. "
+        "PdstackConnector moves one full-attention KV cache group and does not subclass SupportsHMA, so vLLM "
+        "disables that manager and the engine fails at start-up. nixl supports it, but only between EFA pools in one "
+        "region; across regions serve a model without linear attention"]  # fmt: skip
+
+
+def test_a_hybrid_model_through_nixl_in_one_region_is_accepted(stacks_dir: Path) -> None:
+    _hybrid_with_nixl_in_one_region(stacks_dir)
+    assert problems_of(stacks_dir) == []
+
+
 def test_a_hybrid_models_block_size_must_resolve_the_same_at_both_tensor_parallel_sizes(stacks_dir: Path) -> None:
     # Qwen3-Next, per GPU and layer, bf16. Attention page per token: 2 x max(1, 2 kv heads // TP) x 256 x 2 B =
     # 1024 B at TP 8, 2048 B at TP 1. Gated DeltaNet state: (3 x 8192 conv + 32 x 128 x 128) x 2 B / TP = 137,216 B
     # at TP 8, 1,097,728 B at TP 1. vLLM raises block 16 to 16 x ceil(state / (16 x page)): 16 x 9 = 144 at TP 8,
     # 16 x 34 = 544 at TP 1.
-    # (Decode at TP 1 needs kv_connector nixl, which crosses no regions: prod's decode is moved next to prefill.)
-    def nixl_beside_prefill(c: dict[str, Any]) -> None:
-        c["aws:region"] = "us-east-1"
-        c["pdstack:datacenter"]["region"] = "us-east-1"
-
-    edit(stacks_dir / "Pulumi.prod-decode-us-west-2.yaml", nixl_beside_prefill)
-    edit(stacks_dir / "Pulumi.prod-control.yaml", vllm({"kv_connector": "nixl"}))
+    _hybrid_with_nixl_in_one_region(stacks_dir)  # decode at TP 1 needs nixl (PdstackConnector needs equal TP)
     edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", {"tensor_parallel_size": 1, "data_parallel_size": 8}))
     assert _only(stacks_dir, "prod", vllm({"block_size": 16})) == [
         "pdstack:serving.vllm.block_size: 16 becomes 144 tokens on prefill (TP 8) but 544 on decode (TP 1): vLLM "
         "raises Qwen3-Next-80B-A3B's block size until an attention page holds a linear-attention state, and the KV "
         "fingerprint covers block size; set block_size to at least 544 on both"]  # fmt: skip
+    assert _only(stacks_dir, "prod", vllm({"block_size": 544})) == []
 
 
 def test_the_pdstack_connector_needs_equal_tensor_parallelism(stacks_dir: Path) -> None:
-    # Prefill TP 8 (each rank holds 2 of Qwen3-Next's 16 query-head groups' KV) to decode TP 1 x DP 8: the
-    # connector moves rank r's shard to decode rank r, so TP 1 would refuse every KV.
-    assert _only(stacks_dir, "prod", role("decode", {"tensor_parallel_size": 1, "data_parallel_size": 8})) == [
-        "pdstack:serving.vllm.decode.tensor_parallel_size: 1 differs from prefill's tensor_parallel_size 8: "
+    # Prefill TP 8 (each rank holds one of Llama-3.1-70B's 8 KV heads) to decode TP 4 x DP 2 (two heads a rank,
+    # 35 GB of weights a GPU: it fits): the connector moves rank r's shard to decode rank r, so decode would refuse
+    # every KV.
+    assert _only(stacks_dir, "prod", role("decode", {"tensor_parallel_size": 4, "data_parallel_size": 2})) == [
+        "pdstack:serving.vllm.decode.tensor_parallel_size: 4 differs from prefill's tensor_parallel_size 8: "
         "PdstackConnector moves each TP rank's KV heads to the decode rank of the same index, so decode would refuse "
         "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"]  # fmt: skip
 
@@ -218,7 +249,7 @@ def test_the_context_fits_the_checkpoint(stacks_dir: Path) -> None:
 
 
 def test_expert_settings_follow_vllms_rules(stacks_dir: Path) -> None:
-    assert _only(stacks_dir, "prod", role("decode", {"enable_expert_parallel": False})) == [
+    assert _only(stacks_dir, "prod", role("decode", {"enable_eplb": True, "enable_expert_parallel": False})) == [
         "pdstack:serving.vllm.decode.enable_eplb: needs enable_expert_parallel: true (EPLB moves whole experts)"]
 
 
@@ -257,11 +288,15 @@ def test_a_context_whose_kv_does_not_fit_names_max_model_len(stacks_dir: Path) -
 def test_a_moe_model_too_big_for_its_engine_and_an_mla_block_size(stacks_dir: Path) -> None:
     # DeepSeek-V3 (FP8 weights) at prefill TP 8 x EP on one p5: (17.12 - 1.03) / 8 + 1.03 = 3.04 GB of shared
     # weights + 653.9 GB of routed experts / 8 = 81.7 GB: 84.8 GB per H100 against 0.92 x 80 = 73.6 GB.
-    # Decode (DP 8 x EP, 36 experts per H200) fits. Its MLA kernels need blocks of 64, which 544 is not.
+    # Decode (TP 8 x EP 8 with 32 redundant experts: 36 per H200) fits. Its MLA kernels need blocks of 64, which 16
+    # is not.
+    edit(stacks_dir / "Pulumi.prod-control.yaml", role("prefill", {"enable_expert_parallel": True}))
+    decode_ep = {"enable_expert_parallel": True, "enable_eplb": True, "num_redundant_experts": 32}
+    edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", decode_ep))
     found = _only(stacks_dir, "prod", lambda c: c["pdstack:serving"]["model"].update(name="deepseek-v3"))
     assert ("pdstack:serving.vllm.prefill.data_parallel_size: weights need 84.8 GB per H100 at TP 8 x DP 1 with EP, "
             "more than gpu_memory_utilization 0.92 x 80 GB = 73.6 GB: spread the experts over more GPUs (prefill, "
             "pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)") in found  # fmt: skip
-    assert ("pdstack:serving.vllm.block_size: 544 is not a multiple of 64, which vLLM's MLA kernels (FlashMLA) need "
+    assert ("pdstack:serving.vllm.block_size: 16 is not a multiple of 64, which vLLM's MLA kernels (FlashMLA) need "
             "(pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)") in found  # fmt: skip
     assert not any("decode" in p and "weights need" in p for p in found)
