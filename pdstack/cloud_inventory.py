@@ -20,10 +20,14 @@ import yaml
 
 from pdstack.contract import scheduler_url_parameter
 from pdstack.model import Environment as EnvName
-from pdstack.model import PoolRole
+from pdstack.model import Link, LinkKind, PoolRole
 from pdstack.stacks import PROJECT_FILE, Environment, default_stacks_dir, environment_names, load_environment
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
+# The path MTU across a link (kernel_tuning counts a link's BDP in segments of MTU - 52 bytes, so an MTU set too
+# low would send several BDPs in the first flight): AWS Transit Gateway carries 8500-byte packets, VPC peering
+# 1500 between regions (9001 within one; 1500 undershoots there, and slow start makes up the rest).
+PATH_MTU = {LinkKind.TRANSIT_GATEWAY: 8500, LinkKind.VPC_PEERING: 1500}
 # Tag keys (infra/tags.py; a test checks they agree). Kept here so the toolkit does not import the Pulumi program.
 ENV_TAG, DC_TAG, ROLE_TAG, POOL_TAG = "pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool"
 ENV_VARIABLE = "PDSTACK_ENVIRONMENT"  # which environment's instances the inventory lists
@@ -42,18 +46,28 @@ def environments(stacks_dir: Path) -> list[Environment]:
     return [load_environment(stacks_dir, env) for env in CLOUD_ENVIRONMENTS if env in present]
 
 
+def other(owner: str, link: Link, name: str) -> str:
+    """The datacenter at the far end of `link` (declared by `owner`) from datacenter `name`."""
+    return link.peer if owner == name else owner
+
+
 def stack_vars(envs: list[Environment]) -> dict[str, Any]:
     cloud: dict[str, Any] = {}
     for env in envs:
         datacenters: dict[str, Any] = {}
         links = [(s.config.datacenter.name, link) for s in env.stacks for link in s.config.datacenter.links]
+        cidrs = {s.config.datacenter.name: str(s.config.datacenter.cidr) for s in env.stacks}
         for stack in env.stacks:
             dc = stack.config.datacenter
-            mine = [link for owner, link in links if dc.name in (owner, link.peer)]
-            widest = max(mine, key=lambda link: link.bandwidth_gbps * link.rtt_ms, default=None)
+            # by peer: a link declared on both sides alike is one link
+            peers = {other(owner, link, dc.name): link for owner, link in links if dc.name in (owner, link.peer)}
+            widest = max(peers.values(), key=lambda link: link.bandwidth_gbps * link.rtt_ms, default=None)
             entry: dict[str, Any] = {"region": dc.region}
             if widest is not None:
                 entry |= {"link_bandwidth_gbps": widest.bandwidth_gbps, "link_rtt_ms": widest.rtt_ms}
+                entry["peer_links"] = [{"cidr": cidrs[peer], "bandwidth_gbps": link.bandwidth_gbps,
+                                        "rtt_ms": link.rtt_ms, "mtu": PATH_MTU[link.kind]}
+                                       for peer, link in sorted(peers.items())]  # fmt: skip
             datacenters[dc.name] = entry
         control = env.control.config
         cloud[env.name] = {

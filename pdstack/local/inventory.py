@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from pdstack.local.network import MTU as LINK_MTU
 from pdstack.local.registry import PORT as REGISTRY_PORT
 from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Topology
 from pdstack.model import PoolRole
@@ -80,6 +81,8 @@ def inventory(topology: Topology) -> dict[str, Any]:
             group_vars = {
                 "kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
                 "kernel_tuning_link_rtt_ms": widest.rtt_ms,
+                "kernel_tuning_peer_links": peer_links(topology, dc.name),
+                "kernel_tuning_link_mtu": int(LINK_MTU),  # node, router and WAN devices all carry it
             }
         children[f"dc_{dc.name}"] = {"hosts": {n.name: None for n in dc.nodes}, "vars": group_vars}
     return {
@@ -101,6 +104,17 @@ def inventory(topology: Topology) -> dict[str, Any]:
             },
         }
     }
+
+
+def peer_links(topology: Topology, name: str) -> list[dict[str, Any]]:
+    """kernel_tuning's routes: each peer datacenter's subnet and the link to it (a one-BDP initial window)."""
+    cidrs = {dc.name: str(dc.network) for dc in topology.datacenters}
+    return [
+        {"cidr": cidrs[link.b if link.a == name else link.a], "bandwidth_gbps": link.rate_mbit / 1000,
+         "rtt_ms": link.rtt_ms}
+        for link in topology.links
+        if name in (link.a, link.b)
+    ]  # fmt: skip
 
 
 def write_inventory(topology: Topology, path: Path) -> bool:

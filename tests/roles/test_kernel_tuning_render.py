@@ -98,3 +98,31 @@ def test_the_route_script_keeps_the_next_hop_and_sets_the_window(rendered: tuple
     assert first.splitlines() == [f"changed {peer['cidr']}" for peer in PEERS]
     assert "via 10.250.0.1 dev kt0" in route and "initcwnd 1727" in route and "initrwnd 1727" in route, route
     assert second == ""
+
+
+@pytest.mark.parametrize(
+    ("inventory", "group", "peer", "segments"),
+    [
+        # 1 Gbit/s x 20 ms = 2,500,000 bytes over the local WAN's 65000-byte MTU: 39 segments of 64948
+        ("local", "dc_dc1", "10.210.2.0/24", 39),
+        # prod's 50 Gbit/s x 62 ms Transit Gateway link in 8448-byte segments: 387,500,000 / 8448 = 45868.8
+        ("aws", "prefill-us-east-1", "10.32.0.0/16", 45869),
+    ],
+)
+def test_the_inventories_peer_links_give_each_peer_route_one_bdp(
+    tmp_path: Path, inventory: str, group: str, peer: str, segments: int
+) -> None:
+    """The links the inventories render from the stacks (pdstack.local.inventory, pdstack.cloud_inventory) are what
+    the route script takes: each peer datacenter's subnet gets its own link's BDP in its own path MTU's segments."""
+    if inventory == "local":
+        hosts = yaml.safe_load((REPO / "inventories" / "local" / "hosts.yml").read_text())
+        variables = hosts["all"]["children"]["nodes"]["children"][group]["vars"]
+    else:
+        stacks = yaml.safe_load((REPO / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
+        entry = stacks["pdstack_cloud"]["prod"]["datacenters"][group]
+        variables = {"kernel_tuning_link_bandwidth_gbps": entry["link_bandwidth_gbps"],
+                     "kernel_tuning_link_rtt_ms": entry["link_rtt_ms"],
+                     "kernel_tuning_peer_links": entry["peer_links"]}  # fmt: skip
+    _conf, script = render(tmp_path, variables)
+    line = next(line for line in script.read_text().splitlines() if line.startswith(f"route {peer} "))
+    assert line.split()[-1] == str(segments), line
