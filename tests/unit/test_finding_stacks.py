@@ -35,7 +35,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for folder in ("stacks", "infra", "policy", "roles"):
         shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "deep" / "er" / "still").mkdir(parents=True)
-    edit(root / "stacks" / "Pulumi.prod-control.yaml", "pdstack:capacity", {"requests_per_second": 7})
+    edit(root / "stacks" / "Pulumi.prod-control.yaml", "pdstack:capacity", {"requests_per_second": 2})
     edit(root / "stacks" / "Pulumi.local-control.yaml", "pdstack:canary", {"interval_s": 33})
     return root
 
@@ -68,7 +68,7 @@ def test_every_subcommand_finds_the_projects_stacks_from_any_folder(
 
     code, out, err = run(here, monkeypatch, "plan", "--env", "prod", "--json")
     assert code == 0, out + err
-    assert json.loads(out)["workload"]["requests_per_second"] == 7  # the copy's value, not the repository's 20
+    assert json.loads(out)["workload"]["requests_per_second"] == 2  # the copy's value, not the repository's 3
 
     code, out, err = run(here, monkeypatch, "canary", "policy", "--env", "local")
     assert (code, json.loads(out)["interval_s"]) == (0, 33)
@@ -88,7 +88,7 @@ def test_stacks_option_names_another_folder_from_anywhere(
     stacks = str(project / "stacks")
     assert run(tmp_path, monkeypatch, "canary", "policy", "--stacks", stacks)[1].count('"interval_s":33') == 1
     code, out, _ = run(tmp_path, monkeypatch, "plan", "--env", "prod", "--stacks", stacks, "--json")
-    assert (code, json.loads(out)["workload"]["requests_per_second"]) == (0, 7)
+    assert (code, json.loads(out)["workload"]["requests_per_second"]) == (0, 2)
     code, out, _ = run(tmp_path, monkeypatch, "validate", "--stacks", stacks)
     assert code == 0 and out.startswith("ok: 12 stacks valid")
 
@@ -109,7 +109,7 @@ def test_old_spellings_still_work_with_a_deprecation_warning(project: Path, monk
     assert (code, json.loads(out)["interval_s"]) == (0, 33)
     assert "--stack-dir is deprecated" in err
     code, out, err = run(project.parent, monkeypatch, "plan", "--env", "prod", "--stacks-dir", stacks, "--json")
-    assert (code, json.loads(out)["workload"]["requests_per_second"]) == (0, 7)
+    assert (code, json.loads(out)["workload"]["requests_per_second"]) == (0, 2)
     assert "--stacks-dir is deprecated" in err
     code, out, err = run(project.parent, monkeypatch, "local", "inventory", "--project", str(project))
     assert code == 0 and out.startswith("# Rendered by `pdstack local inventory`")
