@@ -90,6 +90,8 @@ def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -
     kv_bytes = len(params["remote_block_ids"]) * 4 * 2 * BLOCK_SIZE * 128 * 4
     pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes,
                             'role="receiver"')  # fmt: skip
+    # each pull stream ran on a connection, new or pooled: what the KV dashboard's cold/warm panel reads
+    assert pair.decode.metric("pdserve_kv_connections_total", 'role="receiver"') > 0
 
 
 def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None:

@@ -533,7 +533,7 @@ class KVConnectionPool:
                 del self._idle[peer]
 
     def _count(self, outcome: str) -> None:
-        self._metrics.connections.labels("receiver", outcome).inc()
+        self._metrics.observe_connection("receiver", outcome)
 
 
 @dataclass(frozen=True)
@@ -550,7 +550,7 @@ class _Route:
         if self.pool is not None:
             return await self.pool.acquire(self.connector, self.host, self.port)
         channel, session = await self.connector.connect_session(self.host, self.port)
-        self.metrics.connections.labels("receiver", "new").inc()
+        self.metrics.observe_connection("receiver", "new")
         return KVConnection(channel, peer_key(self.connector, self.host, self.port), session)
 
     def give_back(self, connection: KVConnection, *, clean: bool) -> None:

@@ -68,6 +68,9 @@ class KVMetrics:
     # The KV channel records everything through these observe_* methods (never by touching a metric itself), so a
     # subclass can see each event too: vLLM's connector forwards them to the API server that is scraped.
 
+    def observe_connection(self, role: str, outcome: str) -> None:
+        self.connections.labels(role, outcome).inc()
+
     def observe_auth_refused(self) -> None:
         self.auth_refused.inc()
 

@@ -252,7 +252,7 @@ class KVServer:
                 log.info("kv: bad request frame from %s: %s", peer, error)
                 self._send_error(channel, error)
                 return
-            self._metrics.connections.labels("sender", "reused" if served else "new").inc()
+            self._metrics.observe_connection("sender", "reused" if served else "new")
             try:
                 self._dispatch(frame, channel, session, waits)
             except KVTransferError as error:

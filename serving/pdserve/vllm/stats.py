@@ -4,6 +4,7 @@ Metrics registered in vLLM's worker process are never scraped. So the worker rec
 (on a private registry) and hands each step's news to vLLM as a KVConnectorStats; vLLM carries it to the API
 server process, where PdstackPromMetrics records it under pdserve's names (pdserve_kv_transfer_bytes,
 pdserve_kv_transfer_seconds, pdserve_kv_transfer_goodput_bytes_per_second, pdserve_kv_transfer_failures,
+pdserve_kv_connections,
 pdserve_kv_auth_refused, pdserve_kv_leases_released, pdserve_kv_lease_bytes, pdserve_kv_leases) with vLLM's
 engine labels. vLLM forwards stats at engine steps only: an idle prefill's numbers advance at its next step.
 """
@@ -22,7 +23,7 @@ from pdserve.kv.metrics import GBPS_BUCKETS, SECONDS_BUCKETS, KVMetrics
 
 
 def _empty() -> dict[str, Any]:
-    return {"transfers": [], "failures": [], "auth_refused": 0, "released": {}, "gauges": {}}
+    return {"transfers": [], "failures": [], "connections": [], "auth_refused": 0, "released": {}, "gauges": {}}
 
 
 class RecordingKVMetrics(KVMetrics):
@@ -43,6 +44,11 @@ class RecordingKVMetrics(KVMetrics):
         super().observe_failure(role, cause)
         with self._lock:
             self._news["failures"].append([role, cause])
+
+    def observe_connection(self, role: str, outcome: str) -> None:
+        super().observe_connection(role, outcome)
+        with self._lock:
+            self._news["connections"].append([role, outcome])
 
     def observe_auth_refused(self) -> None:
         super().observe_auth_refused()
@@ -80,6 +86,7 @@ class PdstackStats(KVConnectorStats):
         theirs = other.data
         self.data["transfers"] = [*self.data["transfers"], *theirs.get("transfers", [])]
         self.data["failures"] = [*self.data["failures"], *theirs.get("failures", [])]
+        self.data["connections"] = [*self.data["connections"], *theirs.get("connections", [])]
         self.data["auth_refused"] += theirs.get("auth_refused", 0)
         for reason, count in theirs.get("released", {}).items():
             self.data["released"][reason] = self.data["released"].get(reason, 0) + count
@@ -100,8 +107,8 @@ class PdstackStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         data = self.data
-        return not (data["transfers"] or data["failures"] or data["auth_refused"] or data["released"]
-                    or data["gauges"])  # fmt: skip
+        return not (data["transfers"] or data["failures"] or data["connections"] or data["auth_refused"]
+                    or data["released"] or data["gauges"])  # fmt: skip
 
 
 class PdstackPromMetrics(KVConnectorPromMetrics):
@@ -129,6 +136,11 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
         self.failures = self._counter_cls(
             name="pdserve_kv_transfer_failures", documentation="Failed KV transfers by cause",
             labelnames=[*by_role, "cause"],
+        )  # fmt: skip
+        self.connections = self._counter_cls(
+            name="pdserve_kv_connections",
+            documentation="Connections KV requests ran on, by outcome (new, reused, stale)",
+            labelnames=[*by_role, "outcome"],
         )  # fmt: skip
         auth_refused = self._counter_cls(
             name="pdserve_kv_auth_refused",
@@ -161,6 +173,8 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             self.goodput.labels(*engine, role).observe(nbytes / seconds if seconds > 0 else 0.0)
         for role, cause in transfer_stats_data.get("failures", []):
             self.failures.labels(*engine, role, cause).inc()
+        for role, outcome in transfer_stats_data.get("connections", []):
+            self.connections.labels(*engine, role, outcome).inc()
         if transfer_stats_data.get("auth_refused"):
             self.auth_refused[engine_idx].inc(transfer_stats_data["auth_refused"])
         for reason, count in transfer_stats_data.get("released", {}).items():
