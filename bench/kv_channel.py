@@ -137,8 +137,17 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def kv_pulls(
-    ns_client: str | None, key_file: str, server_ip: str, checksum: str, *, streams: int, repeats: int, gap_s: float,
-    server_pid: int, mib: int, cold_memory: bool,
+    ns_client: str | None,
+    key_file: str,
+    server_ip: str,
+    checksum: str,
+    *,
+    streams: int,
+    repeats: int,
+    gap_s: float,
+    server_pid: int,
+    mib: int,
+    cold_memory: bool,
 ) -> dict[str, Any]:
     load = os.getloadavg()[0]
     server_cpu = process_cpu_seconds(server_pid)
@@ -328,25 +337,51 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tcp-congestion", default=None, help="the KV server's congestion control (default: system)")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the KV store's DATA frame size")
-    parser.add_argument("--notsent-lowat", type=int, default=None,
-                        help="the KV server's TCP_NOTSENT_LOWAT in bytes (default: KVServer's own)")
-    parser.add_argument("--stream-counts", type=lambda text: [int(n) for n in text.split(",")], default=STREAM_COUNTS,
-                        help="comma-separated stream counts (default 1,2,4,8)")
-    parser.add_argument("--cold-memory", action="store_true", help="the cold pull also lands in fresh memory (a new "
-                        "decode process); by default the pull process faults in one destination mapping first, so "
-                        "cold means new connections only")
+    parser.add_argument(
+        "--notsent-lowat",
+        type=int,
+        default=None,
+        help="the KV server's TCP_NOTSENT_LOWAT in bytes (default: KVServer's own)",
+    )
+    parser.add_argument(
+        "--stream-counts",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=STREAM_COUNTS,
+        help="comma-separated stream counts (default 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--cold-memory",
+        action="store_true",
+        help="the cold pull also lands in fresh memory (a new "
+        "decode process); by default the pull process faults in one destination mapping first, so "
+        "cold means new connections only",
+    )
     parser.add_argument("--gap-seconds", type=float, default=0.0, help="pause between one pull and the next")
-    parser.add_argument("--initcwnd", default="", help="WAN: initcwnd/initrwnd of the routes between the namespaces, "
-                        "in segments, or 'bdp' (the link's BDP in segments); default: the kernel's (10)")
-    parser.add_argument("--sysctl", type=sysctl_setting, action="append", default=[], metavar="NAME=VALUE",
-                        help="set a namespaced sysctl in both namespaces (repeatable), e.g. what kernel_tuning sets")
+    parser.add_argument(
+        "--initcwnd",
+        default="",
+        help="WAN: initcwnd/initrwnd of the routes between the namespaces, "
+        "in segments, or 'bdp' (the link's BDP in segments); default: the kernel's (10)",
+    )
+    parser.add_argument(
+        "--sysctl",
+        type=sysctl_setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a namespaced sysctl in both namespaces (repeatable), e.g. what kernel_tuning sets",
+    )
     args = parser.parse_args()
     if args.mode == "serve":
-        asyncio.run(serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes,
-                          args.notsent_lowat))
+        asyncio.run(
+            serve(args.key_file, args.host, args.mib, args.tcp_congestion, args.chunk_bytes, args.notsent_lowat)
+        )
     elif args.mode == "pull":
-        asyncio.run(pull_repeatedly(args.key_file, args.host, args.checksum, args.streams, args.repeats,
-                                    args.gap_seconds, args.mib))
+        asyncio.run(
+            pull_repeatedly(
+                args.key_file, args.host, args.checksum, args.streams, args.repeats, args.gap_seconds, args.mib
+            )
+        )
     else:
         with tempfile.TemporaryDirectory() as folder:
             key_file = Path(folder) / "kv.key"
@@ -363,6 +398,7 @@ def main() -> None:
         report["command"] = shlex.join([Path(sys.executable).name, *sys.argv])
         report["machine"] = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
         write_results(args.output, report)
+
 
 if __name__ == "__main__":
     main()

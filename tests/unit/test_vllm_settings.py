@@ -39,39 +39,63 @@ def test_examples_run_vllm_in_the_cloud_and_pdserve_locally() -> None:
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (vllm({"image": "vllm/vllm-openai:v0.32.0"}),
-         "pdstack:serving.vllm.image: 'vllm/vllm-openai:v0.32.0' is not pinned: add @sha256:<digest> "
-         "(a tag alone can move)"),
-        (vllm({"image": f"vllm/vllm-openai:v0.32.0@sha256:{'0' * 63}"}),
-         "pdstack:serving.vllm.image: 'vllm/vllm-openai:v0.32.0@sha256:" + "0" * 63 + "' is not an image reference "
-         "of the form name[:tag]@sha256:<64 lower-case hex>"),
-        (vllm({"image": f"vllm/vllm-openai:v0.31.1@{DIGEST}"}),
-         "pdstack:serving.vllm: serving.vllm.image is tagged 'v0.31.1' but serving.vllm.version is '0.32.0': the "
-         "release records the version, so they must agree"),
+        (
+            vllm({"image": "vllm/vllm-openai:v0.32.0"}),
+            "pdstack:serving.vllm.image: 'vllm/vllm-openai:v0.32.0' is not pinned: add @sha256:<digest> "
+            "(a tag alone can move)",
+        ),
+        (
+            vllm({"image": f"vllm/vllm-openai:v0.32.0@sha256:{'0' * 63}"}),
+            "pdstack:serving.vllm.image: 'vllm/vllm-openai:v0.32.0@sha256:" + "0" * 63 + "' is not an image reference "
+            "of the form name[:tag]@sha256:<64 lower-case hex>",
+        ),
+        (
+            vllm({"image": f"vllm/vllm-openai:v0.31.1@{DIGEST}"}),
+            "pdstack:serving.vllm: serving.vllm.image is tagged 'v0.31.1' but serving.vllm.version is '0.32.0': the "
+            "release records the version, so they must agree",
+        ),
         (vllm({"version": "latest"}), "pdstack:serving.vllm.version: String should match pattern"),
         (vllm({"dtype": "auto"}), "pdstack:serving.vllm.dtype: Input should be 'bfloat16', 'float16' or 'float32'"),
-        (vllm({"gpu_memory_utilization": 1.5}),
-         "pdstack:serving.vllm.gpu_memory_utilization: Input should be less than or equal to 1"),
+        (
+            vllm({"gpu_memory_utilization": 1.5}),
+            "pdstack:serving.vllm.gpu_memory_utilization: Input should be less than or equal to 1",
+        ),
         (vllm({"kv_connector": "mooncake"}), "pdstack:serving.vllm.kv_connector: Input should be 'pdstack' or 'nixl'"),
-        (vllm({"extra_args": {"speculative-config": "{}"}}),
-         "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.speculative-config: --speculative-config is not "
-         "an allowed extra vLLM flag (allowed: enable-prefix-caching,"),
-        (vllm({"extra_args": {"tensor-parallel-size": 4}}),
-         "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.tensor-parallel-size: pdstack sets "
-         "--tensor-parallel-size itself, from serving.vllm.<prefill|decode>.tensor_parallel_size"),
-        (vllm({"extra_args": {"max-num-seqs": "256"}}),
-         "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.max-num-seqs: --max-num-seqs takes a int value, "
-         "got str '256'"),
-        (role("decode", {"tensor_parallel_size": 0}),
-         "pdstack:serving.vllm.decode.tensor_parallel_size: Input should be greater than or equal to 1"),
-        (role("decode", {"pipeline_parallel_size": 2}),
-         "pdstack:serving.vllm.decode.pipeline_parallel_size: unknown key"),
-        (lambda c: c["pdstack:serving"].update(engine="sglang"),
-         "pdstack:serving.engine: Input should be 'pdserve' or 'vllm'"),
-        (lambda c: c["pdstack:serving"].pop("vllm"),
-         "pdstack:serving: serving.vllm is required when serving.engine is vllm (image, version, max_model_len)"),
-        (lambda c: c["pdstack:serving"].update(engine="pdserve"),
-         "pdstack:serving: serving.vllm is set but serving.engine is pdserve: set engine: vllm, or remove it"),
+        (
+            vllm({"extra_args": {"speculative-config": "{}"}}),
+            "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.speculative-config: --speculative-config is not "
+            "an allowed extra vLLM flag (allowed: enable-prefix-caching,",
+        ),
+        (
+            vllm({"extra_args": {"tensor-parallel-size": 4}}),
+            "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.tensor-parallel-size: pdstack sets "
+            "--tensor-parallel-size itself, from serving.vllm.<prefill|decode>.tensor_parallel_size",
+        ),
+        (
+            vllm({"extra_args": {"max-num-seqs": "256"}}),
+            "pdstack:serving.vllm.extra_args: serving.vllm.extra_args.max-num-seqs: --max-num-seqs takes a int value, "
+            "got str '256'",
+        ),
+        (
+            role("decode", {"tensor_parallel_size": 0}),
+            "pdstack:serving.vllm.decode.tensor_parallel_size: Input should be greater than or equal to 1",
+        ),
+        (
+            role("decode", {"pipeline_parallel_size": 2}),
+            "pdstack:serving.vllm.decode.pipeline_parallel_size: unknown key",
+        ),
+        (
+            lambda c: c["pdstack:serving"].update(engine="sglang"),
+            "pdstack:serving.engine: Input should be 'pdserve' or 'vllm'",
+        ),
+        (
+            lambda c: c["pdstack:serving"].pop("vllm"),
+            "pdstack:serving: serving.vllm is required when serving.engine is vllm (image, version, max_model_len)",
+        ),
+        (
+            lambda c: c["pdstack:serving"].update(engine="pdserve"),
+            "pdstack:serving: serving.vllm is set but serving.engine is pdserve: set engine: vllm, or remove it",
+        ),
     ],
 )
 def test_a_malformed_setting_is_refused_naming_its_field(stacks_dir: Path, change: Any, expected: str) -> None:
@@ -245,12 +269,14 @@ def test_the_context_holds_what_the_gateway_admits(stacks_dir: Path) -> None:
 def test_the_context_fits_the_checkpoint(stacks_dir: Path) -> None:
     # 163840 x 131,072 B = 21.5 GB of KV still fits an L40S beside the weights: only the checkpoint refuses it.
     assert _only(stacks_dir, "staging", vllm({"max_model_len": 163840})) == [
-        "pdstack:serving.vllm.max_model_len: 163840 exceeds Llama-3.1-8B's max_position_embeddings 131072"]
+        "pdstack:serving.vllm.max_model_len: 163840 exceeds Llama-3.1-8B's max_position_embeddings 131072"
+    ]
 
 
 def test_expert_settings_follow_vllms_rules(stacks_dir: Path) -> None:
     assert _only(stacks_dir, "prod", role("decode", {"enable_eplb": True, "enable_expert_parallel": False})) == [
-        "pdstack:serving.vllm.decode.enable_eplb: needs enable_expert_parallel: true (EPLB moves whole experts)"]
+        "pdstack:serving.vllm.decode.enable_eplb: needs enable_expert_parallel: true (EPLB moves whole experts)"
+    ]
 
 
 def test_redundant_experts_need_eplb(stacks_dir: Path) -> None:
@@ -261,7 +287,8 @@ def test_redundant_experts_need_eplb(stacks_dir: Path) -> None:
 
 def test_expert_parallelism_on_a_dense_model_is_refused(stacks_dir: Path) -> None:
     assert _only(stacks_dir, "staging", role("decode", {"enable_expert_parallel": True})) == [
-        "pdstack:serving.vllm.decode.enable_expert_parallel: Llama-3.1-8B has no routed experts to place (decode)"]
+        "pdstack:serving.vllm.decode.enable_expert_parallel: Llama-3.1-8B has no routed experts to place (decode)"
+    ]
 
 
 def test_weights_that_do_not_fit_name_the_setting(stacks_dir: Path) -> None:
@@ -282,7 +309,8 @@ def test_a_context_whose_kv_does_not_fit_names_max_model_len(stacks_dir: Path) -
     assert len(found) == 2
     assert found[0].startswith(
         "pdstack:serving.vllm.max_model_len: one sequence of 20480 tokens needs 2.68 GB of KV per GPU, but "
-        "gpu_memory_utilization 0.38 x 48 GB = 18.2 GB less 16.1 GB of weights leaves 2.18 GB (prefill,")
+        "gpu_memory_utilization 0.38 x 48 GB = 18.2 GB less 16.1 GB of weights leaves 2.18 GB (prefill,"
+    )
 
 
 def test_a_moe_model_too_big_for_its_engine_and_an_mla_block_size(stacks_dir: Path) -> None:

@@ -79,9 +79,7 @@ class Manifest:
     def from_bytes(cls, raw: bytes) -> Manifest:
         body = json.loads(raw)
         meta = KVMeta(str(body["request_id"]), int(body["token_count"]), str(body["fingerprint"]))
-        layers = tuple(
-            (_spec_from_json(layer["k"]), _spec_from_json(layer["v"])) for layer in body["layers"]
-        )
+        layers = tuple((_spec_from_json(layer["k"]), _spec_from_json(layer["v"])) for layer in body["layers"])
         return cls(meta, layers, int(body["chunk_bytes"]), str(body["checksum"]), int(body["unit_rows"]))
 
 
@@ -177,8 +175,9 @@ def unit_digests(views: list[memoryview], units: Units, indices: list[int] | ran
     return digests
 
 
-def blob_checksum(meta: KVMeta, specs: tuple[tuple[ArraySpec, ArraySpec], ...], unit_rows: int,
-                  digests: list[bytes] | bytes) -> str:
+def blob_checksum(
+    meta: KVMeta, specs: tuple[tuple[ArraySpec, ArraySpec], ...], unit_rows: int, digests: list[bytes] | bytes
+) -> str:
     digest = hashlib.sha256(json.dumps(_layout_json(meta, specs, unit_rows), sort_keys=True).encode())
     digest.update(b"".join(digests) if isinstance(digests, list) else digests)
     return CHECKSUM_PREFIX + digest.hexdigest()

@@ -113,11 +113,13 @@ class Connector:
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
         except TimeoutError as error:
-            raise KVTransferError("timeout", f"connect to {host}:{port} took over {self.connect_timeout_s:g} s") \
-                from error
+            raise KVTransferError(
+                "timeout", f"connect to {host}:{port} took over {self.connect_timeout_s:g} s"
+            ) from error
         except OSError as error:
-            raise KVTransferError("connection", f"cannot connect to {host}:{port}: {error.strerror or error}") \
-                from error
+            raise KVTransferError(
+                "connection", f"cannot connect to {host}:{port}: {error.strerror or error}"
+            ) from error
         channel = FrameSocket(sock)
         try:
             if self.ssl_context is not None:
@@ -136,8 +138,9 @@ class Connector:
         except ssl.SSLError as error:
             raise KVTransferError("auth", f"TLS handshake with {host}:{port} failed: {error.reason}") from error
         except TimeoutError as error:
-            raise KVTransferError("timeout", f"TLS handshake with {host}:{port} took over "
-                                  f"{self.connect_timeout_s:g} s") from error
+            raise KVTransferError(
+                "timeout", f"TLS handshake with {host}:{port} took over {self.connect_timeout_s:g} s"
+            ) from error
         except OSError as error:
             raise KVTransferError("connection", f"TLS handshake with {host}:{port} failed: {error!r}") from error
 
@@ -146,8 +149,11 @@ class Connector:
         channel.send(self.read_timeout_s, FrameType.HELLO, client_nonce)
         challenge = expect(channel.read_frame(self.read_timeout_s), FrameType.CHALLENGE).payload
         if len(challenge) != NONCE_BYTES + PROOF_BYTES:
-            raise KVTransferError("auth", f"expected CHALLENGE ({NONCE_BYTES}-byte nonce and {PROOF_BYTES}-byte "
-                                  f"proof), got CHALLENGE ({len(challenge)} bytes)")
+            raise KVTransferError(
+                "auth",
+                f"expected CHALLENGE ({NONCE_BYTES}-byte nonce and {PROOF_BYTES}-byte "
+                f"proof), got CHALLENGE ({len(challenge)} bytes)",
+            )
         server_nonce, proof = challenge[:NONCE_BYTES], challenge[NONCE_BYTES:]
         auth.verify(auth.server_proof(self.key, client_nonce, server_nonce), proof, "server")
         # The AUTH frame is not answered; the request that follows it is, which saves a round trip.
@@ -235,12 +241,17 @@ class _Assembly:
                 self.landed(chunk)
                 return None
             if header.type is FrameType.DATA:
-                raise KVTransferError("protocol", f"a DATA frame carries {DATA_HEADER.size} to {data_max} bytes here, "
-                                      f"its header claims {header.length}")
+                raise KVTransferError(
+                    "protocol",
+                    f"a DATA frame carries {DATA_HEADER.size} to {data_max} bytes here, "
+                    f"its header claims {header.length}",
+                )
             limit = digests if header.type is FrameType.DIGESTS else MAX_CONTROL_PAYLOAD
             if header.length > limit:
-                raise KVTransferError("protocol", f"a {header.type.name} frame here carries at most {limit} bytes, "
-                                      f"its header claims {header.length}")
+                raise KVTransferError(
+                    "protocol",
+                    f"a {header.type.name} frame here carries at most {limit} bytes, its header claims {header.length}",
+                )
             payload = channel.recv_bytes(header.length, deadline, timeout)
             header.check_crc(payload)
             if header.type is not FrameType.KEEPALIVE:
@@ -249,8 +260,9 @@ class _Assembly:
     async def verify(self, digests: bytes, checksum: str) -> None:
         """The announced unit digests hash to the announced checksum, and every unit received has its digest."""
         if len(digests) != self.units.total * DIGEST_BYTES:
-            raise KVTransferError("protocol", f"DIGESTS carries {len(digests)} bytes, expected "
-                                  f"{self.units.total * DIGEST_BYTES}")
+            raise KVTransferError(
+                "protocol", f"DIGESTS carries {len(digests)} bytes, expected {self.units.total * DIGEST_BYTES}"
+            )
         manifest = self.manifest
         if blob_checksum(manifest.meta, manifest.layers, manifest.unit_rows, digests) != checksum:
             raise KVTransferError("checksum", "the announced unit digests do not match the blob checksum")
@@ -261,8 +273,9 @@ class _Assembly:
             for unit, digest in zip(units, digests_of, strict=True):
                 if digest != digests[unit * DIGEST_BYTES : (unit + 1) * DIGEST_BYTES]:
                     array, start, _end = self.units.span(unit)
-                    raise KVTransferError("checksum", f"layer {array // 2} {'KV'[array % 2]} bytes from {start} do "
-                                          "not match their digest")
+                    raise KVTransferError(
+                        "checksum", f"layer {array // 2} {'KV'[array % 2]} bytes from {start} do not match their digest"
+                    )
 
 
 @dataclass
@@ -667,8 +680,9 @@ def _receive_stream(connection: KVConnection, state: _Pull, request: dict[str, A
     END."""
     channel = connection.channel
     index = int(request["stream"])
-    manifest = expect(_first_reply(channel, FrameType.PULL, {**request, **state.trace}, timeout),
-                      FrameType.MANIFEST).payload
+    manifest = expect(
+        _first_reply(channel, FrameType.PULL, {**request, **state.trace}, timeout), FrameType.MANIFEST
+    ).payload
     assembly = state.assembly_for(manifest)
     chunks = 0
     while (frame := assembly.receive(channel, timeout)) is None or frame.type is FrameType.DIGESTS:
@@ -682,8 +696,9 @@ def _receive_stream(connection: KVConnection, state: _Pull, request: dict[str, A
     if index == 0 and state.digests is None:
         raise KVTransferError("protocol", "stream 0 ended without DIGESTS")
     if end.get("chunks") != chunks:
-        raise KVTransferError("protocol", f"stream {index} ended announcing {end.get('chunks')} chunks, it got "
-                              f"{chunks}")
+        raise KVTransferError(
+            "protocol", f"stream {index} ended announcing {end.get('chunks')} chunks, it got {chunks}"
+        )
     _check_end_mac(connection.session, manifest, request, end, chunks)
     announced = Manifest.from_bytes(manifest).checksum
     if announced and announced != end.get("checksum"):
@@ -698,8 +713,11 @@ def _check_end_mac(session: bytes, manifest: bytes, request: dict[str, Any], end
         raise KVTransferError("protocol", "END needs checksum and mac (strings)")
     expected = auth.end_mac(session, manifest, request, checksum, chunks)
     if not hmac.compare_digest(expected, mac):
-        raise KVTransferError("auth", "END's MAC does not match: the manifest or blob checksum was not sent by the "
-                              "authenticated server (rewritten on the path?)")
+        raise KVTransferError(
+            "auth",
+            "END's MAC does not match: the manifest or blob checksum was not sent by the "
+            "authenticated server (rewritten on the path?)",
+        )
 
 
 async def ack(

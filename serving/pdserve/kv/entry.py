@@ -106,17 +106,28 @@ class Watch:
 class StoredKV:
     """A blob held under a lease; thread-safe (the engine adds, the event loop reads)."""
 
-    def __init__(self, meta: KVMeta, specs: LayerSpecs, chunk_bytes: int, expires_at: float, *, unit_rows: int = 0,
-                 hasher: Executor | None = None, layers: list[Layer] | None = None) -> None:
+    def __init__(
+        self,
+        meta: KVMeta,
+        specs: LayerSpecs,
+        chunk_bytes: int,
+        expires_at: float,
+        *,
+        unit_rows: int = 0,
+        hasher: Executor | None = None,
+        layers: list[Layer] | None = None,
+    ) -> None:
         self.meta = meta
         self.specs = specs
         self.chunk_bytes = chunk_bytes
         self.unit_rows = unit_rows
         self.units = Units(specs, unit_rows)
         self.expires_at = expires_at
-        self.layers: list[Layer] = layers if layers is not None else [
-            (np.empty(k.shape, np.dtype(k.dtype)), np.empty(v.shape, np.dtype(v.dtype))) for k, v in specs
-        ]
+        self.layers: list[Layer] = (
+            layers
+            if layers is not None
+            else [(np.empty(k.shape, np.dtype(k.dtype)), np.empty(v.shape, np.dtype(v.dtype))) for k, v in specs]
+        )
         self._views = flat_views(self.layers)
         self._filled = [_Ranges(len(view)) for view in self._views]
         self._digests: list[bytes | None] = [None] * self.units.total
@@ -163,8 +174,11 @@ class StoredKV:
                 raise ValueError(f"request {self.meta.request_id!r}: its KV is sealed or aborted, nothing may be added")
             view[offset : offset + len(raw)] = raw
             self._filled[array].add(offset, offset + len(raw))
-            complete = [unit for unit in self.units.covering(array, offset, offset + len(raw))
-                        if not self._hashing[unit] and self._filled[array].covers(*self.units.span(unit)[1:])]
+            complete = [
+                unit
+                for unit in self.units.covering(array, offset, offset + len(raw))
+                if not self._hashing[unit] and self._filled[array].covers(*self.units.span(unit)[1:])
+            ]
             for unit in complete:
                 self._hashing[unit] = True
         if complete:
@@ -176,8 +190,9 @@ class StoredKV:
         with self._lock:
             missing = [index for index, ranges in enumerate(self._filled) if not ranges.full]
             if missing:
-                raise ValueError(f"request {self.meta.request_id!r}: layer {missing[0] // 2} is not complete, cannot "
-                                 "seal")
+                raise ValueError(
+                    f"request {self.meta.request_id!r}: layer {missing[0] // 2} is not complete, cannot seal"
+                )
             self.sealed = True
         self._finish_if_done()
         self._wake()
@@ -233,4 +248,3 @@ class StoredKV:
                 return
             digests: list[Any] = list(self._digests)
             self.checksum = blob_checksum(self.meta, self.specs, self.unit_rows, digests)
-

@@ -20,15 +20,22 @@ class KVMetrics:
             "pdserve_kv_transfer_bytes", "KV payload bytes moved over the KV channel", ["role"], registry=reg
         )
         self.seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "Duration of whole KV transfers", ["role"],
-            buckets=SECONDS_BUCKETS, registry=reg,
+            "pdserve_kv_transfer_seconds",
+            "Duration of whole KV transfers",
+            ["role"],
+            buckets=SECONDS_BUCKETS,
+            registry=reg,
         )
         self.gbps = Histogram(
-            "pdserve_kv_transfer_goodput_bytes_per_second", "Goodput of whole KV transfers (bytes/s)", ["role"],
-            buckets=GBPS_BUCKETS, registry=reg,
+            "pdserve_kv_transfer_goodput_bytes_per_second",
+            "Goodput of whole KV transfers (bytes/s)",
+            ["role"],
+            buckets=GBPS_BUCKETS,
+            registry=reg,
         )
         self.last_gbps = Gauge(
-            "pdserve_kv_transfer_last_goodput_bytes_per_second", "Goodput of the latest KV transfer (bytes/s)",
+            "pdserve_kv_transfer_last_goodput_bytes_per_second",
+            "Goodput of the latest KV transfer (bytes/s)",
             ["role"],
             registry=reg,
         )

@@ -234,8 +234,11 @@ def check_header(magic: bytes, version: int, raw_type: int, length: int, max_pay
         known = ", ".join(f"{t.value} ({t.name})" for t in FrameType)
         raise KVTransferError("checksum", f"unknown frame type {raw_type} (expected one of {known})")
     if length > max_payload:
-        raise KVTransferError("checksum", f"a {FrameType(raw_type).name} frame here may carry at most {max_payload} "
-                              f"bytes, its header claims {length}")
+        raise KVTransferError(
+            "checksum",
+            f"a {FrameType(raw_type).name} frame here may carry at most {max_payload} "
+            f"bytes, its header claims {length}",
+        )
 
 
 def raise_if_error(frame: Frame) -> None:

@@ -83,5 +83,7 @@ def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndar
     # any view of one) is left, and the mapping is free again.
     whole = np.frombuffer(region, np.uint8)
     weakref.finalize(whole, REGIONS.give_back, region)
-    return [whole[offset : offset + size].view(np.dtype(dtype)).reshape(shape)
-            for (shape, dtype), offset, size in zip(specs, offsets, sizes, strict=True)]
+    return [
+        whole[offset : offset + size].view(np.dtype(dtype)).reshape(shape)
+        for (shape, dtype), offset, size in zip(specs, offsets, sizes, strict=True)
+    ]

@@ -266,8 +266,11 @@ class KVServer:
         MACed under."""
         with self._lock:
             if self._handshakes >= self._max_handshakes:
-                raise KVTransferError("capacity", f"expected at most {self._max_handshakes} connections "
-                                      "authenticating at once, got one more; retry later")
+                raise KVTransferError(
+                    "capacity",
+                    f"expected at most {self._max_handshakes} connections "
+                    "authenticating at once, got one more; retry later",
+                )
             self._handshakes += 1
         try:
             deadline = time.monotonic() + self._handshake_timeout
@@ -288,8 +291,7 @@ class KVServer:
         auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
         return channel, auth.session_key(self._key, hello.payload, server_nonce)
 
-    def _handshake_frame(self, channel: FrameSocket, deadline: float, wanted: FrameType, size: int,
-                         what: str) -> Frame:
+    def _handshake_frame(self, channel: FrameSocket, deadline: float, wanted: FrameType, size: int, what: str) -> Frame:
         """One handshake frame by the handshake deadline, read only if its header claims at most
         MAX_HANDSHAKE_PAYLOAD bytes."""
         expected = f"{wanted.name} ({size}-byte {what})"
@@ -300,8 +302,9 @@ class KVServer:
             frame = channel.read_frame(min(self._io_timeout, remaining), MAX_HANDSHAKE_PAYLOAD)
         except KVTransferError as error:
             if error.cause == "timeout" and remaining <= self._io_timeout:
-                raise KVTransferError("auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the "
-                                      "handshake took longer") from None
+                raise KVTransferError(
+                    "auth", f"expected HELLO then AUTH within {self._handshake_timeout:g} s, the handshake took longer"
+                ) from None
             raise KVTransferError("auth", f"expected {expected}, got no valid frame: {error.message}") from None
         if frame.type is not wanted or len(frame.payload) != size:
             raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
@@ -324,8 +327,9 @@ class KVServer:
             sent, chunks = self._serve_stream(request, channel, session, waits)
             span.set_attributes({"pdserve.kv.bytes": sent, "pdserve.kv.chunks": chunks})
 
-    def _serve_stream(self, request: dict[str, Any], channel: FrameSocket, session: bytes,
-                      waits: _Waits) -> tuple[int, int]:
+    def _serve_stream(
+        self, request: dict[str, Any], channel: FrameSocket, session: bytes, waits: _Waits
+    ) -> tuple[int, int]:
         request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
                                                   request["first_row"])  # fmt: skip
         stored = self._wait_open(request_id, channel, waits)
@@ -398,8 +402,9 @@ class KVServer:
         stored.check()
         if not self._idle(changed, channel, waits) and stored.expires_at <= self.store.clock():
             self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
-            raise KVTransferError("expired", f"the lease on KV for request {stored.meta.request_id!r} expired "
-                                  "before prefill completed it")
+            raise KVTransferError(
+                "expired", f"the lease on KV for request {stored.meta.request_id!r} expired before prefill completed it"
+            )
         stored.check()
 
     def _idle(self, watch: Watch, channel: FrameSocket, waits: _Waits, until: float | None = None) -> bool:
@@ -443,16 +448,21 @@ def _pull_request(frame: Frame) -> dict[str, Any]:
     body = frame.json()
     fields = ("request_id", "pull", "stream", "streams", "first_row")
     request: dict[str, Any] = {name: body.get(name) for name in fields}
-    if not isinstance(request["request_id"], str) or not isinstance(request["pull"], str) \
-            or not all(isinstance(request[name], int) for name in ("stream", "streams", "first_row")):
-        raise KVTransferError("protocol", "PULL needs request_id and pull (strings), stream, streams and first_row "
-                              "(integers)")
+    if (
+        not isinstance(request["request_id"], str)
+        or not isinstance(request["pull"], str)
+        or not all(isinstance(request[name], int) for name in ("stream", "streams", "first_row"))
+    ):
+        raise KVTransferError(
+            "protocol", "PULL needs request_id and pull (strings), stream, streams and first_row (integers)"
+        )
     stream, streams, first_row = request["stream"], request["streams"], request["first_row"]
     if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
         raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
     if not 1 <= len(request["pull"]) <= MAX_PULL_ID:
-        raise KVTransferError("protocol", f"PULL pull id: expected 1 to {MAX_PULL_ID} characters, got "
-                              f"{len(request['pull'])}")
+        raise KVTransferError(
+            "protocol", f"PULL pull id: expected 1 to {MAX_PULL_ID} characters, got {len(request['pull'])}"
+        )
     return request
 
 
@@ -464,9 +474,15 @@ def _serve_span(frame: Frame, request: dict[str, Any]) -> contextlib.AbstractCon
         return contextlib.nullcontext(trace.INVALID_SPAN)
     context = TraceContextTextMapPropagator().extract({"traceparent": parent})
     return trace.get_tracer("pdserve.kv").start_as_current_span(
-        "kv serve", context=context, kind=trace.SpanKind.SERVER,
-        attributes={"pdserve.kv.remote_request_id": request["request_id"], "pdserve.kv.stream": request["stream"],
-                    "pdserve.kv.streams": request["streams"]})
+        "kv serve",
+        context=context,
+        kind=trace.SpanKind.SERVER,
+        attributes={
+            "pdserve.kv.remote_request_id": request["request_id"],
+            "pdserve.kv.stream": request["stream"],
+            "pdserve.kv.streams": request["streams"],
+        },
+    )
 
 
 def _plan(stored: StoredKV, first_row: int) -> list[Chunk]:

@@ -92,8 +92,9 @@ class PullShares:
             if shared is None:
                 shared = self._plans[key] = SharedPlan(stored, make_plan(), key[2], now)
             elif shared.stored is not stored:
-                raise KVTransferError("protocol", f"the KV of request {key[0]!r} was replaced while pull {key[1]!r} "
-                                      "was under way")
+                raise KVTransferError(
+                    "protocol", f"the KV of request {key[0]!r} was replaced while pull {key[1]!r} was under way"
+                )
             if stream in shared.serving or stream in shared.left:
                 raise KVTransferError("protocol", f"pull {key[1]!r} already has a stream {stream}")
             shared.serving.add(stream)

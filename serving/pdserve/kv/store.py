@@ -64,8 +64,16 @@ class LeaseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, request_id: str, layers: list[Layer], meta: KVMeta, lease_s: float | None = None, *,
-            replace: bool = False, unit_rows: int = 0) -> StoredKV:
+    def put(
+        self,
+        request_id: str,
+        layers: list[Layer],
+        meta: KVMeta,
+        lease_s: float | None = None,
+        *,
+        replace: bool = False,
+        unit_rows: int = 0,
+    ) -> StoredKV:
         """Hold a whole blob under a lease and return it with the checksum decode must verify against.
 
         With `replace`, a blob already held for `request_id` is dropped first (a request prefilled again).
@@ -76,16 +84,25 @@ class LeaseStore:
         stored = StoredKV(meta, specs, self.chunk_bytes, self.clock() + lease, unit_rows=unit_rows, layers=checked)
         return self._hold(request_id, stored, replace)
 
-    def open(self, request_id: str, meta: KVMeta, specs: LayerSpecs, lease_s: float | None = None, *,
-             replace: bool = False, unit_rows: int = 0) -> StoredKV:
+    def open(
+        self,
+        request_id: str,
+        meta: KVMeta,
+        specs: LayerSpecs,
+        lease_s: float | None = None,
+        *,
+        replace: bool = False,
+        unit_rows: int = 0,
+    ) -> StoredKV:
         """Hold an empty blob of this layout under a lease; add its pieces, then seal it (see StoredKV).
 
         Its bytes count against the capacity from now on; pulls of it may start at once."""
         lease = self._check_ids(request_id, meta, lease_s)
         if not specs:
             raise ValueError("specs: a KV blob needs at least one layer")
-        stored = StoredKV(meta, tuple(specs), self.chunk_bytes, self.clock() + lease, unit_rows=unit_rows,
-                          hasher=self._hasher())
+        stored = StoredKV(
+            meta, tuple(specs), self.chunk_bytes, self.clock() + lease, unit_rows=unit_rows, hasher=self._hasher()
+        )
         return self._hold(request_id, stored, replace)
 
     def renew(self, request_id: str, lease_s: float | None = None) -> bool:
@@ -236,5 +253,7 @@ class LeaseStore:
 
 
 def _unsealed_message(request_id: str) -> str:
-    return (f"the lease on KV for request {request_id!r} expired before prefill completed it (prefill failed or "
-            "was aborted)")
+    return (
+        f"the lease on KV for request {request_id!r} expired before prefill completed it (prefill failed or "
+        "was aborted)"
+    )

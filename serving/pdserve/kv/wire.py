@@ -136,8 +136,9 @@ class FrameSocket:
                 except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
                     continue
                 if not count:
-                    raise KVTransferError("connection", f"connection closed with {size - filled} bytes of a frame "
-                                          "still to come")
+                    raise KVTransferError(
+                        "connection", f"connection closed with {size - filled} bytes of a frame still to come"
+                    )
                 filled += count
 
     def readable_now(self) -> bool:

@@ -27,4 +27,3 @@ def key(key_file: Path) -> SecretKey:
 @pytest.fixture
 def metrics() -> KVMetrics:
     return KVMetrics(CollectorRegistry())
-

@@ -47,8 +47,10 @@ class RewritingProxy:
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        pumps = [asyncio.create_task(self._upstream(client_reader, up_writer)),
-                 asyncio.create_task(self._downstream(up_reader, client_writer))]
+        pumps = [
+            asyncio.create_task(self._upstream(client_reader, up_writer)),
+            asyncio.create_task(self._downstream(up_reader, client_writer)),
+        ]
         self._tasks.update(pumps)
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for task in pumps:
@@ -104,8 +106,9 @@ def _stores(metrics: KVMetrics) -> tuple[LeaseStore, StoredKV, StoredKV]:
 
 
 @pytest.mark.parametrize("streams", [1, 3])
-def test_kv_rewritten_on_the_path_with_recomputed_checks_is_refused(key: SecretKey, metrics: KVMetrics,
-                                                                     streams: int) -> None:
+def test_kv_rewritten_on_the_path_with_recomputed_checks_is_refused(
+    key: SecretKey, metrics: KVMetrics, streams: int
+) -> None:
     store, genuine, forged = _stores(metrics)
 
     async def scenario() -> None:
@@ -115,8 +118,9 @@ def test_kv_rewritten_on_the_path_with_recomputed_checks_is_refused(key: SecretK
             try:
                 # Early dispatch: decode has no checksum from signed params, only what the server announces.
                 with pytest.raises(KVTransferError) as caught:
-                    await pull("127.0.0.1", proxy.port, "mitm-1", None, key=key, streams=streams, metrics=metrics,
-                               **FAST)
+                    await pull(
+                        "127.0.0.1", proxy.port, "mitm-1", None, key=key, streams=streams, metrics=metrics, **FAST
+                    )
                 assert caught.value.cause == "auth"
                 assert "MAC" in caught.value.message
                 assert proxy.rewritten > 0

@@ -344,8 +344,9 @@ def test_decode_importer_pulls_and_acks_through_one_pool_and_closes_it(
     store = small_store(metrics)
     sent = {rid: make_layers(3, (8, 16), "float32", seed=n) for n, rid in enumerate(("dec-1", "dec-2"))}
     checksums = {rid: store.put(rid, layers, meta_for(rid, token_count=7)).checksum for rid, layers in sent.items()}
-    settings = ServerSettings(role=Role.DECODE, model=tmp_path, kv_key_file=key_file, kv_streams=2,
-                              api_token_file=tmp_path / "api.token")
+    settings = ServerSettings(
+        role=Role.DECODE, model=tmp_path, kv_key_file=key_file, kv_streams=2, api_token_file=tmp_path / "api.token"
+    )
     engine = SimpleNamespace(fingerprint="fp-test-1", cache_from_layers=lambda layers, tokens: (layers, tokens))
     server_metrics = ServerMetrics(CollectorRegistry())
     importer = DecodeImporter(settings, engine, key, server_metrics)  # type: ignore[arg-type]

@@ -25,16 +25,26 @@ def received_bytes(metrics: KVMetrics) -> float:
 
 
 @pytest.mark.parametrize(("first_block", "streams"), [(0, 1), (5, 3), (BLOCKS - 1, 2), (BLOCKS, 2)])
-def test_a_range_pull_moves_and_verifies_only_the_blocks_asked_for(key: SecretKey, metrics: KVMetrics,
-                                                                    first_block: int, streams: int) -> None:
+def test_a_range_pull_moves_and_verifies_only_the_blocks_asked_for(
+    key: SecretKey, metrics: KVMetrics, first_block: int, streams: int
+) -> None:
     layers = make_layers(3, (BLOCKS, 4, 24), "float16", seed=first_block)  # [blocks, heads, head_dim]
     store = store_of(metrics)
     stored = store.put("r", layers, meta_for("r"), unit_rows=1)
 
     async def scenario() -> None:
         async with running_server(store, key, metrics=metrics) as server:
-            blob = await pull("127.0.0.1", server.port, "r", stored.checksum, key=key, streams=streams,
-                              first_row=first_block, metrics=metrics, **FAST)
+            blob = await pull(
+                "127.0.0.1",
+                server.port,
+                "r",
+                stored.checksum,
+                key=key,
+                streams=streams,
+                first_row=first_block,
+                metrics=metrics,
+                **FAST,
+            )
             assert blob.first_row == first_block
             for (k, v), (k2, v2) in zip(layers, blob.layers, strict=True):
                 assert k2[first_block:].tobytes() == k[first_block:].tobytes()

@@ -91,15 +91,22 @@ def chunked_pieces(layers: list[Layer], chunks: int) -> list[tuple[int, int, int
     return pieces
 
 
-def streamed_pull(key: SecretKey, metrics: KVMetrics, layers: list[Layer], streams: int,
-                  pieces: Callable[[list[Layer]], list[tuple[int, int, int, np.ndarray]]]) -> None:
+def streamed_pull(
+    key: SecretKey,
+    metrics: KVMetrics,
+    layers: list[Layer],
+    streams: int,
+    pieces: Callable[[list[Layer]], list[tuple[int, int, int, np.ndarray]]],
+) -> None:
     store = store_of(metrics)
     whole = store_of(metrics).put("req-s", layers, meta_for("req-s"))  # the checksum a whole blob would have
     received = Received()
 
     async def scenario() -> None:
-        async with running_server(store, key, metrics=metrics) as server, \
-                proxy_to(server.port, on_forward=received.forwarded) as proxy:
+        async with (
+            running_server(store, key, metrics=metrics) as server,
+            proxy_to(server.port, on_forward=received.forwarded) as proxy,
+        ):
             entry = store.open("req-s", meta_for("req-s"), specs_of(layers))
             assert entry.manifest.checksum == ""  # not known until sealed
             async with asyncio.timeout(60):

@@ -49,9 +49,7 @@ def test_tls_round_trip_and_untrusted_certificate_refused(
                 "127.0.0.1", server.port, "tls-1", stored.checksum, key=key, streams=3,
                 ssl_context=trusting, server_hostname="localhost", retries=0,
             )  # fmt: skip
-            assert [k.tobytes() + v.tobytes() for k, v in blob.layers] == [
-                k.tobytes() + v.tobytes() for k, v in layers
-            ]
+            assert [k.tobytes() + v.tobytes() for k, v in blob.layers] == [k.tobytes() + v.tobytes() for k, v in layers]
             with pytest.raises(KVTransferError) as raised:
                 await pull(
                     "127.0.0.1", server.port, "tls-1", stored.checksum, key=key,
