@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from pdstack.model import PoolRole
 from tests.dashboardcheck import query_problems
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.load import LONG_PROMPT, ClientLoad
+from tests.otlp import Span, receiving
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
@@ -209,6 +211,33 @@ def test_a_completion_is_prefilled_in_dc1_and_decoded_in_dc2_across_the_wan(loca
     assert kv_moved > 0, "decode reported no KV pulled for a prompt past the offload threshold"
     assert wan_bytes(local, "dc1", "dc2") - wan_before >= kv_moved  # the KV crossed the dc1 -> dc2 WAN link
     assert metric_sum(metrics, "pdserve_gateway_routing_decisions_total", role="prefill", reason="remote_prefill") > 0
+
+
+def test_a_completion_is_one_trace_across_both_datacenters(local: Local) -> None:
+    """The local stack's serving.tracing sends every component's spans to a receiver here: one completion is one
+    trace from the gateway through prefill in dc1, the KV pull over the WAN and its serving side, to decode in dc2."""
+    endpoint = urlsplit(local.topology.serving.tracing.otlp_endpoint)
+    with receiving(endpoint.hostname, endpoint.port) as receiver:
+        client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=60)
+        client.completions.create(model=local.topology.serving.model.name, prompt=LONG_PROMPT, max_tokens=4,
+                                  temperature=0, extra_headers={"X-Request-Id": "local-trace-1"})  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (spans := traced_request(receiver.spans, "local-trace-1")):
+            assert time.monotonic() < deadline, [(s.service, s.name) for s in receiver.spans]
+            time.sleep(1)
+    by_id = {s.span_id: s for s in spans}
+    assert all(s.parent in by_id for s in spans if s.parent), "a span's parent is missing from the trace"
+    assert {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"} <= {s.service for s in spans}
+    (pull,) = [s for s in spans if s.name == "kv pull"]
+    assert by_id[pull.parent].service == "pdserve-decode" and pull.attributes["pdserve.kv.bytes"] > 0
+    assert {s.service for s in spans if s.name == "kv serve" and s.parent == pull.span_id} == {"pdserve-prefill"}
+
+
+def traced_request(spans: list[Span], request_id: str) -> list[Span]:
+    """The trace whose gateway span carries `request_id`, once decode's pull and prefill's side of it arrived."""
+    roots = [s for s in spans if s.attributes.get("pdserve.request_id") == request_id and not s.parent]
+    trace = [s for s in spans if roots and s.trace_id == roots[0].trace_id]
+    return trace if {"kv pull", "kv serve"} <= {s.name for s in trace} else []
 
 
 def test_up_again_changes_nothing(local: Local) -> None:

@@ -11,116 +11,33 @@ its request id and its trace id.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 from pdserve.common.logs import FIXED
+from tests.otlp import Receiver, Span, receiving
 from tests.serving.scheduler.services import Service, instance_token_file
 
 from .cluster import HTTP, KEYS, Cluster, wait_for
 
 RECEIVER_TOKEN = "otlp-test-token-5f1c"  # what the exporters present (OTEL_EXPORTER_OTLP_TRACES_HEADERS)
-MAX_EXPORT_BYTES = 8 << 20
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn, twice over"
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 ADMIN_TRACE = "ab" * 16  # the trace id of the admin call sent to the scheduler with its own traceparent
 
 
-@dataclass
-class Span:
-    service: str
-    trace_id: str
-    span_id: str
-    parent: str
-    name: str
-    kind: int
-    attributes: dict[str, Any]
-
-
-@dataclass
-class Receiver:
-    """An OTLP/HTTP traces endpoint on loopback: bearer token checked first, body bounded, protobuf decoded."""
-
-    server: ThreadingHTTPServer
-    spans: list[Span] = field(default_factory=list)
-    exports: dict[str, int] = field(default_factory=dict)  # path -> accepted export requests
-    refused: int = 0
-
-    def url(self, path: str = "/v1/traces") -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
-
-    def trace(self, trace_id: str) -> list[Span]:
-        return [s for s in self.spans if s.trace_id == trace_id]
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
-
-
-def _decode(body: bytes) -> list[Span]:
-    request = ExportTraceServiceRequest.FromString(body)
-    spans = []
-    for resource_spans in request.resource_spans:
-        resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
-        for scope_spans in resource_spans.scope_spans:
-            spans += [Span(str(resource.get("service.name")), s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                           s.name, s.kind, {a.key: _value(a.value) for a in s.attributes})
-                      for s in scope_spans.spans]  # fmt: skip
-    return spans
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    state: dict[str, Receiver] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = 10  # seconds a client may take to send its request
-
-        def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if self.headers.get("Authorization") != f"Bearer {RECEIVER_TOKEN}" or not 0 < length <= MAX_EXPORT_BYTES:
-                state["r"].refused += 1
-                self.send_response(401 if length <= MAX_EXPORT_BYTES else 413)
-                self.end_headers()
-                return
-            body = self.rfile.read(length)
-            if self.headers.get("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            state["r"].spans += _decode(body)
-            state["r"].exports[self.path] = state["r"].exports.get(self.path, 0) + 1
-            reply = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    state["r"] = Receiver(server)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state["r"]
-    server.shutdown()
+    with receiving(token=RECEIVER_TOKEN) as found:
+        yield found
 
 
 @contextlib.contextmanager
