@@ -7,8 +7,8 @@ scheduler's URL, the release and the instance id. So no flag, port or path is ty
 the committed files equal to what the stacks render (tests/unit/test_vllm_deploy.py), as for the contract's vars.
 
 Which secret each container gets follows from its argv: a secret file is mounted where the command line names its
-path (the engine reads the KV key, the agent its scheduler token and the server token), and vLLM's API key comes as
-an environment secret (vllm_command.ENGINE_SECRET_ENV).
+path (the engine reads the KV key and, through a shell that exports it as vLLM's API key, the server token:
+vllm_command.ENGINE_SECRET_ENV; the agent its scheduler token and the server token).
 
     python -m pdstack.vllm_deploy [--check]
 """
@@ -26,6 +26,7 @@ from pdstack.contract import environment_serving, environments, kv_port_range
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.vllm_command import (
     AGENT_MODULE,
+    API_SERVER,
     ENGINE_SECRET_ENV,
     RUN_DIR,
     VLLM_PYTHON,
@@ -63,6 +64,17 @@ def _agent(serving: Serving, side: PoolRole) -> dict[str, Any] | None:
             "secret_files": _mounted_in(args, side)}  # fmt: skip
 
 
+SHELL = "/bin/sh"
+
+
+def _engine_wrapper() -> list[str]:
+    """vLLM takes its API key only as a value (VLLM_API_KEY). A podman environment secret would show that value in
+    `podman inspect` (measured with podman 4.3), so the engine mounts the key as a file and a shell exports it
+    before exec'ing vLLM (PID 1 stays vLLM's API server)."""
+    exports = "; ".join(f'export {name}="$(cat {s.path})"' for name, s in ENGINE_SECRET_ENV.items())
+    return ["-c", f'{exports}; exec "$@"', "vllm-engine", VLLM_PYTHON, "-m", API_SERVER]
+
+
 def side_vars(serving: Serving, side: PoolRole) -> dict[str, Any]:
     """One side's containers: the engine's argv after the image's entry point, its environment and secrets, and
     the agent's entry point, argv and secrets (None where there is no agent: kv_connector nixl)."""
@@ -76,10 +88,10 @@ def side_vars(serving: Serving, side: PoolRole) -> dict[str, Any]:
         # vLLM's local world on one node: its ranks' CPU lists (VLLM_CPU_OMP_THREADS_BIND) on CPU nodes
         "world_size": role.tensor_parallel_size * role.data_parallel_size,
         "engine": {
-            "command": list(args),
+            "entrypoint": SHELL,
+            "command": [*_engine_wrapper(), *args],
             "env": engine_env(serving, side, ADVERTISE_HOST),
-            "secret_env": {name: s.secret for name, s in ENGINE_SECRET_ENV.items()},
-            "secret_files": _mounted_in(args, side),
+            "secret_files": _mounted_in((*_engine_wrapper(), *args), side),
         },
         "agent": _agent(serving, side),
     }

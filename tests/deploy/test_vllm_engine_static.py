@@ -87,16 +87,16 @@ def test_the_containers_run_what_vllm_command_renders_for_this_node(
 ) -> None:
     found = rendered[f"{side}-cpu"]
     engine, agent = found["engine"], found["agent"]
-    assert engine["command"] == list(engine_args(DEV, side, ADDRESS))
+    assert engine["entrypoint"] == "/bin/sh" and engine["command"][6:] == list(engine_args(DEV, side, ADDRESS))
     instance = f"{side}-{ENGINE_ID}"
     assert agent["entrypoint"] == "/opt/vllm/bin/python"
     assert agent["command"] == ["-m", "pdserve.cli", *agent_args(DEV, side, advertise_host=ADDRESS,
                                                                  scheduler_url=SCHEDULER, version="r7",
                                                                  instance_id=instance)]  # fmt: skip
     assert found["labels"]["pdstack.instance_id"] == instance and found["labels"]["pdstack.release.version"] == "r7"
-    # Each container mounts only what its command line reads; vLLM's API key comes as an environment secret.
+    # Each container mounts only what its command line reads (vLLM's API key as a file its shell exports).
     kv, server, scheduler = MOUNTS
-    assert engine["secrets"] == [kv, "pdstack-server-api-token-0123456789ab,type=env,target=VLLM_API_KEY"]
+    assert engine["secrets"] == [kv, server]
     assert sorted(agent["secrets"]) == sorted([scheduler, server])
     assert engine["volumes"] == [f"/var/lib/pdstack/models/model:{DEV.model.path}:ro",
                                  f"vllm-{side}-run:/run/pdstack-vllm"]  # fmt: skip

@@ -9,7 +9,7 @@ import yaml
 
 from pdstack.contract import environment_serving
 from pdstack.model import Engine, KvConnector, PoolRole
-from pdstack.vllm_command import agent_args, engine_args, engine_env
+from pdstack.vllm_command import API_SERVER, VLLM_PYTHON, agent_args, engine_args, engine_env
 from pdstack.vllm_deploy import PLACEHOLDERS, VARS_DIR, ansible_vars, main, render
 from tests.conftest import REPO, STACKS
 
@@ -43,16 +43,19 @@ def test_filled_placeholders_give_vllm_commands_lines(env: str, side: PoolRole) 
     stack = yaml.safe_load((REPO / VARS_DIR / f"{env}.yml").read_text())["vllm_engine_stack"]
     values = dict(zip(PLACEHOLDERS, ["10.1.2.3", "http://10.0.0.9:8100", "r4", f"{side}-n1-abcd"], strict=True))
     rendered = stack["sides"][str(side)]
-    assert fill(rendered["engine"]["command"], values) == list(engine_args(serving, side, "10.1.2.3"))
+    engine = fill(rendered["engine"]["command"], values)
+    # a shell exports the server token as vLLM's API key, then becomes vLLM's API server
+    assert rendered["engine"]["entrypoint"] == "/bin/sh" and engine[0] == "-c" and "exec" in engine[1]
+    assert engine[3:6] == [VLLM_PYTHON, "-m", API_SERVER] and engine[6:] == list(engine_args(serving, side, "10.1.2.3"))
     assert rendered["engine"]["env"] == engine_env(serving, side, "@ADVERTISE_HOST@")
     agent = fill(rendered["agent"]["command"], values)
     assert agent == ["-m", "pdserve.cli", *agent_args(serving, side, advertise_host="10.1.2.3",
                                                       scheduler_url="http://10.0.0.9:8100", version="r4",
                                                       instance_id=f"{side}-n1-abcd")]  # fmt: skip
-    # The engine reads the KV key (its connector) and gets the API key as environment; the agent reads its own
-    # scheduler token and the server token. Nothing else is handed to either.
-    assert rendered["engine"]["secret_files"] == ["kv-channel-key"]
-    assert rendered["engine"]["secret_env"] == {"VLLM_API_KEY": "server-api-token"}
+    # The engine reads the KV key (its connector) and the server token (its API key); the agent its own scheduler
+    # token and the server token. Nothing else is handed to either.
+    assert rendered["engine"]["secret_files"] == ["kv-channel-key", "server-api-token"]
+    assert 'export VLLM_API_KEY="$(cat /run/secrets/server.token)"' in engine[1]
     assert sorted(rendered["agent"]["secret_files"]) == ["scheduler-identity-key", "server-api-token"]
     assert stack["image"] == serving.vllm.image and stack["vllm_version"] == serving.vllm.version  # type: ignore[union-attr]
 

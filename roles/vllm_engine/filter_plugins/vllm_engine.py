@@ -1,5 +1,5 @@
-"""Filters of the vllm_engine role: the rendered command lines' placeholders filled in, and the podman secrets
-each container gets (pdserve's secrets.yml makes them as `NAME-DIGEST,type=mount,target=FILE,...` mounts)."""
+"""Filters of the vllm_engine role: the rendered command lines' placeholders filled in, and the podman secret
+mounts each container gets (pdserve's secrets.yml makes them as `NAME-DIGEST,type=mount,target=FILE,...`)."""
 
 from __future__ import annotations
 
@@ -37,17 +37,9 @@ def vllm_engine_mounts(mounts: list[str], secrets: list[str], targets: dict[str,
     return [_mount_of(mounts, targets[s]) for s in secrets]
 
 
-def vllm_engine_env_secrets(mounts: list[str], env: dict[str, str], targets: dict[str, str]) -> list[str]:
-    """`{VARIABLE: stack secret}` as podman environment secrets (the same podman secret as the file mount)."""
-    return [
-        f"{_mount_of(mounts, targets[secret]).split(',')[0]},type=env,target={name}" for name, secret in env.items()
-    ]
-
-
 class FilterModule:
     def filters(self) -> dict[str, object]:
         return {
             "vllm_engine_fill": vllm_engine_fill,
             "vllm_engine_mounts": vllm_engine_mounts,
-            "vllm_engine_env_secrets": vllm_engine_env_secrets,
         }
