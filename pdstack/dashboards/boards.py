@@ -88,6 +88,22 @@ def fleet() -> dashboard.Dashboard:
         )
         .with_panel(
             panel(
+                "Canary verdicts and step",
+                "short",
+                [
+                    Query(
+                        "sum by (canary, outcome) (increase(pdserve_scheduler_canary_verdicts_total[$__range]))",
+                        "{{canary}} {{outcome}}",
+                    ),
+                    Query("pdserve_scheduler_canary_step_percent", "{{canary}} step %"),
+                ],
+                "Verdicts of pdstack canary judge at each step of a deploy (pass, fail, inconclusive), as the deploy "
+                "recorded them with the scheduler, and the share of traffic the canary had at its latest judged step.",
+                width=24,
+            )
+        )
+        .with_panel(
+            panel(
                 "Instances by version and state",
                 "short",
                 [Query("sum by (version, state) (pdserve_scheduler_instances)", "{{version}} {{state}}")],

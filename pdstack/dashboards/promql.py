@@ -27,7 +27,7 @@ _KEYWORDS = {
     "inf",
     "nan",
 }
-VARIABLES = {"$__rate_interval": "1m", "$datacenter": ".*", "$instance": ".*", "$link_gbit": "1"}
+VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$datacenter": ".*", "$instance": ".*", "$link_gbit": "1"}
 """A value for each variable the dashboards use, as Grafana would substitute it (All is the regex .*)."""
 
 

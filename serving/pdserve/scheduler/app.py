@@ -10,6 +10,7 @@ Instances:  POST /v1/instances (register; principal instance:<body.instance_id>)
 Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)  GET /v1/instances  GET /v1/advice
             GET /v1/admin/weights (principal gateway, or admin)
 Operators:  PUT /v1/admin/weights (admin only)
+            POST /v1/admin/canary/verdicts (admin only: the deploy records each canary step's verdict)
 Health:     /health/live  /health/ready  /metrics
 """
 
@@ -38,7 +39,7 @@ from .advisor import Advice, advise
 from .client import read_token
 from .identity import GATEWAY, instance_principal, principal_of
 from .metrics import SchedulerMetrics
-from .protocol import Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
+from .protocol import CanaryVerdict, Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
 from .registry import Registry, UnknownInstanceError
 from .settings import SchedulerSettings
 from .weights import WeightsError, WeightsStore
@@ -262,6 +263,17 @@ async def put_weights(request: Request) -> Response:
     return JSONResponse({"weights": state.weights.weights})
 
 
+async def record_verdict(request: Request) -> Response:
+    state = state_of(request)
+    verdict = await parse_body(request, CanaryVerdict)
+    if isinstance(verdict, JSONResponse):
+        return verdict
+    state.metrics.canary_verdicts.labels(verdict.canary, verdict.baseline, verdict.outcome).inc()
+    state.metrics.canary_step.labels(verdict.canary).set(verdict.step_percent)
+    log.info("canary verdict recorded", extra={"fields": verdict.model_dump()})
+    return JSONResponse(verdict.model_dump())
+
+
 async def no_route(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     if status == 405:
@@ -311,6 +323,7 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         Route("/v1/advice", guarded("advice", gateway, advice), methods=["GET"]),
         Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
+        Route("/v1/admin/canary/verdicts", guarded("record_verdict", admin_only, record_verdict), methods=["POST"]),
         Route("/health/live", live),
         Route("/health/ready", ready),
         Route("/metrics", metrics),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,6 +42,19 @@ class SchedulerMetrics:
             "pdserve_scheduler_admin_requests",
             "Weight updates, by result (ok, invalid); refusals are in pdserve_scheduler_requests_unauthorized",
             ["result"],
+            registry=self.prometheus,
+        )
+        self.canary_verdicts = Counter(
+            "pdserve_scheduler_canary_verdicts",
+            "Canary judge verdicts the deploy recorded, by canary and baseline version and outcome (pass, fail, "
+            "inconclusive)",
+            ["canary", "baseline", "outcome"],
+            registry=self.prometheus,
+        )
+        self.canary_step = Gauge(
+            "pdserve_scheduler_canary_step_percent",
+            "The canary's share of traffic at its latest judged step, by canary version",
+            ["canary"],
             registry=self.prometheus,
         )
         self.unauthorized = Counter(

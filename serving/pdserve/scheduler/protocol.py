@@ -113,3 +113,14 @@ class WeightsUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weights: dict[str, float] = Field(description="version -> non-negative weight")
+
+
+class CanaryVerdict(BaseModel):
+    """What `pdstack canary judge` concluded at one canary step, recorded by the deploy playbook."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    canary: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$", description="version judged")
+    baseline: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$", description="compared with")
+    step_percent: int = Field(ge=0, le=100, description="the canary's share of traffic at this step")
+    outcome: Literal["pass", "fail", "inconclusive"]

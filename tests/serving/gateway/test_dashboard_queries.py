@@ -116,6 +116,12 @@ def observed(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mod
             headers={"Authorization": f"Bearer {cluster.admin_token}"},
         )  # as a canary rollout does
         assert weights.status_code == 200, weights.text
+        verdict = httpx.post(
+            f"{cluster.scheduler.url}/v1/admin/canary/verdicts",
+            json={"canary": "v1", "baseline": "v0", "step_percent": 100, "outcome": "pass"},
+            headers={"Authorization": f"Bearer {cluster.admin_token}"},
+        )  # as deploy.yml records each step's verdict
+        assert verdict.status_code == 200, verdict.text
         control = {"datacenter": "dc-control", "role": "control", "pool": "control"}
         targets = {
             Component.GATEWAY.job: (gateway.url, control),

@@ -189,6 +189,24 @@ def test_weights_need_the_admin_token(scheduler: Scheduler) -> None:
     assert "weights.v2" in negative.json()["error"]["message"]
 
 
+def test_canary_verdicts_are_recorded_by_the_admin_only_and_counted(scheduler: Scheduler) -> None:
+    url, admin = scheduler.url, {"Authorization": f"Bearer {scheduler.admin_token}"}
+    verdict = {"canary": "v2", "baseline": "v1", "step_percent": 20, "outcome": "pass"}
+    assert httpx.post(f"{url}/v1/admin/canary/verdicts", json=verdict).status_code == 401
+    # an instance's own token does not make it an operator
+    assert httpx.post(f"{url}/v1/admin/canary/verdicts", json=verdict, headers=scheduler.auth("d1")).status_code == 403
+    for step, outcome in ((20, "pass"), (50, "inconclusive"), (50, "fail")):
+        body = verdict | {"step_percent": step, "outcome": outcome}
+        assert httpx.post(f"{url}/v1/admin/canary/verdicts", json=body, headers=admin).status_code == 200
+    bad = httpx.post(f"{url}/v1/admin/canary/verdicts", json=verdict | {"outcome": "maybe"}, headers=admin)
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "outcome"
+    scrape = scheduler.get("/metrics").text
+    for outcome in ("pass", "inconclusive", "fail"):
+        line = f'pdserve_scheduler_canary_verdicts_total{{baseline="v1",canary="v2",outcome="{outcome}"}} 1.0'
+        assert line in scrape, scrape
+    assert 'pdserve_scheduler_canary_step_percent{canary="v2"} 50.0' in scrape
+
+
 def beat_with(url: str, instance_id: str, headers: dict[str, str]) -> httpx.Response:
     return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True}}, headers=headers)
 
