@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host lint typecheck test test-unit test-vllm up down clean
+.PHONY: venv host lint typecheck test test-unit test-vllm test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml serving/pyproject.toml
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check pdstack
+	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
 	$(VENV)/bin/mypy
@@ -48,6 +48,11 @@ $(VLLM_STAMP): serving/pyproject.toml
 
 test-vllm: venv $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm
+
+# roles/vllm_engine on real node containers with the real vLLM-cpu image (~25 min here: an image build, a 3.78 GB
+# push, three vLLM starts per node); not part of `make test`: docs/vllm-deploy.md.
+test-vllm-deploy: venv $(VLLM_STAMP)
+	PDSTACK_VLLM_CONVERGE=1 $(VENV)/bin/pytest tests/deploy_vllm
 
 host:
 	bash scripts/host-setup.sh

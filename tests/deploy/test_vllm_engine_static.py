@@ -56,8 +56,10 @@ CASES = {"prefill-cpu": ("prefill", CPU_NODE), "decode-cpu": ("decode", CPU_NODE
 def render_play(out: Path, side: str, topology: dict[str, Any]) -> dict[str, Any]:
     """A play writing the role's container specs for `side` to `out`, from its defaults and vars as the role loads
     them, with what its earlier tasks (pdserve's release, secrets and pinning tasks) leave as facts."""
-    specs = ("{{ {'engine': vllm_engine__engine_spec, 'agent': vllm_engine__agent_spec, "
-             "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels} | to_json }}")
+    specs = (
+        "{{ {'engine': vllm_engine__engine_spec, 'agent': vllm_engine__agent_spec, "
+        "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels} | to_json }}"
+    )
     release = {"image": IMAGE, "version": "r7", "config_version": "3",
                "stack": {"engine": "vllm", **{k: v for k, v in STACK.items() if k != "sides"},
                          "side": STACK["sides"][side]}}  # fmt: skip
@@ -142,10 +144,25 @@ REFUSED = [
 
 def refusing_play(out: Path, variables: dict[str, Any]) -> dict[str, Any]:
     """A play that runs the role and writes the message it failed with to `out`."""
-    return {"vars": variables, "tasks": [{"name": "case", "block": [
-        {"name": "role", "ansible.builtin.include_role": {"name": "vllm_engine"}}],
-        "rescue": [{"name": "keep the message", "ansible.builtin.copy": {
-            "dest": str(out), "mode": "0600", "content": "{{ ansible_failed_result | to_json }}"}}]}]}
+    return {
+        "vars": variables,
+        "tasks": [
+            {
+                "name": "case",
+                "block": [{"name": "role", "ansible.builtin.include_role": {"name": "vllm_engine"}}],
+                "rescue": [
+                    {
+                        "name": "keep the message",
+                        "ansible.builtin.copy": {
+                            "dest": str(out),
+                            "mode": "0600",
+                            "content": "{{ ansible_failed_result | to_json }}",
+                        },
+                    }
+                ],
+            }
+        ],
+    }
 
 
 def test_bad_variables_are_refused_naming_them(tmp_path: Path) -> None:
