@@ -366,12 +366,19 @@ def write_ansible_vars(project: Path, env: str, serving: Serving | None = None) 
     """Write playbooks/vars/contract/<env>.yml if it differs; True when it changed."""
     stacks = project / "stacks"
     text = render_ansible_vars(env, serving or environment_serving(stacks, env), environment_alerting(stacks, env))
-    path = project / CONTRACT_VARS_DIR / f"{env}.yml"
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return True
+    return bool(sync_files({project / CONTRACT_VARS_DIR / f"{env}.yml": text}))
+
+
+def sync_files(files: Mapping[Path, str], check: bool = False) -> list[str]:
+    """The files whose content differs from `files` (missing ones included), each rewritten unless `check`."""
+    stale = []
+    for path, text in files.items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(str(path))
+            if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    return stale
 
 
 # -- the policy pack -----------------------------------------------------------------------------------------------
@@ -407,17 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", type=Path, default=Path.cwd())
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)
-    stale = []
     stacks = args.project / "stacks"
-    for env in environments(stacks):
-        alerting = environment_alerting(stacks, env)
-        rendered = rendered_files(args.project, env, environment_serving(stacks, env), alerting)
-        for path, text in rendered.items():
-            if not path.is_file() or path.read_text() != text:
-                stale.append(str(path))
-                if not args.check:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(text)
+    stale = [
+        name
+        for env in environments(stacks)
+        for name in sync_files(
+            rendered_files(args.project, env, environment_serving(stacks, env), environment_alerting(stacks, env)),
+            args.check,
+        )
+    ]
     for name in stale:
         print(("stale: " if args.check else "wrote: ") + name)
     return 1 if args.check and stale else 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract import environment_serving, environments, kv_port_range
+from pdstack.contract import environment_serving, environments, kv_port_range, sync_files
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.vllm_command import (
     AGENT_MODULE,
@@ -132,13 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", type=Path, default=Path.cwd(), help="the pdstack checkout (default: here)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)
-    stale = []
-    for path, text in rendered_files(args.project).items():
-        if not path.is_file() or path.read_text() != text:
-            stale.append(str(path))
-            if not args.check:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
+    stale = sync_files(rendered_files(args.project), args.check)
     for name in stale:
         print(("stale: " if args.check else "wrote ") + name)
     return 1 if args.check and stale else 0
