@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host lint typecheck test test-unit test-vllm test-vllm-deploy up down clean
+.PHONY: venv host lint typecheck test test-unit test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,11 @@ $(VLLM_STAMP): serving/pyproject.toml
 
 test-vllm: venv $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm
+
+# PdstackConnector at TP 2 (tests/vllm/test_tensor_parallel.py): too contended for 2 shared cores to run reliably in
+# make test (see tests/vllm/conftest.py).
+test-vllm-tp: venv $(VLLM_STAMP)
+	PDSTACK_VLLM_TP=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm/test_tensor_parallel.py
 
 # roles/vllm_engine on real node containers with the real vLLM-cpu image (~25 min here: an image build, a 3.78 GB
 # push, three vLLM starts per node); not part of `make test`: docs/vllm-deploy.md.
