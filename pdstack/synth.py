@@ -143,8 +143,7 @@ def _policy_config(rules: ModuleType, environment: dict[str, StackConfig]) -> An
     serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
     if serving is None:
         return rules.PolicyConfig()
-    kv = policy_config(contract(serving))[KV_PORT_POLICY]
-    return rules.PolicyConfig(kv_port=kv["kvPort"], kv_port_last=kv["kvPortLast"])
+    return rules.PolicyConfig.from_pack_config(policy_config(contract(serving))[KV_PORT_POLICY])
 
 
 def _config_strings(config: dict[str, Any]) -> dict[str, str]:

@@ -27,9 +27,7 @@ CONFIG_SCHEMA = PolicyConfigSchema(
 
 
 def _config(raw: Mapping[str, Any]) -> rules.PolicyConfig:
-    last = raw.get("kvPortLast")
-    return rules.PolicyConfig(kv_port=int(raw.get("kvPort", rules.PolicyConfig.kv_port)),
-                              kv_port_last=None if last is None else int(last))  # fmt: skip
+    return rules.PolicyConfig.from_pack_config(raw)
 
 
 def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:

@@ -8,7 +8,7 @@ virtualenv holds nothing but pulumi and pulumi-policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Network, ip_network
 from typing import Any
@@ -42,6 +42,12 @@ class PolicyConfig:
     @property
     def kv_ports(self) -> range:
         return range(self.kv_port, (self.kv_port if self.kv_port_last is None else self.kv_port_last) + 1)
+
+    @classmethod
+    def from_pack_config(cls, raw: Mapping[str, Any]) -> PolicyConfig:
+        """From the pack's config for the KV rule (policy/config/<env>.json, pdstack.contract.policy_config)."""
+        last = raw.get("kvPortLast")
+        return cls(kv_port=int(raw.get("kvPort", cls.kv_port)), kv_port_last=None if last is None else int(last))
 
     def describe_kv_ports(self) -> str:
         ports = self.kv_ports
