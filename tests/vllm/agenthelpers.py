@@ -31,8 +31,7 @@ from tests.serving.scheduler.services import (
     start_scheduler,
     write_secret,
 )
-from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, VLLMServer
-from tests.vllm.test_connector import prompt_of
+from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, VLLMServer, prompt_of
 
 MODEL_NAME = "tiny"
 API_KEY = KEYS["bulk"]

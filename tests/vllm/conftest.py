@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from tests.serving.ports import free_port
 collect_ignore = [] if os.environ.get("PDSTACK_VLLM_TP") == "1" else ["test_tensor_parallel.py"]
 
 START_TIMEOUT_S = 420
+MAX_TOKENS = 16  # what test_connector and test_tensor_parallel generate per request
 LEASE_SECONDS = 20
 BLOCK_SIZE = 32
 # head_dim 64: vLLM's CPU attention has kernels for head sizes 32, 48, 64, ... only.
@@ -438,3 +440,30 @@ def _device_counters(namespace: str, device: str) -> dict[str, int]:
                              text=True, check=True).stdout  # fmt: skip
     stats = json.loads(listing)[0]["stats64"]
     return {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def token_ids(answer: dict[str, object]) -> list[int]:
+    choices = answer["choices"]
+    assert isinstance(choices, list)
+    ids = choices[0]["token_ids"]
+    assert isinstance(ids, list) and len(ids) == MAX_TOKENS, answer
+    return ids
+
+
+def loaded(pair: Pair, remote_request_id: str) -> bool:
+    return f"({remote_request_id})" in pair.decode.log() and "pdstack connector: loaded" in pair.decode.log()
+
+
+def failure_line(pair: Pair, answer: dict[str, object]) -> str:
+    """The decode log's line on the refused or failed load of the request that gave `answer` (vLLM's request id
+    inside the engine is the response id plus a suffix)."""
+    marker = f"for request {answer['id']}-"
+    lines = [line for line in pair.decode.log().splitlines() if marker in line and "pdstack connector" in line]
+    assert lines, f"no log line for {answer['id']}:\n" + pair.decode.log_tail()
+    assert "left to kv_load_failure_policy" in lines[-1], lines
+    return lines[-1]

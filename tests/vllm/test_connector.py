@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import secrets
 import socket
 import threading
@@ -26,41 +25,17 @@ from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
     LEASE_SECONDS,
+    MAX_TOKENS,
     FlippingProxy,
     Pair,
     SilentServer,
     VLLMServer,
+    failure_line,
+    loaded,
+    prompt_of,
+    token_ids,
 )
 from tests.vllm.kvhelpers import early_dispatch_params
-
-MAX_TOKENS = 16
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]
-
-
-def token_ids(answer: dict[str, object]) -> list[int]:
-    choices = answer["choices"]
-    assert isinstance(choices, list)
-    ids = choices[0]["token_ids"]
-    assert isinstance(ids, list) and len(ids) == MAX_TOKENS, answer
-    return ids
-
-
-def loaded(pair: Pair, remote_request_id: str) -> bool:
-    return f"({remote_request_id})" in pair.decode.log() and "pdstack connector: loaded" in pair.decode.log()
-
-
-def failure_line(pair: Pair, answer: dict[str, object]) -> str:
-    """The decode log's line on the refused or failed load of the request that gave `answer` (vLLM's request id
-    inside the engine is the response id plus a suffix)."""
-    marker = f"for request {answer['id']}-"
-    lines = [line for line in pair.decode.log().splitlines() if marker in line and "pdstack connector" in line]
-    assert lines, f"no log line for {answer['id']}:\n" + pair.decode.log_tail()
-    assert "left to kv_load_failure_policy" in lines[-1], lines
-    return lines[-1]
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ import httpx
 import pytest
 
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import BLOCK_SIZE, FlippingProxy, Pair, start_pair
-from tests.vllm.test_connector import MAX_TOKENS, prompt_of, token_ids
+from tests.vllm.conftest import BLOCK_SIZE, MAX_TOKENS, FlippingProxy, Pair, prompt_of, start_pair, token_ids
 
 
 @pytest.fixture(scope="module")

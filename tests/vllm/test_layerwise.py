@@ -24,9 +24,18 @@ import httpx
 import pytest
 
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, Pair, start_pair
+from tests.vllm.conftest import (
+    BLOCK_SIZE,
+    DO_REMOTE_DECODE,
+    MAX_TOKENS,
+    Pair,
+    failure_line,
+    loaded,
+    prompt_of,
+    start_pair,
+    token_ids,
+)
 from tests.vllm.kvhelpers import early_dispatch_params
-from tests.vllm.test_connector import MAX_TOKENS, failure_line, loaded, prompt_of, token_ids
 
 BATCHED_TOKENS = 128
 LONG = 1900  # 60 blocks, the last one partial; 15 prefill steps

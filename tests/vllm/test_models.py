@@ -17,8 +17,17 @@ import pytest
 
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, LONG_MODEL_CONFIG, MODEL_CONFIG, Pair, start_pair
-from tests.vllm.test_connector import MAX_TOKENS, loaded, prompt_of
+from tests.vllm.conftest import (
+    BLOCK_SIZE,
+    DO_REMOTE_DECODE,
+    LONG_MODEL_CONFIG,
+    MAX_TOKENS,
+    MODEL_CONFIG,
+    Pair,
+    loaded,
+    prompt_of,
+    start_pair,
+)
 
 LONG_PROMPT = 4000  # ~4K tokens: 125 blocks, the last one partly filled
 # (kind for make_test_checkpoint, config overrides, vLLM's --max-model-len). Sizes vLLM's CPU kernels take: head

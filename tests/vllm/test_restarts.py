@@ -22,8 +22,19 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from tests.serving.ports import free_port
-from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, Pair, VLLMServer, _ThreadedServer, run_pair
-from tests.vllm.test_connector import MAX_TOKENS, failure_line, loaded, prompt_of, token_ids
+from tests.vllm.conftest import (
+    BLOCK_SIZE,
+    LEASE_SECONDS,
+    MAX_TOKENS,
+    Pair,
+    VLLMServer,
+    _ThreadedServer,
+    failure_line,
+    loaded,
+    prompt_of,
+    run_pair,
+    token_ids,
+)
 
 # 80 blocks of 32 tokens: enough for max_model_len 2048 (vLLM refuses to start below one full-length request),
 # far too few for PREEMPT_REQUESTS growing to PREEMPT_PROMPT + PREEMPT_TOKENS tokens (19 blocks) each: any 5 of

@@ -16,7 +16,6 @@ often with two pulls per request. Hence this module's longer timeouts and lease.
 from __future__ import annotations
 
 import json
-import random
 import secrets
 import socket
 import threading
@@ -30,10 +29,19 @@ import pytest
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.settings import kv_port_of
 from tests.serving.ports import free_port
-from tests.vllm.conftest import BLOCK_SIZE, DO_REMOTE_DECODE, Pair, Site, VLLMServer, run_pair
+from tests.vllm.conftest import (
+    BLOCK_SIZE,
+    DO_REMOTE_DECODE,
+    MAX_TOKENS,
+    Pair,
+    Site,
+    VLLMServer,
+    prompt_of,
+    run_pair,
+    token_ids,
+)
 from tests.vllm.kvhelpers import early_dispatch_params
 
-MAX_TOKENS = 16
 TP = 2
 INSTANCE_CORES = "0,1"  # taskset: the instance's three processes (and its two workers) on both cores
 RANK_CORES = "0|1"  # VLLM_CPU_OMP_THREADS_BIND: rank 0's OMP threads on core 0, rank 1's on core 1
@@ -92,19 +100,6 @@ def tp_pair(
     decode = VLLMServer("decode-tp2", model_dir, "kv_consumer", INSTANCE_CORES, common, logs / "decode.log",  # type: ignore[arg-type]
                         args=parallel, port=free_port_besides(taken), site=BothCores())  # fmt: skip
     yield from run_pair(prefill, decode, kv_port, kv_key)
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]
-
-
-def token_ids(answer: dict[str, object]) -> list[int]:
-    choices = answer["choices"]
-    assert isinstance(choices, list)
-    ids = choices[0]["token_ids"]
-    assert isinstance(ids, list) and len(ids) == MAX_TOKENS, answer
-    return ids
 
 
 def rank_loads(pair: Pair, remote_request_id: str) -> set[int]:

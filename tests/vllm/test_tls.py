@@ -13,8 +13,7 @@ import pytest
 
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
-from tests.vllm.conftest import Pair, start_pair
-from tests.vllm.test_connector import MAX_TOKENS, loaded, prompt_of, token_ids
+from tests.vllm.conftest import MAX_TOKENS, Pair, loaded, prompt_of, start_pair, token_ids
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:

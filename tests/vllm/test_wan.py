@@ -25,13 +25,16 @@ from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
     LONG_MODEL_CONFIG,
+    MAX_TOKENS,
     MODEL_CONFIG,
     Pair,
     VLLMServer,
     WanSites,
+    loaded,
+    prompt_of,
     start_pair,
+    token_ids,
 )
-from tests.vllm.test_connector import MAX_TOKENS, loaded, prompt_of, token_ids
 
 RATE_MBIT, RTT_MS = 1000.0, 20.0
 RECEIVED = ("pdserve_kv_transfer_bytes_total", 'role="receiver"')
