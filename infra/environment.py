@@ -16,6 +16,8 @@ from typing import Any, cast
 import pulumi
 from pydantic import ValidationError
 
+from infra.dns import dns_domain_problem
+from pdstack.contract import DNS_DOMAIN
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, Link, Ports, StackConfig
 from pdstack.validate import validate
 
@@ -43,6 +45,7 @@ class InfraSettings:
     lustre_capacity_gib: int = 0
     ssh_key_name: str | None = None
     release: str = "0.1.0"
+    dns_domain: str = DNS_DOMAIN  # the private zones are <env>.<dns_domain> (read by the control-plane stack)
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,12 @@ def infra_settings() -> InfraSettings:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:availability_zones: give exactly two zone names, got {zones_given!r}")
     if cidrs is None or "0.0.0.0/0" in cidrs:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:eks_public_access_cidrs: a list of CIDRs, never 0.0.0.0/0")
+    domain = config.get("dns_domain") or DNS_DOMAIN
+    problem = dns_domain_problem(domain)
+    if problem is not None:
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:dns_domain: {problem}")
     return InfraSettings(
+        dns_domain=domain,
         kubernetes_version=config.get("kubernetes_version") or InfraSettings.kubernetes_version,
         availability_zones=zones,
         eks_public_access_cidrs=cidrs,

@@ -19,6 +19,10 @@ REPOSITORY_URLS = "repository_urls"
 CLUSTER_NAME = "cluster_name"
 SCHEDULER_URL = "scheduler_url"  # also in SSM Parameter Store (pdstack.contract.SCHEDULER_URL_PARAMETER)
 PROMETHEUS_URL = "prometheus_url"  # also in SSM Parameter Store (pdstack.contract.PROMETHEUS_URL_PARAMETER)
+PRIVATE_ZONE_ID = "private_zone_id"  # the environment's Route53 private zone (infra/dns.py)
+PRIVATE_ZONE_NAME = "private_zone_name"
+CA_CERTIFICATE = "ca_certificate"  # the environment CA's certificate (PEM, public): what clients trust
+TLS_SECRET_ARNS = "tls_secret_arns"  # noqa: S105 (an output name): datacenter -> pool -> its certificate's secret
 
 # Exported by datacenter stacks only.
 MODEL_BUCKET = "model_bucket"
@@ -35,4 +39,11 @@ PEER_NETWORK = (
     TRANSIT_GATEWAY_ID,
     TRANSIT_GATEWAY_ROUTE_TABLE_ID,
 )
-CONTROL_FOR_DATACENTERS = (ENV_KEY_ARN, SECRET_ARNS, REPOSITORY_ARNS)
+CONTROL_FOR_DATACENTERS = (
+    ENV_KEY_ARN,
+    SECRET_ARNS,
+    REPOSITORY_ARNS,
+    PRIVATE_ZONE_ID,
+    PRIVATE_ZONE_NAME,
+    TLS_SECRET_ARNS,
+)

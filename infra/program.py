@@ -11,28 +11,35 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import environment, outputs
+from infra.certificates import CertificateSpec, EnvironmentCertificates, EnvironmentCertificatesArgs
 from infra.control_plane import ControlPlane, ControlPlaneArgs
 from infra.dashboards import GrafanaDashboards, GrafanaDashboardsArgs
+from infra.dns import PrivateZone, PrivateZoneArgs, ZoneMembership, ZoneMembershipArgs
 from infra.encryption import ManagedKey, ManagedKeyArgs
 from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
 from infra.network import Network, NetworkArgs
 from infra.node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.pool_names import PoolRecords, PoolRecordsArgs
 from infra.prometheus import DatacenterTarget, alertmanager_yaml, scrape_config
 from infra.registry import ImageRegistry, ImageRegistryArgs
 from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
 from infra.storage import ModelStorage, ModelStorageArgs
 from infra.tags import datacenter_tags, pool_tags
-from infra.workloads import (
-    GATEWAY_TOKEN,
-    RATELIMIT_STORE_CONFIG,
-    ControlWorkloads,
-    ControlWorkloadsArgs,
-    ratelimit_store_config,
-)
+from infra.workloads import ControlWorkloads
+from infra.workloads.access import ingress_host
+from infra.workloads.common import GATEWAY_TOKEN, ControlWorkloadsArgs
+from infra.workloads.ratelimit_store import RATELIMIT_STORE_CONFIG, ratelimit_store_config
 from pdstack.catalog import Catalog, load_catalog
-from pdstack.contract import contract, gateway_keys_file, prometheus_url_parameter, scheduler_url_parameter
+from pdstack.contract import (
+    Names,
+    cloud_names,
+    contract,
+    gateway_keys_file,
+    prometheus_url_parameter,
+    scheduler_url_parameter,
+)
 from pdstack.model import DatacenterRole, Environment, Serving
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
@@ -42,6 +49,8 @@ NODE_SECRETS = ("kv-channel-key", "server-api-token")
 API_KEYS = "gateway-api-keys"
 RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
+LOAD_BALANCED = ("gateway", "scheduler", "prometheus")  # the control plane's apps behind internal load balancers
+CA_CERTIFICATE_PARAMETER = "/pdstack/{env}/ca-certificate"
 
 
 def main() -> None:
@@ -160,8 +169,12 @@ def build_datacenter(
             tags=tags,
         ),
     )
+    zone_id = control.require_output(outputs.PRIVATE_ZONE_ID).apply(str)
+    zone_name = control.require_output(outputs.PRIVATE_ZONE_NAME).apply(str)
+    ZoneMembership(dc.name, ZoneMembershipArgs(zone_id=zone_id, vpc_id=network.vpc.id, region=dc.region))
     secret_arns = control.require_output(outputs.SECRET_ARNS)
     repositories = control.require_output(outputs.REPOSITORY_ARNS)
+    tls_arns = control.require_output(outputs.TLS_SECRET_ARNS)
     groups = {}
     for pool in dc.pools:
         pool_group = GpuNodePool(
@@ -172,7 +185,10 @@ def build_datacenter(
                 subnet_ids=[s.id for s in network.service_subnets],
                 security_group_id=security.group.id,
                 volume_key_arn=key.key.arn,
-                readable_secret_arns=[secret_arns.apply(_item(n)) for n in NODE_SECRETS],
+                readable_secret_arns=[
+                    *(secret_arns.apply(_item(n)) for n in NODE_SECRETS),
+                    tls_arns.apply(lambda arns, pool=pool.name: str(arns[dc.name][pool])),  # its own pool's only
+                ],
                 secrets_key_arn=control.require_output(outputs.ENV_KEY_ARN),
                 secrets_region=view.control.datacenter.region,
                 model_bucket_arn=storage.bucket.arn,
@@ -182,6 +198,15 @@ def build_datacenter(
             ),
         )
         groups[pool.name] = pool_group.group.name
+        PoolRecords(
+            f"{dc.name}-{pool.name}",
+            PoolRecordsArgs(
+                record_name=zone_name.apply(lambda zone, pool=pool.name: Names(zone).host(pool, dc.name)),
+                zone_id=zone_id,
+                group_name=pool_group.group.name,
+                tags=tags,
+            ),
+        )
     pulumi.export(outputs.MODEL_BUCKET, storage.bucket.bucket)
     pulumi.export(outputs.NODE_POOLS, groups)
 
@@ -203,7 +228,30 @@ def build_control_plane(
         ),
     )
     registry = ImageRegistry("images", ImageRegistryArgs(env=view.env, key_arn=key.key.arn, tags=tags))
+    names = cloud_names(view.env, view.settings.dns_domain)
     namespace = f"pdstack-{view.env}"
+    certificates = EnvironmentCertificates(
+        "tls",
+        EnvironmentCertificatesArgs(
+            env=view.env,
+            components=[CertificateSpec(app, component_names(names, app, dc.name, namespace)) for app in LOAD_BALANCED],
+            pools={
+                c.datacenter.name: {
+                    p.name: CertificateSpec(
+                        f"{c.datacenter.name}-{p.name}",
+                        [names.host(p.name, c.datacenter.name), names.instances(p.name, c.datacenter.name)],
+                    )
+                    for p in c.datacenter.pools
+                }
+                for c in view.datacenters.values()
+                if c.datacenter.role is not DatacenterRole.CONTROL
+            },
+            secrets_key_arn=secrets.key.key.arn,
+            tags=tags,
+            recovery_window_days=7 if cfg.environment is Environment.DEV else 30,
+        ),
+    )
+    zone = PrivateZone("names", PrivateZoneArgs(zone=names.zone, vpc_id=network.vpc.id, region=dc.region, tags=tags))
     control_pool = dc.pools[0]
     plane = ControlPlane(
         "eks",
@@ -267,6 +315,9 @@ def build_control_plane(
             volume_key_arn=key.key.arn,
             gateway_replicas=replicas,
             gateway_max_replicas=replicas * 4,
+            load_balancer_certificates={app: certificates.load_balancer_certificate(app).arn for app in LOAD_BALANCED},
+            dns_names={app: names.host(app, dc.name) for app in LOAD_BALANCED},
+            tls={app: certificates.issued[app] for app in LOAD_BALANCED},
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
@@ -275,6 +326,21 @@ def build_control_plane(
         GrafanaDashboardsArgs(namespace=namespace),
         opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]),
     )  # its namespace
+    for app in LOAD_BALANCED:  # each load balancer's name in the environment's zone
+        zone.alias(f"{app}-name", names.host(app, dc.name), workloads.services[app].status.apply(ingress_host))
+    pulumi.export(outputs.PRIVATE_ZONE_ID, zone.zone.zone_id)
+    pulumi.export(outputs.PRIVATE_ZONE_NAME, zone.zone.name)
+    pulumi.export(outputs.TLS_SECRET_ARNS, certificates.pool_secret_arns)
+    pulumi.export(outputs.CA_CERTIFICATE, certificates.ca_cert_pem)
+    # What clients trust (the GPU nodes calling the scheduler, the controller's canary judge): public, not secret.
+    aws.ssm.Parameter(
+        "ca-certificate",
+        name=CA_CERTIFICATE_PARAMETER.format(env=view.env),
+        type="String",
+        value=certificates.ca_cert_pem,
+        description=f"pdstack {view.env}: the environment CA's certificate (PEM) every TLS listener chains to",
+        tags=tags,
+    )
     pulumi.export(outputs.ENV_KEY_ARN, secrets.key.key.arn)
     pulumi.export(outputs.SECRET_ARNS, secrets.arns)
     pulumi.export(outputs.SECRET_VALUES, pulumi.Output.secret(secrets.values))
@@ -302,6 +368,11 @@ def build_control_plane(
         tags=tags,
     )
     pulumi.export(outputs.PROMETHEUS_URL, workloads.prometheus_url)
+
+
+def component_names(names: Names, app: str, datacenter: str, namespace: str) -> list[str]:
+    """What `app`'s certificate names: its name in the zone, then its in-cluster Service names."""
+    return [names.host(app, datacenter), f"{app}.{namespace}.svc.cluster.local", f"{app}.{namespace}.svc"]
 
 
 def _serving(view: EnvironmentView) -> Serving:

@@ -4,8 +4,8 @@ datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto 
 Job names, ports and paths are the deployment contract's (pdstack/contract.py), the same as the local Prometheus
 (roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for node_exporter,
 `prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it loads, selects
-the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads.py), configured as the local one
-is (pdstack/alerting.py).
+the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads/monitoring.py), configured as
+the local one is (pdstack/alerting.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import yaml
 
 from infra.tags import DC, ENV, POOL, ROLE
 from pdstack.alerting import alertmanager_config
-from pdstack.contract import Component, Contract
+from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE, Component, Contract
 from pdstack.model import PoolRole
 from pdstack.stackfile import NAMESPACE
 
 SCRAPE_INTERVAL = "15s"
 RULES_FILE = "alerts.yml"  # beside prometheus.yml in the same ConfigMap: rule_files resolve relative to it
+WEB_CONFIG_FILE = "web.yml"  # beside it too: Prometheus' own listener (TLS)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,21 @@ def _ec2_job(job: str, sd_configs: list[dict[str, Any]], metrics_path: str | Non
             "ec2_sd_configs": sd_configs, "relabel_configs": EC2_RELABEL}  # fmt: skip
 
 
+def tls_client(server_name: str) -> dict[str, Any]:
+    """How Prometheus scrapes a TLS listener: the environment's CA, the name the target's certificate carries (it
+    is dialled by address), and its own certificate, which a listener under mutual TLS asks for."""
+    return {"ca_file": f"{TLS_DIR}/{TLS_CA_FILE}", "server_name": server_name,
+            "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}"}  # fmt: skip
+
+
+def web_config() -> dict[str, Any]:
+    """Prometheus' own listener (--web.config.file): TLS with its certificate, which it re-reads as it changes."""
+    return {"tls_server_config": {"cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}",
+                                  "min_version": "TLS12"}}  # fmt: skip
+
+
 def pods_service(service: str) -> str:
-    """The headless Service naming every pod of a control-plane Deployment (infra/workloads.py)."""
+    """The headless Service naming every pod of a control-plane Deployment (infra/workloads/pdserve_apps.py)."""
     return f"{service}-pods"
 
 
@@ -73,6 +87,8 @@ def _service_job(job: str, service: str, namespace: str, port: int, metrics_path
     return {
         "job_name": job,
         "metrics_path": metrics_path,
+        "scheme": "https",
+        "tls_config": tls_client(f"{service}.{namespace}.svc.cluster.local"),
         "dns_sd_configs": [{"names": [f"{pods_service(service)}.{namespace}.svc.cluster.local"], "type": "A",
                             "port": port}],
         "relabel_configs": [{"target_label": "role", "replacement": "control"}],
@@ -85,7 +101,14 @@ def alertmanager_address(namespace: str, contract: Contract) -> str:
 
 def scrape_config(env: str, namespace: str, contract: Contract, datacenters: list[DatacenterTarget]) -> dict[str, Any]:
     itself = {"targets": [f"localhost:{contract.prometheus.port}"]}
-    jobs: list[dict[str, Any]] = [{"job_name": contract.prometheus.job, "static_configs": [itself]}]
+    jobs: list[dict[str, Any]] = [
+        {
+            "job_name": contract.prometheus.job,
+            "scheme": "https",
+            "tls_config": tls_client(f"prometheus.{namespace}.svc.cluster.local"),
+            "static_configs": [itself],
+        }
+    ]
     for component in (Component.SCHEDULER, Component.GATEWAY):
         served = contract[component]
         jobs.append(_service_job(served.job, str(component), namespace, served.port, served.metrics_path))

@@ -1,6 +1,6 @@
 """Alert routing: the Alertmanager configuration of an environment, rendered once from the stack model and run by
 the local Alertmanager (roles/alertmanager, through playbooks/vars/contract/<env>.yml) and the cloud's
-(infra/workloads.py).
+(infra/workloads/monitoring.py).
 
 Alerts are grouped by name and datacenter and routed by their `severity` label (monitoring/alerts.yml sets one on
 every rule): critical and warning each have a receiver of their own, which posts to the stack's webhook

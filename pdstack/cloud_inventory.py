@@ -21,7 +21,7 @@ import yaml
 from pdstack.contract import scheduler_url_parameter
 from pdstack.model import Environment as EnvName
 from pdstack.model import Link, LinkKind, PoolRole
-from pdstack.stacks import PROJECT_FILE, Environment, default_stacks_dir, environment_names, load_environment
+from pdstack.stacks import PROJECT_FILE, EnvironmentStacks, default_stacks_dir, environment_names, load_environment
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
 # The path MTU across a link (kernel_tuning counts a link's BDP in segments of MTU - 52 bytes, so an MTU set too
@@ -41,7 +41,7 @@ def secret_id(env: str, name: str) -> str:
     return f"pdstack/{env}/{name}"
 
 
-def environments(stacks_dir: Path) -> list[Environment]:
+def environments(stacks_dir: Path) -> list[EnvironmentStacks]:
     present = environment_names(stacks_dir)
     return [load_environment(stacks_dir, env) for env in CLOUD_ENVIRONMENTS if env in present]
 
@@ -51,7 +51,7 @@ def other(owner: str, link: Link, name: str) -> str:
     return link.peer if owner == name else owner
 
 
-def stack_vars(envs: list[Environment]) -> dict[str, Any]:
+def stack_vars(envs: list[EnvironmentStacks]) -> dict[str, Any]:
     cloud: dict[str, Any] = {}
     for env in envs:
         datacenters: dict[str, Any] = {}
@@ -82,7 +82,7 @@ def stack_vars(envs: list[Environment]) -> dict[str, Any]:
     return {"pdstack_cloud": cloud}
 
 
-def plugin_config(envs: list[Environment]) -> dict[str, Any]:
+def plugin_config(envs: list[EnvironmentStacks]) -> dict[str, Any]:
     regions = sorted({s.config.datacenter.region for env in envs for s in env.stacks})
     return {
         "plugin": "amazon.aws.aws_ec2",

@@ -4,7 +4,7 @@ pdserve's own settings names.
 
 Everything that deploys renders from here: the Ansible variables of the pdserve, prometheus and node_exporter roles
 (`ansible_vars`, committed per environment as playbooks/vars/contract/<env>.yml), the security groups and the policy
-pack's port rules (infra/security.py), the Kubernetes control plane (infra/workloads.py), the cloud scrape config
+pack's port rules (infra/security.py), the Kubernetes control plane (infra/workloads/), the cloud scrape config
 (infra/prometheus.py) and the alert rules' job selectors (monitoring/alerts.yml, checked against `JOBS`).
 tests/unit/test_contract.py parses what is rendered with pdserve's own settings loaders.
 
@@ -64,6 +64,54 @@ SCHEDULER_URL_PARAMETER = "/pdstack/{env}/scheduler-url"
 PROMETHEUS_URL_PARAMETER = "/pdstack/{env}/prometheus-url"
 PROMETHEUS_URL_PARAMETER_VAR = "pdstack_prometheus_url_parameter"
 
+# -- names: every environment has one DNS zone, and each component or server pool a name in it,
+# <component or pool>.<datacenter>.<zone>, e.g. gateway.control.prod.pdstack.internal. In the cloud the zone is
+# <env>.<domain>, a Route53 private hosted zone associated with every datacenter's VPC (infra/dns.py), its domain
+# pdstack-infra:dns_domain (default DNS_DOMAIN); certificates carry the same names (infra/certificates.py).
+DNS_DOMAIN = "pdstack.internal"
+# A kubernetes.io/tls Secret's keys, mounted as files under TLS_DIR (the component's certificate, its key, the CA)
+TLS_DIR = "/run/tls"
+TLS_CERT_FILE = "tls.crt"
+TLS_KEY_FILE = "tls.key"
+TLS_CA_FILE = "ca.crt"
+
+
+@dataclass(frozen=True)
+class Names:
+    """The DNS names of one environment's components and pools, all under `zone`."""
+
+    zone: str
+
+    def host(self, name: str, datacenter: str) -> str:
+        """A component's (gateway, scheduler) or a server pool's name in its datacenter."""
+        return f"{name}.{datacenter}.{self.zone}"
+
+    def instances(self, pool: str, datacenter: str) -> str:
+        """The wildcard under a pool's name that its instances' own names fall in (certificates carry it)."""
+        return f"*.{self.host(pool, datacenter)}"
+
+
+def tls_settings() -> dict[str, str]:
+    """A pdserve component's HTTP TLS settings (pdserve.common.tls) from the files under TLS_DIR: its certificate
+    for its listener and, towards the components it calls, as its client certificate (mutual TLS); the
+    environment's CA to verify them."""
+    cert, key, ca = (f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
+    return {setting("tls_cert"): cert, setting("tls_key"): key, setting("tls_ca"): ca,
+            setting("tls_client_cert"): cert, setting("tls_client_key"): key}  # fmt: skip
+
+
+def kv_tls_settings() -> dict[str, str]:
+    """A prefill or decode server's KV channel TLS (pdserve.server.settings kv_tls_*) from the same files: prefill
+    serves with its certificate, decode verifies it against the CA (prefill is reached by address: an IP SAN)."""
+    cert, key, ca = (f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
+    return {setting("kv_tls_cert"): cert, setting("kv_tls_key"): key, setting("kv_tls_ca"): ca}
+
+
+def cloud_names(env: str, domain: str = DNS_DOMAIN) -> Names:
+    """A cloud environment's names: its private zone is <env>.<domain>."""
+    return Names(f"{env}.{domain}")
+
+
 # -- Prometheus job names: one scheme, used by the local and the cloud Prometheus ------------------------------
 PROMETHEUS_JOB = "prometheus"
 NODE_JOB = "node"
@@ -92,8 +140,8 @@ JOBS = (PROMETHEUS_JOB, *(c.job for c in SCRAPED), NODE_JOB)
 
 
 def setting(name: str) -> str:
-    """The PDSERVE_* variable of a pdserve settings field (pdserve.scheduler.settings.load_settings,
-    pdserve.server.settings.env_name)."""
+    """The PDSERVE_* variable of a pdserve settings field (pdserve.common.settings.env_name, which every role's
+    loader reads)."""
     return SETTING_PREFIX + name.upper()
 
 
@@ -314,6 +362,10 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
             }
             for name, comp in c.components.items()
         },
+        # TLS (#17): where the pdserve role mounts a node's certificate, key and CA, and the settings naming them,
+        # used wherever the inventory hands the role TLS files (docs/tls.md)
+        "pdserve_tls": {"dir": TLS_DIR, "cert": TLS_CERT_FILE, "key": TLS_KEY_FILE, "ca": TLS_CA_FILE,
+                        "env": tls_settings(), "kv_env": kv_tls_settings()},
         "prometheus_port": c.prometheus.port,
         "prometheus_scrape_groups": [{"job": g.job, "group": g.group, "port": g.port} for g in c.scrape_groups],
         "prometheus_job": c.prometheus.job,

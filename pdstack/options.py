@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from pdstack.stacks import Environment, EnvironmentLoadError, default_stacks_dir, load_environment
+from pdstack.stacks import EnvironmentLoadError, EnvironmentStacks, default_stacks_dir, load_environment
 
 STACKS_HELP = "folder of stack files (default: the stacks/ of the project holding the working directory)"
 StacksOption = Annotated[Path | None, typer.Option("--stacks", metavar="DIR", help=STACKS_HELP)]
@@ -38,7 +38,7 @@ def stacks_dir(given: Path | None, old: Path | None = None, old_name: str = "") 
     return folder
 
 
-def environment(folder: Path, env: str) -> Environment:
+def environment(folder: Path, env: str) -> EnvironmentStacks:
     """`load_environment`, with its problems as a usage error (exit 2, one line each, on stderr)."""
     try:
         return load_environment(folder, env)

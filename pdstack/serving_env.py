@@ -29,7 +29,8 @@ def tracing_settings(serving: Serving) -> dict[str, str]:
 
 def gateway_settings(serving: Serving) -> dict[str, str]:
     limits, timeouts = serving.limits, serving.timeouts
-    return tracing_settings(serving) | _as_env({
+    plaintext = _as_env({"ALLOW_PLAINTEXT": "true"}) if serving.allow_plaintext else {}
+    return tracing_settings(serving) | plaintext | _as_env({
         "OFFLOAD_THRESHOLD_TOKENS": serving.offload_threshold_tokens,
         "MAX_PROMPT_TOKENS": limits.max_prompt_tokens,
         "MAX_TOKENS_LIMIT": limits.max_output_tokens,

@@ -52,7 +52,7 @@ class EnvironmentLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Environment:
+class EnvironmentStacks:
     """One environment's stacks, valid on their own and together."""
 
     name: str
@@ -78,7 +78,7 @@ class Environment:
         raise EnvironmentLoadError(f"no stack {name!r} in environment {self.name} (known: {known})")
 
 
-def load_environment(stacks_dir: Path, env: str, catalog: Catalog | None = None) -> Environment:
+def load_environment(stacks_dir: Path, env: str, catalog: Catalog | None = None) -> EnvironmentStacks:
     """The stacks of environment `env` in `stacks_dir`, validated as `pdstack validate` validates them."""
     if not stacks_dir.is_dir():
         raise EnvironmentLoadError(f"no stacks folder {stacks_dir}")
@@ -91,4 +91,4 @@ def load_environment(stacks_dir: Path, env: str, catalog: Catalog | None = None)
         raise EnvironmentLoadError(
             f"environment {env} in {stacks_dir} is not valid (see `pdstack validate`):", report.problems
         )
-    return Environment(env, stacks_dir, tuple(sorted(report.stacks, key=lambda s: s.stack_name)))
+    return EnvironmentStacks(env, stacks_dir, tuple(sorted(report.stacks, key=lambda s: s.stack_name)))

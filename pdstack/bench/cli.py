@@ -7,15 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-
-from pdstack.bench.command import BenchError, BenchOptions, command_line, run_bench
-from pdstack.bench.endpoint import EndpointError
-from pdstack.bench.peak import PeakError
-from pdstack.bench.plot import PlotUnavailable, write_plot
-from pdstack.bench.report import server_lines, table
-from pdstack.bench.stats import SLO
-from pdstack.bench.workload import WorkloadError
 
 
 def _floats(text: str | None, name: str) -> tuple[float, ...]:
@@ -61,6 +52,17 @@ def bench_command(  # typer builds one option per parameter
     plot: Annotated[Path | None, typer.Option(help="write latency against load as a PNG here")] = None,
 ) -> None:
     """Open-loop (Poisson) streaming load against an OpenAI-compatible endpoint: TTFT, TPOT, e2e, goodput, errors."""
+    # The load generator (httpx, numpy, rich.progress) loads only when a bench runs, not with every `pdstack` command.
+    from rich.console import Console  # noqa: PLC0415
+
+    from pdstack.bench.command import BenchError, BenchOptions, command_line, run_bench  # noqa: PLC0415
+    from pdstack.bench.endpoint import EndpointError  # noqa: PLC0415
+    from pdstack.bench.peak import PeakError  # noqa: PLC0415
+    from pdstack.bench.plot import write_plot  # noqa: PLC0415
+    from pdstack.bench.report import server_lines, table  # noqa: PLC0415
+    from pdstack.bench.stats import SLO  # noqa: PLC0415
+    from pdstack.bench.workload import BenchWorkloadError  # noqa: PLC0415
+
     console = Console(stderr=True)
     options = BenchOptions(
         url=url,
@@ -89,7 +91,7 @@ def bench_command(  # typer builds one option per parameter
         _check_plot_available()
     try:
         report = run_bench(options, command_line(), console)
-    except (BenchError, EndpointError, WorkloadError, PeakError) as exc:
+    except (BenchError, EndpointError, BenchWorkloadError, PeakError) as exc:
         typer.echo(f"bench: {exc}", err=True)
         raise typer.Exit(2) from exc
     # a pipe or file gets the whole table unwrapped; a terminal gets its own width
@@ -106,6 +108,8 @@ def bench_command(  # typer builds one option per parameter
 
 def _check_plot_available() -> None:
     """Fail before any load is sent, not after, when --plot cannot be honoured."""
+    from pdstack.bench.plot import PlotUnavailable  # noqa: PLC0415 (see bench_command)
+
     try:
         import matplotlib  # noqa: F401, PLC0415
     except ImportError as exc:

@@ -156,7 +156,7 @@ MIXED_LONG_SHARE = 0.3
 WORKLOADS = ("short", "long", "mixed")
 
 
-class WorkloadError(ValueError):
+class BenchWorkloadError(ValueError):
     """A workload was asked for that does not exist."""
 
 
@@ -176,13 +176,13 @@ def _length_range(workload: str, rng: np.random.Generator) -> tuple[str, LengthR
         return "long", LONG
     if workload == "mixed":
         return ("long", LONG) if rng.random() < MIXED_LONG_SHARE else ("short", SHORT)
-    raise WorkloadError(f"workload: unknown {workload!r}, expected one of {', '.join(WORKLOADS)}")
+    raise BenchWorkloadError(f"workload: unknown {workload!r}, expected one of {', '.join(WORKLOADS)}")
 
 
 def make_prompts(workload: str, count: int, seed: int) -> list[Prompt]:
     """`count` prompts of the workload's length distribution; the same seed gives the same prompts."""
     if workload not in WORKLOADS:
-        raise WorkloadError(f"workload: unknown {workload!r}, expected one of {', '.join(WORKLOADS)}")
+        raise BenchWorkloadError(f"workload: unknown {workload!r}, expected one of {', '.join(WORKLOADS)}")
     rng = np.random.default_rng(seed)
     prompts = []
     for index in range(count):

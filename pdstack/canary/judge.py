@@ -14,9 +14,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
-import numpy as np
-from scipy.stats import mannwhitneyu
-
 from pdstack.model import CanaryThresholds
 
 
@@ -143,6 +140,10 @@ def _kv_failures(canary: Observations, baseline: Observations, max_failures: int
 def _latency(
     metric: str, canary: Sequence[float], baseline: Sequence[float], max_ratio: float, confidence: float
 ) -> Check:
+    # numpy and scipy.stats take ~1 s to load: only a judgement pays it, not every `pdstack` command.
+    import numpy as np  # noqa: PLC0415
+    from scipy.stats import mannwhitneyu  # noqa: PLC0415
+
     values_c = np.asarray([v for v in canary if np.isfinite(v)], dtype=float)
     values_b = np.asarray([v for v in baseline if np.isfinite(v)], dtype=float)
     if len(values_c) < 3 or len(values_b) < 3:

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pdstack.local.env import LocalEnv, PlaybookError
+from pdstack.local.commands import CommandError
+from pdstack.local.engine import EngineError
 from pdstack.local.inventory import render_inventory
 from pdstack.local.network import NetworkError
+from pdstack.local.nodes import NodeError
 from pdstack.local.registry import RegistryError
 from pdstack.local.topology import TopologyError
-from pdstack.nodes import NodeError
 from pdstack.options import JsonOption, StacksOption, stacks_dir
 from pdstack.stacks import PROJECT_FILE, STACKS_FOLDER
 
-# What `up` reports as a message and exit 1: each names the step and carries the cause; anything else is a bug.
-UP_ERRORS = (TopologyError, NetworkError, RegistryError, NodeError, PlaybookError)
+if TYPE_CHECKING:
+    from pdstack.local.env import LocalEnv
+
 
 local_app = typer.Typer(
     help="Run all of pdstack on this machine: two emulated datacenters and a control plane.", no_args_is_help=True
@@ -32,6 +34,9 @@ ProjectOption = Annotated[
 
 
 def _env(stacks: Path | None, project: Path | None) -> LocalEnv:
+    # pdstack.local.env loads the openai client (~1 s): only the `local` commands pay for it, not every `pdstack` run.
+    from pdstack.local.env import LocalEnv  # noqa: PLC0415
+
     folder = stacks_dir(stacks, project / STACKS_FOLDER if project is not None else None, "--project")
     root = folder.resolve().parent
     if folder.resolve().name != STACKS_FOLDER or not (root / PROJECT_FILE).is_file():
@@ -40,16 +45,29 @@ def _env(stacks: Path | None, project: Path | None) -> LocalEnv:
     return LocalEnv(root)
 
 
+EngineOption = Annotated[
+    str | None,
+    typer.Option("--engine", envvar="PDSTACK_LOCAL_ENGINE",
+                 help="pdserve | vllm on the prefill and decode nodes (default: the stack's serving.engine)"),
+]  # fmt: skip
+
+
 @local_app.command("up")
-def up_command(stacks: StacksOption = None, project: ProjectOption = None) -> None:
+def up_command(stacks: StacksOption = None, project: ProjectOption = None, engine: EngineOption = None) -> None:
     """Bring the local environment up (idempotent) and print where it answers."""
+    from pdstack.local.env import PlaybookError  # noqa: PLC0415 (see _env)
+
+    # What `up` reports as a message and exit 1: each names the step and carries the cause; anything else is a bug.
+    up_errors = (TopologyError, EngineError, CommandError, NetworkError, RegistryError, NodeError, PlaybookError)
     try:
-        status = _env(stacks, project).up(say=lambda line: typer.echo(f"== {line}", err=True))
-    except UP_ERRORS as error:
+        status = _env(stacks, project).up(say=lambda line: typer.echo(f"== {line}", err=True), engine=engine)
+    except up_errors as error:
         typer.echo(f"pdstack local up: {error}", err=True)
         raise typer.Exit(1) from None
+    typer.echo(f"engine:     {status['engine']} (model {status['model']})")
     typer.echo(f"completion: {status['smoke']!r}")
     typer.echo(f"gateway:    {status['gateway_url']}")
+    typer.echo(f"CA:         {status['ca_file']} (verify the gateway with it: docs/local.md)")
     typer.echo(f"API key:    in {status['api_key_file']}")
     typer.echo(f"Prometheus: {status['prometheus_url']}")
 
@@ -73,7 +91,7 @@ def status_command(stacks: StacksOption = None, project: ProjectOption = None, a
         typer.echo(json.dumps(status, indent=2))
         return
     typer.echo(
-        f"gateway: {status['gateway_url']}  API key file: {status['api_key_file']}  "
+        f"gateway: {status['gateway_url']}  CA: {status['ca_file']}  API key file: {status['api_key_file']}  "
         f"Prometheus: {status['prometheus_url']}"
     )
     for dc, members in status["nodes"].items():

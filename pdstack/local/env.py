@@ -18,16 +18,18 @@ from typing import Any
 
 from openai import OpenAI
 
-from pdstack import nodes
-from pdstack.contract import Component, ansible_vars, contract, write_ansible_vars
-from pdstack.local.images import Images, build_and_push
+from pdstack.contract import ansible_vars, contract, environment_alerting, write_ansible_vars
+from pdstack.local import nodes, transport
+from pdstack.local.commands import CommandError, run_captured
+from pdstack.local.engine import resolve_engine, vllm_release_vars, vllm_serving
+from pdstack.local.images import Images, build_and_push, push_vllm_image
 from pdstack.local.inventory import write_inventory
-from pdstack.local.model import ensure_model
+from pdstack.local.model import ensure_model, ensure_vllm_model
 from pdstack.local.network import LocalNetwork
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.topology import Node, Topology, load_topology
-from pdstack.model import PoolRole
+from pdstack.model import Engine, PoolRole, Serving
 
 # One user on one machine: the local tenant's rate limits stay out of the way of load tests and benchmarks.
 LOCAL_RATE_LIMITS = {
@@ -81,9 +83,13 @@ class LocalEnv:
 
     # -- up / down ------------------------------------------------------------------------------------------------
 
-    def up(self, say: Callable[[str], None] = print) -> dict[str, Any]:
+    def up(self, say: Callable[[str], None] = print, engine: str | None = None) -> dict[str, Any]:
         topology = self.topology()
+        chosen = resolve_engine(topology.serving, engine)
+        say(f"engine: {chosen} on the prefill and decode nodes")
         self.secrets.ensure()
+        say("tls: the local CA (made once) and each node's certificate, under .cache/local/tls")
+        transport.ensure_certificates(topology, self.state_dir)
         say("network: router and node namespaces, emulated WAN links")
         self.network(topology).up()
         say("registry: starting")
@@ -92,37 +98,73 @@ class LocalEnv:
         say("images: node, runtime and Prometheus images (built when their sources changed), pushed to the registry")
         nodes.build_node_image()
         images = build_and_push(self.project, registry)
-        say("model: the seeded test checkpoint and its SHA256SUMS manifest")
-        model = ensure_model(self.state_dir / "models", topology.serving.model.name)
+        serving, extra = topology.serving, {}
+        if chosen is Engine.VLLM:
+            say("images: the vLLM-cpu image from the host's wheelhouse (built when its sources changed), pushed")
+            serving = vllm_serving(topology.serving, push_vllm_image(self.project, registry))
+            extra = vllm_release_vars(serving, environment_alerting(self.stacks_dir, "local"))
+            say("model: the seeded 4K-context vLLM test checkpoint and its SHA256SUMS manifest")
+            model = ensure_vllm_model(self.state_dir / "models")
+        else:
+            say("model: the seeded test checkpoint and its SHA256SUMS manifest")
+            model = ensure_model(self.state_dir / "models", topology.serving.model.name)
+        self.replace_nodes_of_other_engine(topology, chosen, say)
         say("nodes: starting node containers in their datacenter namespaces")
         key = nodes.ensure_ssh_key(self.ssh_key)
         for node in topology.nodes:
-            ensure_node(node, key.with_suffix(".pub").read_text())
+            ensure_node(node, key.with_suffix(".pub").read_text(), say)
         write_inventory(topology, self.inventory)
+        say("names: the environment's *.local.pdstack names in this machine's /etc/hosts")
+        transport.name_hosts(topology)
+        extra = {**extra, **transport.release_vars(topology, self.state_dir)}
         write_ansible_vars(self.project, "local", topology.serving)
-        self.write_release(topology, images, model)
+        self.write_release(serving, images, model, extra)
         say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
         self.play("site.yml", say=say)
         status = self.status(topology)
         say("smoke: one completion through the gateway with the openai client")
-        status["smoke"] = smoke_completion(status["gateway_url"], self.secrets.api_key, topology.serving.model.name)
+        status["smoke"] = smoke_completion(
+            status["gateway_url"], self.secrets.api_key, serving.model.name, Path(status["ca_file"])
+        )
         return status
 
-    def write_release(self, topology: Topology, images: Images, model: Path) -> None:
-        # The serving settings travel in the contract (playbooks/vars/contract/local.yml); the release's config
-        # version follows them, so a changed limit or port is a new configuration.
-        rendered = {"contract": ansible_vars(contract(topology.serving)), "local": LOCAL_RATE_LIMITS}
+    def write_release(self, serving: Serving, images: Images, model: Path, extra: dict[str, Any]) -> None:
+        # The serving settings travel in the contract (playbooks/vars/contract/local.yml, or with vLLM in `extra`);
+        # the release's config version follows them, so a changed limit, port or engine is a new configuration.
+        rendered = {"contract": ansible_vars(contract(serving)), "local": LOCAL_RATE_LIMITS, "extra": extra}
         config_version = hashlib.sha256(json.dumps(rendered, sort_keys=True).encode()).hexdigest()[:8]
+        version = images.release_version
+        if serving.vllm is not None:  # the agents register the release's version: it follows both images
+            both = f"{images.runtime} {serving.vllm.image}".encode()
+            version = "sha-" + hashlib.sha256(both).hexdigest()[:12]
         release = {
-            "pdstack_release": {"version": images.release_version, "image": images.runtime,
-                                "config_version": config_version},
+            "pdstack_release": {"version": version, "image": images.runtime, "config_version": config_version,
+                                **({"vllm_image": serving.vllm.image} if serving.vllm is not None else {})},
             "pdstack_prometheus_image": images.prometheus,
-            "pdstack_model": {"name": topology.serving.model.name, "source": str(model)},
-            "pdstack_model_dest": topology.serving.model.path,
+            "pdstack_model": {"name": serving.model.name, "source": str(model)},
+            "pdstack_model_dest": serving.model.path,
             "pdstack_secrets_dir": str(self.secrets.folder),
             "pdserve_env": LOCAL_RATE_LIMITS,
+            **extra,
         }  # fmt: skip
         self.release_file.write_text(json.dumps(release, indent=2) + "\n")
+
+    def deployed_engine(self) -> Engine | None:
+        """The engine of the release `up` last deployed (None before the first)."""
+        if not self.release_file.is_file():
+            return None
+        release = json.loads(self.release_file.read_text())
+        return Engine(release.get("pdstack_vllm_vars", {}).get("pdstack_engine", Engine.PDSERVE))
+
+    def replace_nodes_of_other_engine(self, topology: Topology, engine: Engine, say: Callable[[str], None]) -> None:
+        """Switching engines starts the prefill and decode nodes afresh: the other engine's containers, records and
+        registrations do not linger beside the new ones."""
+        before = self.deployed_engine()
+        if before is None or before is engine:
+            return
+        for node in topology.nodes_with_role(PoolRole.PREFILL) + topology.nodes_with_role(PoolRole.DECODE):
+            say(f"nodes: {node.name} ran {before}, now {engine}: removing it")
+            nodes.remove_node(node.name)
 
     def playbook_argv(self, playbook: str, *args: str) -> list[str]:
         """`ansible-playbook` of `playbooks/<playbook>` against the local inventory, with the current release."""
@@ -154,12 +196,13 @@ class LocalEnv:
         self.registry().stop()
         say("network: removing namespaces, links and rules")
         self.network(topology).down()
+        say("names: removing the environment's block from /etc/hosts")
+        transport.unname_hosts()
 
     # -- status ---------------------------------------------------------------------------------------------------
 
     def status(self, topology: Topology | None = None) -> dict[str, Any]:
         topology = topology or self.topology()
-        gateway = topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip
         served = contract(topology.serving)
         by_dc: dict[str, list[dict[str, Any]]] = {}
         for node in topology.nodes:
@@ -171,26 +214,45 @@ class LocalEnv:
                     "running": nodes.node_exists(node.name),
                 }
             )
+        release = json.loads(self.release_file.read_text()) if self.release_file.is_file() else {}
         return {
-            "gateway_url": f"http://{gateway}:{served[Component.GATEWAY].port}/v1",
+            "engine": str(self.deployed_engine() or topology.serving.engine),
+            "model": release.get("pdstack_model", {}).get("name", topology.serving.model.name),
+            **transport.endpoints(topology, served),
+            "ca_file": str(transport.local_ca(self.state_dir).ca_cert),
             "api_key_file": str(self.secrets.api_key),
-            "prometheus_url": f"http://{gateway}:{served.prometheus.port}",
             "registry": self.registry().endpoint,
             "nodes": by_dc,
             "leftovers": self.network(topology).leftovers(),
         }
 
 
-def ensure_node(node: Node, public_key: str) -> None:
-    """Start the node container in its network namespace (unless it already runs) and let our SSH key in."""
-    if not (nodes.node_exists(node.name) and _running(node.name)):
-        nodes.create_node(nodes.NodeSpec(node.name, extra_args=("--network", f"ns:/run/netns/{node.namespace}")))
-    nodes.authorize_ssh_key(node.name, public_key)
+def ensure_node(node: Node, public_key: str, say: Callable[[str], None] = print) -> None:
+    """Start the node container in its network namespace (unless it already runs) and let our SSH key in.
+
+    A node that stops right after booting (seen once in CI: systemd up, then the container gone before the key went
+    in) is started once more, and what its console said is printed; a second stop fails with that console."""
+    for attempt in (1, 2):
+        if not (nodes.node_exists(node.name) and _running(node.name)):
+            nodes.create_node(nodes.NodeSpec(node.name, extra_args=("--network", f"ns:/run/netns/{node.namespace}")))
+        try:
+            nodes.authorize_ssh_key(node.name, public_key)
+            return
+        except CommandError as error:
+            reason = nodes.stopped_reason(node.name)
+            if reason is None:
+                raise
+            if attempt == 2:
+                raise nodes.NodeError(f"node {node.name} stopped after booting twice: {reason}") from error
+            say(f"nodes: {node.name} stopped after booting ({reason}); starting it again")
 
 
-def smoke_completion(base_url: str, api_key_file: Path, model: str) -> str:
-    """One completion through the gateway with the official openai client; returns the generated text."""
-    client = OpenAI(base_url=base_url, api_key=api_key_file.read_text().strip(), timeout=60, max_retries=3)
+def smoke_completion(base_url: str, api_key_file: Path, model: str, ca_file: Path) -> str:
+    """One completion through the gateway with the official openai client, verifying the local CA; returns the
+    generated text."""
+    key = api_key_file.read_text().strip()
+    client = OpenAI(base_url=base_url, api_key=key, timeout=60, max_retries=3,
+                    http_client=transport.verified_client(ca_file))  # fmt: skip
     completion = client.completions.create(
         model=model, prompt="Prefill in one datacenter, decode in the other: " * 3, max_tokens=8, temperature=0
     )
@@ -198,7 +260,5 @@ def smoke_completion(base_url: str, api_key_file: Path, model: str) -> str:
 
 
 def _running(name: str) -> bool:
-    out = subprocess.run(
-        ["podman", "inspect", "--format", "{{.State.Running}}", name], capture_output=True, text=True, check=False
-    ).stdout
+    out = run_captured(["podman", "inspect", "--format", "{{.State.Running}}", name], check=False).stdout
     return out.strip() == "true"

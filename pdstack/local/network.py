@@ -1,5 +1,5 @@
 """Build and remove the local environment's networks: a router namespace per datacenter, a namespace per node,
-and an emulated WAN link (pdstack.wanlink) for every link the local stacks declare.
+and an emulated WAN link (pdstack.local.wan) for every link the local stacks declare.
 
     host ── uplink veth ── router ns "dc1" ── bridge ── veth ── node ns "dc1-prefill-1"  (node container joins it)
                               │ TUN
@@ -22,32 +22,34 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Datacenter, Link, Node, Topology
-from pdstack.wanlink import CONTROL_FIELDS, Endpoint, LinkSpec, change_link, link_arguments, read_state, state_path
+from pdstack.local.commands import run_captured
+from pdstack.local.procs import command_line
+from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, LocalDatacenter, LocalLink, Node, Topology
+from pdstack.local.wan import CONTROL_FIELDS, LinkShape, TunEndpoint, change_link, link_command, read_state, state_path
+from pdstack.local.wan.process import MODULE as WAN_MODULE
 
 MTU = "65000"  # as the WAN's TUN devices: large segments keep the user-space forwarder's packet rate low
 NAT_COMMENT = "pdstack-local"
 
 
 class NetworkError(RuntimeError):
-    pass
+    """A WAN link is unknown, not running or did not come up (a failed `ip`/`iptables` raises CommandError)."""
 
 
 class UnknownLinkError(NetworkError):
     pass
 
 
-def declared_spec(link: Link) -> LinkSpec:
+def declared_spec(link: LocalLink) -> LinkShape:
     """The link as the stacks declare it."""
-    return LinkSpec(rate_mbit=link.rate_mbit, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
+    return LinkShape(rate_mbit=link.rate_mbit, rtt_ms=link.rtt_ms, loss_pct=link.loss_pct)
 
 
-def link_name(link: Link) -> str:
+def link_name(link: LocalLink) -> str:
     return f"{link.a}<->{link.b}"
 
 
@@ -55,16 +57,16 @@ def link_name(link: Link) -> str:
 class LinkStatus:
     """A running WAN link: what the stacks declare, its forwarder, and the spec in force."""
 
-    link: Link
+    link: LocalLink
     pid: int
-    spec: LinkSpec
+    spec: LinkShape
 
     @property
-    def declared(self) -> LinkSpec:
+    def declared(self) -> LinkShape:
         return declared_spec(self.link)
 
     def as_dict(self) -> dict[str, object]:
-        def fields(spec: LinkSpec) -> dict[str, float]:
+        def fields(spec: LinkShape) -> dict[str, float]:
             return {name: getattr(spec, name) for name in CONTROL_FIELDS}
 
         return {
@@ -76,10 +78,8 @@ class LinkStatus:
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(args), capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        raise NetworkError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
-    return result
+    """run_captured with the arguments spelled out, as the many `ip` calls below read best."""
+    return run_captured(args, check=check)
 
 
 def namespaces() -> set[str]:
@@ -122,7 +122,7 @@ class LocalNetwork:
         if not has_service_address():
             sh("ip", "addr", "add", f"{SERVICE_ADDRESS}/32", "dev", "lo")
 
-    def _router(self, dc: Datacenter) -> None:
+    def _router(self, dc: LocalDatacenter) -> None:
         ns = dc.router_namespace
         if ns in namespaces():
             return
@@ -157,7 +157,7 @@ class LocalNetwork:
         sh("ip", "-n", ns, "route", "add", "default", "via", str(dc.uplink_host.ip))
         sh("ip", "route", "replace", str(dc.network), "via", str(dc.uplink_router.ip))
 
-    def _node(self, dc: Datacenter, node: Node) -> None:
+    def _node(self, dc: LocalDatacenter, node: Node) -> None:
         ns = node.namespace
         if ns in namespaces():
             return
@@ -203,39 +203,34 @@ class LocalNetwork:
             if sh("iptables", "-t", table, "-C", chain, *spec, check=False).returncode != 0:
                 sh("iptables", "-t", table, "-A", chain, *spec)
 
-    def _pid_file(self, link: Link) -> Path:
+    def _pid_file(self, link: LocalLink) -> Path:
         return self.state_dir / f"link-{link.a}-{link.b}.pid"
 
-    def _control_file(self, link: Link) -> Path:
+    def _control_file(self, link: LocalLink) -> Path:
         return self.state_dir / f"link-{link.a}-{link.b}.json"
 
-    def link_pid(self, link: Link) -> int | None:
-        """The pid of the link's running forwarder (None when the pid file names no running pdstack.wanlink)."""
+    def link_pid(self, link: LocalLink) -> int | None:
+        """The pid of the link's running forwarder (None when the pid file names no running WAN forwarder)."""
         path = self._pid_file(link)
         if not path.is_file():
             return None
         pid = int(path.read_text())
-        return pid if "pdstack.wanlink" in _command_line(pid) else None
+        return pid if WAN_MODULE in command_line(pid) else None
 
-    def _start_link(self, link: Link) -> None:
+    def _start_link(self, link: LocalLink) -> None:
         if self.link_pid(link) is not None:
             return
         a, b = self.topology.datacenter(link.a), self.topology.datacenter(link.b)
         addr_a, addr_b = link.addresses()
-        end_a = Endpoint(a.router_namespace, link.device_towards(b.name), addr_a, (b.network,))
-        end_b = Endpoint(b.router_namespace, link.device_towards(a.name), addr_b, (a.network,))
+        end_a = TunEndpoint(a.router_namespace, link.device_towards(b.name), addr_a, (b.network,))
+        end_b = TunEndpoint(b.router_namespace, link.device_towards(a.name), addr_b, (a.network,))
         control = self._control_file(link)
         control.unlink(missing_ok=True)
         state_path(control).unlink(missing_ok=True)  # a dead forwarder's state must not pass for the new one's
         log = self.state_dir / f"link-{link.a}-{link.b}.log"
         with log.open("w") as out:
             process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "pdstack.wanlink",
-                    *link_arguments(end_a, end_b, declared_spec(link), control_file=control),
-                ],
+                link_command(end_a, end_b, declared_spec(link), control_file=control),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -276,7 +271,7 @@ class LocalNetwork:
 
     # -- changing a running link ------------------------------------------------------------------------------------
 
-    def find_link(self, a: str, b: str) -> Link:
+    def find_link(self, a: str, b: str) -> LocalLink:
         """The link between datacenters `a` and `b` (either order); UnknownLinkError names it when there is none."""
         for link in self.topology.links:
             if {link.a, link.b} == {a, b}:
@@ -324,12 +319,12 @@ class LocalNetwork:
             raise NetworkError(f"WAN link {link_name(link)}: {error}") from error
         return LinkStatus(link, pid, spec)
 
-    def _controllable_pid(self, link: Link) -> int:
+    def _controllable_pid(self, link: LocalLink) -> int:
         pid = self.link_pid(link)
         if pid is None:
             raise NetworkError(f"WAN link {link_name(link)} is not running (`pdstack local up` starts it)")
         # SIGHUP would end a forwarder that does not handle it: never send one to a forwarder without a control file.
-        if "--control-file" not in _command_line(pid):
+        if "--control-file" not in command_line(pid):
             raise NetworkError(
                 f"WAN link {link_name(link)}: its forwarder (pid {pid}) was started without --control-file by an "
                 "older pdstack and cannot be changed while it runs; `pdstack local down` and `up` restart it"
@@ -347,14 +342,6 @@ class LocalNetwork:
         rules = sh("iptables-save", check=False).stdout
         found += ["iptables rules"] if NAT_COMMENT in rules else []
         return found
-
-
-def _command_line(pid: int) -> list[str]:
-    """The arguments process `pid` runs with; empty when it does not exist or has exited (a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except (FileNotFoundError, ProcessLookupError):
-        return []
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:

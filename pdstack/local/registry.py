@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from pdstack.local.commands import run_captured
 from pdstack.local.topology import SERVICE_ADDRESS
 
 PORT = 5000
@@ -33,7 +34,7 @@ http:
 
 
 class RegistryError(RuntimeError):
-    pass
+    """The registry did not start (a failed push raises CommandError, naming the image and the target)."""
 
 
 class Registry:
@@ -100,12 +101,5 @@ class Registry:
         """Push a local image; return its reference by digest (`host:port/repo@sha256:...`)."""
         target = f"{self.endpoint}/{repository}:{tag}"
         digest_file = self.state_dir / f"{repository.replace('/', '_')}.digest"
-        result = subprocess.run(
-            ["podman", "push", "--tls-verify=false", "--digestfile", str(digest_file), local_image, target],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise RegistryError(f"pushing {local_image} to {target} failed: {result.stderr.strip()[-1000:]}")
+        run_captured(["podman", "push", "--tls-verify=false", "--digestfile", str(digest_file), local_image, target])
         return f"{self.endpoint}/{repository}@{digest_file.read_text().strip()}"

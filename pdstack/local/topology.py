@@ -44,7 +44,7 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Datacenter:
+class LocalDatacenter:
     name: str
     role: DatacenterRole
     network: IPv4Network
@@ -73,7 +73,7 @@ class Datacenter:
 
 
 @dataclass(frozen=True)
-class Link:
+class LocalLink:
     a: str
     b: str
     rate_mbit: float
@@ -91,15 +91,15 @@ class Link:
 
 @dataclass(frozen=True)
 class Topology:
-    datacenters: tuple[Datacenter, ...]
-    links: tuple[Link, ...]
+    datacenters: tuple[LocalDatacenter, ...]
+    links: tuple[LocalLink, ...]
     serving: Serving
 
     @property
     def nodes(self) -> tuple[Node, ...]:
         return tuple(node for dc in self.datacenters for node in dc.nodes)
 
-    def datacenter(self, name: str) -> Datacenter:
+    def datacenter(self, name: str) -> LocalDatacenter:
         return next(dc for dc in self.datacenters if dc.name == name)
 
     def nodes_with_role(self, role: PoolRole) -> list[Node]:
@@ -122,7 +122,7 @@ def load_topology(stacks_dir: Path) -> Topology:
 
 def topology_of(stacks: list[StackFile]) -> Topology:
     ordered = sorted(stacks, key=lambda s: s.config.datacenter.name)
-    datacenters: list[Datacenter] = []
+    datacenters: list[LocalDatacenter] = []
     for index, stack in enumerate(ordered):
         dc = stack.config.datacenter
         if not dc.cidr.subnet_of(LOCAL_SUPERNET):
@@ -140,15 +140,15 @@ def topology_of(stacks: list[StackFile]) -> Topology:
                         IPv4Interface(f"{address}/{dc.cidr.prefixlen}"),
                     )
                 )
-        datacenters.append(Datacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes)))
-    links: dict[frozenset[str], Link] = {}
+        datacenters.append(LocalDatacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes)))
+    links: dict[frozenset[str], LocalLink] = {}
     for stack in ordered:
         here = stack.config.datacenter.name
         for spec in stack.config.datacenter.links:
             key = frozenset((here, spec.peer))
             if key not in links:
                 a, b = sorted(key)
-                links[key] = Link(a, b, spec.bandwidth_gbps * 1000, spec.rtt_ms, spec.loss_pct, len(links))
+                links[key] = LocalLink(a, b, spec.bandwidth_gbps * 1000, spec.rtt_ms, spec.loss_pct, len(links))
     serving = next((s.config.serving for s in ordered if s.config.serving is not None), None)
     if serving is None:
         raise TopologyError("no local stack has pdstack:serving (the control-plane stack holds it)")

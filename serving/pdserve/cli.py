@@ -37,16 +37,20 @@ def limit_blas_threads(argv: Sequence[str]) -> None:
 def run_server(role: str, argv: Sequence[str]) -> None:
     limit_blas_threads(argv)
     from pdserve.common.logs import configure  # noqa: PLC0415  (imported after the BLAS thread limit is set)
-    from pdserve.common.tracing import configure_tracing, instrument_app  # noqa: PLC0415
-    from pdserve.listener import serve  # noqa: PLC0415
+    from pdserve.common.tls import TLSFileError, check_files  # noqa: PLC0415
+    from pdserve.common.tracing import configure_tracing  # noqa: PLC0415
+    from pdserve.listener import serve_component  # noqa: PLC0415
     from pdserve.server import create_app  # noqa: PLC0415
     from pdserve.server.settings import settings_from_args  # noqa: PLC0415
 
     settings = settings_from_args(role, argv)
+    try:
+        check_files(settings)
+    except TLSFileError as error:
+        raise SystemExit(f"pdserve {role}: invalid configuration: {error}") from None
     configure(role, settings.log_level)
     configure_tracing(role, settings, {"pdserve.engine_id": settings.engine_id, "pdserve.version": settings.version})
-    app = create_app(settings)
-    serve(instrument_app(app), settings.host, settings.port, log_level=settings.log_level, graceful_shutdown_seconds=5)
+    serve_component(create_app(settings), settings, graceful_shutdown_seconds=5)
 
 
 def run_control_plane(role: str, argv: Sequence[str]) -> None:

@@ -15,21 +15,32 @@ is known:
 The limits come from the environment (serving/README.md): PDSERVE_HTTP_HEADER_TIMEOUT_SECONDS (10),
 PDSERVE_HTTP_BODY_TIMEOUT_SECONDS (30), PDSERVE_HTTP_IDLE_TIMEOUT_SECONDS (keep-alive idle, 5),
 PDSERVE_HTTP_MAX_HEADER_BYTES (65536).
+
+With a certificate in the component's TLS settings (pdserve.common.tls) the listener serves TLS only: a plaintext
+request fails its handshake, and under tls_client_auth required so does a client without a certificate from
+tls_ca. Probes (/health...) are on the same listener. The certificate is reloaded in place when its files change
+or on SIGHUP (pdserve.common.tls.reloading), without a restart. A TLS handshake must be complete within the header
+deadline too (asyncio's ssl_handshake_timeout; its default would be 60 s); the header deadline then starts afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import h11
 import uvicorn
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve.common import tls
+from pdserve.common.tracing import instrument_app
 
 logger = logging.getLogger("pdserve.listener")
 
@@ -230,15 +241,77 @@ def uvicorn_options(limits: ListenerLimits) -> dict[str, Any]:
     }
 
 
+class _ReloadingServer(uvicorn.Server):
+    """uvicorn's server, reloading this process's TLS certificates while it runs (on its loop)."""
+
+    def __init__(self, config: uvicorn.Config, reload_seconds: float, handshake_timeout: float) -> None:
+        super().__init__(config)
+        self.reload_seconds = reload_seconds
+        self.handshake_timeout = handshake_timeout
+
+    async def serve(self, sockets: Any = None) -> None:
+        async with tls.reloading(self.reload_seconds):
+            await super().serve(sockets)
+
+    async def startup(self, sockets: Any = None) -> None:
+        if self.config.ssl is None:
+            await super().startup(sockets)
+            return
+        # uvicorn passes create_server no ssl_handshake_timeout: shadow the loop's method while uvicorn binds, so
+        # that a client stalling its handshake is dropped at the header deadline instead of after asyncio's 60 s.
+        loop: Any = asyncio.get_running_loop()
+        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server
+
+
 def serve(
-    app: Any, host: str, port: int, *, log_level: str | None = None, graceful_shutdown_seconds: int | None = None
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    tls_settings: tls.TLSSettings | None = None,
+    log_level: str | None = None,
+    graceful_shutdown_seconds: int | None = None,
 ) -> None:
-    """Run `app` on host:port until SIGINT/SIGTERM, with the slow-client bounds from the environment."""
-    uvicorn.run(
+    """Run `app` on host:port until SIGINT/SIGTERM, with the slow-client bounds from the environment; over TLS
+    when `tls_settings` has a certificate. A TLS file that cannot be used exits naming its setting."""
+    settings = tls_settings or tls.TLSSettings()
+    try:
+        context = tls.server_context(settings)
+    except tls.TLSFileError as error:
+        raise SystemExit(f"pdserve: {error}") from None
+    extra: dict[str, Any] = {}
+    if context is not None:
+        extra["ssl_context_factory"] = lambda _config, _default: context
+    limits = ListenerLimits.from_env()
+    config = uvicorn.Config(
         _QuietDisconnect(app),
         host=host,
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=graceful_shutdown_seconds,
-        **uvicorn_options(ListenerLimits.from_env()),
+        **uvicorn_options(limits),
+        **extra,
     )
+    server = _ReloadingServer(config, settings.tls_reload_seconds, limits.header_timeout)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's exit status when startup fails (e.g. the port is taken)
+
+
+class ComponentSettings(Protocol):
+    """What serve_component reads of a component's settings (they are TLSSettings too)."""
+
+    host: str
+    port: int
+    log_level: str
+
+
+def serve_component(app: Any, settings: ComponentSettings, *, graceful_shutdown_seconds: int | None = None) -> None:
+    """`serve` a component's app, traced (pdserve.common.tracing), on its settings' address, TLS and log level."""
+    assert isinstance(settings, tls.TLSSettings)
+    serve(instrument_app(app), settings.host, settings.port, tls_settings=settings, log_level=settings.log_level,
+          graceful_shutdown_seconds=graceful_shutdown_seconds)  # fmt: skip

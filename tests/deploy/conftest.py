@@ -2,8 +2,9 @@
 
 Node A is the control plane and a prefill node (scheduler, gateway, prefill); node B is a decode node. The session
 builds nothing it can reuse (node image, runtime image), starts Debian's docker-registry on the podman bridge,
-pushes the runtime image there, installs podman in the nodes with the container_runtime role, and converges
-release r1. Tests then upgrade, roll back, corrupt the model and kill containers on this cluster, in file order.
+pushes the runtime and Prometheus images there, and installs podman in the nodes (reached over SSH) with the
+container_runtime role. test_serving_role.py converges release r1 once, then upgrades, rolls back, corrupts the model
+and kills containers on this cluster, in file order.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +23,14 @@ import httpx
 import pytest
 import yaml
 
-from pdstack import nodes
 from pdstack.contract import Component, contract, environment_serving
+from pdstack.local import nodes
+from pdstack.local.images import build_prometheus_image
 from pdstack.local.inventory import NESTED_NODE_VARS
 from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
+from pdstack.local.tls import Leaf, LocalCA
 from tests.serving.server.serverproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,11 +42,15 @@ NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid(
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 
 # Node containers on this host need what the local environment's nodes need (nested podman, see DESIGN.md).
+# Ansible reaches them over SSH with pipelining, as it reaches real nodes: one round trip per task, where the podman
+# connection ran a `podman exec` to make a temporary folder, a `podman cp` and another exec for each task.
 NODE_VARS: dict[str, Any] = {
     **NESTED_NODE_VARS,
-    "ansible_connection": "containers.podman.podman",
+    "ansible_user": "root",
+    "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
+    "ansible_ssh_pipelining": True,
     "ansible_python_interpreter": "/usr/bin/python3",
-    "ansible_become": False,  # the podman connection is root already; the nodes have no sudo
+    "ansible_become": False,  # root already; the nodes have no sudo
     "pdstack_environment": "local",
     # Prompts of 8+ tokens take the prefill -> KV channel -> decode path (the local stack uses 32).
     "pdserve_env": {"PDSERVE_OFFLOAD_THRESHOLD_TOKENS": "8"},
@@ -68,16 +77,20 @@ class Serving:
     inventory: Path
     registry: Registry
     image: str
+    prometheus_image: str
     model_source: Path
     secrets: LocalSecrets
     address: dict[str, str]
+    tls: LocalCA
 
     def release_vars(self, version: str, config_version: str = "1", **extra: Any) -> Path:
         path = self.workdir / f"release-{version}-{config_version}.json"
         path.write_text(json.dumps({
             "pdstack_release": {"version": version, "image": self.image, "config_version": config_version},
+            "pdstack_prometheus_image": self.prometheus_image,
             "pdstack_model": {"name": MODEL_NAME, "source": str(self.model_source)},
             "pdstack_secrets_dir": str(self.secrets.folder),
+            "pdstack_tls_dir": str(self.tls.folder),
             **extra,
         }))  # fmt: skip
         return path
@@ -94,10 +107,10 @@ class Serving:
         return record
 
     def gateway(self) -> str:
-        return f"http://{self.address[NODE_A]}:{CONTRACT[Component.GATEWAY].port}"
+        return f"https://{self.address[NODE_A]}:{CONTRACT[Component.GATEWAY].port}"
 
     def scheduler(self) -> str:
-        return f"http://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
+        return f"https://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
 
     def complete(self, prompt: str = LONG_PROMPT, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(
@@ -109,12 +122,15 @@ class Serving:
 
 
 def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Played:
+    started = time.monotonic()
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
         capture_output=True, text=True, cwd=REPO, check=False,
         env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
              "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "HOME": str(home)},
     )  # fmt: skip
+    with (home / "plays.log").open("a") as log:  # where the module's time goes (docs/testing.md)
+        log.write(f"{time.monotonic() - started:7.1f} s  {playbook.name} {' '.join(args)}\n")
     return Played(result.returncode, result.stdout + result.stderr)
 
 
@@ -125,10 +141,10 @@ def bridge_gateway() -> str:
     return str(info[0]["subnets"][0]["gateway"])
 
 
-def write_inventory(workdir: Path, registry: str, address: dict[str, str]) -> Path:
-    host_vars = {name: {"ansible_host": name, "pdstack_address": address[name]} for name in (NODE_A, NODE_B)}
+def write_inventory(workdir: Path, registry: str, address: dict[str, str], key: Path) -> Path:
+    host_vars = {name: {"ansible_host": address[name], "pdstack_address": address[name]} for name in (NODE_A, NODE_B)}
     inventory = {"all": {
-        "vars": {**NODE_VARS, "pdstack_registry": registry,
+        "vars": {**NODE_VARS, "ansible_ssh_private_key_file": str(key), "pdstack_registry": registry,
                  "container_runtime_registries": [{"location": registry, "insecure": True}]},
         "children": {
             "nodes": {"hosts": host_vars},
@@ -150,21 +166,32 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         subprocess.run(["bash", str(REPO / "serving" / "build-image.sh"), RUNTIME_IMAGE], check=True)
     registry = Registry(workdir / "registry", address=bridge_gateway(), port=free_port())
     registry.state_dir.mkdir()
-    started: list[str] = []
+    key = nodes.ensure_ssh_key(workdir / "ssh" / "id_ed25519")
+    both = ThreadPoolExecutor(max_workers=2)  # the nodes boot, and are removed, side by side
+    monkeypatch = pytest.MonkeyPatch()
     try:
-        for name in (NODE_A, NODE_B):
-            started.append(nodes.create_node(nodes.NodeSpec(name)))
+        for name in both.map(lambda name: nodes.create_node(nodes.NodeSpec(name)), (NODE_A, NODE_B)):
+            nodes.authorize_ssh_key(name, key.with_suffix(".pub").read_text())
         registry.start()
         image = registry.push(RUNTIME_IMAGE, "pdstack/pdserve", "test")
+        prometheus = registry.push(build_prometheus_image(REPO), "pdstack/prometheus", "test")
         address = {name: nodes.node_address(name) for name in (NODE_A, NODE_B)}
-        inventory = write_inventory(workdir, registry.endpoint, address)
+        inventory = write_inventory(workdir, registry.endpoint, address, key)
         secrets = LocalSecrets(workdir / "secrets")
         secrets.ensure()
+        # Served over TLS as `pdstack local up` serves it: a CA of the test's own and a certificate per node by
+        # address; every client here (httpx reads SSL_CERT_FILE) verifies it.
+        tls = LocalCA(workdir / "tls")
+        tls.ensure([Leaf(name, (name,), (address[name],)) for name in (NODE_A, NODE_B)])
+        monkeypatch.setenv("SSL_CERT_FILE", str(tls.ca_cert))
         (workdir / "runtime.yml").write_text(yaml.safe_dump(RUNTIME_PLAY))
         runtime = run_playbook(inventory, workdir / "runtime.yml", workdir)
         assert runtime.returncode == 0, runtime.output[-4000:]
-        yield Serving(workdir, inventory, registry, image, ensure_model(workdir / "models"), secrets, address)
+        yield Serving(
+            workdir, inventory, registry, image, prometheus, ensure_model(workdir / "models"), secrets, address, tls
+        )
     finally:
-        for name in started:
-            nodes.remove_node(name)
+        monkeypatch.undo()
+        list(both.map(nodes.remove_node, (NODE_A, NODE_B)))  # names unique to this process: none is another's
+        both.shutdown()
         registry.stop()

@@ -12,8 +12,7 @@ import testinfra
 
 from pdserve.scheduler import identity
 from pdstack.contract import Component
-from pdstack.local.images import build_prometheus_image
-from tests.deploy.conftest import CONTRACT, MODEL_NAME, NODE_A, NODE_B, REPO, Serving
+from tests.deploy.conftest import CONTRACT, MODEL_NAME, NODE_A, NODE_B, Serving
 
 # Each ansible-playbook run converges two nodes over `podman exec`; on a loaded 2-core host one run can take minutes.
 pytestmark = pytest.mark.timeout(1800)
@@ -57,7 +56,9 @@ def serve(serving: Serving, *wanted: tuple[str, str], timeout: float = 30.0) -> 
 
 @pytest.fixture(scope="module")
 def installed(serving: Serving) -> Serving:
-    first = serving.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{serving.release_vars('r1')}")
+    """One converge of the whole serving.yml (Alertmanager and Prometheus included) that every test here shares;
+    the tests after the idempotence check converge only the parts they change."""
+    first = serving.play("serving.yml", "-e", f"@{serving.release_vars('r1')}")
     assert first.returncode == 0, first.output[-5000:]
     return serving
 
@@ -103,7 +104,8 @@ def test_secrets_are_podman_secrets_never_environment_or_logs(installed: Serving
     assert held.strip() == own_token
     mode = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "stat", "-c", "%a %u", "/run/secrets/kv.key")
     assert mode.split() == ["400", "10001"]
-    again = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r1')}", "-v")
+    # The idempotence check, once for the whole serving.yml: Alertmanager, Prometheus and Redis included.
+    again = installed.play("serving.yml", "-e", f"@{installed.release_vars('r1')}", "-v")
     for path in (*secrets.generated(), secrets.api_keys):
         assert path.read_text().strip() not in again.output, path.name
     assert own_token not in again.output
@@ -123,7 +125,7 @@ def test_one_nodes_token_cannot_touch_another_instance(installed: Serving) -> No
 
 
 def test_servers_serve_only_callers_holding_the_server_token(installed: Serving) -> None:
-    decode = f"http://{installed.address[NODE_B]}:{CONTRACT[Component.DECODE].port}"
+    decode = f"https://{installed.address[NODE_B]}:{CONTRACT[Component.DECODE].port}"
     url = f"{decode}/v1/completions"
     body = {"model": MODEL_NAME, "prompt": "straight to decode", "max_tokens": 4}
     assert httpx.post(url, json=body, timeout=30).status_code == 401
@@ -158,10 +160,6 @@ def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Ser
 
 
 def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serving) -> None:
-    image = installed.registry.push(build_prometheus_image(REPO), "pdstack/prometheus", "test")
-    extra = {"pdstack_prometheus_image": image}
-    first = installed.play("serving.yml", "--tags", "prometheus", "-e", f"@{installed.release_vars('r1', **extra)}")
-    assert first.returncode == 0, first.output[-5000:]
     prometheus = f"http://{installed.address[NODE_A]}:9090"
     for path in ("/-/reload", "/-/quit"):
         refused = httpx.post(f"{prometheus}{path}", timeout=5)
@@ -174,7 +172,7 @@ def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serv
         "-e",
         "prometheus_scrape_interval=7s",
         "-e",
-        f"@{installed.release_vars('r1', **extra)}",
+        f"@{installed.release_vars('r1')}",
     )
     assert changed.returncode == 0, changed.output[-5000:]
     assert "Send Prometheus SIGHUP" in changed.output

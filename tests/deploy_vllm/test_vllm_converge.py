@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from pdserve.engine.testmodels import make_test_checkpoint
-from pdstack import nodes
+from pdstack.local import nodes
 from pdstack.local.model import write_manifest
 from pdstack.model import Engine, Limits, Model, Serving, Vllm
 from pdstack.vllm_deploy import ansible_vars

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdstack.stackfile import load_stack_file
-from pdstack.synth import Synthesis, load_rules, synthesize
+from pdstack.synth import Synthesis, synthesize
 
 ROOT = Path(__file__).resolve().parents[2]
 STACKS = ROOT / "stacks"
@@ -21,11 +21,6 @@ CLOUD_STACKS = sorted(
 @pytest.fixture(scope="session")
 def graphs() -> dict[str, Synthesis]:
     return {name: synthesize(STACKS / f"Pulumi.{name}.yaml") for name in CLOUD_STACKS}
-
-
-@pytest.fixture(scope="session")
-def rules():  # the policy pack's rules module (policy/rules.py)
-    return load_rules(ROOT)
 
 
 def stack_config(name: str):

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pulumi
+import pytest
 import yaml
 
 from infra.prometheus import UNDECRYPTED_WEBHOOK, alertmanager_yaml, webhook_url
@@ -20,6 +21,7 @@ AMTOOL = shutil.which("amtool")
 HOOK = "https://hooks.example.com/pdstack"
 
 
+@pytest.mark.slow  # a synthesis and amtool
 def test_the_stacks_webhook_is_in_a_secret_alertmanager_checks(tmp_path: Path) -> None:
     graph = synthesize(STACKS / "Pulumi.prod-control.yaml", {"pdstack:alerting": {"webhook_url": HOOK}})
     secrets = {r.inputs["metadata"]["name"]: r for r in graph.of_type("kubernetes:core/v1:Secret")}

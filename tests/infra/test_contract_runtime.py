@@ -18,18 +18,15 @@ import yaml
 from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
 from infra.network import plan_subnets
-from infra.workloads import (
-    RATELIMIT_STORE,
-    RATELIMIT_STORE_CONFIG,
-    SECRET_NAME,
-    load_balancer_url,
-    prometheus_load_balancer_url,
-)
+from infra.workloads.access import load_balancer_url, prometheus_load_balancer_url
+from infra.workloads.common import SECRET_NAME
+from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
+from pdserve.common.settings import load_settings
 from pdserve.gateway.app import create_app as gateway_app
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.app import create_app as scheduler_app
-from pdserve.scheduler.settings import SchedulerSettings, load_settings
+from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings, settings_from_args
 from pdserve.vllm.settings import kv_port_of
 from pdstack.alerting import alertmanager_config
@@ -38,6 +35,7 @@ from pdstack.contract import (
     NODE_EXPORTER_PORT,
     PDSERVE_BIN,
     SECRETS_DIR,
+    TLS_DIR,
     Component,
     Contract,
     contract,
@@ -50,6 +48,7 @@ from pdstack.synth import Synthesis
 from pdstack.vllm_command import connector_extra_config
 
 from .conftest import ROOT, STACKS, stack_config
+from .tlsfiles import relocated, write_tls_dir
 
 ENVIRONMENTS = ("local", "dev", "staging", "prod")
 CLOUD = ("dev", "staging", "prod")
@@ -169,6 +168,22 @@ def _mounted_files(pod: dict[str, Any], container: dict[str, Any], secret: dict[
     return files
 
 
+def _with_tls_files(
+    graph: Synthesis, pod: dict[str, Any], container: dict[str, Any], environ: dict[str, str], folder: Path
+) -> dict[str, str]:
+    """Every PDSERVE_TLS_* file is a key of the component's kubernetes.io/tls Secret mounted read-only at TLS_DIR;
+    the settings then point at real PEM files with the same names (the Secret holds the mocks' stand-ins)."""
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == TLS_DIR)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+    secret = _objects(graph, "kubernetes:core/v1:Secret")[volume["secretName"]]
+    assert secret["type"] == "kubernetes.io/tls" and volume["optional"] is False and mount["readOnly"] is True
+    tls = {k: v for k, v in environ.items() if k.startswith("PDSERVE_TLS_") and v.startswith(f"{TLS_DIR}/")}
+    assert {"PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA"} <= set(tls)
+    assert {v.removeprefix(f"{TLS_DIR}/") for v in tls.values()} <= set(secret["stringData"])
+    write_tls_dir(folder, [f"{container['name']}.test"])
+    return {k: relocated(v, folder) if k in tls else v for k, v in environ.items()}
+
+
 def _routes(app: Any) -> set[str]:
     return {route.path for route in app.routes}
 
@@ -203,6 +218,7 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
     container = pod["containers"][0]
     role, rest, environ = _started(container)
     assert role == app and role in CONTROL_ROLES
+    environ = _with_tls_files(graph, pod, container, environ, tmp_path / "tls")
     settings = load_settings(model, rest, prog=f"pdserve {role}", env=environ)
 
     assert settings.port == served.port == container["ports"][0]["containerPort"]
@@ -304,8 +320,9 @@ def cloud_prometheus_config(graph: Synthesis, tmp_path: Path) -> Path:
     config_map = _objects(graph, "kubernetes:core/v1:ConfigMap")["prometheus"]
     folder = tmp_path / "cloud"
     folder.mkdir()
+    tls = write_tls_dir(folder / "tls", ["prometheus.test"])  # promtool loads the files the config names
     for name, text in config_map["data"].items():
-        (folder / name).write_text(text)
+        (folder / name).write_text(relocated(text, tls))
     return folder / "prometheus.yml"
 
 

@@ -17,6 +17,10 @@ What this test rewrites in the rendered objects, and why (nothing else is touche
   rate-limit store is Redis on the host, run with the Secret's own redis.conf;
 - the containers' `ports` are left out: podman 4.3 publishes each containerPort on the host (Kubernetes publishes
   none), which clashes between replicas and with the host's own listeners;
+- TLS is left out (the tls volume, its mount, the PDSERVE_TLS_* settings; the gateway is told it may then serve
+  plain HTTP): the pods are reached here by addresses podman picks at play time, which no certificate made before
+  can name. The rendered TLS wiring is checked against pdserve's settings in test_contract_runtime.py, and pdserve's
+  TLS itself by tests/serving/test_pdserve_tls.py;
 - the claim's storageClassName (EBS) is left out: a claim here is a podman named volume;
 - the probes are left out of what podman runs and the test is the kubelet: podman would turn an httpGet probe into a
   `curl` health check, and the image has no curl. The test polls each container's readiness and liveness probes
@@ -48,10 +52,10 @@ import httpx
 import pytest
 import yaml
 
-from infra.workloads import SECRET_NAME
+from infra.workloads.common import SECRET_NAME, TLS_VOLUME
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
-from pdstack import nodes
+from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
 from pdstack.synth import Synthesis
 
@@ -165,6 +169,7 @@ def playable(run: Run, app: str, env_rewrites: dict[str, str]) -> list[dict[str,
     deployment["metadata"]["name"] = run.name(app)
     pod = deployment["spec"]["template"]["spec"]
     docs: list[dict[str, Any]] = []
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != TLS_VOLUME]  # TLS left out: module docstring
     for volume in pod["volumes"]:
         if "secret" in volume:  # kube play copies it into a named volume of the secret's name
             source = volume["secret"]
@@ -186,6 +191,10 @@ def playable(run: Run, app: str, env_rewrites: dict[str, str]) -> list[dict[str,
         container.pop("livenessProbe")
         container.pop("readinessProbe")
         container.pop("ports")
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != TLS_VOLUME]
+        container["env"] = [e for e in container["env"] if not e["name"].startswith("PDSERVE_TLS_")]
+        if app == "gateway":
+            container["env"].append({"name": "PDSERVE_ALLOW_PLAINTEXT", "value": "true"})
         for entry in container["env"]:
             entry["value"] = env_rewrites.get(entry["name"], entry["value"])
     return [*docs, deployment]

@@ -4,13 +4,19 @@ graphs: silent on the example stacks, and each one catches the edit it exists fo
 from __future__ import annotations
 
 import copy
-import importlib
 import json
+import re
+import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import empty_pb2
+from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 from pulumi_policy import (
     EnforcementLevel,
     PolicyCustomTimeouts,
@@ -23,6 +29,8 @@ from pulumi_policy import (
 )
 
 from pdstack.contract import Component, contract, environment_serving
+from pdstack.policy import rules
+from pdstack.policy.pack import policies
 from pdstack.synth import Resource, Synthesis
 
 from .conftest import ROOT
@@ -32,11 +40,28 @@ PROD = ("prod-control", "prod-prefill-us-east-1", "prod-decode-us-west-2")
 
 @pytest.fixture(scope="module")
 def pack() -> list[Any]:
-    sys.path.insert(0, str(ROOT / "policy"))  # as the pack's __main__.py does
-    try:
-        return importlib.import_module("pack").policies()
-    finally:
-        sys.path.remove(str(ROOT / "policy"))
+    return policies()
+
+
+def test_the_packs_entry_serves_every_rule_from_a_virtualenv_without_pdstack(tmp_path: Path) -> None:
+    """policy/__main__.py run as Pulumi runs it, a script in the pack's virtualenv (pulumi and pulumi-policy, no
+    pdstack): `-S` leaves out the .pth files, so this venv's site-packages holds everything but the editable pdstack."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    argv = [sys.executable, "-S", "-u", str(ROOT / "policy" / "__main__.py")]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, **pipes) as pack:
+        try:
+            port = pack.stdout.readline().strip()  # the analyzer prints its port, then serves until it is killed
+            if not port.isdigit():
+                pack.kill()
+                pytest.fail(f"the pack did not start: {pack.stderr.read()}")
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = analyzer_pb2_grpc.AnalyzerStub(channel).GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
+        finally:
+            pack.kill()
+    assert info.name == "pdstack"
+    assert [p.name for p in info.policies] == list(rules.POLICY_NAMES)
+    assert {p.enforcementLevel for p in info.policies} == {analyzer_pb2.MANDATORY}
 
 
 def _options() -> PolicyResourceOptions:
@@ -73,7 +98,7 @@ def run_pack(
     return found
 
 
-def test_the_pack_registers_every_rule_as_mandatory(pack: list[Any], rules: Any) -> None:
+def test_the_pack_registers_every_rule_as_mandatory(pack: list[Any]) -> None:
     assert [p.name for p in pack] == list(rules.POLICY_NAMES)
     assert {p.enforcement_level for p in pack} == {EnforcementLevel.MANDATORY}
 
@@ -84,10 +109,10 @@ def test_the_pack_passes_the_prod_graphs(pack: list[Any], graphs: dict[str, Synt
 
 
 def _edit(graph: Synthesis, type_: str, change: Callable[[dict[str, Any]], None], only: str = "") -> list[Resource]:
-    """A copy of the graph with `change` applied to the first resource of `type_` (whose name contains `only`)."""
+    """A copy of the graph with `change` applied to the first resource of `type_` (whose name `only` matches)."""
     edited, done = [], False
     for r in graph.resources:
-        if not done and r.type == type_ and only in r.name:
+        if not done and r.type == type_ and re.search(only, r.name):
             inputs = copy.deepcopy(r.inputs)
             change(inputs)
             edited.append(Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs))
@@ -160,7 +185,6 @@ EDITS = [
 @pytest.mark.parametrize(("what", "type_", "change", "only", "expected"), EDITS, ids=[e[0] for e in EDITS])
 def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parameters)
     pack: list[Any],
-    rules: Any,
     graphs: dict[str, Synthesis],
     what: str,
     type_: str,
@@ -179,15 +203,40 @@ CONTROL_EDITS = [
         "gateway load balancer open to the world",
         "kubernetes:core/v1:Service",
         _set("spec.loadBalancerSourceRanges", ["0.0.0.0/0"]),
-        "gateway",
+        "-gateway$",
         {"no-open-ingress"},
     ),
     (
         "gateway load balancer made public",
         "kubernetes:core/v1:Service",
         lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-internal"),
-        "gateway",
+        "-gateway$",
         {"no-open-ingress"},
+    ),
+    (
+        "gateway load balancer without its TLS certificate",
+        "kubernetes:core/v1:Service",
+        lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-ssl-cert"),
+        "-gateway$",
+        {"tls-listeners"},
+    ),
+    (
+        "scheduler port left out of the TLS ports",
+        "kubernetes:core/v1:Service",
+        lambda i: i["metadata"]["annotations"].update(
+            {"service.beta.kubernetes.io/aws-load-balancer-ssl-ports": "443"}  # not the port it listens on
+        ),
+        "-scheduler$",
+        {"tls-listeners"},
+    ),
+    (
+        "prometheus load balancer allowing TLS 1.0",
+        "kubernetes:core/v1:Service",
+        lambda i: i["metadata"]["annotations"].update(
+            {"service.beta.kubernetes.io/aws-load-balancer-ssl-negotiation-policy": "ELBSecurityPolicy-2016-08"}
+        ),
+        "-prometheus$",
+        {"tls-listeners"},
     ),
     (
         "readiness probe copied from liveness",
@@ -257,3 +306,36 @@ def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
     for name, graph in graphs.items():
         if name.startswith(f"{env}-"):
             assert run_pack(pack, graph.resources, config["kvPort"], config["kvPortLast"]) == [], name
+
+
+LISTENER = "aws:lb/listener:Listener"
+TLS_RESOURCES = [
+    ("plain HTTP forwarded", LISTENER, {"protocol": "HTTP", "defaultActions": [{"type": "forward"}]}, True),
+    ("plain TCP", LISTENER, {"protocol": "TCP", "port": 8000, "defaultActions": [{"type": "forward"}]}, True),
+    ("TLS without a certificate", LISTENER, {"protocol": "TLS", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"},
+     True),
+    ("TLS 1.0 allowed", LISTENER,
+     {"protocol": "HTTPS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-2016-08"}, True),
+    ("HTTP redirected to HTTPS", LISTENER,
+     {"protocol": "HTTP", "defaultActions": [{"type": "redirect", "redirect": {"protocol": "HTTPS", "port": "443"}}]},
+     False),
+    ("TLS 1.2+ with a certificate", LISTENER,
+     {"protocol": "TLS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"}, False),
+    ("Ingress without tls", "kubernetes:networking.k8s.io/v1:Ingress",
+     {"spec": {"rules": [{"host": "gateway.control.prod.pdstack.internal"}]}}, True),
+    ("Ingress with tls for its host", "kubernetes:networking.k8s.io/v1:Ingress",
+     {"spec": {"rules": [{"host": "g.example"}], "tls": [{"hosts": ["g.example"], "secretName": "g"}]}}, False),
+    ("NodePort Service without TLS", "kubernetes:core/v1:Service",
+     {"spec": {"type": "NodePort", "ports": [{"port": 8000}]}}, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "type_", "props", "refused"), TLS_RESOURCES, ids=[t[0] for t in TLS_RESOURCES])
+def test_the_pack_refuses_a_listener_without_tls(  # noqa: PLR0917 (pytest parameters)
+    pack: list[Any], graphs: dict[str, Synthesis], what: str, type_: str, props: dict[str, Any], refused: bool
+) -> None:
+    """A listener the program does not make today (an ELB listener, an Ingress) is judged as the Services are: a
+    violating one added to the real prod graph is refused by tls-listeners alone, a TLS one passes."""
+    extra = Resource(f"urn:pulumi:prod-control::pdstack::{type_}::added", type_, "added", "", props, frozenset())
+    found = {policy for policy, _ in run_pack(pack, [*graphs["prod-control"].resources, extra])}
+    assert found == ({"tls-listeners"} if refused else set())

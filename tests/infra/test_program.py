@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from infra import outputs
-from infra.workloads import SECRET_NAME
+from infra.workloads.common import SECRET_NAME
 from pdserve.scheduler import identity
 from pdstack.model import DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
@@ -176,7 +176,8 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
     values = _generated_values(graph)
     assert len(values) == 6
     assert outputs.SECRET_VALUES in graph.secret_outputs
-    assert {s.inputs["name"].rsplit("/", 1)[1] for s in graph.of_type("aws:secretsmanager/secret:Secret")} == {
+    stored = [s.inputs["name"] for s in graph.of_type("aws:secretsmanager/secret:Secret")]
+    assert {s.rsplit("/", 1)[1] for s in stored if "/tls/" not in s} == {
         "gateway-api-keys",
         "kv-channel-key",
         "scheduler-admin-token",
@@ -273,13 +274,18 @@ def test_exports_cover_what_stack_references_read(graphs: dict[str, Synthesis]) 
 
 
 def test_nodes_may_read_only_the_kv_key_and_server_token(graphs: dict[str, Synthesis]) -> None:
+    # the decode-h200 pool's node policy by name: the stack has two pools, registered in no fixed order
     policy = next(
-        p for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy") if p.name.endswith("-node")
+        p
+        for p in graphs["prod-decode-us-west-2"].of_type("aws:iam/rolePolicy:RolePolicy")
+        if p.name == "decode-us-west-2-decode-h200-node"
     )
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
     assert statements["ReadNodeSecrets"]["Resource"] == [
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/kv-channel-key-AbCdEf",
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/server-api-token-AbCdEf",
+        # its own pool's certificate and key (infra/certificates.py), no other pool's
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/tls/decode-us-west-2/decode-h200-AbCdEf",
     ]  # never the scheduler's identity key: a node holding it could mint any instance's token
     assert "*" not in json.dumps(statements["ReadModels"]["Resource"]).replace("/*", "")
 

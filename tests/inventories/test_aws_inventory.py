@@ -251,7 +251,10 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
     tmp_path: Path,
 ) -> None:
     control = next(s for s in synthesised if s["stack"] == "prod-control")
-    names = [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET]
+    # The serving secrets the roles read (pdstack:secrets); the pools' TLS keys (pdstack/<env>/tls/...) are not theirs.
+    names = [
+        r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET and "/tls/" not in r["inputs"]["name"]
+    ]
     assert len(names) == 6
     manager = boto3.client(
         "secretsmanager",
@@ -387,7 +390,7 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     """The control-plane stack's SSM parameters (as `pdstack synth` names them) hold the scheduler's and Prometheus'
     load-balancer URLs; through inventories/aws, serving.yml runs no control play, the GPU nodes and the controller's
     weights calls use the scheduler's URL, and the controller's canary judge (deploy.yml) queries Prometheus' URL."""
-    from infra.workloads import (  # noqa: PLC0415 (the program's module, plain Python)
+    from infra.workloads.access import (  # noqa: PLC0415 (the program's module, plain Python)
         load_balancer_url,
         prometheus_load_balancer_url,
     )

@@ -7,6 +7,7 @@ the key file it was given."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -28,12 +29,14 @@ def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
     cli.write_text(f"#!{sys.executable}\n"
                    "import json, os, stat, sys\n"
                    "path = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--api-key-file='))\n"
+                   "canary = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--canary='))\n"
                    f"json.dump({{'path': path, 'mode': stat.S_IMODE(os.stat(path).st_mode),"
-                   f" 'key': open(path).read()}}, open({str(report)!r}, 'w'))\n")  # fmt: skip
+                   f" 'key': open(path).read(), 'canary': canary, 'ca': os.environ.get('SSL_CERT_FILE')}},"
+                   f" open({str(report)!r}, 'w'))\n")  # fmt: skip
     cli.chmod(0o700)
     play_vars = {k: v for k, v in play["vars"].items() if k != "pdserve_canary_baseline"}
     play_vars |= {"pdstack_cli": str(cli), "canary_decode": "decode-a", "baseline_decode": "decode-b",
-                  "decode_port": 8300, **extra}  # fmt: skip
+                  "decode_port": 8300, "pdstack_scheme": "http", "pdserve_tls_ca_file": "", **extra}  # fmt: skip
     (tmp_path / "hosts.yml").write_text(
         yaml.safe_dump(
             {
@@ -69,6 +72,17 @@ def test_locally_the_golden_check_reads_the_token_file_in_the_secrets_dir(tmp_pa
     got = golden_play(tmp_path, {"pdserve_server_token_file": str(token)})
     assert got["path"] == str(token) and got["key"] == "local-token"
     assert token.exists()  # the operator's file is left alone
+    assert got["canary"] == "http://10.31.0.10:8300" and got["ca"] == os.environ.get("SSL_CERT_FILE")  # unchanged
+
+
+def test_over_tls_the_golden_check_calls_the_decode_servers_by_https_verifying_the_environments_ca(
+    tmp_path: Path,
+) -> None:
+    token, ca = tmp_path / "server-api.token", tmp_path / "ca.crt"
+    token.write_text("local-token")
+    got = golden_play(tmp_path, {"pdserve_server_token_file": str(token), "pdstack_scheme": "https",
+                                 "pdserve_tls_ca_file": str(ca)})  # fmt: skip
+    assert got["canary"] == "https://10.31.0.10:8300" and got["ca"] == str(ca)
 
 
 def test_in_the_cloud_the_golden_check_gets_the_stores_token_in_a_private_file_then_it_is_gone(tmp_path: Path) -> None:

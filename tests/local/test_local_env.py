@@ -8,8 +8,11 @@ These tests own the machine's local environment (fixed names and addresses from 
 from __future__ import annotations
 
 import json
+import os
 import re
+import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,19 +20,24 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import certifi
 import httpx
 import pytest
-from openai import OpenAI
+from cryptography import x509
+from openai import APIConnectionError, DefaultHttpxClient, OpenAI
 
-from pdstack import nodes
 from pdstack.bench.endpoint import Endpoint
 from pdstack.contract import Component, Contract, contract
+from pdstack.local import nodes
 from pdstack.local.env import LocalEnv
+from pdstack.local.names import leaves
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
+from pdstack.local.transport import local_ca
 from pdstack.model import PoolRole
 from tests.dashboardcheck import query_problems
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
+from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.otlp import Span, receiving
 
@@ -67,7 +75,7 @@ class Local:
         return Endpoint(self.status["gateway_url"], "completions", self.topology.serving.model.name, self.api_key())
 
     def gateway_metrics(self) -> str:
-        return httpx.get(f"http://{self.control}:{self.contract[Component.GATEWAY].port}/metrics", timeout=10).text
+        return httpx.get(f"https://{self.control}:{self.contract[Component.GATEWAY].port}/metrics", timeout=10).text
 
     @property
     def contract(self) -> Contract:
@@ -75,7 +83,7 @@ class Local:
 
     @property
     def scheduler(self) -> str:
-        return self.contract.scheduler_url(self.control)
+        return str(self.status["scheduler_url"])
 
     def scheduler_admin(self) -> dict[str, str]:
         """The scheduler's read endpoints need a token (the gateway's or the admin's): the tests read as admin."""
@@ -101,6 +109,12 @@ class Local:
         text = nodes.exec_in_node(node, ["cat", f"/var/lib/pdstack/pdserve/{component}.release.json"])
         record: dict[str, Any] = json.loads(text)
         return record
+
+    def running_release(self, node: str, component: str) -> list[str]:
+        """The -e arguments of the release the node runs now (a canary test's, once promoted): a play with them
+        changes only what the test changes."""
+        path = self.env.state_dir / f"release-{self.record(node, component)['current']['version']}.json"
+        return ["-e", f"@{path}"] if path.exists() else []
 
     def servers(self) -> list[tuple[str, str]]:
         """(node, component) of every prefill and decode server."""
@@ -164,17 +178,86 @@ def local() -> Iterator[Local]:
     assert up.returncode == 0, (up.stdout + up.stderr)[-6000:]
     status = json.loads(pdstack("local", "status", "--json").stdout)
     env = LocalEnv(REPO)
-    yield Local(env, env.topology(), up.stdout + up.stderr, status)
+    # Every client here (httpx, the openai client, the load and the bench) verifies the environment's CA, as
+    # docs/local.md tells a user to; the TLS tests below build their clients explicitly instead.
+    before = os.environ.get("SSL_CERT_FILE")
+    os.environ["SSL_CERT_FILE"] = status["ca_file"]
+    try:
+        yield Local(env, env.topology(), up.stdout + up.stderr, status)
+    finally:
+        if before is None:
+            os.environ.pop("SSL_CERT_FILE", None)
+        else:
+            os.environ["SSL_CERT_FILE"] = before
 
 
 def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> None:
+    port = local.contract[Component.GATEWAY].port
+    assert local.status["gateway_url"] == f"https://gateway.control.local.pdstack:{port}/v1"
     assert f"gateway:    {local.status['gateway_url']}" in local.up_output
+    assert f"CA:         {local.status['ca_file']}" in local.up_output
     assert f"API key:    in {local.status['api_key_file']}" in local.up_output
     assert f"Prometheus: {local.status['prometheus_url']}" in local.up_output
     assert local.api_key() not in local.up_output  # where the key lives, never the key
     by_dc = {dc: sorted(n["role"] for n in members) for dc, members in local.status["nodes"].items()}
     assert by_dc == {"control": ["control"], "dc1": ["prefill", "prefill"], "dc2": ["decode", "decode"]}
     assert all(n["running"] for members in local.status["nodes"].values() for n in members)
+
+
+def test_the_openai_client_reaches_the_gateway_over_https_by_name_verifying_the_local_ca(local: Local) -> None:
+    verified = DefaultHttpxClient(verify=ssl.create_default_context(cafile=local.status["ca_file"]))
+    client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=60, http_client=verified)
+    completion = client.completions.create(model=local.topology.serving.model.name, prompt="TLS by name", max_tokens=4)
+    assert completion.choices[0].text
+
+
+def test_a_client_without_the_local_ca_refuses_the_gateway_in_its_own_tls_check(local: Local) -> None:
+    public_cas = DefaultHttpxClient(verify=ssl.create_default_context(cafile=certifi.where()))
+    client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=30, max_retries=0,
+                    http_client=public_cas)  # fmt: skip
+    with pytest.raises(APIConnectionError) as refused:
+        client.models.list()
+    assert "CERTIFICATE_VERIFY_FAILED" in repr(causes(refused.value))
+
+
+def test_plain_http_to_the_gateway_gets_no_http_answer(local: Local) -> None:
+    plain = f"http://gateway.control.local.pdstack:{local.contract[Component.GATEWAY].port}/v1/models"
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+        httpx.get(plain, headers={"Authorization": f"Bearer {local.api_key()}"}, timeout=15)
+
+
+# What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption),
+# node_exporter and Prometheus (read-only metrics; Prometheus' web TLS is not configured locally yet), Alertmanager
+# (loopback only) and the rate-limit store (Redis, password-protected, on the control network).
+def plaintext_listeners(served: Contract) -> dict[int, str]:
+    return {22: "sshd", served.node_exporter.port: "node_exporter", served.prometheus.port: "Prometheus",
+            served.alertmanager.port: "Alertmanager", served.ratelimit_store.port: "Redis"}  # fmt: skip
+
+
+def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
+    pdserve_ports = {c.port for c in local.contract.components.values()} | set(
+        local.contract[Component.PREFILL].kv_ports
+    )
+    probed = [
+        probe(node.namespace, address, port, Path(local.status["ca_file"]))
+        for node in local.topology.nodes
+        for address, port in listening(node.namespace, str(node.address.ip))
+    ]
+    unknown = [p for p in probed if p.port not in pdserve_ports | set(plaintext_listeners(local.contract))]
+    assert not unknown, unknown
+    served = [p for p in probed if p.port in pdserve_ports]
+    # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
+    assert len(served) == 2 + 2 * 2 + 2, served
+    assert all(p.tls == "ok" and not p.answers_plaintext_http for p in served), served
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def test_prometheus_scrapes_every_pdserve_component_and_node(local: Local) -> None:
@@ -285,6 +368,41 @@ def test_a_bad_canary_is_rolled_back_and_the_report_names_the_check(
     assert local.weights().get(version, 0) == 0
 
 
+def served_serial(namespace: str, address: str, port: int, ca: str) -> int:
+    """The serial of the certificate a listener serves now (a fresh handshake, from inside the node's namespace)."""
+    code = ("import socket, ssl, sys; c = ssl.create_default_context(cafile=sys.argv[3]); "
+            "s = c.wrap_socket(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5), "
+            "server_hostname=sys.argv[1]); print(s.getpeercert(binary_form=True).hex())")  # fmt: skip
+    out = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code, address, str(port), ca],
+                         capture_output=True, text=True, check=True, timeout=30).stdout  # fmt: skip
+    return x509.load_der_x509_certificate(bytes.fromhex(out.strip())).serial_number
+
+
+def test_a_certificate_rotated_on_one_decode_node_is_served_without_a_failed_request(local: Local) -> None:
+    """A new certificate for dc2-decode-1, deployed by the serving play, is picked up by the running server (a
+    reload: the container is not replaced) while requests flow through the gateway to it."""
+    node = local.topology.datacenter("dc2").nodes[0]
+    port, ca = local.contract[Component.DECODE].port, local.status["ca_file"]
+    before = served_serial(node.namespace, str(node.address.ip), port, ca)
+    container = nodes.exec_in_node(node.name, ["podman", "inspect", "--format", "{{.Id}}", "pdserve-decode"]).strip()
+    tls = local_ca(local.env.state_dir)
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        time.sleep(5)
+        tls.cert(node.name).unlink()  # the next `ensure` issues it again: a new key and serial
+        assert tls.ensure(leaves(local.topology)) == [node.name]
+        new = x509.load_pem_x509_certificate(tls.cert(node.name).read_bytes()).serial_number
+        running = local.running_release(node.name, "decode")
+        local.env.play("serving.yml", *running, "--tags", "decode", "--limit", node.name, say=lambda line: None)
+        deadline = time.monotonic() + 30
+        while (served := served_serial(node.namespace, str(node.address.ip), port, ca)) != new:
+            assert time.monotonic() < deadline, f"still serving serial {served} (before {before}, new {new})"
+            time.sleep(1)
+        time.sleep(5)
+    assert load.completed() > 20 and not load.failures(), load.failures()
+    again = nodes.exec_in_node(node.name, ["podman", "inspect", "--format", "{{.Id}}", "pdserve-decode"]).strip()
+    assert again == container  # reloaded in place, not restarted
+
+
 def test_a_killed_decode_container_is_restarted_and_requests_recover(local: Local) -> None:
     node = local.topology.nodes_with_role(PoolRole.DECODE)[0].name
     pid = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}}", "pdserve-decode"]).strip()
@@ -347,3 +465,4 @@ def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:
     assert local.env.network(local.topology).leftovers() == []
     assert "netem" not in subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=False).stdout
     assert not local.env.registry().healthy()
+    assert "local.pdstack" not in Path("/etc/hosts").read_text()  # the names' block is gone, the rest stays

@@ -28,8 +28,8 @@ from typer.testing import CliRunner, Result
 from pdstack.cli import app
 from pdstack.local.env import LocalEnv
 from pdstack.local.network import LocalNetwork, NetworkError, UnknownLinkError, namespaces
-from pdstack.local.topology import SERVICE_ADDRESS, Link, Topology
-from pdstack.wanlink import LinkSpec
+from pdstack.local.topology import SERVICE_ADDRESS, LocalLink, Topology
+from pdstack.local.wan import LinkShape
 from tests.conftest import REPO, STACKS
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
@@ -126,7 +126,7 @@ def test_a_forwarder_without_a_control_file_is_never_signalled(topology: Topolog
     # Stands in for a forwarder started by an older pdstack, which SIGHUP would end. It blocks SIGHUP, so a signal
     # sent to it would show as pending.
     code = "import signal as s, time; s.pthread_sigmask(s.SIG_BLOCK, {s.SIGHUP}); print(1, flush=True); time.sleep(60)"
-    argv = [sys.executable, "-c", code, "-m", "pdstack.wanlink", "run"]
+    argv = [sys.executable, "-c", code, "-m", "pdstack.local.wan", "run"]
     older = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert older.stdout is not None and older.stdout.readline() == "1\n"
@@ -180,7 +180,7 @@ def test_up_twice_changes_nothing(topology: Topology, network: LocalNetwork) -> 
 # -- changing a running WAN link: LocalNetwork.shape_link and `pdstack local link` ---------------------------------
 
 
-def dc1_dc2(topology: Topology) -> Link:
+def dc1_dc2(topology: Topology) -> LocalLink:
     return next(link for link in topology.links if {link.a, link.b} == {"dc1", "dc2"})
 
 
@@ -212,14 +212,14 @@ def test_a_loss_spike_cuts_dc1_from_dc2_until_the_declared_link_is_back(
     assert ping_loss_pct(prefill.namespace, str(decode.address.ip)) == 0
 
     status = network.shape_link("dc1", "dc2", loss_pct=99.99)
-    assert status.pid == pid and status.spec == LinkSpec(1000, 20, 99.99) and status.declared == LinkSpec(1000, 20, 0)
+    assert status.pid == pid and status.spec == LinkShape(1000, 20, 99.99) and status.declared == LinkShape(1000, 20, 0)
     assert network.link_status("dc2", "dc1").spec == status.spec
     assert ping_loss_pct(prefill.namespace, str(decode.address.ip)) == 100
     assert ping_loss_pct(prefill.namespace, str(other_prefill.address.ip), count=3) == 0  # inside dc1: untouched
     assert ping_loss_pct(control.namespace, str(decode.address.ip), count=3) == 0  # control<->dc2: untouched
 
     status = network.shape_link("dc2", "dc1", reset=True)
-    assert status.spec == status.declared == LinkSpec(1000, 20, 0)
+    assert status.spec == status.declared == LinkShape(1000, 20, 0)
     assert ping_loss_pct(prefill.namespace, str(decode.address.ip)) == 0
     assert network.link_pid(dc1_dc2(topology)) == pid and wan_device_index(topology) == device
 
@@ -267,7 +267,7 @@ def test_concurrent_changes_of_one_link_are_queued_and_none_is_lost(network: Loc
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(change, [{"rtt_ms": 40}, {"loss_pct": 1}]))
     try:
-        assert network.link_status("dc1", "dc2").spec == LinkSpec(1000, 40, 1)
+        assert network.link_status("dc1", "dc2").spec == LinkShape(1000, 40, 1)
     finally:
         network.shape_link("dc1", "dc2", reset=True)
 

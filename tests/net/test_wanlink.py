@@ -19,16 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pdstack.wanlink import (
-    LinkProcess,
-    LinkSpec,
-    LinkState,
-    create_namespace,
-    default_endpoints,
-    delete_namespace,
-    namespace_exists,
-    reload_link,
-)
+from pdstack.local.wan import LinkProcess, LinkShape, LinkState, create_namespace, default_endpoints, delete_namespace
+from pdstack.local.wan.control import reload_link
+from pdstack.local.wan.tun import namespace_exists
 
 RTT_MS = 20.0
 RATE_MBIT = 100.0
@@ -56,7 +49,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def link() -> Iterator[Pair]:
-    with Pair("net") as pair, LinkProcess(pair.a, pair.b, LinkSpec(RATE_MBIT, RTT_MS)):
+    with Pair("net") as pair, LinkProcess(pair.a, pair.b, LinkShape(RATE_MBIT, RTT_MS)):
         yield pair
 
 
@@ -88,7 +81,7 @@ def test_tcp_throughput_is_capped_near_the_link_rate(link: Pair):
 
 
 def test_loss_setting_drops_packets():
-    with Pair("loss") as pair, LinkProcess(pair.a, pair.b, LinkSpec(RATE_MBIT, 2.0, loss_pct=30), seed=11) as lossy:
+    with Pair("loss") as pair, LinkProcess(pair.a, pair.b, LinkShape(RATE_MBIT, 2.0, loss_pct=30), seed=11) as lossy:
         summary = ping(pair, count=100, interval=0.01)
     lost_pct = float(re.search(r"([\d.]+)% packet loss", summary).group(1))  # type: ignore[union-attr]
     # Each echo crosses the link twice, so about 51 % of them are lost; bounds are wide on purpose.
@@ -104,7 +97,7 @@ def tun_devices() -> list[str]:
 def test_teardown_leaves_no_namespace_or_device_behind():
     before = tun_devices()
     pair = Pair("down")
-    with pair, LinkProcess(pair.a, pair.b, LinkSpec(RATE_MBIT, RTT_MS)):
+    with pair, LinkProcess(pair.a, pair.b, LinkShape(RATE_MBIT, RTT_MS)):
         assert "wan0" in in_ns(pair.ns_a, "ip", "-brief", "link").stdout
     assert not namespace_exists(pair.ns_a) and not namespace_exists(pair.ns_b)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
@@ -183,7 +176,7 @@ def running(link: LinkProcess) -> bool:
 @pytest.fixture
 def shaped(tmp_path: Path) -> Iterator[tuple[Pair, LinkProcess]]:
     """A running link started with a control file."""
-    spec = LinkSpec(RATE_MBIT, RTT_MS)
+    spec = LinkShape(RATE_MBIT, RTT_MS)
     with Pair("ctl") as pair, LinkProcess(pair.a, pair.b, spec, seed=5, control_file=tmp_path / "link.json") as link:
         yield pair, link
 
@@ -197,14 +190,14 @@ def test_a_loss_spike_stops_traffic_and_the_same_link_recovers(shaped: tuple[Pai
         assert receive(server, 6, timeout_s=10) == b"before"
         assert ping_loss_pct(pair) == 0
 
-        assert link.change(loss_pct=99.99) == LinkSpec(RATE_MBIT, RTT_MS, 99.99)
+        assert link.change(loss_pct=99.99) == LinkShape(RATE_MBIT, RTT_MS, 99.99)
         assert link.state().spec.loss_pct == 99.99
         assert ping_loss_pct(pair, count=10) == 100
         client.sendall(b"during")
         with pytest.raises(TimeoutError):
             receive(server, 6, timeout_s=1.5)  # nothing crosses for as long as the spike lasts
 
-        assert link.change(loss_pct=0) == LinkSpec(RATE_MBIT, RTT_MS, 0)
+        assert link.change(loss_pct=0) == LinkShape(RATE_MBIT, RTT_MS, 0)
         assert receive(server, 6, timeout_s=30) == b"during"  # TCP's retransmission on the same connection
         assert ping_loss_pct(pair) == 0
     assert link.pid == pid and running(link)
@@ -230,7 +223,7 @@ def test_a_delay_change_shows_in_the_measured_round_trip(shaped: tuple[Pair, Lin
 def test_a_rate_change_is_confirmed_and_keeps_the_other_fields(shaped: tuple[Pair, LinkProcess]):
     _pair, link = shaped
     link.change(loss_pct=2)
-    assert link.change(rate_mbit=10) == LinkSpec(10, RTT_MS, 2)
+    assert link.change(rate_mbit=10) == LinkShape(10, RTT_MS, 2)
     assert link.state().reloads == 2
 
 
@@ -270,11 +263,11 @@ def test_change_link_refuses_an_out_of_range_value_before_sending_it(shaped: tup
     _pair, link = shaped
     with pytest.raises(ValueError, match="rate_mbit"):
         link.change(rate_mbit=0)
-    assert link.state() == LinkState(link.pid, 0, LinkSpec(RATE_MBIT, RTT_MS))  # nothing was sent
+    assert link.state() == LinkState(link.pid, 0, LinkShape(RATE_MBIT, RTT_MS))  # nothing was sent
 
 
 def test_sighup_without_a_control_file_is_ignored():
-    with Pair("hup") as pair, LinkProcess(pair.a, pair.b, LinkSpec(RATE_MBIT, 2.0)) as link:
+    with Pair("hup") as pair, LinkProcess(pair.a, pair.b, LinkShape(RATE_MBIT, 2.0)) as link:
         os.kill(link.pid, signal.SIGHUP)
         assert ping_loss_pct(pair, count=3) == 0 and running(link)
     assert "SIGHUP ignored" in link.stderr

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdstack import nodes
+from pdstack.local import nodes
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "baseline.yml"

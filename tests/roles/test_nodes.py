@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdstack import nodes
+from pdstack.local import nodes
 
 
 def test_mirror_from_deb822_sources(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstack.bench.workload import LONG, MIXED_LONG_SHARE, SHORT, WorkloadError, make_prompts
+from pdstack.bench.workload import LONG, MIXED_LONG_SHARE, SHORT, BenchWorkloadError, make_prompts
 
 
 def test_same_seed_same_prompts() -> None:
@@ -33,5 +33,5 @@ def test_prompts_are_distinct_from_their_first_words() -> None:
 
 
 def test_unknown_workload_is_refused_by_name() -> None:
-    with pytest.raises(WorkloadError, match=r"^workload: unknown 'huge'"):
+    with pytest.raises(BenchWorkloadError, match=r"^workload: unknown 'huge'"):
         make_prompts("huge", 1, seed=0)

@@ -43,6 +43,7 @@ def golden(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_same_release_gives_the_same_greedy_tokens(servers: dict[str, ServerProcess]) -> None:
     prompts = list(DEFAULT_PROMPTS)
     report = compare(
@@ -52,6 +53,7 @@ def test_same_release_gives_the_same_greedy_tokens(servers: dict[str, ServerProc
     assert all(c.first_difference is None for c in report.comparisons)
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_perturbed_outputs_fail_and_the_report_says_where(servers: dict[str, ServerProcess]) -> None:
     code, output = golden("--canary", servers["perturbed"].url, "--baseline", servers["baseline"].url)
     assert code == 1
@@ -59,11 +61,13 @@ def test_perturbed_outputs_fail_and_the_report_says_where(servers: dict[str, Ser
     assert "threshold 0" in output and "DIFFERENT" in output and "from token" in output
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_cli_passes_for_the_twin(servers: dict[str, ServerProcess]) -> None:
     code, output = golden("--canary", servers["twin"].url, "--baseline", servers["baseline"].url, "--json")
     assert code == 0 and json.loads(output)["outcome"] == "pass"
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_recorded_golden_file_replaces_the_baseline(servers: dict[str, ServerProcess], tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.yaml"
     prompts.write_text("max_tokens: 6\nprompts: ['Hello world', 'KV cache']\n")
@@ -74,6 +78,7 @@ def test_recorded_golden_file_replaces_the_baseline(servers: dict[str, ServerPro
     assert golden("--canary", servers["perturbed"].url, "--golden", str(recorded))[0] == 1
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_golden_file_without_outputs_needs_a_baseline(servers: dict[str, ServerProcess], tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.yaml"
     prompts.write_text("prompts: ['Hello world']\n")
@@ -96,12 +101,14 @@ def test_bad_golden_files_name_the_field(tmp_path: Path, text: str, message: str
         load_golden(path)
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_a_canary_answering_with_errors_fails_naming_the_status(servers: dict[str, ServerProcess]) -> None:
     code, output = golden("--canary", servers["failing"].url, "--baseline", servers["baseline"].url)
     assert code == 1 and output.startswith("FAIL golden_outputs: the canary failed a golden prompt")
     assert "HTTP 500" in output and "injected fault" in output
 
 
+@pytest.mark.slow  # the servers fixture: pdserve processes
 def test_a_baseline_answering_with_errors_cannot_judge(servers: dict[str, ServerProcess]) -> None:
     code, output = golden("--canary", servers["baseline"].url, "--baseline", servers["failing"].url)
     assert code == 2 and "HTTP 500" in output

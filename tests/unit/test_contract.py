@@ -107,6 +107,18 @@ def test_role_defaults_outside_the_serving_plays_equal_the_contract() -> None:
 
 
 def test_the_policy_packs_default_kv_port_is_the_models() -> None:
-    pack = (REPO / "policy" / "pack.py").read_text()
-    rules = (REPO / "policy" / "rules.py").read_text()
+    pack = (REPO / "pdstack" / "policy" / "pack.py").read_text()
+    rules = (REPO / "pdstack" / "policy" / "rules.py").read_text()
     assert f'"default": {Ports().kv}' in pack and f"kv_port: int = {Ports().kv}" in rules
+
+
+@pytest.mark.parametrize("component", list(Component))
+def test_the_tls_settings_parse_as_the_components_own_and_name_the_mounted_files(component: Component) -> None:
+    tls = yaml.safe_load(render_ansible_vars("local", environment_serving(STACKS, "local")).split("\n", 1)[1])
+    tls = tls["pdserve_tls"]
+    env = tls["env"] | (tls["kv_env"] if component in (Component.PREFILL, Component.DECODE) else {})
+    fields = {"PDSERVE_" + name.upper() for name in SETTINGS[component].model_fields}
+    assert set(env) <= fields
+    files = {f"{tls['dir']}/{tls[name]}" for name in ("cert", "key", "ca")}
+    assert set(env.values()) == files
+    assert tls["env"]["PDSERVE_TLS_CERT"] == tls["env"]["PDSERVE_TLS_CLIENT_CERT"]  # one pair: server and client

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,6 +79,7 @@ def test_bad_input_fails_naming_the_problem() -> None:
         assert answer["error"].startswith("Ansible") and message in answer["message"], answer  # AnsibleFilterError
 
 
+@pytest.mark.slow  # ansible-playbook
 def test_ansible_finds_the_filter_through_the_role(tmp_path: Path) -> None:
     playbook = tmp_path / "play.yml"
     playbook.write_text(yaml.safe_dump([{

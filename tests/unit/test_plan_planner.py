@@ -58,6 +58,7 @@ def _threshold(value: int | None) -> float:
     return math.inf if value is None else value
 
 
+@pytest.mark.slow  # hypothesis: 25 plans per property (about 2 s)
 @settings(max_examples=25, deadline=None)
 @given(rtt=rtts, extra=st.floats(0.1, 200), bw=bandwidths, loss=losses)
 @example(rtt=5e-324, extra=1.0, bw=1.0, loss=1.0)  # a subnormal RTT in ms underflowed to 0 s: ZeroDivisionError
@@ -69,6 +70,7 @@ def test_more_rtt_never_makes_the_split_more_viable(rtt: float, extra: float, bw
     assert far.ttft_attainment_unqueued <= near.ttft_attainment_unqueued
 
 
+@pytest.mark.slow  # hypothesis: 25 plans per property (about 2 s)
 @settings(max_examples=25, deadline=None)
 @given(rtt=rtts, bw=bandwidths, cut=st.floats(0.01, 0.99), loss=losses)
 def test_less_bandwidth_never_makes_the_split_more_viable(rtt: float, bw: float, cut: float, loss: float) -> None:
@@ -78,6 +80,7 @@ def test_less_bandwidth_never_makes_the_split_more_viable(rtt: float, bw: float,
     assert _threshold(narrow.offload_threshold) >= _threshold(wide.offload_threshold)
 
 
+@pytest.mark.slow  # hypothesis: 25 plans per property (about 2 s)
 @settings(max_examples=25, deadline=None)
 @given(rtt=st.floats(0.1, 300), bw=bandwidths, loss=st.floats(0, 0.5), more=st.floats(1e-4, 0.5))
 @example(rtt=1.0, bw=1.0, loss=5e-324, more=0.5)  # a subnormal loss once divided by zero

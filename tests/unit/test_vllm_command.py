@@ -13,7 +13,7 @@ import pytest
 
 from pdserve import cli
 from pdserve.agent.settings import AgentSettings
-from pdserve.scheduler.settings import load_settings
+from pdserve.common.settings import load_settings
 from pdserve.vllm.settings import ConnectorSettings, SettingsError, parse
 from pdstack.contract import (
     INSTANCE_TOKEN,

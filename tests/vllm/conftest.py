@@ -28,8 +28,8 @@ import pytest
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
-from pdserve.vllm.worker import VLLM_ADDED_FIELDS
-from pdstack.wanlink import LinkProcess, LinkSpec, create_namespace, default_endpoints, delete_namespace, run_ip
+from pdserve.vllm.consumer import VLLM_ADDED_FIELDS
+from pdstack.local.wan import LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace, run_ip
 from tests.serving.ports import free_port
 
 # TP 2 puts four workers, two EngineCores and two API servers on 2 cores: there a KV frame sometimes stalls for
@@ -388,7 +388,7 @@ class WanSites:
     `sites` places a prefill in the first namespace and a decode in the second; `link_bytes()` reads the
     counters of the link's TUN devices."""
 
-    def __init__(self, spec: LinkSpec, tag: str = "", link_cpus: set[int] | None = None) -> None:
+    def __init__(self, spec: LinkShape, tag: str = "", link_cpus: set[int] | None = None) -> None:
         """`link_cpus`: where the link's forwarder runs (a benchmark keeps it off the prefill's core)."""
         self.tag = tag or str(os.getpid() % 100000)
         self.link_cpus = link_cpus

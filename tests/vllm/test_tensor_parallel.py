@@ -5,12 +5,12 @@ rank 1 on core 1); the test llama has 2 KV heads, so each rank holds one head of
 serves its shard on its own KV port (pdserve.vllm.settings.kv_port_of: base + rank), decode rank r pulls from
 remote_port + r. The colocated reference is the TP-2 prefill answering the whole request itself.
 
-One module-scoped pair (both instances share both cores): about 1-2 minutes to start here. Not in `make test`:
-`make test-vllm-tp` runs it (tests/vllm/conftest.py says why). Under load (load
-average 12-25 on the 2 cores) a decode rank's handshake with its prefill rank sometimes took over 10 s (prefill
-logged 'expected HELLO then AUTH within 10 s'), past the 3 s connect timeout the other modules use: the same
-stall tests/vllm/test_connector.py meets at TP 1 (bench/results, 'no complete frame within 5 s'), met twice as
-often with two pulls per request. Hence this module's longer timeouts and lease.
+One module-scoped pair (both instances share both cores): about 1-2 minutes to start here. Opt-in for now
+(`make test-vllm-tp`; tests/vllm/conftest.py). In CI it had failed on the KV channel's frame stall: prefill's KV
+threads, pinned to their rank's core beside the forward, sat runnable in the run queue for seconds (a watchdog thread
+measured 4-9 s of run-queue wait in a 0.1 s sleep at load 11-16, KEEPALIVEs 13 s apart), and decode gave up on a
+live server after its read timeout. Decode now outwaits a server whose TCP still answers, up to stall_timeout_s
+(pdserve.kv.wire; tests/serving/kv/test_kv_stall.py). The longer timeouts and lease below are kept for the load.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 from bench.vllm_ttft import measure_point
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.kv.auth import SecretKey
-from pdstack.wanlink import LinkSpec
+from pdstack.local.wan import LinkShape
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
@@ -47,7 +47,7 @@ LINK_OVERHEAD = 0.5
 
 @pytest.fixture(scope="module")
 def wan() -> Iterator[WanSites]:
-    with WanSites(LinkSpec(RATE_MBIT, RTT_MS)) as sites:
+    with WanSites(LinkShape(RATE_MBIT, RTT_MS)) as sites:
         yield sites
 
 

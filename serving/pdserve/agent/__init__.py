@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import Sequence
 
 from pdserve.common.logs import configure
+from pdserve.common.settings import load_settings
 from pdserve.common.tracing import configure_tracing
-from pdserve.scheduler.settings import load_settings
 
 from .settings import AgentSettings
 

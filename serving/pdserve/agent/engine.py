@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import httpx
@@ -36,10 +37,12 @@ class ServedModel:
 class Engine:
     """An httpx client for one vLLM API server."""
 
-    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float, verify: ssl.SSLContext | bool = True) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout))
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout), verify=verify
+        )
 
     async def healthy(self) -> bool:
         """vLLM's /health is 200: its API server is up and its EngineCore answers."""

@@ -8,6 +8,7 @@ import logging
 import signal
 import time
 
+from pdserve.common import tls
 from pdserve.scheduler.client import drain, read_token, run_heartbeats
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad
 
@@ -30,7 +31,8 @@ class Agent:
         engine_token = None
         if settings.engine_token_file is not None:
             engine_token = read_token(settings.engine_token_file, "engine_token_file")
-        self.engine = Engine(settings.engine_url, engine_token, settings.engine_timeout_seconds)
+        self.tls = tls.client_context(settings)  # vLLM's API server and the scheduler, when https
+        self.engine = Engine(settings.engine_url, engine_token, settings.engine_timeout_seconds, self.tls)
         self.connector: ConnectorInstance | None = None
         self.replaced = asyncio.Event()
 
@@ -50,7 +52,12 @@ class Agent:
         self.replaced.clear()
         beats = asyncio.create_task(
             run_heartbeats(
-                self.settings.scheduler_url, info, self.load, token=self.token, interval=self.settings.heartbeat_seconds
+                self.settings.scheduler_url,
+                info,
+                self.load,
+                token=self.token,
+                interval=self.settings.heartbeat_seconds,
+                verify=self.tls,
             )
         )
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.replaced.wait())]
@@ -149,7 +156,7 @@ class Agent:
     async def drain_engine(self) -> None:
         """Stop new traffic, give the gateways time to see it, then wait (bounded) for vLLM's requests to end."""
         s = self.settings
-        acknowledged = await drain(s.scheduler_url, self.instance_id, self.token)
+        acknowledged = await drain(s.scheduler_url, self.instance_id, self.token, self.tls)
         log.info("draining", extra={"fields": {"instance_id": self.instance_id, "acknowledged": acknowledged}})
         await asyncio.sleep(s.drain_grace_seconds)
         deadline = time.monotonic() + s.drain_timeout_seconds
@@ -181,4 +188,6 @@ async def serve(settings: AgentSettings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await Agent(settings).run(stop)
+    agent = Agent(settings)
+    async with tls.reloading(settings.tls_reload_seconds):  # a rotated client certificate, without a restart
+        await agent.run(stop)

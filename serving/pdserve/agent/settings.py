@@ -8,10 +8,12 @@ from urllib.parse import urlsplit
 
 from pydantic import Field
 
+from pdserve.common.tls import TLSClientSettings
 from pdserve.common.tracing import TracingSettings
+from pdserve.scheduler.protocol import instance_id_field, version_field
 
 
-class AgentSettings(TracingSettings):
+class AgentSettings(TracingSettings, TLSClientSettings):
     """pdserve agent: registers one vLLM instance with the pdserve scheduler, heartbeats its load, drains it."""
 
     engine_url: str = Field(pattern=r"^https?://[^/\s]+/?$", description="where the agent reaches vLLM's API server")
@@ -24,17 +26,11 @@ class AgentSettings(TracingSettings):
         pattern=r"^https?://[^/\s]+$",
         description="vLLM's API server as the gateway reaches it, e.g. http://10.0.1.5:8100",
     )
-    version: str = Field(min_length=1, max_length=64, description="release of model + server, the canary unit")
+    version: str = version_field()
     connector_run_dir: Path = Field(
         description="PdstackConnector's run_dir (kv_connector_extra_config), where its worker writes instance.json"
     )
-    instance_id: str | None = Field(
-        None,
-        min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9._:-]+$",
-        description="id to register as; default <role>-<advertise host>-<port>",
-    )
+    instance_id: str | None = instance_id_field("id to register as; default <role>-<advertise host>-<port>")
     engine_token_file: Path | None = Field(None, description="file holding vLLM's --api-key, if vLLM was given one")
     max_num_seqs: int = Field(128, ge=1, description="vLLM's --max-num-seqs: its request slots")
     heartbeat_seconds: float = Field(2.0, gt=0, description="seconds between heartbeats")

@@ -10,9 +10,10 @@ import sys
 from collections.abc import Sequence
 
 from pdserve.common.logs import configure
-from pdserve.common.tracing import configure_tracing, instrument_app
-from pdserve.listener import serve
-from pdserve.scheduler.settings import load_settings
+from pdserve.common.settings import load_settings
+from pdserve.common.tls import TLSFileError
+from pdserve.common.tracing import configure_tracing
+from pdserve.listener import serve_component
 
 from .app import create_app
 from .auth import KeysFileError
@@ -26,6 +27,6 @@ def main(argv: Sequence[str]) -> None:
     configure_tracing("gateway", settings)  # before the app's httpx client exists, so that it is instrumented
     try:
         app = create_app(settings)
-    except (KeysFileError, ParamsKeyError) as exc:
+    except (KeysFileError, ParamsKeyError, TLSFileError) as exc:
         sys.exit(f"pdserve gateway: {exc}")
-    serve(instrument_app(app), settings.host, settings.port, log_level=settings.log_level, graceful_shutdown_seconds=30)
+    serve_component(app, settings, graceful_shutdown_seconds=30)

@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.common.routes import probe_routes
+from pdserve.common.tls import client_context
 from pdserve.scheduler.client import bearer, read_token
 from pdserve.scheduler.protocol import RoutingTable
 
@@ -75,7 +77,11 @@ class Gateway:
             max_keepalive_connections=settings.max_connections,
             keepalive_expiry=UPSTREAM_KEEPALIVE_S,
         )
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, connect=settings.connect_timeout))
+        self.client = httpx.AsyncClient(
+            limits=limits,
+            timeout=httpx.Timeout(30.0, connect=settings.connect_timeout),
+            verify=client_context(settings),  # scheduler, prefill and decode over https
+        )
         self.proxy = PDProxy(settings, self.client, self.router, self.metrics, self.server_auth)
         self.early: EarlyDispatch | None = None
         if settings.kv_params_key_file is not None:
@@ -349,9 +355,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/health/live", live),
-        Route("/health/ready", ready),
-        Route("/metrics", metrics),
+        *probe_routes(live, ready, metrics),
     ]
     app = Starlette(
         routes=routes,

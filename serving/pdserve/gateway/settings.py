@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
 
 
-class GatewaySettings(TracingSettings):
+class GatewaySettings(TracingSettings, TLSSettings):
     """pdserve gateway: OpenAI-compatible entry point running the prefill -> decode flow."""
 
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -57,3 +59,27 @@ class GatewaySettings(TracingSettings):
     max_connections: int = Field(512, ge=1, description="upstream connection pool size")
     log_level: str = Field("info", description="debug | info | warning | error")
     log_prompts: bool = Field(False, description="log prompt text (debugging only; never on in production)")
+    allow_plaintext: bool = Field(
+        False,
+        description="serve plain HTTP on a non-loopback address when no tls_cert is set (only where the stack says "
+        "so: clients could not tell this gateway from another)",
+    )
+
+    @model_validator(mode="after")
+    def _plaintext_allowed(self) -> GatewaySettings:
+        if self.tls_cert is None and not self.allow_plaintext and not _loopback(self.host):
+            raise ValueError(
+                f"tls_cert: the gateway serves clients on {self.host}; give tls_cert and tls_key, or set "
+                "allow_plaintext to serve plain HTTP there"
+            )
+        return self
+
+
+def _loopback(host: str) -> bool:
+    """Only this machine can reach it (plain HTTP there crosses no network)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

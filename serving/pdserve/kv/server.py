@@ -1,8 +1,9 @@
 """The KV channel's listener: started from the prefill server's event loop, each connection served on its own thread.
 
 A thread per connection (blocking sockets, pdserve.kv.wire) lets the streams of a pull run on different cores; the
-event loop that starts the server is not on the data path at all. Waits for a streamed blob (prefill still adding
-to it) use the lease store's watches on a small event loop of the connection's own thread (`_Waits`).
+event loop that starts the server is not on the data path at all. This module accepts, authenticates and dispatches;
+a pull stream is served by pdserve.kv.sender, which waits for a streamed blob (prefill still adding to it) on the
+connection thread's own event loop (pdserve.kv.waits).
 """
 
 from __future__ import annotations
@@ -11,49 +12,33 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import re
 import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
-from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
+from pdserve.common.kv_tls import SocketWrapper
 from pdserve.kv import auth
-from pdserve.kv.blob import as_bytes
-from pdserve.kv.entry import StoredKV, Watch
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
-    DATA_HEADER,
     MAX_HANDSHAKE_PAYLOAD,
     MAX_REQUEST_PAYLOAD,
     NONCE_BYTES,
     PROOF_BYTES,
-    Chunk,
     Frame,
     FrameType,
-    chunk_plan,
     error_body,
     expect,
     json_payload,
 )
-from pdserve.kv.share import PullShares, SharedPlan
+from pdserve.kv.sender import NOTSENT_LOWAT_BYTES, PullSender
 from pdserve.kv.store import LeaseStore
+from pdserve.kv.waits import ThreadWaits
 from pdserve.kv.wire import FrameSocket
 
 log = logging.getLogger(__name__)
-MAX_STREAMS = 64
-MAX_PULL_ID = 64
-TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")  # W3C trace context, version 00
-# Unsent bytes a stream of a multi-stream pull may queue in the kernel before a send blocks: it takes its pull's next
-# chunk only once this little of its last one is left to go, so chunks go to the streams whose flows are moving
-# (pdserve.kv.share). Measured: bench/results/kv_channel-2026-12-01-s7-wan.md.
-NOTSENT_LOWAT_BYTES = 256 << 10
 READ_BUFFER_BYTES = 64 << 10  # most a connection buffers in user space before authenticating (it reads frame by frame)
 LISTEN_BACKLOG = 1024
 ERROR_LINGER_S = 1.0  # how long a refused client has to read its ERROR before the connection closes
@@ -71,32 +56,6 @@ class _Link:
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
 
-class _Waits:
-    """A connection thread's own event loop, made on first use, on which it waits for lease store watches."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @contextlib.contextmanager
-    def watch(self, source: LeaseStore | StoredKV) -> Iterator[Watch]:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        with self._loop.run_until_complete(_make_watch(source)) as watch:
-            yield watch
-
-    def wait(self, watch: Watch, timeout: float) -> bool:
-        assert self._loop is not None
-        return self._loop.run_until_complete(watch.wait(timeout))
-
-    def close(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-
-
-async def _make_watch(source: LeaseStore | StoredKV) -> Watch:
-    return source.watch()  # a Watch binds to the running loop
-
-
 class KVServer:
     """Serves pulls and acks for the blobs in a LeaseStore over authenticated (optionally TLS) TCP connections."""
 
@@ -107,7 +66,7 @@ class KVServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        ssl_context: ssl.SSLContext | None = None,
+        ssl_context: SocketWrapper | None = None,
         io_timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
         handshake_timeout_s: float = 10.0,
@@ -138,20 +97,18 @@ class KVServer:
         self._handshakes = 0
         self._metrics = metrics if metrics is not None else default_metrics()
         self._tcp_congestion = tcp_congestion
-        self._open_wait = open_wait_s
-        self._keepalive = keepalive_s
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, _Link] = {}
         self._closing = False
-        self._notsent_lowat = notsent_lowat_bytes
-        self._shares = PullShares(ttl_s=io_timeout_s + idle_timeout_s)
+        self._sender = PullSender(store, self._metrics, io_timeout_s, idle_timeout_s, open_wait_s, keepalive_s,
+                                  notsent_lowat_bytes)  # fmt: skip
 
     @property
     def shared_pulls(self) -> int:
         """Multi-stream pulls whose shared chunk plan the server still holds (a stream of theirs has not ended)."""
-        return len(self._shares)
+        return self._sender.shared_pulls
 
     @property
     def port(self) -> int:
@@ -217,7 +174,7 @@ class KVServer:
             thread.start()
 
     def _on_connection(self, link: _Link, peer: object) -> None:
-        waits = _Waits()
+        waits = ThreadWaits()
         try:
             self._serve_connection(link, peer, waits)
         except Exception:  # a bug must not end the thread silently
@@ -229,7 +186,7 @@ class KVServer:
             with contextlib.suppress(OSError):
                 link.sock.close()
 
-    def _serve_connection(self, link: _Link, peer: object, waits: _Waits) -> None:
+    def _serve_connection(self, link: _Link, peer: object, waits: ThreadWaits) -> None:
         try:
             channel, session = self._bounded_handshake(link)
         except KVTransferError as error:
@@ -310,9 +267,9 @@ class KVServer:
             raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
         return frame
 
-    def _dispatch(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
+    def _dispatch(self, frame: Frame, channel: FrameSocket, session: bytes, waits: ThreadWaits) -> None:
         if frame.type is FrameType.PULL:
-            self._serve_pull(frame, channel, session, waits)
+            self._sender.serve(frame, channel, session, waits)
         elif frame.type is FrameType.ACK:
             request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
             released = self.store.ack(request_id)
@@ -320,103 +277,6 @@ class KVServer:
                          json_payload({"request_id": request_id, "released": released}))  # fmt: skip
         else:
             raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
-
-    def _serve_pull(self, frame: Frame, channel: FrameSocket, session: bytes, waits: _Waits) -> None:
-        request = _pull_request(frame)
-        with _serve_span(frame, request) as span:
-            sent, chunks = self._serve_stream(request, channel, session, waits)
-            span.set_attributes({"pdserve.kv.bytes": sent, "pdserve.kv.chunks": chunks})
-
-    def _serve_stream(
-        self, request: dict[str, Any], channel: FrameSocket, session: bytes, waits: _Waits
-    ) -> tuple[int, int]:
-        request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
-                                                  request["first_row"])  # fmt: skip
-        stored = self._wait_open(request_id, channel, waits)
-        # Only streams that share chunks need to keep little unsent; one stream alone keeps the kernel's whole buffer
-        # as slack for the moments its thread does not run (0: the system's default, no limit).
-        _set_notsent_lowat(channel.sock, self._notsent_lowat if streams > 1 else 0)
-        started = time.perf_counter()
-        manifest = stored.manifest.to_bytes()
-        channel.send(self._io_timeout, FrameType.MANIFEST, manifest)
-        key = (request_id, request["pull"], streams, first_row)
-        with self._shares.join(key, stream, stored, lambda: _plan(stored, first_row)) as shared:
-            chunks, sent = self._send_chunks(stored, shared, stream, channel, waits)
-            if not stored.checksum:  # sealed and hashed
-                with waits.watch(stored) as changed:
-                    while not stored.checksum:
-                        self._wait_change(stored, changed, channel, waits)
-            if stream == 0:
-                channel.send(self._io_timeout, FrameType.DIGESTS, stored.digests)
-        # Out of the shared plan before END: once the client has every END, the server holds nothing of the pull.
-        mac = auth.end_mac(session, manifest, request, stored.checksum, chunks)
-        channel.send(self._io_timeout, FrameType.END, json_payload(
-            {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
-        self._metrics.observe_transfer("sender", sent, time.perf_counter() - started)
-        return sent, chunks
-
-    def _wait_open(self, request_id: str, channel: FrameSocket, waits: _Waits) -> StoredKV:
-        """The blob of `request_id`, waiting up to open_wait_s for prefill to open it (then `not_found`)."""
-        try:
-            return self.store.get(request_id)
-        except KVTransferError as error:
-            if error.cause != "not_found" or self._open_wait <= 0:
-                raise
-        deadline = time.monotonic() + self._open_wait
-        with waits.watch(self.store) as opened:
-            while True:
-                try:
-                    return self.store.get(request_id)
-                except KVTransferError as error:
-                    if error.cause != "not_found" or self.store.gone(request_id) or time.monotonic() >= deadline:
-                        raise
-                self._idle(opened, channel, waits, deadline)
-
-    def _send_chunks(self, stored: StoredKV, shared: SharedPlan, stream: int, channel: FrameSocket,
-                     waits: _Waits) -> tuple[int, int]:  # fmt: skip
-        """Take the pull's next chunk prefill has added, send it, and so on until none is left; return the chunks and
-        bytes this stream sent."""
-        views = [as_bytes(array) for pair in stored.layers for array in pair]
-        chunks = sent = 0
-
-        def ready(chunk: Chunk) -> bool:  # once sealed every chunk is: no look at each (a scan of the rest)
-            return stored.sealed or stored.ready(chunk.layer, chunk.part, chunk.offset, chunk.length)
-
-        while True:
-            chunk, left = shared.take(stream, ready)
-            if chunk is not None:
-                payload = views[2 * chunk.layer + chunk.part][chunk.offset : chunk.offset + chunk.length]
-                channel.send(self._io_timeout, FrameType.DATA,
-                             DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)  # fmt: skip
-                chunks, sent = chunks + 1, sent + chunk.length
-            elif not left:
-                return chunks, sent
-            else:
-                with waits.watch(stored) as changed:  # then look again: no change after the look above is missed
-                    if not shared.any_ready(ready):
-                        self._wait_change(stored, changed, channel, waits)
-
-    def _wait_change(self, stored: StoredKV, changed: Watch, channel: FrameSocket, waits: _Waits) -> None:
-        """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
-        failed (aborted, replaced) or its lease ran out before it was complete."""
-        stored.check()
-        if not self._idle(changed, channel, waits) and stored.expires_at <= self.store.clock():
-            self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
-            raise KVTransferError(
-                "expired", f"the lease on KV for request {stored.meta.request_id!r} expired before prefill completed it"
-            )
-        stored.check()
-
-    def _idle(self, watch: Watch, channel: FrameSocket, waits: _Waits, until: float | None = None) -> bool:
-        """Wait for `watch` (True if it was set) until a KEEPALIVE is due, and send one when it is. Due counts from
-        the last frame sent, not from the last wake: the watches wake on changes this pull may not need (other
-        streams' chunks, other entries opening, digests), and under a steady stream of those a client waiting
-        longer than its read timeout for its own next frame would give up."""
-        due = channel.last_sent + self._keepalive
-        changed = waits.wait(watch, max(0.0, min(due, until if until is not None else due) - time.monotonic()))
-        if time.monotonic() >= channel.last_sent + self._keepalive:
-            channel.send(self._io_timeout, FrameType.KEEPALIVE)
-        return changed
 
     def _send_error(self, channel: FrameSocket, error: KVTransferError) -> None:
         """Send ERROR, then let the client read it: the connection is about to close, and closing with the client's
@@ -441,60 +301,6 @@ def _drain_before_close(sock: socket.socket) -> None:
         if not data:
             return
         drained += len(data)
-
-
-def _pull_request(frame: Frame) -> dict[str, Any]:
-    """A PULL's fields, checked: what END's MAC covers."""
-    body = frame.json()
-    fields = ("request_id", "pull", "stream", "streams", "first_row")
-    request: dict[str, Any] = {name: body.get(name) for name in fields}
-    if (
-        not isinstance(request["request_id"], str)
-        or not isinstance(request["pull"], str)
-        or not all(isinstance(request[name], int) for name in ("stream", "streams", "first_row"))
-    ):
-        raise KVTransferError(
-            "protocol", "PULL needs request_id and pull (strings), stream, streams and first_row (integers)"
-        )
-    stream, streams, first_row = request["stream"], request["streams"], request["first_row"]
-    if not 1 <= streams <= MAX_STREAMS or not 0 <= stream < streams or first_row < 0:
-        raise KVTransferError("protocol", f"PULL stream {stream} of {streams} from row {first_row} is out of range")
-    if not 1 <= len(request["pull"]) <= MAX_PULL_ID:
-        raise KVTransferError(
-            "protocol", f"PULL pull id: expected 1 to {MAX_PULL_ID} characters, got {len(request['pull'])}"
-        )
-    return request
-
-
-def _serve_span(frame: Frame, request: dict[str, Any]) -> contextlib.AbstractContextManager[trace.Span]:
-    """A span for serving one stream, in the puller's trace when its PULL carries a well-formed traceparent (not
-    covered by the END MAC: it only places the span); none without one."""
-    parent = frame.json().get("traceparent")
-    if not isinstance(parent, str) or not TRACEPARENT.fullmatch(parent):
-        return contextlib.nullcontext(trace.INVALID_SPAN)
-    context = TraceContextTextMapPropagator().extract({"traceparent": parent})
-    return trace.get_tracer("pdserve.kv").start_as_current_span(
-        "kv serve",
-        context=context,
-        kind=trace.SpanKind.SERVER,
-        attributes={
-            "pdserve.kv.remote_request_id": request["request_id"],
-            "pdserve.kv.stream": request["stream"],
-            "pdserve.kv.streams": request["streams"],
-        },
-    )
-
-
-def _plan(stored: StoredKV, first_row: int) -> list[Chunk]:
-    try:
-        return chunk_plan(stored.manifest, first_row)
-    except ValueError as error:
-        raise KVTransferError("protocol", f"PULL first_row: {error}") from None
-
-
-def _set_notsent_lowat(sock: socket.socket, limit: int) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, limit)
 
 
 def _set_congestion_control(listener: socket.socket, name: str) -> None:

@@ -5,14 +5,24 @@ socket calls, the CRC-32C over a frame and the BLAKE3 digests release the GIL wh
 goes out with one sendmsg of (header, sub-header, the slice of the blob's array) and comes in with recv_into the
 destination array: no copy in Python on either side.
 
-Every read is bounded by a deadline (a frame must be complete within its timeout); every write by a timeout per
-wait for the peer to read. `abort` (any thread) wakes a thread blocked on the socket; only the thread that owns the
+A read times out when no byte of the frame came for `timeout`, and only if nothing is waiting in the socket by then
+(a thread that was itself kept off the CPU past the deadline reads what arrived meanwhile). A server's reads count
+from when the frame's read began (what it reads before and between requests stays bounded however a client trickles
+bytes). A client's (`probe_peer`) count from its last bytes; the kernel sends TCP keepalive probes every
+PROBE_INTERVAL_S while the peer is quiet, and a read silent for `timeout` goes on waiting while the peer's TCP stack
+still answers them, up to `stall_timeout_s` of silence: a server process kept off the CPU (a busy forward on its
+core, a nice'd thread, an oversubscribed host) is alive though it sends nothing, whereas a host or link that is gone
+stops answering and fails the read within `timeout`. Every write is bounded by a timeout per wait for the peer to
+read.
+
+`abort` (any thread) wakes a thread blocked on the socket; only the thread that owns the
 socket closes it, so its descriptor is never reused under a call still running on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import ssl
@@ -31,7 +41,12 @@ from pdserve.kv.protocol import (
     encode_header,
 )
 
+log = logging.getLogger(__name__)
 SMALL_PARTS_BYTES = 256  # parts up to this size are joined to the header before a TLS send (one record, not three)
+PROBE_INTERVAL_S = 1  # TCP keepalive probes of a quiet peer (whole seconds: TCP_KEEPIDLE / TCP_KEEPINTVL)
+PROBE_COUNT = 10  # unanswered probes after which the kernel itself ends the connection
+TCP_INFO_BYTES = 104
+TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (ms since the peer's last ACK) in struct tcp_info (Linux)
 
 
 class FrameSocket:
@@ -42,9 +57,22 @@ class FrameSocket:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.closed = False
         self.last_sent = time.monotonic()  # when the last frame went out (the server's KEEPALIVEs are timed from it)
+        self.stall_timeout_s = 0.0  # > 0: reads wait this long for a peer whose TCP still answers (see the module)
+        self._last_bytes = 0.0  # when the last bytes came in
+        self._reported_quiet = 0.0  # the start of the last silence logged as a stalled server
         self._kernel_timeouts = False  # plain socket in blocking mode, bounded by SO_RCVTIMEO / SO_SNDTIMEO
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def probe_peer(self, stall_timeout_s: float) -> None:
+        """Let reads outwait a peer that is alive but sends nothing, up to `stall_timeout_s` (TCP keepalive probes
+        tell the two apart)."""
+        self.stall_timeout_s = stall_timeout_s
+        with contextlib.suppress(OSError, AttributeError):  # not TCP, or not Linux: reads keep `timeout` alone
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, PROBE_INTERVAL_S)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, PROBE_INTERVAL_S)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, PROBE_COUNT)
 
     def _bound(self, option: int, seconds: float) -> None:
         """The next call waits at most `seconds`. A plain socket stays blocking and the kernel enforces the bound
@@ -123,23 +151,67 @@ class FrameSocket:
         return bytes(buffer)
 
     def recv_into(self, view: memoryview, deadline: float, timeout: float) -> None:
-        """Fill `view` (format 'B') from the socket by `deadline`."""
+        """Fill `view` (format 'B') from the socket; `deadline` is when the frame's read began plus `timeout`."""
         filled, size = 0, len(view)
         with self._errors(timeout, "receive"):
             while filled < size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                self._bound(socket.SO_RCVTIMEO, remaining)
+                wait = self._wait_for_bytes(deadline, timeout)
+                self._bound(socket.SO_RCVTIMEO, wait)
                 try:
                     count = self.sock.recv_into(view[filled:], size - filled, 0 if self.tls else socket.MSG_WAITALL)
-                except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+                except (BlockingIOError, TimeoutError):  # the bound passed with nothing received (plain, TLS)
                     continue
                 if not count:
                     raise KVTransferError(
                         "connection", f"connection closed with {size - filled} bytes of a frame still to come"
                     )
                 filled += count
+                self._last_bytes = time.monotonic()
+
+    def _wait_for_bytes(self, deadline: float, timeout: float) -> float:
+        """How long the next receive may wait for a frame read by `deadline`; raise TimeoutError when the peer has
+        been silent too long. A server's reads keep the whole frame's deadline (what it reads before and between
+        requests stays bounded however a client trickles bytes); a client's count from the last bytes."""
+        now = time.monotonic()
+        quiet = deadline - timeout
+        if self.stall_timeout_s > 0:
+            quiet = max(quiet, self._last_bytes)
+        if now < quiet + timeout:
+            return quiet + timeout - now
+        if self._bytes_waiting():
+            return 0.001  # they came while this thread was off the CPU: not a silent peer
+        if self.stall_timeout_s <= 0 or not self._peer_answers(timeout):
+            raise TimeoutError
+        if self._reported_quiet != quiet:  # once per silence: an operator sees a starved server, not a hang
+            self._reported_quiet = quiet
+            log.warning(
+                "kv: the server sent nothing for %.1f s but its TCP answers; waiting up to stall_timeout_s (%g s)",
+                now - quiet, self.stall_timeout_s,
+            )  # fmt: skip
+        if now >= quiet + self.stall_timeout_s:
+            raise KVTransferError(
+                "timeout",
+                f"no complete frame within {self.stall_timeout_s:g} s (stall_timeout_s): the peer's TCP answered, "
+                "its server sent nothing",
+            )
+        return min(float(PROBE_INTERVAL_S), quiet + self.stall_timeout_s - now)
+
+    def _bytes_waiting(self) -> bool:
+        try:
+            return bool(self.tls and self.sock.pending()) or _poll_readable(self.sock)  # type: ignore[attr-defined]
+        except OSError:
+            return True  # the receive reports what happened
+
+    def _peer_answers(self, timeout: float) -> bool:
+        """Whether the peer's TCP stack acknowledged something (data or a keepalive probe) recently."""
+        try:
+            info = socket.socket.getsockopt(self.sock, socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except (OSError, AttributeError):
+            return False
+        if len(info) < TCPI_LAST_ACK_RECV + 4:
+            return False
+        last_ack_ms = int(struct.unpack_from("I", info, TCPI_LAST_ACK_RECV)[0])
+        return last_ack_ms / 1000 < max(timeout, 3 * PROBE_INTERVAL_S)
 
     def readable_now(self) -> bool:
         """Whether the peer sent something (or closed) without being asked: an idle connection must stay silent."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.common.logs import configure
-from pdserve.common.tracing import configure_tracing, instrument_app
-from pdserve.listener import serve
+from pdserve.common.settings import load_settings
+from pdserve.common.tracing import configure_tracing
+from pdserve.listener import serve_component
 
 from .app import create_app
-from .settings import SchedulerSettings, load_settings
+from .settings import SchedulerSettings
 
 
 def main(argv: Sequence[str]) -> None:
@@ -25,4 +26,4 @@ def main(argv: Sequence[str]) -> None:
         app = create_app(settings)
     except ValueError as exc:
         raise SystemExit(f"pdserve scheduler: {exc}") from None
-    serve(instrument_app(app), settings.host, settings.port, log_level=settings.log_level)
+    serve_component(app, settings)

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from pdserve import jsonbody
 from pdserve.common.logs import RequestIdLogContext
+from pdserve.common.routes import probe_routes
 
 from .advisor import Advice, advise
 from .client import read_token
@@ -324,9 +325,7 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
         Route("/v1/admin/canary/verdicts", guarded("record_verdict", admin_only, record_verdict), methods=["POST"]),
-        Route("/health/live", live),
-        Route("/health/ready", ready),
-        Route("/metrics", metrics),
+        *probe_routes(live, ready, metrics),
     ]
     app = Starlette(
         routes=routes,

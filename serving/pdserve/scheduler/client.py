@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -44,13 +45,15 @@ async def run_heartbeats(
     *,
     token: str,
     interval: float = 2.0,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
-    """Register, then send a heartbeat with the current load every `interval` seconds until cancelled."""
+    """Register, then send a heartbeat with the current load every `interval` seconds until cancelled. `verify`
+    is what an https scheduler is checked against (pdserve.common.tls.client_context)."""
     info = InstanceInfo.model_validate(instance_info)
     if info.instance_id is None:
         raise ValueError("instance_id: required, the scheduler accepts the token only for the id it was derived for")
     base = scheduler_url.rstrip("/")
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token), verify=verify) as client:
         try:
             registered = False
             while True:
@@ -63,9 +66,9 @@ async def run_heartbeats(
             await asyncio.shield(_deregister(client, base, str(info.instance_id)))
 
 
-async def drain(scheduler_url: str, instance_id: str, token: str) -> bool:
+async def drain(scheduler_url: str, instance_id: str, token: str, verify: ssl.SSLContext | bool = True) -> bool:
     """Ask the scheduler to route no new requests to this instance; True if it acknowledged."""
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS, headers=bearer(token), verify=verify) as client:
         try:
             response = await client.post(f"{scheduler_url.rstrip('/')}/v1/instances/{instance_id}/drain")
         except httpx.HTTPError as exc:

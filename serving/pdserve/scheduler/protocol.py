@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["prefill", "decode", "colocated"]
+# An instance's id, which is also its principal's (instance:<id>, pdserve.scheduler.identity).
+INSTANCE_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
+
+
+def instance_id_field(description: str) -> Any:
+    """An optional instance id field, as InstanceInfo takes it (the agent registers with its own)."""
+    return Field(None, min_length=1, max_length=128, pattern=INSTANCE_ID_PATTERN, description=description)
+
+
+def version_field() -> Any:
+    """The release an instance runs (model + server), the unit a canary weighs."""
+    return Field(min_length=1, max_length=64, description="release of model + server, the canary unit")
+
+
 State = Literal["starting", "ready", "draining", "dead"]
 
 # Request fields pdserve's own engine does not implement. A backend that does (vLLM: tools, response_format, ...)
@@ -57,15 +71,11 @@ class InstanceInfo(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    instance_id: str | None = Field(
-        None,
-        min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9._:-]+$",
-        description="stable id chosen by the instance (re-registering with it is idempotent); generated if absent",
+    instance_id: str | None = instance_id_field(
+        "stable id chosen by the instance (re-registering with it is idempotent); generated if absent"
     )
     role: Role
-    version: str = Field(min_length=1, max_length=64, description="release of model + server, the canary unit")
+    version: str = version_field()
     kv_fingerprint: str = Field(min_length=1, max_length=128, description="engine KV fingerprint; pairs must match")
     url: str = Field(pattern=r"^https?://[^/\s]+$", description="advertised base URL, e.g. http://10.0.0.5:8100")
     model: str = Field("", max_length=256, description="served model name")

@@ -1,57 +1,16 @@
-"""Scheduler settings, and the flag/env loader both control-plane services use.
-
-Every field is a flag (`--state-file`) and an environment variable (`PDSERVE_STATE_FILE`); the flag wins.
-"""
+"""Scheduler settings; each field is a flag and a PDSERVE_* variable (pdserve.common.settings)."""
 
 from __future__ import annotations
 
-import argparse
-import os
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
+from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
 
-ENV_PREFIX = "PDSERVE_"
-M = TypeVar("M", bound=BaseModel)
 
-
-def load_settings(model: type[M], argv: Sequence[str], prog: str, env: Mapping[str, str] | None = None) -> M:
-    """Build `model` from flags, then PDSERVE_* env variables, then defaults; bad values exit naming the flag."""
-    environ = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=prog, description=model.__doc__)
-    for name, field in model.model_fields.items():
-        env_key = ENV_PREFIX + name.upper()
-        default = "required" if field.is_required() else f"default {field.default!r}"
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            default=None,
-            help=f"{field.description or ''} (env {env_key}; {default})",
-        )
-    namespace = parser.parse_args(list(argv))
-    values: dict[str, object] = {}
-    for name in model.model_fields:
-        flag_value = getattr(namespace, name)
-        env_value = environ.get(ENV_PREFIX + name.upper())
-        if flag_value is not None:
-            values[name] = flag_value
-        elif env_value is not None:
-            values[name] = env_value
-    try:
-        return model.model_validate(values)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"--{'.'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}" for err in exc.errors()
-        )
-        parser.error(problems)
-        raise  # unreachable: parser.error exits
-
-
-class SchedulerSettings(TracingSettings):
+class SchedulerSettings(TracingSettings, TLSSettings):
     """pdserve scheduler: instance registry, routing table, version weights, P:D advice."""
 
     host: str = Field("127.0.0.1", description="address to listen on")

@@ -1,7 +1,7 @@
 """pdserve's HTTP servers: prefill, decode and colocated roles sharing one app factory.
 
 Files, one concern each:
-  settings.py     typed configuration from flags and PDSERVE_* variables
+  settings.py     typed configuration (flags and PDSERVE_* variables: pdserve.common.settings)
   auth.py         the API bearer token (--api-token-file), checked before a request's body is read
   schemas.py      OpenAI request bodies and vLLM's kv_transfer_params; what is refused by name
   batching.py     continuous batching with length-bucketed chunked prefill; admission limits
@@ -10,7 +10,6 @@ Files, one concern each:
   openai_api.py   /v1/completions, /v1/chat/completions (JSON and SSE), /v1/models
   metrics.py      Prometheus metrics (pdserve_*)
   heartbeat.py    registration with the scheduler
-  logs.py         JSON logs
   app.py          the Starlette app and its lifespan
 """
 

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.logs import bind_request_id, reset_request_id
+from pdserve.common.routes import probe_routes
 from pdserve.engine import Engine
 from pdserve.kv import SecretKey
 from pdserve.scheduler.client import read_token
@@ -148,9 +149,7 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
 
     routes = [
         Route("/health", health),
-        Route("/health/live", live),
-        Route("/health/ready", ready),
-        Route("/metrics", metrics_endpoint),
+        *probe_routes(live, ready, metrics_endpoint),
         Route("/v1/models", endpoints.models),
         Route("/v1/completions", endpoints.completions, methods=["POST"]),
         Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),

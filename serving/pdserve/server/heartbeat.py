@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pdserve.common.tls import client_context
 from pdserve.scheduler.client import read_token, run_heartbeats
 from pdserve.server.settings import ServerSettings
 
@@ -27,7 +28,7 @@ def start_heartbeats(
         "role": settings.role.value,
         "version": settings.version,
         "kv_fingerprint": service.engine.fingerprint,
-        "url": f"http://{settings.advertised_host}:{settings.port}",
+        "url": f"{settings.scheme}://{settings.advertised_host}:{settings.port}",
         "model": settings.model_name,
         "kv_host": settings.advertised_host if exporter is not None else None,
         "kv_port": exporter.server.port if exporter is not None else None,
@@ -47,5 +48,12 @@ def start_heartbeats(
         }
 
     return asyncio.get_running_loop().create_task(
-        run_heartbeats(settings.scheduler_url, info, load, token=token, interval=settings.heartbeat_seconds)
+        run_heartbeats(
+            settings.scheduler_url,
+            info,
+            load,
+            token=token,
+            interval=settings.heartbeat_seconds,
+            verify=client_context(settings),
+        )
     )

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from pdserve.common.kv_tls import RotatingContext, kv_client_context, kv_server_context
 from pdserve.common.tracing import tracer
 from pdserve.engine import Engine, EngineError, KVCache
 from pdserve.kv import (
@@ -41,18 +42,19 @@ TRANSFERRED_IDS_KEPT = 65536
 ACK_GRACE_SECONDS = 2.0
 
 
-def server_tls(settings: ServerSettings) -> ssl.SSLContext | None:
+def server_tls(settings: ServerSettings) -> RotatingContext | None:
+    """Prefill's KV listener: TLS with kv_tls_cert/key, and mutual TLS once kv_tls_ca is set too; rotated from the
+    files like the HTTP listener's (tls_reload_seconds)."""
     if settings.kv_tls_cert is None or settings.kv_tls_key is None:
         return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.kv_tls_cert, settings.kv_tls_key)
-    return context
+    return kv_server_context(settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca, settings.tls_reload_seconds)
 
 
-def client_tls(settings: ServerSettings) -> ssl.SSLContext | None:
+def client_tls(settings: ServerSettings) -> RotatingContext | None:
+    """Decode's pulls: prefill must chain to kv_tls_ca; decode presents kv_tls_cert when it has one."""
     if settings.kv_tls_ca is None:
         return None
-    return ssl.create_default_context(cafile=str(settings.kv_tls_ca))
+    return kv_client_context(settings.kv_tls_ca, settings.kv_tls_cert, settings.kv_tls_key, settings.tls_reload_seconds)
 
 
 def kv_memory_per_request(engine: Engine, total_tokens: int) -> int:
@@ -215,15 +217,9 @@ class DecodeImporter:
                     params.remote_port,
                     params.remote_request_id,
                     params.kv_checksum,
-                    key=self.key,
                     streams=self.settings.kv_streams,
                     expected_fingerprint=self.engine.fingerprint,
-                    ssl_context=self._tls,
-                    server_hostname=self.settings.kv_tls_server_name,
-                    connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                    read_timeout_s=self.settings.kv_read_timeout_seconds,
-                    metrics=self.metrics.kv,
-                    pool=self.pool,
+                    **self._channel_options(),
                 )
             except KVTransferError as error:
                 span.set_status(Status(StatusCode.ERROR, error.message))
@@ -247,6 +243,18 @@ class DecodeImporter:
         self._acknowledge(params.remote_host, params.remote_port, params.remote_request_id)
         return cache
 
+    def _channel_options(self) -> dict[str, Any]:
+        """What every call to a prefill's KV channel (pull, ack) is made with."""
+        return {
+            "key": self.key,
+            "ssl_context": self._tls,
+            "server_hostname": self.settings.kv_tls_server_name,
+            "connect_timeout_s": self.settings.kv_connect_timeout_seconds,
+            "read_timeout_s": self.settings.kv_read_timeout_seconds,
+            "metrics": self.metrics.kv,
+            "pool": self.pool,
+        }
+
     def _acknowledge(self, host: str, port: int, request_id: str) -> None:
         async def send() -> None:
             try:
@@ -254,13 +262,7 @@ class DecodeImporter:
                     host,
                     port,
                     request_id,
-                    key=self.key,
-                    ssl_context=self._tls,
-                    server_hostname=self.settings.kv_tls_server_name,
-                    connect_timeout_s=self.settings.kv_connect_timeout_seconds,
-                    read_timeout_s=self.settings.kv_read_timeout_seconds,
-                    metrics=self.metrics.kv,
-                    pool=self.pool,
+                    **self._channel_options(),
                 )
             except KVTransferError as error:  # the lease then simply expires
                 log.warning("kv ack failed", extra={"kv_request_id": request_id, "cause": error.cause})

@@ -1,18 +1,18 @@
-"""Server configuration: one typed model, filled from command-line flags, each of which has a PDSERVE_* variable."""
+"""Server configuration: one typed model, filled from command-line flags, each of which has a PDSERVE_* variable
+(pdserve.common.settings)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
-import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from pdserve.common.settings import load_settings
+from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
 
 
@@ -27,7 +27,7 @@ class FailurePolicy(StrEnum):
     FAIL = "fail"  # answer an error naming the cause
 
 
-class ServerSettings(TracingSettings):
+class ServerSettings(TracingSettings, TLSSettings):
     """Everything a prefill, decode or colocated server needs to start."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,41 +102,7 @@ class ServerSettings(TracingSettings):
         return self.advertise_host or self.host
 
 
-# flag name -> (help, type); every flag reads PDSERVE_<NAME> when not given.
-_FIELDS_AS_FLAGS = [name for name in ServerSettings.model_fields if name != "role"]
-
-
-def env_name(field: str) -> str:
-    return "PDSERVE_" + field.upper()
-
-
-def build_parser(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"pdserve {role}",
-        description=f"Run a pdserve {role} server. Every option can also be set by its PDSERVE_* environment variable.",
-    )
-    for name in _FIELDS_AS_FLAGS:
-        info = ServerSettings.model_fields[name]
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, dest=name, default=None, help=f"{info.description or ''} [env {env_name(name)}]")
-    return parser
-
-
-def settings_from_args(role: str, argv: Sequence[str], environ: dict[str, str] | None = None) -> ServerSettings:
-    """Flags win over environment variables, which win over defaults. Raises SystemExit with a clear message."""
-    environ = dict(os.environ) if environ is None else environ
-    args = build_parser(role).parse_args(list(argv))
-    values: dict[str, Any] = {"role": role}
-    for name in _FIELDS_AS_FLAGS:
-        flag_value = getattr(args, name)
-        if flag_value is not None:
-            values[name] = flag_value
-        elif env_name(name) in environ:
-            values[name] = environ[env_name(name)]
-    try:
-        return ServerSettings.model_validate(values)
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in item['loc']) or 'settings'}: {item['msg']}" for item in error.errors()
-        )
-        raise SystemExit(f"pdserve {role}: invalid configuration: {problems}") from None
+def settings_from_args(role: str, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServerSettings:
+    """A `role` server's settings from flags and PDSERVE_* variables (pdserve.common.settings); exits naming the flag
+    of a bad value."""
+    return load_settings(ServerSettings, argv, f"pdserve {role}", environ, fixed={"role": role})

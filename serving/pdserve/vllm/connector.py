@@ -65,6 +65,9 @@ KV endpoint before vLLM picks the DP engine, so it could name the wrong one.
 
 Limits of this version: equal TP on both ends, pipeline and context parallelism 1, one KV cache group (no hybrid or
 sliding-window models).
+
+About 400 lines, kept whole: vLLM loads one class for both sides (kv_connector_module_path), and its worker half
+only hands each call to pdserve.vllm.producer or .consumer; the rest is its scheduler half and these notes.
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ from vllm.v1.request import RequestStatus
 
 from pdserve.kv import params as signed_params
 from pdserve.vllm import settings as connector_settings
+from pdserve.vllm.consumer import ConsumerWorker
+from pdserve.vllm.producer import ProducerWorker
 from pdserve.vllm.stats import PdstackPromMetrics, PdstackStats
-from pdserve.vllm.worker import ConsumerWorker, LoadSpec, ProducerWorker, SaveSpec, result_path
+from pdserve.vllm.worker import LoadSpec, SaveSpec, result_path
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +113,12 @@ log = logging.getLogger("vllm.pdstack")  # under vLLM's logger, so its handlers 
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 DP_ENGINE = re.compile(r"_dp\d+$")
 KEPT_FILES = ("fingerprint.json", "instance.json")  # the worker's, for this process and the agent; never swept
+# A decode step that computes nothing (every request it holds waits for its KV) waits up to this long for a pull to
+# end before it reports: vLLM's engine loops without pause while a request waits for remote KV, each empty step a
+# round trip between EngineCore and worker that takes the core (and the worker's GIL) from the pulls' threads and
+# the other processes beside it. A pull that ends wakes the wait at once; a request arriving meanwhile is scheduled
+# at most this much later.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -117,6 +128,7 @@ class PdstackConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # requests finished before their prompt was complete
+    idle: bool = False  # the step computes no token (decode has only requests waiting for their KV)
 
 
 @dataclass
@@ -220,7 +232,9 @@ class PdstackConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if not isinstance(self._worker, ConsumerWorker):
             return KVConnectorTransferResults()
-        finished, failed = self._worker.collect()
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(metadata, PdstackConnectorMetadata) and metadata.idle
+        finished, failed = self._worker.collect(wait_s=IDLE_WAIT_S if idle else 0.0)
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -281,7 +295,8 @@ class PdstackConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # loaded once: a preempted and resumed request recomputes instead
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = PdstackConnectorMetadata(loads=self._to_load, aborts=self._aborts)
+        metadata = PdstackConnectorMetadata(loads=self._to_load, aborts=self._aborts,
+                                            idle=not scheduler_output.total_num_scheduled_tokens)  # fmt: skip
         self._to_load, self._aborts = [], []
         for request_id, prefilling in list(self._to_save.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)

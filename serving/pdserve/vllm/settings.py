@@ -5,12 +5,12 @@ Pure Python (no vLLM, no torch), so the keys and their defaults can be read and 
 
 from __future__ import annotations
 
-import ssl
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.common.kv_tls import RotatingContext, kv_client_context, kv_server_context
 from pdserve.kv.auth import SecretKey
 from pdserve.kv.params import derive_params_key
 
@@ -30,6 +30,7 @@ _KNOWN = {
     "tls_key",
     "tls_ca",
     "tls_server_name",
+    "tls_reload_seconds",
     "run_dir",
     "kv_cpus",
 }
@@ -70,6 +71,7 @@ class ConnectorSettings:
     tls_key: str | None
     tls_ca: str | None
     tls_server_name: str | None
+    tls_reload_seconds: float  # how often a handshake checks the TLS files for a rotated certificate
     run_root: Path  # kv_connector_extra_config.run_dir
     engine_id: str
     kv_cpus: frozenset[int] | None  # None: the forward thread's (see pdserve.vllm.worker.connector_cpus)
@@ -100,25 +102,19 @@ class ConnectorSettings:
         """Signs (prefill) and verifies (decode) kv_transfer_params; the gateway holds only this derived key."""
         return derive_params_key(self.key.material)
 
-    def server_tls(self) -> ssl.SSLContext | None:
+    def server_tls(self) -> RotatingContext | None:
         """TLS for prefill's KV listener; with tls_ca too, clients must present a certificate signed by it."""
-        if self.tls_cert is None:
+        if self.tls_cert is None or self.tls_key is None:
             return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.tls_cert, self.tls_key)
-        if self.tls_ca is not None:
-            context.load_verify_locations(self.tls_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
+        ca = Path(self.tls_ca) if self.tls_ca else None
+        return kv_server_context(Path(self.tls_cert), Path(self.tls_key), ca, self.tls_reload_seconds, "tls_")
 
-    def client_tls(self) -> ssl.SSLContext | None:
+    def client_tls(self) -> RotatingContext | None:
         """TLS for decode's pulls: the prefill certificate must chain to tls_ca (decode's own cert if given)."""
         if self.tls_ca is None:
             return None
-        context = ssl.create_default_context(cafile=self.tls_ca)
-        if self.tls_cert is not None:
-            context.load_cert_chain(self.tls_cert, self.tls_key)
-        return context
+        cert, key = (Path(self.tls_cert), Path(self.tls_key)) if self.tls_cert and self.tls_key else (None, None)
+        return kv_client_context(Path(self.tls_ca), cert, key, self.tls_reload_seconds, "tls_")
 
 
 def parse(
@@ -175,6 +171,7 @@ def parse(
         tls_key=tls_key,
         tls_ca=_optional(extra, "tls_ca"),
         tls_server_name=_optional(extra, "tls_server_name"),
+        tls_reload_seconds=_number(extra, "tls_reload_seconds", 5.0, float),
         run_root=run_dir,
         engine_id=engine_id,
         kv_cpus=_cpu_list(extra),
@@ -182,7 +179,9 @@ def parse(
         data_parallel=data_parallel,
         dp_index=dp_index,
     )
-    for name in ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes"):
+    positive = ("streams", "lease_seconds", "connect_timeout_seconds", "read_timeout_seconds", "store_bytes",
+                "tls_reload_seconds")  # fmt: skip
+    for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"kv_connector_extra_config.{name}: must be positive")
     if settings.open_wait_seconds < 0:

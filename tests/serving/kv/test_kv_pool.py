@@ -12,7 +12,8 @@ from kvtestlib import make_layers, meta_for, proxy_to, running_server
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
-from pdserve.kv.client import Connector, KVConnection
+from pdserve.kv.connect import Connector
+from pdserve.kv.pool import KVConnection
 from pdserve.kv.protocol import FrameType, encode_header, read_frame
 from pdserve.server.kvlink import DecodeImporter
 from pdserve.server.metrics import ServerMetrics

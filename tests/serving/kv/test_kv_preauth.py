@@ -18,7 +18,7 @@ from kvtestlib import make_layers, meta_for, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv import auth as kv_auth
-from pdserve.kv.client import Connector
+from pdserve.kv.connect import Connector
 from pdserve.kv.protocol import (
     HEADER,
     MAGIC,

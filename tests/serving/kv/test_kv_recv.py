@@ -91,6 +91,7 @@ def test_big_destinations_are_separate_writable_arrays_of_the_asked_layout() -> 
     assert all((array == 1).all() for array in arrays)
 
 
+@pytest.mark.slow  # maps and pulls a large block (about 1 s)
 def test_a_destination_mapping_is_reused_only_once_no_view_of_its_arrays_is_left() -> None:
     specs = [((1 << 20,), "float32"), ((1 << 20,), "float32")]  # 8 MiB: one shared mapping
 

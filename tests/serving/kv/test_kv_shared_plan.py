@@ -11,7 +11,7 @@ import pytest
 from kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
-from pdserve.kv.client import Connector
+from pdserve.kv.connect import Connector
 from pdserve.kv.protocol import HEADER, MAGIC, FrameType, crc32c, json_payload
 from pdserve.kv.wire import FrameSocket
 
@@ -19,6 +19,7 @@ FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_
 CHUNK = 64 << 10
 
 
+@pytest.mark.slow  # a throttled stream (about 3 s)
 def test_a_throttled_stream_carries_fewer_chunks_and_the_pull_is_whole(key: SecretKey, metrics: KVMetrics) -> None:
     """One of 4 connections crawls at 1 MB/s, the others run at loopback speed: the crawling one carries far less
     than the quarter a static split (stream s takes chunks s, s+4, ...) would hand it, and every byte still arrives

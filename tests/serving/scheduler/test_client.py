@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pdserve.scheduler.client import drain, run_heartbeats
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad
@@ -25,6 +26,7 @@ async def wait_until(check: object, timeout: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
+@pytest.mark.slow  # a scheduler process, restarted
 def test_heartbeats_survive_scheduler_restart_and_deregister_on_cancel(tmp_path: Path) -> None:
     service, _ = start_scheduler(tmp_path, missed=50)  # dead only after 10 s: a stall must not flap the instance
     token = instance_token_file(tmp_path, "decode-x").read_text().strip()

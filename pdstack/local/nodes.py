@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdstack.local.commands import CommandError, run_captured
+
 BASE_IMAGE = "localhost/pdstack-debian12-base:latest"
 NODE_IMAGE = "localhost/pdstack-node:latest"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -57,7 +59,7 @@ CMD ["/sbin/init"]
 
 
 class NodeError(RuntimeError):
-    """A node container or image operation failed; the message carries the command's output."""
+    """A node or its image is not as it should be (a command that fails raises CommandError instead)."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,6 @@ class NodeSpec:
     def volume(self) -> str:
         """The named volume holding the node's /var/lib/containers (podman-in-podman needs a real filesystem)."""
         return f"{self.name}-containers"
-
-
-def _run(args: Sequence[str], *, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
-    result = subprocess.run(list(args), input=stdin, capture_output=True, check=False)
-    if check and result.returncode != 0:
-        output = (result.stdout + result.stderr).decode(errors="replace").strip()
-        raise NodeError(f"{' '.join(args)} failed with exit {result.returncode}: {output[-2000:]}")
-    return result
 
 
 def host_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
@@ -97,7 +91,7 @@ def host_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
 
 
 def image_exists(image: str) -> bool:
-    return _run(["podman", "image", "exists", image], check=False).returncode == 0
+    return run_captured(["podman", "image", "exists", image], check=False).returncode == 0
 
 
 def build_base_image(image: str = BASE_IMAGE, mirror: str | None = None) -> str:
@@ -107,14 +101,25 @@ def build_base_image(image: str = BASE_IMAGE, mirror: str | None = None) -> str:
     if shutil.which("debootstrap") is None:
         raise NodeError("debootstrap is not installed; run scripts/host-setup.sh first")
     with tempfile.TemporaryDirectory(prefix="pdstack-rootfs-") as root:
-        _run(["debootstrap", "--variant=minbase", SUITE, root, mirror or host_mirror()])
-        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
-        assert tar.stdout is not None
-        imported = subprocess.run(["podman", "import", "-", image], stdin=tar.stdout, capture_output=True, check=False)
-        tar.stdout.close()
-        if tar.wait() != 0 or imported.returncode != 0:
-            raise NodeError(f"importing {root} as {image} failed: {imported.stderr.decode(errors='replace')}")
+        run_captured(["debootstrap", "--variant=minbase", SUITE, root, mirror or host_mirror()])
+        _import_tree(root, image)
     return image
+
+
+def _import_tree(root: str, image: str) -> None:
+    """`tar -C root -c . | podman import - image`, without a shell; either side failing raises CommandError."""
+    pack, load = ["tar", "-C", root, "-c", "."], ["podman", "import", "-", image]
+    with tempfile.TemporaryFile() as tar_errors:  # a file, not a pipe: tar never blocks on it while podman reads
+        tar = subprocess.Popen(pack, stdout=subprocess.PIPE, stderr=tar_errors)
+        assert tar.stdout is not None
+        imported = subprocess.run(load, stdin=tar.stdout, capture_output=True, text=True, errors="replace", check=False)
+        tar.stdout.close()
+        if tar.wait() != 0:  # podman imports what it got: a truncated root must not pass for the base image
+            run_captured(["podman", "rmi", image], check=False)
+            tar_errors.seek(0)
+            raise CommandError(pack, tar.returncode, tar_errors.read().decode(errors="replace"))
+    if imported.returncode != 0:
+        raise CommandError(load, imported.returncode, imported.stdout + imported.stderr)
 
 
 def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: str | None = None) -> str:
@@ -127,14 +132,14 @@ def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: st
     )
     with tempfile.TemporaryDirectory(prefix="pdstack-node-build-") as context:
         (Path(context) / "Containerfile").write_text(containerfile)
-        _run(["podman", "build", "--network", "host", "-t", image, context])
+        run_captured(["podman", "build", "--network", "host", "-t", image, context])
     return image
 
 
 def create_node(spec: NodeSpec) -> str:
     """Start a privileged node container running systemd as PID 1; returns its name."""
     remove_node(spec.name)
-    _run(
+    run_captured(
         [
             "podman", "run", "-d",
             "--name", spec.name,
@@ -153,50 +158,62 @@ def create_node(spec: NodeSpec) -> str:
 def wait_for_systemd(name: str, attempts: int = 120) -> None:
     """Block until systemd inside the node finished booting (running or degraded)."""
     for _ in range(attempts):
-        state = _run(["podman", "exec", name, "systemctl", "is-system-running"], check=False)
-        if state.stdout.decode().strip() in {"running", "degraded"}:
+        state = run_captured(["podman", "exec", name, "systemctl", "is-system-running"], check=False)
+        if state.stdout.strip() in {"running", "degraded"}:
             return
         time.sleep(1)
     raise NodeError(f"systemd in node {name} did not finish booting")
 
 
+def stopped_reason(name: str) -> str | None:
+    """None while the node runs; otherwise its exit state and the tail of its console (systemd's boot and shutdown
+    messages), for an error that says why it stopped."""
+    template = "{{.State.Running}} exit={{.State.ExitCode}} oom={{.State.OOMKilled}} error={{.State.Error}}"
+    state = run_captured(["podman", "inspect", "--format", template, name], check=False).stdout.strip()
+    if state.startswith("true"):
+        return None
+    logs = run_captured(["podman", "logs", "--tail", "25", name], check=False)
+    console = (logs.stdout + logs.stderr).strip()
+    return f"{state.removeprefix('false ') or 'no such container'}; its console ends:\n{console}"
+
+
 def node_exists(name: str) -> bool:
-    return _run(["podman", "container", "exists", name], check=False).returncode == 0
+    return run_captured(["podman", "container", "exists", name], check=False).returncode == 0
 
 
 def remove_node(name: str) -> None:
     """Remove the node container and its containers volume if they exist."""
     if node_exists(name):
-        _run(["podman", "rm", "-f", "-t", "5", name])
-    _run(["podman", "volume", "rm", "-f", f"{name}-containers"], check=False)
+        run_captured(["podman", "rm", "-f", "-t", "5", name])
+    run_captured(["podman", "volume", "rm", "-f", f"{name}-containers"], check=False)
 
 
 def exec_in_node(name: str, command: Sequence[str]) -> str:
     """Run a command in the node and return its standard output."""
-    return _run(["podman", "exec", name, *command]).stdout.decode()
+    return run_captured(["podman", "exec", name, *command]).stdout
 
 
 def ensure_ssh_key(path: Path) -> Path:
     """Create an ed25519 key pair at `path` (private) and `path`.pub unless it exists; returns the private key path."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "pdstack-nodes", "-f", str(path)])
+        run_captured(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "pdstack-nodes", "-f", str(path)])
     return path
 
 
 def authorize_ssh_key(name: str, public_key: str) -> None:
     """Let the holder of `public_key` log into the node as root."""
-    _run(
+    run_captured(
         ["podman", "exec", "-i", name, "sh", "-c",
          "install -d -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys"],
-        stdin=public_key.encode(),
+        stdin=public_key,
     )  # fmt: skip
 
 
 def node_address(name: str) -> str:
     """The node's IPv4 address on its first container network."""
     template = "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"
-    addresses = _run(["podman", "inspect", "--format", template, name]).stdout.decode().split()
+    addresses = run_captured(["podman", "inspect", "--format", template, name]).stdout.split()
     if not addresses:
         raise NodeError(f"node {name} has no IP address")
     return addresses[0]

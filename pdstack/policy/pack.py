@@ -1,11 +1,10 @@
-"""The pulumi-policy registrations of policy/rules.py: every rule mandatory, the KV port configurable."""
+"""The pulumi-policy registrations of the rules (rules.py): every rule mandatory, the KV port configurable."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import rules
 from pulumi_policy import (
     EnforcementLevel,
     Policy,
@@ -16,6 +15,8 @@ from pulumi_policy import (
     StackValidationArgs,
     StackValidationPolicy,
 )
+
+from pdstack.policy import rules
 
 PACK_NAME = "pdstack"
 CONFIG_SCHEMA = PolicyConfigSchema(

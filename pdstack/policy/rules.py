@@ -1,8 +1,8 @@
 """The rules pdstack's infrastructure must obey: plain functions over (resource type, properties).
 
-One set of rules, two uses: the policy pack (__main__.py) registers them as mandatory policies for
-`pulumi preview --policy-pack policy/`, and `pdstack synth` and the tests call them on the resource graph the
-program builds under mocks. Properties are the engine's camelCase names. Standard library only: the pack's
+One set of rules, two uses: the policy pack (policy/__main__.py, through pack.py) registers them as mandatory
+policies for `pulumi preview --policy-pack policy/`, and `pdstack synth` and the tests call them on the resource graph
+the program builds under mocks. Properties are the engine's camelCase names. Standard library only: the pack's
 virtualenv holds nothing but pulumi and pulumi-policy.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 INSTANCE_TAGS = ("pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool")
 PURPOSE_TAG = "pdstack:purpose"
-PRIVATE_NETWORKS = tuple(ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
+PRIVATE_NETWORKS = tuple(IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 KV_WIDEST_PREFIX = 16
 
 INGRESS_RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
@@ -31,6 +31,15 @@ BUCKET_PUBLIC_ACCESS = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
 BUCKET_VERSIONING = "aws:s3/bucketVersioning:BucketVersioning"
 EKS_CLUSTER = "aws:eks/cluster:Cluster"
 K8S_SERVICE = "kubernetes:core/v1:Service"
+K8S_INGRESS = "kubernetes:networking.k8s.io/v1:Ingress"
+LB_LISTENERS = ("aws:lb/listener:Listener", "aws:alb/listener:Listener")
+NLB_TLS_CERT = "service.beta.kubernetes.io/aws-load-balancer-ssl-cert"
+NLB_TLS_PORTS = "service.beta.kubernetes.io/aws-load-balancer-ssl-ports"
+NLB_TLS_POLICY = "service.beta.kubernetes.io/aws-load-balancer-ssl-negotiation-policy"
+# ELB security policies that still negotiate TLS 1.0 or 1.1: a listener with one is not encrypted as we mean it
+LEGACY_TLS_POLICIES = ("ELBSecurityPolicy-2016-08", "ELBSecurityPolicy-2015-05", "ELBSecurityPolicy-TLS-1-0-2015-04",
+                       "ELBSecurityPolicy-TLS-1-1-2017-01", "ELBSecurityPolicy-FS-2018-06",
+                       "ELBSecurityPolicy-FS-1-1-2019-08")  # fmt: skip
 K8S_WORKLOADS = ("kubernetes:apps/v1:Deployment", "kubernetes:apps/v1:StatefulSet", "kubernetes:apps/v1:DaemonSet")
 
 
@@ -250,7 +259,8 @@ def check_buckets_protected(resources: list[PolicyResource], config: PolicyConfi
         name = bucket.props.get("bucket")
         if name not in encryption:
             problems.append((bucket, "no default server-side encryption configuration"))
-        status = _get(versioning.get(name).props, "versioningConfiguration.status") if name in versioning else None
+        versioned = versioning.get(name)
+        status = _get(versioned.props, "versioningConfiguration.status") if versioned is not None else None
         if status != "Enabled":
             problems.append((bucket, "versioning is not enabled"))
         block = blocks.get(name)
@@ -333,6 +343,60 @@ def check_probes(type_: str, props: dict[str, Any], config: PolicyConfig) -> lis
     return problems
 
 
+# --- tls-listeners ------------------------------------------------------------------------------------------------
+
+
+def _modern_policy(policy: Any) -> bool:
+    return bool(policy) and str(policy) not in LEGACY_TLS_POLICIES
+
+
+def _service_tls(props: dict[str, Any]) -> list[str]:
+    """A load-balanced Service listens with TLS on every port: a certificate, the ports it covers, TLS 1.2+."""
+    annotations = _get(props, "metadata.annotations") or {}
+    if not annotations.get(NLB_TLS_CERT):
+        return [f"a {_get(props, 'spec.type')} Service must listen with TLS ({NLB_TLS_CERT})"]
+    covered = {p.strip() for p in str(annotations.get(NLB_TLS_PORTS, "*")).split(",")}
+    problems = [
+        f"port {port.get('port')} listens without TLS (not in {NLB_TLS_PORTS})"
+        for port in _get(props, "spec.ports") or []
+        if "*" not in covered and not {str(port.get("port")), str(port.get("name"))} & covered
+    ]
+    if not _modern_policy(annotations.get(NLB_TLS_POLICY)):
+        problems.append(f"{NLB_TLS_POLICY} must name a policy without TLS 1.0/1.1")
+    return problems
+
+
+def _listener_tls(props: dict[str, Any]) -> list[str]:
+    protocol = str(props.get("protocol", "")).upper()
+    if protocol == "HTTP":
+        actions = props.get("defaultActions") or []
+        redirects = all(
+            a.get("type") == "redirect" and str(_get(a, "redirect.protocol", "")).upper() == "HTTPS" for a in actions
+        )
+        return [] if actions and redirects else ["an HTTP listener may only redirect to HTTPS"]
+    if protocol not in ("HTTPS", "TLS"):
+        return [f"a {protocol or 'TCP'} listener carries plaintext: listen with TLS or HTTPS"]
+    problems = [] if props.get("certificateArn") else ["a TLS listener needs a certificate"]
+    if not _modern_policy(props.get("sslPolicy")):
+        problems.append("the listener's sslPolicy must not allow TLS 1.0/1.1")
+    return problems
+
+
+def check_tls_listeners(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
+    """Everything that listens beyond the cluster does so with TLS: load balancers made from Services, ELB
+    listeners (HTTP only to redirect), Ingresses."""
+    if type_ == K8S_SERVICE and _get(props, "spec.type") in ("LoadBalancer", "NodePort"):
+        return _service_tls(props)
+    if type_ in LB_LISTENERS:
+        return _listener_tls(props)
+    if type_ == K8S_INGRESS:
+        hosts = {h for rule in _get(props, "spec.rules") or [] if (h := rule.get("host"))}
+        covered = {h for t in _get(props, "spec.tls") or [] for h in t.get("hosts") or []}
+        if not _get(props, "spec.tls") or not hosts <= covered:
+            return ["an Ingress must serve TLS for every host (spec.tls)"]
+    return []
+
+
 RESOURCE_RULES = (
     ResourceRule(
         "no-open-ingress",
@@ -354,6 +418,11 @@ RESOURCE_RULES = (
         "instance-tags",
         "Every instance carries pdstack:env, pdstack:dc, pdstack:role and pdstack:pool.",
         check_instance_tags,
+    ),
+    ResourceRule(
+        "tls-listeners",
+        "Load balancers, their listeners and Ingresses listen with TLS 1.2+ (plain HTTP only to redirect).",
+        check_tls_listeners,
     ),
     ResourceRule(
         "probes-distinct", "Workloads have distinct liveness and readiness probes and resource requests.", check_probes

@@ -1,0 +1,60 @@
+"""What `pdstack local up` does for encrypted, named transport (#17): the local CA and each node's certificate
+(pdstack.local.tls), the names on the host (pdstack.local.names), the release variables that hand both to the
+playbooks, and the https endpoints `status` prints.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+from openai import DefaultHttpxClient
+
+from pdstack.contract import Component, Contract
+from pdstack.local.names import host_entries, leaves, remove_hosts, service_name, write_hosts
+from pdstack.local.tls import LocalCA
+from pdstack.local.topology import Topology
+
+
+def local_ca(state_dir: Path) -> LocalCA:
+    return LocalCA(state_dir / "tls")
+
+
+def ensure_certificates(topology: Topology, state_dir: Path) -> list[str]:
+    """The CA (once) and a current certificate for every node; the nodes whose certificate was (re)issued."""
+    return local_ca(state_dir).ensure(leaves(topology))
+
+
+def name_hosts(topology: Topology) -> bool:
+    """The environment's names in the host's /etc/hosts; True when it changed."""
+    return write_hosts(host_entries(topology))
+
+
+def unname_hosts() -> bool:
+    return remove_hosts()
+
+
+def release_vars(topology: Topology, state_dir: Path) -> dict[str, Any]:
+    """The playbooks' TLS and names (playbooks/vars/serving.yml): the folder of every node's files on this machine,
+    the names the nodes resolve, and the scheduler by its name."""
+    return {
+        "pdstack_tls_dir": str(local_ca(state_dir).folder),
+        "pdstack_hosts": host_entries(topology),
+        "pdstack_scheduler_name": service_name(topology, "scheduler"),
+    }
+
+
+def endpoints(topology: Topology, served: Contract) -> dict[str, str]:
+    """Where a user reaches the environment: the gateway and the scheduler over https by name, Prometheus by name
+    (its own listener is plain HTTP: docs/local.md)."""
+    return {
+        "gateway_url": f"https://{service_name(topology, 'gateway')}:{served[Component.GATEWAY].port}/v1",
+        "scheduler_url": f"https://{service_name(topology, 'scheduler')}:{served[Component.SCHEDULER].port}",
+        "prometheus_url": served.prometheus_url(service_name(topology, "prometheus")),
+    }
+
+
+def verified_client(ca_file: Path) -> DefaultHttpxClient:
+    """The openai client's HTTP client, trusting the local CA only: OpenAI(http_client=verified_client(ca))."""
+    return DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(ca_file)))

@@ -1,0 +1,106 @@
+"""A pool's name follows its Auto Scaling group: the reconciler the datacenter stacks deploy
+(infra/lambdas/pool_records.py) against moto's in-process AWS (EC2, Auto Scaling, Route53; no cloud here), and the
+functions, triggers and permissions in the prod graphs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from infra.lambdas.pool_records import reconcile, record_change
+from pdstack.contract import cloud_names
+from pdstack.synth import Synthesis
+
+NAME = cloud_names("prod").host("decode-h200", "decode-us-west-2")
+REGION = "us-west-2"
+
+
+@pytest.fixture
+def aws() -> Iterator[dict[str, Any]]:
+    with mock_aws():
+        clients = {s: boto3.client(s, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
+                   for s in ("autoscaling", "ec2", "route53")}  # fmt: skip
+        ec2 = clients["ec2"]
+        vpc = ec2.create_vpc(CidrBlock="10.32.0.0/16")["Vpc"]["VpcId"]
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.32.0.0/18", AvailabilityZone=f"{REGION}a")["Subnet"]
+        template = {"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
+        ec2.create_launch_template(LaunchTemplateName="pool", LaunchTemplateData=template)
+        clients["autoscaling"].create_auto_scaling_group(
+            AutoScalingGroupName="pool", LaunchTemplate={"LaunchTemplateName": "pool"}, MinSize=0, MaxSize=4,
+            DesiredCapacity=2, VPCZoneIdentifier=subnet["SubnetId"],
+        )  # fmt: skip
+        zone = clients["route53"].create_hosted_zone(
+            Name="prod.pdstack.internal", CallerReference="t", VPC={"VPCRegion": REGION, "VPCId": vpc},
+            HostedZoneConfig={"PrivateZone": True},
+        )["HostedZone"]["Id"].rsplit("/", 1)[-1]  # fmt: skip
+        yield {"clients": clients, "zone": zone}
+
+
+def _record(aws: dict[str, Any]) -> list[str] | None:
+    sets = aws["clients"]["route53"].list_resource_record_sets(HostedZoneId=aws["zone"])["ResourceRecordSets"]
+    found = [r for r in sets if r["Name"].rstrip(".") == NAME and r["Type"] == "A"]
+    return sorted(r["Value"] for r in found[0]["ResourceRecords"]) if found else None
+
+
+def _addresses(aws: dict[str, Any]) -> list[str]:
+    groups = aws["clients"]["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=["pool"])
+    ids = [i["InstanceId"] for i in groups["AutoScalingGroups"][0]["Instances"]]
+    if not ids:
+        return []
+    reservations = aws["clients"]["ec2"].describe_instances(InstanceIds=ids)["Reservations"]
+    return sorted(i["PrivateIpAddress"] for r in reservations for i in r["Instances"])
+
+
+def test_the_record_follows_the_groups_instances(aws: dict[str, Any]) -> None:
+    clients, zone = aws["clients"], aws["zone"]
+    assert reconcile(clients, zone, NAME, "pool", 60)["Action"] == "UPSERT"
+    assert _record(aws) == _addresses(aws) and len(_addresses(aws)) == 2
+    assert reconcile(clients, zone, NAME, "pool", 60) is None  # nothing to change: no write
+    clients["autoscaling"].set_desired_capacity(AutoScalingGroupName="pool", DesiredCapacity=3)
+    reconcile(clients, zone, NAME, "pool", 60)
+    assert _record(aws) == _addresses(aws) and len(_addresses(aws)) == 3
+    clients["autoscaling"].update_auto_scaling_group(AutoScalingGroupName="pool", MinSize=0, DesiredCapacity=0)
+    assert reconcile(clients, zone, NAME, "pool", 60)["Action"] == "DELETE"  # no instance: no name
+    assert _record(aws) is None
+
+
+def test_an_unchanged_set_in_another_order_is_no_change() -> None:
+    current = {
+        "Name": f"{NAME}.",
+        "Type": "A",
+        "TTL": 60,
+        "ResourceRecords": [{"Value": "10.0.0.2"}, {"Value": "10.0.0.1"}],
+    }
+    assert record_change(NAME, 60, ["10.0.0.1", "10.0.0.2"], current) is None
+    assert record_change(NAME, 30, ["10.0.0.1", "10.0.0.2"], current)["Action"] == "UPSERT"
+    assert record_change(NAME, 60, [], None) is None
+
+
+@pytest.mark.parametrize("name", ["prod-prefill-us-east-1", "prod-decode-us-west-2"])
+def test_each_pool_has_its_reconciler_allowed_only_its_own_record(graphs: dict[str, Synthesis], name: str) -> None:
+    graph = graphs[name]
+    dc = name.removeprefix("prod-")
+    pools = {g.name.removesuffix("-group").removeprefix(f"{dc}-") for g in graph.of_type("aws:autoscaling/group:Group")}
+    functions = {
+        f.inputs["environment"]["variables"]["RECORD_NAME"]: f for f in graph.of_type("aws:lambda/function:Function")
+    }
+    assert set(functions) == {cloud_names("prod").host(p, dc) for p in pools}
+    for record, function in functions.items():
+        variables = function.inputs["environment"]["variables"]
+        assert variables["GROUP_NAME"].startswith(dc) and variables["ZONE_ID"].startswith("Z")
+        policy = next(p for p in graph.of_type("aws:iam/rolePolicy:RolePolicy")
+                      if p.name == function.name)  # fmt: skip
+        write = next(s for s in json.loads(policy.inputs["policy"])["Statement"] if s["Sid"] == "WriteRecord")
+        assert write["Resource"] == f"arn:aws:route53:::hostedzone/{variables['ZONE_ID']}"
+        assert write["Condition"]["ForAllValues:StringEquals"][
+            "route53:ChangeResourceRecordSetsNormalizedRecordNames"
+        ] == [record]
+    patterns = [json.loads(r.inputs["eventPattern"]) for r in graph.of_type("aws:cloudwatch/eventRule:EventRule")
+                if "eventPattern" in r.inputs]  # fmt: skip
+    assert {p["detail"]["AutoScalingGroupName"][0] for p in patterns} == {f"{dc}-{p}-group" for p in pools}
+    assert len(graph.of_type("aws:lambda/permission:Permission")) == 2 * len(pools)
