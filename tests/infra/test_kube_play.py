@@ -224,11 +224,18 @@ def play(run: Run, app: str, env_rewrites: dict[str, str]) -> list[str]:
     return [pod_address(pod) for pod in run.pods(app)]
 
 
-def pod_address(pod: str) -> str:
+def pod_networks(pod: str) -> dict[str, Any]:
+    """The podman networks of a pod, by name, with its address on each."""
     infra = podman("pod", "inspect", pod, "--format", "{{.InfraContainerID}}").stdout.strip()
-    networks = json.loads(podman("inspect", infra, "--format", "{{json .NetworkSettings.Networks}}").stdout)
-    (address,) = [n["IPAddress"] for n in networks.values() if n.get("IPAddress")]
-    return str(address)
+    networks: dict[str, Any] = json.loads(
+        podman("inspect", infra, "--format", "{{json .NetworkSettings.Networks}}").stdout
+    )
+    return {name: n for name, n in networks.items() if n.get("IPAddress")}
+
+
+def pod_address(pod: str) -> str:
+    (network,) = pod_networks(pod).values()
+    return str(network["IPAddress"])
 
 
 def clean_up(run: Run) -> list[str]:
@@ -337,9 +344,11 @@ def start_server(
     return process, f"http://127.0.0.1:{port}"
 
 
-def bridge_gateway() -> str:
-    """The host's address on the podman network: where pods reach the servers and the store on the host."""
-    out = podman("network", "inspect", "podman", "--format", "{{range .Subnets}}{{.Gateway}}{{end}}").stdout
+def bridge_gateway(run: Run, app: str) -> str:
+    """The host's address on the network `app`'s pods are on (kube play's own, not podman's default, whose bridge
+    does not exist on a fresh host until a container uses it): where pods reach the servers and the store."""
+    (network,) = pod_networks(run.pods(app)[0])
+    out = podman("network", "inspect", network, "--format", "{{range .Subnets}}{{.Gateway}}{{end}}").stdout
     return out.strip()
 
 
@@ -354,7 +363,7 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
     try:
         (scheduler_ip,) = play(run, "scheduler", {})
         scheduler_url = service_url(run, "scheduler", [scheduler_ip])
-        host = bridge_gateway()
+        host = bridge_gateway(run, "scheduler")
         store_port = free_port()
         (tmp / "redis.conf").write_text(run.secret["stringData"]["ratelimit-store-redis.conf"])
         processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
