@@ -217,6 +217,8 @@ class ComponentContract:
     health_ready: str = HEALTH_READY
     metrics_path: str = METRICS_PATH
     kv_ports: range = range(0)  # every port it listens on for KV (see kv_port_range)
+    # pdserve.common.tls ClientAuth of its listener: "required" on the internal ones under serving.mutual_tls
+    tls_client_auth: str = "none"
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -234,6 +236,12 @@ class ComponentContract:
     @property
     def ports(self) -> dict[str, int]:
         return {"http": self.port} | ({"kv": self.kv_port} if self.kv_port is not None else {})
+
+    def tls_env(self) -> dict[str, str]:
+        """Its TLS settings from the files under TLS_DIR (tls_settings), the KV channel's too on prefill and decode
+        (kv_tls_settings), and whether its listener requires client certificates."""
+        kv = kv_tls_settings() if self.component in (Component.PREFILL, Component.DECODE) else {}
+        return {**tls_settings(), **kv, setting("tls_client_auth"): self.tls_client_auth}
 
     def env(self, shared_store: bool = True) -> dict[str, str]:
         """Its PDSERVE_* settings including the secret files; without a shared rate-limit store the gateway reads
@@ -269,6 +277,7 @@ class Contract:
     alertmanager: Listener
     ratelimit_store: Listener
     scrape_groups: tuple[ScrapeGroup, ...] = field(default=())
+    mutual_tls: bool = False  # serving.mutual_tls: every caller of an internal listener presents its certificate
 
     def __getitem__(self, component: Component | str) -> ComponentContract:
         return self.components[Component(component)]
@@ -312,7 +321,10 @@ def contract(serving: Serving) -> Contract:
         kv_port = kv_ports.start if kv_ports else None
         if kv_port is not None:
             values[setting("kv_port")] = str(kv_port)
-        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports)
+        # the gateway is the clients' door: server-only TLS and API keys, never client certificates
+        client_auth = "required" if serving.mutual_tls and component is not Component.GATEWAY else "none"
+        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports,
+                                 tls_client_auth=client_auth)  # fmt: skip
 
     components = {
         Component.GATEWAY: make(Component.GATEWAY, ports.gateway, gateway_settings(serving)),
@@ -332,6 +344,7 @@ def contract(serving: Serving) -> Contract:
         alertmanager=Listener(ALERTMANAGER_PORT, None, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),
         ratelimit_store=Listener(RATELIMIT_STORE_PORT, None),
         scrape_groups=scrape,
+        mutual_tls=serving.mutual_tls,
     )
 
 
@@ -353,6 +366,7 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
                 "health_ready": comp.health_ready,
                 "health_live": comp.health_live,
                 "env": comp.env(shared_store=True),
+                "tls_env": comp.tls_env(),
                 "secrets": [
                     {"secret": s.secret, "name": f"pdstack-{s.key}", "target": s.file, "setting": s.variable,
                      **({"principal": s.principal} if s.principal else {}),
@@ -365,7 +379,7 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         # TLS (#17): where the pdserve role mounts a node's certificate, key and CA, and the settings naming them,
         # used wherever the inventory hands the role TLS files (docs/tls.md)
         "pdserve_tls": {"dir": TLS_DIR, "cert": TLS_CERT_FILE, "key": TLS_KEY_FILE, "ca": TLS_CA_FILE,
-                        "env": tls_settings(), "kv_env": kv_tls_settings()},
+                        "mutual_tls": c.mutual_tls},
         "prometheus_port": c.prometheus.port,
         "prometheus_scrape_groups": [{"job": g.job, "group": g.group, "port": g.port} for g in c.scrape_groups],
         "prometheus_job": c.prometheus.job,

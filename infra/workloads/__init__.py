@@ -22,7 +22,7 @@ import pulumi_kubernetes as k8s
 from infra.workloads.access import internal_load_balancer, network_policies
 from infra.workloads.common import SECRET_NAME, ControlWorkloadsArgs, https_url, tls_secret
 from infra.workloads.monitoring import alertmanager, prometheus
-from infra.workloads.pdserve_apps import AppSpec, deployment, headless_service, tls_env
+from infra.workloads.pdserve_apps import AppSpec, deployment, headless_service
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, ratelimit_store
 from pdstack.contract import Component
 
@@ -75,7 +75,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             "1Gi",
             env={
                 **gateway_contract.env(),
-                **tls_env(),
+                **gateway_contract.tls_env(),
                 "PDSERVE_SCHEDULER_URL": scheduler_url,
                 "PDSERVE_RATE_LIMIT_STORAGE": store,
             },
@@ -84,7 +84,12 @@ class ControlWorkloads(pulumi.ComponentResource):
         # each see half the heartbeats behind the load balancer.
         scheduler_contract = served[Component.SCHEDULER]
         scheduler = AppSpec(
-            "scheduler", scheduler_contract, 1, "500m", "512Mi", env={**scheduler_contract.env(), **tls_env()}
+            "scheduler",
+            scheduler_contract,
+            1,
+            "500m",
+            "512Mi",
+            env={**scheduler_contract.env(), **scheduler_contract.tls_env()},
         )
         for app in (gateway, scheduler):
             deployment(name, args, app, recreate=app is scheduler, opts=self.opts)

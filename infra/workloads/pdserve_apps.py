@@ -26,13 +26,9 @@ from pdstack.contract import (
     RUNTIME_UID,
     SECRETS_DIR,
     STATE_DIR,
-    TLS_CA_FILE,
-    TLS_CERT_FILE,
     TLS_DIR,
-    TLS_KEY_FILE,
     Component,
     ComponentContract,
-    setting,
 )
 
 SCHEDULER_STATE_CLAIM = "scheduler-state"
@@ -57,15 +53,6 @@ class AppSpec:
     def secret_items(self) -> list[dict[str, str]]:
         return [{"key": s.key, "path": s.file} for s in self.served.secrets
                 if self.shared_store or not s.only_with_shared_store]  # fmt: skip
-
-
-def tls_env() -> dict[str, str]:
-    """A pdserve component's TLS settings (pdserve.common.tls): its certificate for its listener and, towards the
-    components it calls, as its client certificate; the environment's CA to verify them (and, under mutual TLS,
-    its clients)."""
-    cert, key, ca = (f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
-    return {setting("tls_cert"): cert, setting("tls_key"): key, setting("tls_ca"): ca,
-            setting("tls_client_cert"): cert, setting("tls_client_key"): key}  # fmt: skip
 
 
 def probes(port: str, live: str, ready: str) -> dict[str, Any]:

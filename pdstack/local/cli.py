@@ -68,6 +68,7 @@ def up_command(stacks: StacksOption = None, project: ProjectOption = None, engin
     typer.echo(f"completion: {status['smoke']!r}")
     typer.echo(f"gateway:    {status['gateway_url']}")
     typer.echo(f"CA:         {status['ca_file']} (verify the gateway with it: docs/local.md)")
+    typer.echo(f"client:     {status['client_cert']} and its key (the scheduler's and servers' APIs ask for it)")
     typer.echo(f"API key:    in {status['api_key_file']}")
     typer.echo(f"Prometheus: {status['prometheus_url']}")
 

@@ -220,6 +220,7 @@ class LocalEnv:
             "model": release.get("pdstack_model", {}).get("name", topology.serving.model.name),
             **transport.endpoints(topology, served),
             "ca_file": str(transport.local_ca(self.state_dir).ca_cert),
+            **transport.client_files(self.state_dir),
             "api_key_file": str(self.secrets.api_key),
             "registry": self.registry().endpoint,
             "nodes": by_dc,

@@ -13,8 +13,12 @@ from openai import DefaultHttpxClient
 
 from pdstack.contract import Component, Contract
 from pdstack.local.names import host_entries, leaves, remove_hosts, service_name, write_hosts
-from pdstack.local.tls import LocalCA
+from pdstack.local.tls import Leaf, LocalCA
 from pdstack.local.topology import Topology
+
+# The user's own client certificate: under the stack's serving.mutual_tls the scheduler's and the servers' APIs
+# admit only callers with a certificate from the local CA (docs/tls.md), like a kubeconfig's client pair.
+OPERATOR = Leaf("operator", ("operator.local.pdstack",), ())
 
 
 def local_ca(state_dir: Path) -> LocalCA:
@@ -22,8 +26,14 @@ def local_ca(state_dir: Path) -> LocalCA:
 
 
 def ensure_certificates(topology: Topology, state_dir: Path) -> list[str]:
-    """The CA (once) and a current certificate for every node; the nodes whose certificate was (re)issued."""
-    return local_ca(state_dir).ensure(leaves(topology))
+    """The CA (once) and a current certificate for every node and the operator; those (re)issued."""
+    return local_ca(state_dir).ensure([*leaves(topology), OPERATOR])
+
+
+def client_files(state_dir: Path) -> dict[str, str]:
+    """The operator's certificate and key (status: client_cert, client_key): httpx.Client(cert=(cert, key))."""
+    tls = local_ca(state_dir)
+    return {"client_cert": str(tls.cert(OPERATOR.name)), "client_key": str(tls.key(OPERATOR.name))}
 
 
 def name_hosts(topology: Topology) -> bool:

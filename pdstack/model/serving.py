@@ -88,6 +88,12 @@ class Serving(Strict):
         description="let gateways deployed by Ansible serve plain HTTP on a node's address (pdserve refuses to "
         "without a certificate otherwise): the local environment's, until `make up` makes its CA",
     )
+    mutual_tls: bool = Field(
+        default=False,
+        description="the internal listeners (scheduler, prefill, decode, colocated) require a client certificate "
+        "from the environment's CA (PDSERVE_TLS_CLIENT_AUTH=required), which every caller presents; the gateway keeps "
+        "server-only TLS and API keys (docs/tls.md)",
+    )
 
     @model_validator(mode="after")
     def _engine_settings(self) -> Serving:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.tls import Leaf, LocalCA
+from pdstack.local.transport import OPERATOR
 from tests.serving.server.serverproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,6 +115,14 @@ class Serving:
     def scheduler(self) -> str:
         return f"https://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
 
+    @cached_property
+    def internal(self) -> httpx.Client:
+        """A client of the scheduler's and the servers' APIs: under the local stack's mutual TLS they admit only a
+        caller with a certificate from the CA, here the operator's (pdstack.local.transport.OPERATOR)."""
+        context = ssl.create_default_context(cafile=str(self.tls.ca_cert))
+        context.load_cert_chain(self.tls.cert(OPERATOR.name), self.tls.key(OPERATOR.name))
+        return httpx.Client(verify=context)
+
     def complete(self, prompt: str = LONG_PROMPT, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(
             f"{self.gateway()}/v1/completions",
@@ -182,7 +193,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         # Served over TLS as `pdstack local up` serves it: a CA of the test's own and a certificate per node by
         # address; every client here (httpx reads SSL_CERT_FILE) verifies it.
         tls = LocalCA(workdir / "tls")
-        tls.ensure([Leaf(name, (name,), (address[name],)) for name in (NODE_A, NODE_B)])
+        tls.ensure([*(Leaf(name, (name,), (address[name],)) for name in (NODE_A, NODE_B)), OPERATOR])
         monkeypatch.setenv("SSL_CERT_FILE", str(tls.ca_cert))
         (workdir / "runtime.yml").write_text(yaml.safe_dump(RUNTIME_PLAY))
         runtime = run_playbook(inventory, workdir / "runtime.yml", workdir)

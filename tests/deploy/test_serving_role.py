@@ -23,7 +23,7 @@ def admin(serving: Serving) -> dict[str, str]:
 
 
 def instances(serving: Serving) -> list[dict[str, object]]:
-    found: list[dict[str, object]] = httpx.get(
+    found: list[dict[str, object]] = serving.internal.get(
         f"{serving.scheduler()}/v1/instances", headers=admin(serving), timeout=5
     ).json()["instances"]
     return found
@@ -117,10 +117,14 @@ def test_one_nodes_token_cannot_touch_another_instance(installed: Serving) -> No
     held = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "cat", "/run/secrets/scheduler.token").strip()
     prefill_id = instance_id(installed, NODE_A, "prefill")
     bearer = {"Authorization": f"Bearer {held}"}
-    drain = httpx.post(f"{installed.scheduler()}/v1/instances/{prefill_id}/drain", headers=bearer, timeout=5)
+    drain = installed.internal.post(f"{installed.scheduler()}/v1/instances/{prefill_id}/drain", headers=bearer,
+                                    timeout=5)  # fmt: skip
     assert drain.status_code == 403, drain.text
-    assert httpx.get(f"{installed.scheduler()}/v1/routing", headers=bearer, timeout=5).status_code == 403
-    assert httpx.get(f"{installed.scheduler()}/v1/routing", timeout=5).status_code == 401
+    routing = f"{installed.scheduler()}/v1/routing"
+    assert installed.internal.get(routing, headers=bearer, timeout=5).status_code == 403
+    assert installed.internal.get(routing, timeout=5).status_code == 401
+    with pytest.raises(httpx.TransportError):  # mutual TLS: no client certificate, no HTTP at all
+        httpx.get(routing, headers=admin(installed), timeout=5)
     assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
 
 
@@ -128,11 +132,13 @@ def test_servers_serve_only_callers_holding_the_server_token(installed: Serving)
     decode = f"https://{installed.address[NODE_B]}:{CONTRACT[Component.DECODE].port}"
     url = f"{decode}/v1/completions"
     body = {"model": MODEL_NAME, "prompt": "straight to decode", "max_tokens": 4}
-    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    assert installed.internal.post(url, json=body, timeout=30).status_code == 401
     token = installed.secrets.server_api_token.read_text().strip()
-    allowed = httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    allowed = installed.internal.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     assert allowed.status_code == 200, allowed.text
-    assert httpx.get(f"{decode}{CONTRACT[Component.DECODE].health_ready}", timeout=5).status_code == 200
+    assert installed.internal.get(f"{decode}{CONTRACT[Component.DECODE].health_ready}", timeout=5).status_code == 200
+    with pytest.raises(httpx.TransportError):  # the token is not enough without a client certificate
+        httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
 def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Serving) -> None:
@@ -185,7 +191,7 @@ def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> N
     metrics = 'pdserve_scheduler_instance_transitions_total{state="draining"}'
 
     def drained() -> float:
-        text = httpx.get(f"{installed.scheduler()}/metrics", timeout=5).text  # open, like /health
+        text = installed.internal.get(f"{installed.scheduler()}/metrics", timeout=5).text  # no token, like /health
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metrics))
 
     before = drained()
@@ -207,9 +213,9 @@ def test_rollback_restores_the_previous_release(installed: Serving) -> None:
         "config_version": "1",
     }
     assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
-    weights = httpx.get(f"{installed.scheduler()}/v1/admin/weights", headers=admin(installed), timeout=5).json()[
-        "weights"
-    ]
+    weights = installed.internal.get(
+        f"{installed.scheduler()}/v1/admin/weights", headers=admin(installed), timeout=5
+    ).json()["weights"]
     assert weights == {"r1": 100}
     assert installed.complete().status_code == 200
 

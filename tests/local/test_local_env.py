@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -85,18 +86,26 @@ class Local:
     def scheduler(self) -> str:
         return str(self.status["scheduler_url"])
 
+    @cached_property
+    def internal(self) -> httpx.Client:
+        """A client of the scheduler's and the servers' APIs: under the stack's mutual TLS they admit only callers
+        with a certificate from the local CA, here the operator's that `up` made (status client_cert)."""
+        context = ssl.create_default_context(cafile=self.status["ca_file"])
+        context.load_cert_chain(self.status["client_cert"], self.status["client_key"])
+        return httpx.Client(verify=context)
+
     def scheduler_admin(self) -> dict[str, str]:
         """The scheduler's read endpoints need a token (the gateway's or the admin's): the tests read as admin."""
         return {"Authorization": f"Bearer {self.env.secrets.scheduler_admin_token.read_text().strip()}"}
 
     def instances(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = httpx.get(
+        found: list[dict[str, Any]] = self.internal.get(
             f"{self.scheduler}/v1/instances", headers=self.scheduler_admin(), timeout=10
         ).json()["instances"]
         return found
 
     def weights(self) -> dict[str, int]:
-        weights: dict[str, int] = httpx.get(
+        weights: dict[str, int] = self.internal.get(
             f"{self.scheduler}/v1/admin/weights", headers=self.scheduler_admin(), timeout=10
         ).json()["weights"]
         return weights
@@ -196,6 +205,7 @@ def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> Non
     assert local.status["gateway_url"] == f"https://gateway.control.local.pdstack:{port}/v1"
     assert f"gateway:    {local.status['gateway_url']}" in local.up_output
     assert f"CA:         {local.status['ca_file']}" in local.up_output
+    assert f"client:     {local.status['client_cert']}" in local.up_output
     assert f"API key:    in {local.status['api_key_file']}" in local.up_output
     assert f"Prometheus: {local.status['prometheus_url']}" in local.up_output
     assert local.api_key() not in local.up_output  # where the key lives, never the key
@@ -235,11 +245,15 @@ def plaintext_listeners(served: Contract) -> dict[int, str]:
 
 
 def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
+    """With the stack's mutual TLS, every listener but the gateway's also refuses a client without a certificate
+    (the KV channel's too: it asks for one once it has a CA)."""
+    assert local.topology.serving.mutual_tls
     pdserve_ports = {c.port for c in local.contract.components.values()} | set(
         local.contract[Component.PREFILL].kv_ports
     )
+    client = (Path(local.status["client_cert"]), Path(local.status["client_key"]))
     probed = [
-        probe(node.namespace, address, port, Path(local.status["ca_file"]))
+        probe(node.namespace, address, port, Path(local.status["ca_file"]), client)
         for node in local.topology.nodes
         for address, port in listening(node.namespace, str(node.address.ip))
     ]
@@ -249,6 +263,10 @@ def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(l
     # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
     assert len(served) == 2 + 2 * 2 + 2, served
     assert all(p.tls == "ok" and not p.answers_plaintext_http for p in served), served
+    gateway = local.contract[Component.GATEWAY].port
+    assert all(p.anonymous_tls == "ok" for p in served if p.port == gateway), served
+    internal = [p for p in served if p.port != gateway]
+    assert all(p.refuses_anonymous_tls for p in internal), internal
 
 
 def causes(error: BaseException) -> list[BaseException]:

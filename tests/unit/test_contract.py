@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from pdserve.common.settings import load_settings
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings
@@ -106,6 +107,18 @@ def test_role_defaults_outside_the_serving_plays_equal_the_contract() -> None:
     assert not re.search(r"\b(8[0-9]{3}|14579)\b", pdserve), "the pdserve role types a port of its own"
 
 
+@pytest.mark.parametrize("component", list(Component))
+def test_mutual_tls_requires_client_certificates_on_every_internal_listener_and_never_at_the_gateway(
+    component: Component,
+) -> None:
+    served = contract(Serving(model=Model(name="m", path="/m"), mutual_tls=True))[component]
+    node = {"PDSERVE_SCHEDULER_URL": "https://scheduler.control.local.pdstack:8200", "PDSERVE_MODEL": "/m"}
+    fixed = {"role": str(component)} if component.is_server else None
+    loaded = load_settings(SETTINGS[component], [], "pdserve", node | served.env() | served.tls_env(), fixed=fixed)
+    assert loaded.tls_client_auth == ("none" if component is Component.GATEWAY else "required")  # type: ignore[attr-defined]
+    assert DEFAULT[component].tls_client_auth == "none"  # off unless the stack says so
+
+
 def test_the_policy_packs_default_kv_port_is_the_models() -> None:
     pack = (REPO / "pdstack" / "policy" / "pack.py").read_text()
     rules = (REPO / "pdstack" / "policy" / "rules.py").read_text()
@@ -114,11 +127,13 @@ def test_the_policy_packs_default_kv_port_is_the_models() -> None:
 
 @pytest.mark.parametrize("component", list(Component))
 def test_the_tls_settings_parse_as_the_components_own_and_name_the_mounted_files(component: Component) -> None:
-    tls = yaml.safe_load(render_ansible_vars("local", environment_serving(STACKS, "local")).split("\n", 1)[1])
-    tls = tls["pdserve_tls"]
-    env = tls["env"] | (tls["kv_env"] if component in (Component.PREFILL, Component.DECODE) else {})
+    rendered = yaml.safe_load(render_ansible_vars("local", environment_serving(STACKS, "local")).split("\n", 1)[1])
+    tls, env = rendered["pdserve_tls"], dict(rendered["pdserve_components"][component]["tls_env"])
     fields = {"PDSERVE_" + name.upper() for name in SETTINGS[component].model_fields}
     assert set(env) <= fields
+    # the local stack sets serving.mutual_tls: every listener but the gateway's asks for a client certificate
+    assert env.pop("PDSERVE_TLS_CLIENT_AUTH") == ("none" if component is Component.GATEWAY else "required")
     files = {f"{tls['dir']}/{tls[name]}" for name in ("cert", "key", "ca")}
     assert set(env.values()) == files
-    assert tls["env"]["PDSERVE_TLS_CERT"] == tls["env"]["PDSERVE_TLS_CLIENT_CERT"]  # one pair: server and client
+    assert env["PDSERVE_TLS_CERT"] == env["PDSERVE_TLS_CLIENT_CERT"]  # one pair: server and client
+    assert ("PDSERVE_KV_TLS_CERT" in env) is (component in (Component.PREFILL, Component.DECODE))
