@@ -50,17 +50,31 @@ EngineOption = Annotated[
     typer.Option("--engine", envvar="PDSTACK_LOCAL_ENGINE",
                  help="pdserve | vllm on the prefill and decode nodes (default: the stack's serving.engine)"),
 ]  # fmt: skip
+ConvergeOption = Annotated[
+    bool,
+    typer.Option("--converge", help="run the playbooks even when nothing they read changed and every node runs the "
+                 "containers they left (a warm up skips them then)"),
+]  # fmt: skip
+
+
+def _progress(line: str) -> None:
+    typer.echo(f"== {line}", err=True)
 
 
 @local_app.command("up")
-def up_command(stacks: StacksOption = None, project: ProjectOption = None, engine: EngineOption = None) -> None:
+def up_command(
+    stacks: StacksOption = None,
+    project: ProjectOption = None,
+    engine: EngineOption = None,
+    converge: ConvergeOption = False,
+) -> None:
     """Bring the local environment up (idempotent) and print where it answers."""
     from pdstack.local.env import PlaybookError  # noqa: PLC0415 (see _env)
 
     # What `up` reports as a message and exit 1: each names the step and carries the cause; anything else is a bug.
     up_errors = (TopologyError, EngineError, CommandError, NetworkError, RegistryError, NodeError, PlaybookError)
     try:
-        status = _env(stacks, project).up(say=lambda line: typer.echo(f"== {line}", err=True), engine=engine)
+        status = _env(stacks, project).up(say=_progress, engine=engine, converge=converge)
     except up_errors as error:
         typer.echo(f"pdstack local up: {error}", err=True)
         raise typer.Exit(1) from None
@@ -77,7 +91,7 @@ def up_command(stacks: StacksOption = None, project: ProjectOption = None, engin
 def down_command(stacks: StacksOption = None, project: ProjectOption = None) -> None:
     """Remove every container, namespace, link and rule the local environment made."""
     env = _env(stacks, project)
-    env.down(say=lambda line: typer.echo(f"== {line}", err=True))
+    env.down(say=_progress)
     leftovers = env.status()["leftovers"]
     if leftovers:
         typer.echo(f"left behind: {', '.join(leftovers)}", err=True)

@@ -21,10 +21,11 @@ from openai import OpenAI
 from pdstack.contract import ansible_vars, contract, environment_alerting, write_ansible_vars
 from pdstack.local import nodes, transport
 from pdstack.local.commands import CommandError, run_captured
+from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
 from pdstack.local.engine import resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.images import Images, build_and_push, push_vllm_image
 from pdstack.local.inventory import write_inventory
-from pdstack.local.model import ensure_model, ensure_vllm_model
+from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model
 from pdstack.local.network import LocalNetwork
 from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
@@ -83,7 +84,20 @@ class LocalEnv:
 
     # -- up / down ------------------------------------------------------------------------------------------------
 
-    def up(self, say: Callable[[str], None] = print, engine: str | None = None) -> dict[str, Any]:
+    @property
+    def converge_record(self) -> ConvergeRecord:
+        return ConvergeRecord(self.state_dir / "converged.json")
+
+    def converge_inputs(self, model: Path) -> list[Path]:
+        """Everything playbooks/site.yml reads from this machine (pdstack.local.converged)."""
+        p = self.project
+        return [self.release_file, self.inventory, p / "ansible.cfg", p / "playbooks", p / "roles",
+                transport.local_ca(self.state_dir).folder, self.secrets.folder, model / MANIFEST]  # fmt: skip
+
+    def up(
+        self, say: Callable[[str], None] = print, engine: str | None = None, converge: bool = False
+    ) -> dict[str, Any]:
+        """`converge`: run the playbooks even when nothing they read changed and the nodes run what they left."""
         topology = self.topology()
         chosen = resolve_engine(topology.serving, engine)
         say(f"engine: {chosen} on the prefill and decode nodes")
@@ -119,14 +133,27 @@ class LocalEnv:
         extra = {**extra, **transport.release_vars(topology, self.state_dir)}
         write_ansible_vars(self.project, "local", topology.serving)
         self.write_release(serving, images, model, extra)
-        say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
-        self.play("site.yml", say=say)
+        self.converge_nodes(topology, model, converge, say)
         status = self.status(topology)
         say("smoke: one completion through the gateway with the openai client")
         status["smoke"] = smoke_completion(
             status["gateway_url"], self.secrets.api_key, serving.model.name, Path(status["ca_file"])
         )
         return status
+
+    def converge_nodes(self, topology: Topology, model: Path, converge: bool, say: Callable[[str], None]) -> None:
+        """Run playbooks/site.yml, unless nothing it reads changed since it last ran and every node still runs the
+        containers it left (pdstack.local.converged)."""
+        names = [node.name for node in topology.nodes]
+        digest = inputs_digest(self.project, self.converge_inputs(model))
+        if not converge and self.converge_record.unchanged(digest, running_containers(names)):
+            say("ansible: skipped playbooks/site.yml on every node: nothing it reads changed since it last ran, and "
+                "each node runs the containers it left (pdstack local up --converge runs it anyway)")  # fmt: skip
+            return
+        say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
+        self.converge_record.forget()  # a play that fails half-way leaves nothing to skip on
+        self.play("site.yml", say=say)
+        self.converge_record.save(digest, running_containers(names))
 
     def write_release(self, serving: Serving, images: Images, model: Path, extra: dict[str, Any]) -> None:
         # The serving settings travel in the contract (playbooks/vars/contract/local.yml, or with vLLM in `extra`);
@@ -189,6 +216,7 @@ class LocalEnv:
 
     def down(self, say: Callable[[str], None] = print) -> None:
         topology = self.topology()
+        self.converge_record.forget()
         for node in topology.nodes:
             say(f"nodes: removing {node.name}")
             nodes.remove_node(node.name)

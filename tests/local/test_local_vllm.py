@@ -28,7 +28,7 @@ from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
-from tests.local.test_local_env import recap_changes
+from tests.local.test_local_env import assert_a_warm_up_changes_nothing
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
@@ -127,13 +127,7 @@ def test_a_completion_through_the_gateway_crosses_the_wan_and_equals_vllm_coloca
 
 
 def test_up_again_changes_nothing(local: LocalVllm) -> None:
-    release = local.env.release_file.read_text()
-    again = pdstack("local", "up", "--engine", "vllm")
-    assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
-    changes = recap_changes(again.stdout + again.stderr)
-    assert set(changes) - {"localhost"} == {n.name for n in local.topology.nodes}
-    assert all(count == 0 for count in changes.values()), changes
-    assert local.env.release_file.read_text() == release
+    assert_a_warm_up_changes_nothing(local.env, local.topology, "--engine", "vllm")
 
 
 def test_down_leaves_no_container_namespace_link_or_rule(local: LocalVllm) -> None:
