@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdstack.local import nodes
+from pdstack.local.commands import run_captured
 
 Containers = dict[str, list[str]]  # node -> sorted "name id" of its running containers
 
@@ -43,12 +43,13 @@ def _files(path: Path) -> list[Path]:
 
 
 def running_containers(node_names: Iterable[str]) -> Containers:
-    """What runs in each node now (a node that is not running has nothing)."""
+    """What runs in each node now: nothing on a node that is not there or has no podman yet (a fresh node, before
+    its first converge installs it)."""
     found: Containers = {}
     for name in node_names:
-        running = nodes.node_exists(name)
-        listed = nodes.exec_in_node(name, ["podman", "ps", "--format", "{{.Names}} {{.ID}}"]) if running else ""
-        found[name] = sorted(line for line in listed.splitlines() if line.strip())
+        listed = run_captured(["podman", "exec", name, "podman", "ps", "--format", "{{.Names}} {{.ID}}"], check=False)
+        lines = listed.stdout.splitlines() if listed.returncode == 0 else []
+        found[name] = sorted(line for line in lines if line.strip())
     return found
 
 
