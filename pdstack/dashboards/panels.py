@@ -77,3 +77,12 @@ def board(uid: str, title: str, description: str) -> dashboard.Dashboard:
         .editable()
         .with_variable(datasource_variable())
     )
+
+
+REQUESTS = "pdserve_gateway_requests_total"
+
+
+def zero_if_none(expr: str) -> str:
+    """Counters of rare events have no series until the first event: show 0, not "No data" (on (): only while the
+    query returns nothing, not as an extra series beside its own)."""
+    return f"({expr}) or on () vector(0)"
