@@ -282,9 +282,6 @@ class Contract:
     def __getitem__(self, component: Component | str) -> ComponentContract:
         return self.components[Component(component)]
 
-    def scheduler_url(self, host: str) -> str:
-        return f"http://{host}:{self[Component.SCHEDULER].port}"
-
     def prometheus_url(self, host: str) -> str:
         return f"http://{host}:{self.prometheus.port}"
 

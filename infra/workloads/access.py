@@ -12,7 +12,7 @@ import pulumi_kubernetes as k8s
 
 from infra.workloads.common import ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE
-from pdstack.contract import Component, Contract
+from pdstack.contract import Component
 
 NLB_ANNOTATIONS = {
     "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
@@ -35,18 +35,6 @@ def ingress_host(status: k8s.core.v1.outputs.ServiceStatus | None) -> str | None
     balancer = status.load_balancer if status is not None else None
     ingress = (balancer.ingress if balancer is not None else None) or []
     return next((i.hostname or i.ip for i in ingress if i.hostname or i.ip), None)
-
-
-def load_balancer_url(status: k8s.core.v1.outputs.ServiceStatus | None, served: Contract) -> str | None:
-    """The scheduler's URL at its load balancer's own address (the name in https_url now points there)."""
-    host = ingress_host(status)
-    return None if host is None else served.scheduler_url(host)
-
-
-def prometheus_load_balancer_url(status: k8s.core.v1.outputs.ServiceStatus | None, served: Contract) -> str | None:
-    """Prometheus' URL at its load balancer's own address (likewise)."""
-    host = ingress_host(status)
-    return None if host is None else served.prometheus_url(host)
 
 
 def internal_load_balancer(

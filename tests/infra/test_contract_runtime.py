@@ -15,10 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from pulumi_kubernetes.core.v1 import outputs as k8s_outputs
 
 from infra.network import plan_subnets
-from infra.workloads.access import load_balancer_url, prometheus_load_balancer_url
 from infra.workloads.common import SECRET_NAME
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
@@ -410,8 +408,9 @@ def settings_uid(container: dict[str, Any], pod: dict[str, Any]) -> int:
 def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inventory_reads(
     graphs: dict[str, Synthesis], env: str
 ) -> None:
-    """The control-plane stack writes the scheduler's load-balancer URL where inventories/aws reads it, and that URL
-    reaches the port the scheduler listens on (tests/inventories reads it through the inventory from moto)."""
+    """The control-plane stack writes the scheduler's URL where inventories/aws reads it: https, by the private
+    zone's name for its load balancer, on the port the scheduler listens on (tests/inventories reads it through the
+    inventory from moto)."""
     graph = graphs[f"{env}-control"]
     (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "scheduler-url"]
     stacks = yaml.safe_load((ROOT / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
@@ -428,20 +427,22 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     deployment = _objects(graph, "kubernetes:apps/v1:Deployment")["scheduler"]
     _, rest, environ = _started(deployment["spec"]["template"]["spec"]["containers"][0])
     scheduler = load_settings(SchedulerSettings, rest, prog="pdserve scheduler", env=environ)
-    nlb = "internal-a1b2c3-0123456789.elb.us-east-1.amazonaws.com"
-    status = k8s_outputs.ServiceStatus(
-        load_balancer=k8s_outputs.LoadBalancerStatus(ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)])
-    )
-    url = load_balancer_url(status, contract_of(env))
-    assert url is not None
+    url = parameter.inputs["value"]
     rendered = ansible_contract(env)["pdserve_components"]["prefill"]["env"]
     server = settings_from_args(
         "prefill", [], environ={**rendered, "PDSERVE_MODEL": "/model", "PDSERVE_SCHEDULER_URL": url}
     )
     parsed = httpx.URL(server.scheduler_url)
-    assert parsed.host == nlb
+    assert parsed.scheme == "https" and parsed.host == load_balancer_record(graph, "scheduler")
     assert parsed.port == service["spec"]["ports"][0]["port"] == scheduler.port
-    assert load_balancer_url(k8s_outputs.ServiceStatus(), contract_of(env)) is None  # not made yet: no URL
+
+
+def load_balancer_record(graph: Synthesis, app: str) -> str:
+    """The private zone's name for `app`'s load balancer (a CNAME to the NLB's own name)."""
+    (record,) = [r for r in graph.of_type("aws:route53/record:Record") if r.name == f"{app}-name"]
+    assert record.inputs["type"] == "CNAME"
+    name: str = record.inputs["name"]
+    return name
 
 
 @pytest.mark.parametrize("env", CLOUD)
@@ -481,14 +482,7 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     statefulset = _objects(graph, "kubernetes:apps/v1:StatefulSet")["prometheus"]
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     listen = next(a for a in container["args"] if a.startswith("--web.listen-address="))
-    nlb = "internal-e5f6a7-0123456789.elb.us-east-1.amazonaws.com"
-    status = k8s_outputs.ServiceStatus(
-        load_balancer=k8s_outputs.LoadBalancerStatus(ingress=[k8s_outputs.LoadBalancerIngress(hostname=nlb)])
-    )
-    url = prometheus_load_balancer_url(status, contract_of(env))
-    assert url is not None
-    parsed = httpx.URL(url)
-    assert parsed.scheme == "http" and parsed.host == nlb
+    parsed = httpx.URL(parameter.inputs["value"])
+    assert parsed.scheme == "https" and parsed.host == load_balancer_record(graph, "prometheus")
     assert parsed.port == service["spec"]["ports"][0]["port"] == contract_of(env).prometheus.port
     assert listen == f"--web.listen-address=:{parsed.port}"
-    assert prometheus_load_balancer_url(k8s_outputs.ServiceStatus(), contract_of(env)) is None
