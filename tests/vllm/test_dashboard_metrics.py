@@ -7,11 +7,10 @@ test_dashboard_queries.py); vLLM is importable only here. The names come from vL
 
 from __future__ import annotations
 
-import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
-
-import vllm
 
 from pdstack.dashboards.promql import metric_names, panels
 
@@ -19,27 +18,36 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
 
 
+# Run in a fresh interpreter: CPython 3.11.7's ast.parse can fail with "SystemError: AST constructor recursion depth
+# mismatch" once earlier tests in the same process have left its recursion counter off (seen in a CI rehearsal;
+# CPython gh-106905, fixed in 3.11.8 and 3.12).
+SCAN = r"""
+import ast, json, sys
+from pathlib import Path
+import vllm
+suffixes = json.loads(sys.argv[1])
+root = Path(vllm.__file__).parent
+names = set()
+for path in [*(root / "v1" / "metrics").rglob("*.py"), *(root / "distributed" / "kv_transfer").rglob("*.py")]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        kind = next((k for k in suffixes if k in func.lower()), None)
+        for keyword in node.keywords:
+            value = keyword.value
+            named = keyword.arg == "name" and isinstance(value, ast.Constant)
+            if kind and named and str(value.value).startswith("vllm:"):
+                names |= {str(value.value) + suffix for suffix in suffixes[kind]}
+print(json.dumps(sorted(names)))
+"""
+
+
 def registered_by_vllm() -> set[str]:
     """Sample names of every vllm: metric created in vLLM's metrics and KV-connector code."""
-    root = Path(vllm.__file__).parent
-    names: set[str] = set()
-    for path in [*(root / "v1" / "metrics").rglob("*.py"), *(root / "distributed" / "kv_transfer").rglob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Call):
-                continue
-            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            kind = next((k for k in SUFFIXES if k in func.lower()), None)
-            for keyword in node.keywords:
-                value = keyword.value
-                if (
-                    kind
-                    and keyword.arg == "name"
-                    and isinstance(value, ast.Constant)
-                    and str(value.value).startswith("vllm:")
-                ):
-                    base = str(value.value)
-                    names |= {base + suffix for suffix in SUFFIXES[kind]}
-    return names
+    scanned = subprocess.run([sys.executable, "-c", SCAN, json.dumps(SUFFIXES)], capture_output=True, text=True,
+                             check=True, timeout=120)  # fmt: skip
+    return set(json.loads(scanned.stdout))
 
 
 def dashboard_vllm_names() -> set[str]:
