@@ -8,6 +8,8 @@ golden-outputs file (made with `record`), and the canary is compared with that i
 from __future__ import annotations
 
 import json
+import os
+import ssl
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,6 +84,21 @@ class GoldenReport:
         }
 
 
+# Under the stack's mutual TLS (serving.mutual_tls) the decode servers admit only callers with a certificate from
+# the environment's CA: deploy.yml hands the operator's pair in these variables (the CA comes from SSL_CERT_FILE).
+CLIENT_CERT_ENV = "PDSTACK_TLS_CLIENT_CERT"
+CLIENT_KEY_ENV = "PDSTACK_TLS_CLIENT_KEY"
+
+
+def _verify() -> ssl.SSLContext | bool:
+    cert = os.environ.get(CLIENT_CERT_ENV)
+    if not cert:
+        return True
+    context = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE"))
+    context.load_cert_chain(cert, os.environ.get(CLIENT_KEY_ENV) or None)
+    return context
+
+
 def complete(
     url: str,
     prompt: str,
@@ -103,7 +120,9 @@ def complete(
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=timeout_s)
+        response = httpx.post(
+            url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=timeout_s, verify=_verify()
+        )
     except httpx.HTTPError as exc:
         raise GoldenError(f"{url}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:

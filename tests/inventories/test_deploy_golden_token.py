@@ -31,7 +31,8 @@ def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
                    "path = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--api-key-file='))\n"
                    "canary = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--canary='))\n"
                    f"json.dump({{'path': path, 'mode': stat.S_IMODE(os.stat(path).st_mode),"
-                   f" 'key': open(path).read(), 'canary': canary, 'ca': os.environ.get('SSL_CERT_FILE')}},"
+                   f" 'key': open(path).read(), 'canary': canary, 'ca': os.environ.get('SSL_CERT_FILE'),"
+                   f" 'client': [os.environ.get(v) for v in ('PDSTACK_TLS_CLIENT_CERT', 'PDSTACK_TLS_CLIENT_KEY')]}},"
                    f" open({str(report)!r}, 'w'))\n")  # fmt: skip
     cli.chmod(0o700)
     play_vars = {k: v for k, v in play["vars"].items() if k != "pdserve_canary_baseline"}
@@ -83,6 +84,19 @@ def test_over_tls_the_golden_check_calls_the_decode_servers_by_https_verifying_t
     got = golden_play(tmp_path, {"pdserve_server_token_file": str(token), "pdstack_scheme": "https",
                                  "pdserve_tls_ca_file": str(ca)})  # fmt: skip
     assert got["canary"] == "https://10.31.0.10:8300" and got["ca"] == str(ca)
+    assert got["client"] == [None, None]  # no client certificate unless the stack's mutual TLS asks for one
+
+
+def test_under_mutual_tls_the_golden_check_presents_the_operators_certificate(tmp_path: Path) -> None:
+    token, ca = tmp_path / "server-api.token", tmp_path / "ca.crt"
+    token.write_text("local-token")
+    pair = {
+        "pdstack_operator_cert_file": str(tmp_path / "op.crt"),
+        "pdstack_operator_key_file": str(tmp_path / "op.key"),
+    }
+    got = golden_play(tmp_path, {"pdserve_server_token_file": str(token), "pdstack_scheme": "https",
+                                 "pdserve_tls_ca_file": str(ca), **pair})  # fmt: skip
+    assert got["client"] == [pair["pdstack_operator_cert_file"], pair["pdstack_operator_key_file"]]
 
 
 def test_in_the_cloud_the_golden_check_gets_the_stores_token_in_a_private_file_then_it_is_gone(tmp_path: Path) -> None:
