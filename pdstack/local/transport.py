@@ -12,13 +12,13 @@ from typing import Any
 from openai import DefaultHttpxClient
 
 from pdstack.contract import Component, Contract
-from pdstack.local.names import host_entries, leaves, remove_hosts, service_name, write_hosts
+from pdstack.local.names import LOCAL_ZONE, host_entries, leaves, remove_hosts, service_name, write_hosts
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.local.topology import Topology
 
 # The user's own client certificate: under the stack's serving.mutual_tls the scheduler's and the servers' APIs
 # admit only callers with a certificate from the local CA (docs/tls.md), like a kubeconfig's client pair.
-OPERATOR = Leaf("operator", ("operator.local.pdstack",), ())
+OPERATOR = Leaf("operator", (f"operator.{LOCAL_ZONE}",), ())
 
 
 def local_ca(state_dir: Path) -> LocalCA:

@@ -13,7 +13,7 @@ import yaml
 from infra import outputs
 from infra.workloads.common import SECRET_NAME
 from pdserve.scheduler import identity
-from pdstack.model import DatacenterRole
+from pdstack.model import REQUIRED_SECRETS, DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
 from tests.conftest import REPO
 
@@ -177,14 +177,7 @@ def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) 
     assert len(values) == 6
     assert outputs.SECRET_VALUES in graph.secret_outputs
     stored = [s.inputs["name"] for s in graph.of_type("aws:secretsmanager/secret:Secret")]
-    assert {s.rsplit("/", 1)[1] for s in stored if "/tls/" not in s} == {
-        "gateway-api-keys",
-        "kv-channel-key",
-        "scheduler-admin-token",
-        "scheduler-identity-key",
-        "server-api-token",
-        "ratelimit-store-password",
-    }
+    assert {s.rsplit("/", 1)[1] for s in stored if "/tls/" not in s} == set(REQUIRED_SECRETS)
     for version in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion"):
         assert "secretString" in version.secret_inputs
     k8s_secret = next(

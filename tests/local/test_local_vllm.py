@@ -28,7 +28,7 @@ from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
-from tests.local.test_local_env import assert_a_warm_up_changes_nothing
+from tests.local.test_local_env import assert_a_warm_up_changes_nothing, pdstack
 
 REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
@@ -38,10 +38,6 @@ PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cac
 MAX_TOKENS = 16
 
 pytestmark = pytest.mark.timeout(3600)
-
-
-def pdstack(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PDSTACK, *args], capture_output=True, text=True, cwd=REPO, check=False)
 
 
 @dataclass
