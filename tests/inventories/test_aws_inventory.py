@@ -26,7 +26,7 @@ import yaml
 
 from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
-from pdstack.contract import contract, environment_serving, prometheus_url_parameter
+from pdstack.contract import Component, contract, environment_serving, prometheus_url_parameter
 from pdstack.stacks import load_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -372,14 +372,6 @@ def test_the_pdserve_role_makes_podman_secrets_from_secrets_manager_without_logg
     assert targets == {s["target"] for s in wanted}
 
 
-def load_balancer_status(hostname: str) -> Any:
-    """A LoadBalancer Service's status once AWS has made its NLB, as Kubernetes reports it."""
-    from pulumi_kubernetes.core.v1 import outputs  # noqa: PLC0415
-
-    return outputs.ServiceStatus(load_balancer=outputs.LoadBalancerStatus(
-        ingress=[outputs.LoadBalancerIngress(hostname=hostname)]))  # fmt: skip
-
-
 def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_balancer(
     launched: dict[str, dict[str, Any]],
     synthesised: list[dict[str, Any]],
@@ -387,25 +379,19 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     aws_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    """The control-plane stack's SSM parameters (as `pdstack synth` names them) hold the scheduler's and Prometheus'
-    load-balancer URLs; through inventories/aws, serving.yml runs no control play, the GPU nodes and the controller's
-    weights calls use the scheduler's URL, and the controller's canary judge (deploy.yml) queries Prometheus' URL."""
-    from infra.workloads.access import (  # noqa: PLC0415 (the program's module, plain Python)
-        load_balancer_url,
-        prometheus_load_balancer_url,
-    )
-
+    """The control-plane stack's SSM parameters (as `pdstack synth` names and fills them) hold the scheduler's and
+    Prometheus' https URLs by the private zone's names; through inventories/aws, serving.yml runs no control play, the
+    GPU nodes and the controller's weights calls use the scheduler's URL, and the controller's canary judge
+    (deploy.yml) queries Prometheus' URL."""
     control = next(s for s in synthesised if s["stack"] == "prod-control")
     parameters = {r["name"]: r["inputs"] for r in control["resources"] if r["type"] == "aws:ssm/parameter:Parameter"}
     assert parameters["prometheus-url"]["name"] == prometheus_url_parameter("prod")
+    # the values as the stack writes them (synth redacts SSM values: pulumi-aws marks them secret; tests/infra checks
+    # the values themselves): https, by the private zone's names, on the listeners' ports
+    names = {r["name"]: r["inputs"]["name"] for r in control["resources"] if r["type"] == "aws:route53/record:Record"}
     served = contract(environment_serving(REPO / "stacks", "prod"))
-    url = load_balancer_url(
-        load_balancer_status("internal-a1b2c3d4-0123456789abcdef.elb.us-east-1.amazonaws.com"), served
-    )
-    prometheus_url = prometheus_load_balancer_url(
-        load_balancer_status("internal-e5f6a7b8-0123456789abcdef.elb.us-east-1.amazonaws.com"), served
-    )
-    assert url is not None and prometheus_url is not None
+    url = f"https://{names['scheduler-name']}:{served[Component.SCHEDULER].port}"
+    prometheus_url = f"https://{names['prometheus-name']}:{served.prometheus.port}"
     ssm = boto3.client("ssm", region_name=control["outputs"]["region"], endpoint_url=moto,
                        aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
     for name, value in (("scheduler-url", url), ("prometheus-url", prometheus_url)):

@@ -22,9 +22,9 @@ def engine(make_checkpoint: Callable[..., Path]) -> Engine:
 
 def sequence(engine: Engine, prompt_tokens: int) -> Sequence:
     prompt = [5 + i % 50 for i in range(prompt_tokens)]
-    return Sequence(
-        f"r{prompt_tokens}", prompt, engine.new_request(prompt, SamplingParams(max_tokens=4)), engine.new_cache()
-    )
+    # exactly four tokens each: a sampled EOS would end a sequence early (CI saw one finish after one token)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    return Sequence(f"r{prompt_tokens}", prompt, engine.new_request(prompt, params), engine.new_cache())
 
 
 def scheduler(engine: Engine) -> BatchScheduler:
