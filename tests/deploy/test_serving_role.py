@@ -154,13 +154,25 @@ def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Ser
     conf = node.file("/etc/redis/redis.conf")
     assert (conf.user, conf.group, conf.mode) == ("redis", "redis", 0o640)
     assert "protected-mode yes" in conf.content_string
-    anonymous = node.run(f"redis-cli -h {address} PING")
+    # TLS only (#17), requiring a client certificate from the stack's CA (the local stack's mutual TLS): the node's
+    # own pair, copied beside the CA, is one.
+    assert {"port 0", "tls-port 6379", "tls-auth-clients yes"} <= set(conf.content_string.splitlines())
+    key = node.file("/etc/redis/tls/tls.key")
+    assert (key.user, key.mode) == ("redis", 0o400)
+    tls = "--tls --cacert /etc/redis/tls/ca.crt --cert /etc/redis/tls/tls.crt --key /etc/redis/tls/tls.key"
+    anonymous = node.run(f"redis-cli {tls} -h {address} PING")
     assert "NOAUTH" in anonymous.stdout + anonymous.stderr
     password = installed.secrets.ratelimit_store_password.read_text().strip()
-    authed = node.run(f"REDISCLI_AUTH={password} redis-cli -h {address} PING")
+    authed = node.run(f"REDISCLI_AUTH={password} redis-cli {tls} -h {address} PING")
     assert authed.stdout.strip() == "PONG"
+    plaintext = node.run(f"REDISCLI_AUTH={password} redis-cli -h {address} PING")
+    assert "PONG" not in plaintext.stdout
+    without_pair = node.run(
+        f"REDISCLI_AUTH={password} redis-cli --tls --cacert /etc/redis/tls/ca.crt -h {address} PING"
+    )
+    assert "PONG" not in without_pair.stdout
     inspect = installed.node(NODE_A, "podman", "inspect", "pdserve-gateway")
-    assert f"PDSERVE_RATE_LIMIT_STORAGE=redis://{address}:6379/0" in inspect and password not in inspect
+    assert f"PDSERVE_RATE_LIMIT_STORAGE=rediss://{address}:6379/0" in inspect and password not in inspect
     gateway_metrics = httpx.get(f"{installed.gateway()}/metrics", timeout=10).text
     assert "pdserve_gateway_rate_limit_shared 1.0" in gateway_metrics
 

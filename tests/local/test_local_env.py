@@ -232,11 +232,11 @@ def test_plain_http_to_the_gateway_gets_no_http_answer(local: Local) -> None:
 
 
 # What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption),
-# node_exporter and Prometheus (read-only metrics; Prometheus' web TLS is not configured locally yet), Alertmanager
-# (loopback only) and the rate-limit store (Redis, password-protected, on the control network).
+# node_exporter and Prometheus (read-only metrics; their web TLS is not configured locally yet) and Alertmanager
+# (loopback only).
 def plaintext_listeners(served: Contract) -> dict[int, str]:
     return {22: "sshd", served.node_exporter.port: "node_exporter", served.prometheus.port: "Prometheus",
-            served.alertmanager.port: "Alertmanager", served.ratelimit_store.port: "Redis"}  # fmt: skip
+            served.alertmanager.port: "Alertmanager"}  # fmt: skip
 
 
 def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
@@ -252,8 +252,14 @@ def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(l
         for node in local.topology.nodes
         for address, port in listening(node.namespace, str(node.address.ip))
     ]
-    unknown = [p for p in probed if p.port not in pdserve_ports | set(plaintext_listeners(local.contract))]
+    store_port = local.contract.ratelimit_store.port
+    unknown = [
+        p for p in probed if p.port not in pdserve_ports | {store_port} | set(plaintext_listeners(local.contract))
+    ]
     assert not unknown, unknown
+    # the gateways' rate-limit store (Redis) on the control node: TLS only, a client certificate required
+    (store,) = [p for p in probed if p.port == store_port]
+    assert store.tls == "ok" and not store.answers_plaintext and store.refuses_anonymous_tls, store
     served = [p for p in probed if p.port in pdserve_ports]
     # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
     assert len(served) == 2 + 2 * 2 + 2, served

@@ -45,6 +45,11 @@ def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subproc
         ("container_runtime", {"container_runtime_engine": "docker"}, "container_runtime_engine must be one of"),
         ("node_exporter", {"node_exporter_port": "ninety-one hundred"}, "node_exporter_port"),
         (
+            "redis",
+            {"redis_password_file": "/nonexistent", "redis_tls_client_auth": "sometimes"},
+            "redis_tls_client_auth",
+        ),
+        (
             "container_runtime",
             {"container_runtime_registry_auths": [{"registry": "r.test", "username": "u"}]},
             "missing required arguments: password found in container_runtime_registry_auths",

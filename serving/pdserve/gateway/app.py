@@ -66,7 +66,12 @@ class Gateway:
             tokens_per_minute=settings.tokens_per_minute,
         )
         self.limiter = RateLimiter(
-            defaults, self.keys.limits, settings.rate_limit_storage, password, self.metrics.rate_limit_shared
+            defaults,
+            self.keys.limits,
+            settings.rate_limit_storage,
+            password,
+            self.metrics.rate_limit_shared,
+            tls=settings,
         )
         self.counter = PromptCounter(settings.tokenizer_file)
         self.router = Router()

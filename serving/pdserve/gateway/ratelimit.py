@@ -7,6 +7,7 @@ bucket this replaces, a full burst is not topped up while its window lasts: 20 r
 leave room for the 21st only as the 2 s window slides on. A request is refused (429 with Retry-After) when either
 limit is spent, and then takes from neither.
 
+A rediss:// store is reached over TLS with the gateway's client TLS settings (tls_ca, tls_client_cert; issue 17).
 When the shared store fails, the gateway keeps limiting in this process (a warning, and gauge
 pdserve_gateway_rate_limit_shared at 0) and tries the store again every RETRY_SHARED_SECONDS.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,8 @@ from limits.aio.strategies import SlidingWindowCounterRateLimiter
 from limits.errors import StorageError
 from limits.storage import storage_from_string
 from prometheus_client import Gauge
+
+from pdserve.common.tls import TLSClientSettings
 
 from .auth import TenantLimits
 
@@ -49,6 +53,8 @@ class RateLimiter:
         storage: str = "memory://",
         password: str | None = None,
         shared_gauge: Gauge | None = None,
+        *,
+        tls: TLSClientSettings | None = None,
     ) -> None:
         self.defaults, self.overrides = defaults, overrides
         self.shared_gauge = shared_gauge
@@ -56,7 +62,7 @@ class RateLimiter:
         self._local = SlidingWindowCounterRateLimiter(storage_from_string("async+memory://"))
         self._store = self._local
         if self.shared:
-            self._store = SlidingWindowCounterRateLimiter(_shared_storage(storage, password))
+            self._store = SlidingWindowCounterRateLimiter(_shared_storage(storage, password, tls))
         self._use_store = self.shared
         self._retry_at = 0.0
         self._set_gauge()
@@ -125,7 +131,7 @@ class RateLimiter:
         return requests, tokens
 
 
-def _shared_storage(uri: str, password: str | None) -> Any:
+def _shared_storage(uri: str, password: str | None, tls: TLSClientSettings | None = None) -> Any:
     options: dict[str, Any] = {
         "implementation": "redispy",
         "wrap_exceptions": True,
@@ -134,7 +140,24 @@ def _shared_storage(uri: str, password: str | None) -> Any:
     }
     if password is not None:
         options["password"] = password
+    if uri.startswith("rediss://"):
+        options.update(_ssl_options(tls))
     return storage_from_string("async+" + uri, **options)
+
+
+def _ssl_options(tls: TLSClientSettings | None) -> dict[str, Any]:
+    """redis-py's TLS options for a rediss:// store: its certificate verified against tls_ca (unset: the system's
+    CAs) and its host name checked; tls_client_cert presented when set (a store requiring client certificates)."""
+    options: dict[str, Any] = {
+        "ssl_cert_reqs": "required",
+        "ssl_check_hostname": True,
+        "ssl_min_version": ssl.TLSVersion.TLSv1_2,
+    }
+    if tls is not None and tls.tls_ca is not None:
+        options["ssl_ca_certs"] = str(tls.tls_ca)
+    if tls is not None and tls.tls_client_cert is not None and tls.tls_client_key is not None:
+        options["ssl_certfile"], options["ssl_keyfile"] = str(tls.tls_client_cert), str(tls.tls_client_key)
+    return options
 
 
 async def _check(

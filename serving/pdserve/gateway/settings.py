@@ -41,8 +41,10 @@ class GatewaySettings(TracingSettings, TLSSettings):
     rate_limit_storage: str = Field(
         "memory://",
         pattern=r"^(memory|redis|rediss)://",
-        description="where rate-limit counters live: memory:// (this process) or redis://host:port/db, shared by "
-        "every gateway replica; when the store fails, limits fall back to this process until it answers again",
+        description="where rate-limit counters live: memory:// (this process), or redis://host:port/db or "
+        "rediss://host:port/db (TLS: the store verified against tls_ca, or the system's CAs, and its host name "
+        "checked; tls_client_cert presented when set), shared by every gateway replica; when the store fails, "
+        "limits fall back to this process until it answers again",
     )
     rate_limit_password_file: Path | None = Field(None, description="file holding the rate-limit store's password")
     connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")

@@ -1,7 +1,9 @@
 """Rate limits across gateway replicas (issue 13 finding 8, contract §6), with a real redis-server on loopback.
 
 No model servers: the limiter decides before routing, so an admitted request is a 503 (no decode instance) and a
-refused one a 429; the test counts those. Tenant `scarce` may send 3 requests, then one per 100 s.
+refused one a 429; the test counts those. Tenant `scarce` may send 3 requests, then one per 100 s. The TLS store
+(issue 17) serves only TLS and requires a client certificate from the test CA, as roles/redis configures it under
+the stack's mutual TLS.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import redis
 
 from ..ports import free_port
+from ..test_pdserve_tls import PKI, Files
 from .cluster import KEYS, Cluster, metric
 
 AUTH = {"Authorization": f"Bearer {KEYS['scarce']}"}
@@ -32,10 +35,28 @@ class RedisServer:
     password_file: Path
     directory: Path
     process: subprocess.Popen[bytes] | None = None
+    tls: tuple[PKI, Files, Files] | None = None
+    """TLS only, requiring client certificates: the CA, the server's pair and a client pair the test connects with"""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    def _tls_config(self) -> str:
+        if self.tls is None:
+            return f"port {self.port}\n"
+        pki, server, _ = self.tls
+        return (
+            f"port 0\ntls-port {self.port}\ntls-cert-file {server.cert}\ntls-key-file {server.key}\n"
+            f"tls-ca-cert-file {pki.ca_file}\ntls-auth-clients yes\n"
+        )
+
+    def client(self, password: str) -> redis.Redis:
+        if self.tls is None:
+            return redis.Redis(port=self.port, password=password, socket_timeout=1)
+        pki, _, pair = self.tls
+        files = {"ssl_ca_certs": str(pki.ca_file), "ssl_certfile": str(pair.cert), "ssl_keyfile": str(pair.key)}
+        return redis.Redis(port=self.port, password=password, socket_timeout=1, ssl=True, **files)
 
     def start(self) -> None:
         server = shutil.which("redis-server")
@@ -43,14 +64,15 @@ class RedisServer:
         password = self.password_file.read_text().strip()
         # The password goes in through stdin (a config file read from "-"), not argv, which ps shows.
         config = (
-            f'port {self.port}\nbind 127.0.0.1\nrequirepass {password}\nsave ""\nappendonly no\ndir {self.directory}\n'
+            f"{self._tls_config()}bind 127.0.0.1\nrequirepass {password}\n"
+            f'save ""\nappendonly no\ndir {self.directory}\n'
         )
         log = (self.directory / "redis.log").open("ab")
         self.process = subprocess.Popen([server, "-"], stdin=subprocess.PIPE, stdout=log, stderr=log)
         assert self.process.stdin is not None
         self.process.stdin.write(config.encode())
         self.process.stdin.close()
-        client = redis.Redis(port=self.port, password=password, socket_timeout=1)
+        client = self.client(password)
         for _ in range(200):  # bounded: up to about 10 s
             try:
                 if client.ping():
@@ -65,15 +87,25 @@ class RedisServer:
             self.process.wait(timeout=10)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RedisServer]:
+def running_store(tmp_path: Path, tls: tuple[PKI, Files, Files] | None = None) -> Iterator[RedisServer]:
     password_file = tmp_path / "ratelimit-store.password"
     password_file.write_text(secrets.token_urlsafe(24) + "\n")
     password_file.chmod(0o600)
-    server = RedisServer(free_port(), password_file, tmp_path)
+    server = RedisServer(free_port(), password_file, tmp_path, tls=tls)
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    yield from running_store(tmp_path)
+
+
+@pytest.fixture
+def tls_store(tmp_path: Path) -> Iterator[RedisServer]:
+    pki = PKI(tmp_path)
+    yield from running_store(tmp_path, (pki, pki.files("redis"), pki.files("store-client", client=True)))
 
 
 @pytest.fixture
@@ -141,3 +173,28 @@ def test_memory_storage_is_per_process(cluster: Cluster) -> None:
     assert [shared_gauge(url) for url in urls] == [0, 0]
     got = statuses(urls, 8)
     assert got.count(503) == 6, got  # each replica gives the whole limit: why a shared store exists
+
+
+def test_replicas_share_the_limit_through_a_tls_store_requiring_client_certificates(
+    tls_store: RedisServer, cluster: Cluster
+) -> None:
+    assert tls_store.tls is not None
+    pki, _, _ = tls_store.tls
+    pair = pki.files("gateway-client", client=True)
+    store = ("--rate-limit-storage", tls_store.url, "--rate-limit-password-file", str(tls_store.password_file))
+    tls = ("--tls-ca", str(pki.ca_file), "--tls-client-cert", str(pair.cert), "--tls-client-key", str(pair.key))
+    urls = [cluster.start_gateway(*store, *tls).url, cluster.start_gateway(*store, *tls).url]
+    assert tls_store.url.startswith("rediss://")
+    assert [shared_gauge(url) for url in urls] == [1, 1]
+    got = statuses(urls, 8)
+    assert got.count(429) == 5 and got.count(503) == 3, got  # 3 admitted in all, counted in the TLS store
+    password = tls_store.password_file.read_text().strip()
+    assert any(key.startswith(b"LIMITS:") for key in tls_store.client(password).scan_iter())
+
+    # Trusting the CA but presenting no client certificate: the store refuses the handshake, so this replica limits
+    # on its own (the per-process fallback), and says so.
+    alone = cluster.start_gateway(*store, "--tls-ca", str(pki.ca_file)).url
+    assert shared_gauge(alone) == 0
+    assert statuses([alone], 4) == [503, 503, 503, 429]
+    assert "rate-limit store" in cluster.gateways[-1].logs()
+    assert password not in cluster.gateways[-1].logs()
