@@ -354,6 +354,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
             yield
         finally:
             poller.cancel()
+            await gateway.limiter.stop()
             await gateway.client.aclose()
 
     routes = [

@@ -9,11 +9,14 @@ limit is spent, and then takes from neither.
 
 A rediss:// store is reached over TLS with the gateway's client TLS settings (tls_ca, tls_client_cert; issue 17).
 When the shared store fails, the gateway keeps limiting in this process (a warning, and gauge
-pdserve_gateway_rate_limit_shared at 0) and tries the store again every RETRY_SHARED_SECONDS.
+pdserve_gateway_rate_limit_shared at 0) and probes the store every RETRY_SHARED_SECONDS in the background, so that it
+shares again as soon as the store answers, whether requests come or not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import ssl
@@ -64,38 +67,42 @@ class RateLimiter:
         if self.shared:
             self._store = SlidingWindowCounterRateLimiter(_shared_storage(storage, password, tls))
         self._use_store = self.shared
-        self._retry_at = 0.0
+        self._prober: asyncio.Task[None] | None = None
         self._set_gauge()
 
     def token_budget(self, tenant: str) -> int:
         return int(self._limit(tenant, "tokens_per_minute"))
 
     async def start(self) -> None:
-        """Check the shared store once, so that a store down at start is reported at start."""
-        if self.shared and not await self._store_answers():
+        """Check the shared store once, so that a store down at start is reported at start, and start probing it."""
+        if not self.shared:
+            return
+        if not await self._store_answers():
             self._fall_back("store did not answer at start")
+        self._prober = asyncio.create_task(self._probe_while_down())
+
+    async def stop(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
 
     async def check(self, tenant: str, tokens: int) -> Decision:
         """Take one request and `tokens` tokens from the tenant's limits, or neither and say how long to wait."""
-        limiter = await self._limiter()
+        limiter = self._store if self._use_store else self._local
         try:
             return await _check(limiter, self._items(tenant), tenant, tokens)
         except STORE_ERRORS as exc:
             self._fall_back(type(exc).__name__)
             return await _check(self._local, self._items(tenant), tenant, tokens)
 
-    async def _limiter(self) -> SlidingWindowCounterRateLimiter:
-        if self._use_store or not self.shared:
-            return self._store if self._use_store else self._local
-        now = time.monotonic()
-        if now >= self._retry_at:
-            self._retry_at = now + RETRY_SHARED_SECONDS  # before the await: one probe at a time
-            if await self._store_answers():
+    async def _probe_while_down(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_SHARED_SECONDS)
+            if not self._use_store and await self._store_answers():
                 self._use_store = True
                 self._set_gauge()
                 log.warning("rate-limit store answers again: limits are shared by the replicas again")
-                return self._store
-        return self._local
 
     async def _store_answers(self) -> bool:
         try:
@@ -111,7 +118,6 @@ class RateLimiter:
                 extra={"fields": {"cause": cause}},
             )
         self._use_store = False
-        self._retry_at = time.monotonic() + RETRY_SHARED_SECONDS
         self._set_gauge()
 
     def _set_gauge(self) -> None:
