@@ -58,6 +58,12 @@ class Probed:
         return self.plain.startswith("HTTP/")
 
     @property
+    def refuses_plaintext_http(self) -> bool:
+        """No HTTP answer, or only a 400 (Go's answer to plain HTTP on a TLS listener): nothing served."""
+        status = self.plain.split("\r\n", 1)[0].split()
+        return not self.answers_plaintext_http or status[1:2] == ["400"]
+
+    @property
     def refuses_anonymous_tls(self) -> bool:
         """The server refused the handshake of a client without a certificate."""
         return self.anonymous_tls != "ok"

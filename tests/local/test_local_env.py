@@ -232,11 +232,9 @@ def test_plain_http_to_the_gateway_gets_no_http_answer(local: Local) -> None:
 
 
 # What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption),
-# node_exporter and Prometheus (read-only metrics; their web TLS is not configured locally yet) and Alertmanager
-# (loopback only).
+# Prometheus (read-only metrics; its web TLS is not configured locally yet) and Alertmanager (loopback only).
 def plaintext_listeners(served: Contract) -> dict[int, str]:
-    return {22: "sshd", served.node_exporter.port: "node_exporter", served.prometheus.port: "Prometheus",
-            served.alertmanager.port: "Alertmanager"}  # fmt: skip
+    return {22: "sshd", served.prometheus.port: "Prometheus", served.alertmanager.port: "Alertmanager"}
 
 
 def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
@@ -252,14 +250,17 @@ def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(l
         for node in local.topology.nodes
         for address, port in listening(node.namespace, str(node.address.ip))
     ]
-    store_port = local.contract.ratelimit_store.port
-    unknown = [
-        p for p in probed if p.port not in pdserve_ports | {store_port} | set(plaintext_listeners(local.contract))
-    ]
+    store_port, exporter_port = local.contract.ratelimit_store.port, local.contract.node_exporter.port
+    others = {store_port, exporter_port} | set(plaintext_listeners(local.contract))
+    unknown = [p for p in probed if p.port not in pdserve_ports | others]
     assert not unknown, unknown
     # the gateways' rate-limit store (Redis) on the control node: TLS only, a client certificate required
     (store,) = [p for p in probed if p.port == store_port]
     assert store.tls == "ok" and not store.answers_plaintext and store.refuses_anonymous_tls, store
+    # node_exporter on every node: likewise (a plaintext request gets Go's 400 for HTTP to an HTTPS server)
+    exporters = [p for p in probed if p.port == exporter_port]
+    assert len(exporters) == len(local.topology.nodes), exporters
+    assert all(p.tls == "ok" and p.refuses_anonymous_tls and p.refuses_plaintext_http for p in exporters), exporters
     served = [p for p in probed if p.port in pdserve_ports]
     # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
     assert len(served) == 2 + 2 * 2 + 2, served
