@@ -282,12 +282,6 @@ class Contract:
     def __getitem__(self, component: Component | str) -> ComponentContract:
         return self.components[Component(component)]
 
-    def prometheus_url(self, host: str) -> str:
-        return f"http://{host}:{self.prometheus.port}"
-
-    def alertmanager_url(self, host: str) -> str:
-        return f"http://{host}:{self.alertmanager.port}"
-
     def ratelimit_storage(self, host: str) -> str:
         """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`."""
         return f"redis://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from pathlib import Path
 
@@ -23,12 +24,13 @@ def dashboard_queries() -> list[tuple[str, str, list[str]]]:
     ]
 
 
-def query_problems(prometheus: str, window_s: float, step_s: float) -> list[str]:
+def query_problems(prometheus: str, window_s: float, step_s: float, verify: ssl.SSLContext | bool = True) -> list[str]:
     """Queries Prometheus refuses, and queries returning no series over the last `window_s`. A query reading vllm:
-    metrics may return none (the other engine runs); every other one must, or its selector matches nothing."""
+    metrics may return none (the other engine runs); every other one must, or its selector matches nothing.
+    `verify`: httpx's, for a Prometheus serving HTTPS (the local environment's, under mutual TLS)."""
     now = time.time()
     problems = []
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=10, verify=verify) as client:
         for board, title, exprs in dashboard_queries():
             for expr in exprs:
                 answer = client.get(

@@ -8,14 +8,14 @@ golden-outputs file (made with `record`), and the canary is compared with that i
 from __future__ import annotations
 
 import json
-import os
-import ssl
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import yaml
+
+from pdstack.canary import client_tls
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -84,21 +84,6 @@ class GoldenReport:
         }
 
 
-# Under the stack's mutual TLS (serving.mutual_tls) the decode servers admit only callers with a certificate from
-# the environment's CA: deploy.yml hands the operator's pair in these variables (the CA comes from SSL_CERT_FILE).
-CLIENT_CERT_ENV = "PDSTACK_TLS_CLIENT_CERT"
-CLIENT_KEY_ENV = "PDSTACK_TLS_CLIENT_KEY"
-
-
-def _verify() -> ssl.SSLContext | bool:
-    cert = os.environ.get(CLIENT_CERT_ENV)
-    if not cert:
-        return True
-    context = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE"))
-    context.load_cert_chain(cert, os.environ.get(CLIENT_KEY_ENV) or None)
-    return context
-
-
 def complete(
     url: str,
     prompt: str,
@@ -121,7 +106,11 @@ def complete(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.post(
-            url.rstrip("/") + "/v1/completions", json=body, headers=headers, timeout=timeout_s, verify=_verify()
+            url.rstrip("/") + "/v1/completions",
+            json=body,
+            headers=headers,
+            timeout=timeout_s,
+            verify=client_tls.verify(),
         )
     except httpx.HTTPError as exc:
         raise GoldenError(f"{url}: {type(exc).__name__}: {exc}") from exc

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import yaml
 
+from pdstack.canary import client_tls
 from pdstack.canary.judge import Observations
 
 DEFAULT_POINTS = 10
@@ -36,7 +37,9 @@ class Prometheus:
 
     def _get(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
         try:
-            response = httpx.get(self.url.rstrip("/") + path, params=params, timeout=self.timeout_s)
+            response = httpx.get(
+                self.url.rstrip("/") + path, params=params, timeout=self.timeout_s, verify=client_tls.verify()
+            )
         except httpx.HTTPError as exc:
             raise PrometheusError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
         try:
@@ -51,7 +54,9 @@ class Prometheus:
     def scrape_interval_s(self) -> float:
         """The global scrape interval from the running configuration (Prometheus' default 1m when unset)."""
         try:
-            response = httpx.get(self.url.rstrip("/") + "/api/v1/status/config", timeout=self.timeout_s)
+            response = httpx.get(
+                self.url.rstrip("/") + "/api/v1/status/config", timeout=self.timeout_s, verify=client_tls.verify()
+            )
             config = yaml.safe_load(response.json()["data"]["yaml"]) or {}
         except (httpx.HTTPError, ValueError, KeyError, yaml.YAMLError) as exc:
             raise PrometheusError(f"{self.url}: cannot read the configuration: {exc}") from exc

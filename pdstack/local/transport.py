@@ -56,12 +56,11 @@ def release_vars(topology: Topology, state_dir: Path) -> dict[str, Any]:
 
 
 def endpoints(topology: Topology, served: Contract) -> dict[str, str]:
-    """Where a user reaches the environment: the gateway and the scheduler over https by name, Prometheus by name
-    (its own listener is plain HTTP: docs/local.md)."""
+    """Where a user reaches the environment: the gateway, the scheduler and Prometheus over https by name."""
     return {
         "gateway_url": f"https://{service_name(topology, 'gateway')}:{served[Component.GATEWAY].port}/v1",
         "scheduler_url": f"https://{service_name(topology, 'scheduler')}:{served[Component.SCHEDULER].port}",
-        "prometheus_url": served.prometheus_url(service_name(topology, "prometheus")),
+        "prometheus_url": f"https://{service_name(topology, 'prometheus')}:{served.prometheus.port}",
     }
 
 

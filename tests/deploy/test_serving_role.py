@@ -187,9 +187,12 @@ def gateway_gauge(installed: Serving) -> str:
 
 
 def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serving) -> None:
-    prometheus = f"http://{installed.address[NODE_A]}:9090"
+    # Its API over HTTPS (#17), to a client with a certificate from the CA only (the local stack's mutual TLS).
+    prometheus = f"https://{installed.address[NODE_A]}:9090"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{prometheus}/-/ready", verify=str(installed.tls.ca_cert), timeout=5)
     for path in ("/-/reload", "/-/quit"):
-        refused = httpx.post(f"{prometheus}{path}", timeout=5)
+        refused = installed.internal.post(f"{prometheus}{path}", timeout=5)
         assert refused.status_code == 403 and "Lifecycle API is not enabled" in refused.text, path
     started = installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus")
     changed = installed.play(
@@ -203,7 +206,7 @@ def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serv
     )
     assert changed.returncode == 0, changed.output[-5000:]
     assert "Send Prometheus SIGHUP" in changed.output
-    config = httpx.get(f"{prometheus}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
+    config = installed.internal.get(f"{prometheus}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
     assert "scrape_interval: 7s" in config
     assert installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus") == started
 

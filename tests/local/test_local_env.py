@@ -41,6 +41,7 @@ from tests.dashboardcheck import query_problems
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
+from tests.local.operator import operator_context
 from tests.otlp import Span, receiving
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,11 +90,8 @@ class Local:
 
     @cached_property
     def internal(self) -> httpx.Client:
-        """A client of the scheduler's and the servers' APIs: under the stack's mutual TLS they admit only callers
-        with a certificate from the local CA, here the operator's that `up` made (status client_cert)."""
-        context = ssl.create_default_context(cafile=self.status["ca_file"])
-        context.load_cert_chain(self.status["client_cert"], self.status["client_key"])
-        return httpx.Client(verify=context)
+        """A client of the scheduler's, the servers' and Prometheus' APIs (tests/local/operator.py)."""
+        return httpx.Client(verify=operator_context(self.status))
 
     def scheduler_admin(self) -> dict[str, str]:
         """The scheduler's read endpoints need a token (the gateway's or the admin's): the tests read as admin."""
@@ -231,10 +229,10 @@ def test_plain_http_to_the_gateway_gets_no_http_answer(local: Local) -> None:
         httpx.get(plain, headers={"Authorization": f"Bearer {local.api_key()}"}, timeout=15)
 
 
-# What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption),
-# Prometheus (read-only metrics; its web TLS is not configured locally yet) and Alertmanager (loopback only).
+# What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption) and
+# Alertmanager (the control node's loopback only, reached by its Prometheus).
 def plaintext_listeners(served: Contract) -> dict[int, str]:
-    return {22: "sshd", served.prometheus.port: "Prometheus", served.alertmanager.port: "Alertmanager"}
+    return {22: "sshd", served.alertmanager.port: "Alertmanager"}
 
 
 def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
@@ -251,16 +249,20 @@ def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(l
         for address, port in listening(node.namespace, str(node.address.ip))
     ]
     store_port, exporter_port = local.contract.ratelimit_store.port, local.contract.node_exporter.port
-    others = {store_port, exporter_port} | set(plaintext_listeners(local.contract))
+    prometheus_port = local.contract.prometheus.port
+    others = {store_port, exporter_port, prometheus_port} | set(plaintext_listeners(local.contract))
     unknown = [p for p in probed if p.port not in pdserve_ports | others]
     assert not unknown, unknown
     # the gateways' rate-limit store (Redis) on the control node: TLS only, a client certificate required
     (store,) = [p for p in probed if p.port == store_port]
     assert store.tls == "ok" and not store.answers_plaintext and store.refuses_anonymous_tls, store
-    # node_exporter on every node: likewise (a plaintext request gets Go's 400 for HTTP to an HTTPS server)
+    # node_exporter on every node and Prometheus on the control node: likewise (a plaintext request gets Go's 400
+    # for HTTP to an HTTPS server)
     exporters = [p for p in probed if p.port == exporter_port]
     assert len(exporters) == len(local.topology.nodes), exporters
-    assert all(p.tls == "ok" and p.refuses_anonymous_tls and p.refuses_plaintext_http for p in exporters), exporters
+    (prometheus,) = [p for p in probed if p.port == prometheus_port]
+    go_servers = [*exporters, prometheus]
+    assert all(p.tls == "ok" and p.refuses_anonymous_tls and p.refuses_plaintext_http for p in go_servers), go_servers
     served = [p for p in probed if p.port in pdserve_ports]
     # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
     assert len(served) == 2 + 2 * 2 + 2, served
@@ -284,14 +286,15 @@ def test_prometheus_scrapes_every_pdserve_component_and_node(local: Local) -> No
     query = f"{local.status['prometheus_url']}/api/v1/query"
     deadline = time.monotonic() + 60
     while True:
-        result = httpx.get(query, params={"query": 'up{job=~"pdserve-.*|node"}'}, timeout=10).json()["data"]["result"]
+        answer = local.internal.get(query, params={"query": 'up{job=~"pdserve-.*|node"}'}, timeout=10)
+        result = answer.json()["data"]["result"]
         up = {(r["metric"]["job"], r["metric"]["instance"]): r["value"][1] for r in result}
         if (len(up) == 11 and set(up.values()) == {"1"}) or time.monotonic() > deadline:
             break
         time.sleep(2)
     # scheduler, gateway, 2 prefill, 2 decode, and node_exporter on each of the 5 nodes
     assert len(up) == 11 and set(up.values()) == {"1"}, up
-    clocks = httpx.get(query, params={"query": "node_timex_sync_status"}, timeout=10).json()["data"]["result"]
+    clocks = local.internal.get(query, params={"query": "node_timex_sync_status"}, timeout=10).json()["data"]["result"]
     assert len(clocks) == 5  # what the clock-skew alert reads
 
 
@@ -480,7 +483,8 @@ def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Lo
 def test_every_dashboard_query_returns_series_after_the_traffic(local: Local) -> None:
     """After the cross-DC completions, the canaries, the killed decode and the loss spike above: each panel query of
     monitoring/dashboards runs on the environment's Prometheus and (unless it reads vllm: metrics) returns series."""
-    problems = query_problems(local.status["prometheus_url"], window_s=1200, step_s=30)
+    prometheus = local.status["prometheus_url"]
+    problems = query_problems(prometheus, window_s=1200, step_s=30, verify=operator_context(local.status))
     assert problems == [], "\n".join(problems)
 
 

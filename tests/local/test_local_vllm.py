@@ -28,6 +28,7 @@ from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
+from tests.local.operator import operator_context
 from tests.local.test_local_env import assert_a_warm_up_changes_nothing, pdstack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ class LocalVllm:
         return f"http://{node.address.ip}:{port}"
 
     def prometheus_sum(self, query: str) -> float:
-        result = httpx.get(f"{self.status['prometheus_url']}/api/v1/query", params={"query": query}, timeout=10)
+        url = f"{self.status['prometheus_url']}/api/v1/query"
+        result = httpx.get(url, params={"query": query}, timeout=10, verify=operator_context(self.status))
         series = result.json()["data"]["result"]
         return sum(float(s["value"][1]) for s in series)
 

@@ -75,7 +75,7 @@ def test_ports_follow_the_stack_model() -> None:
     assert (moved[Component.GATEWAY].port, moved[Component.SCHEDULER].port) == (9000, 9001)
     assert (moved[Component.PREFILL].port, moved[Component.PREFILL].kv_port) == (9002, 9004)
     assert moved[Component.DECODE].env()["PDSERVE_PORT"] == "9003" and moved[Component.DECODE].kv_port is None
-    assert moved.prometheus.port == 9005 and moved.prometheus_url("h") == "http://h:9005"
+    assert moved.prometheus.port == 9005
     assert [g.port for g in moved.scrape_groups] == [9001, 9000, 9002, 9003]
 
 
