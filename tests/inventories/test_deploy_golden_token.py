@@ -36,8 +36,12 @@ def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
                    f" open({str(report)!r}, 'w'))\n")  # fmt: skip
     cli.chmod(0o700)
     play_vars = {k: v for k, v in play["vars"].items() if k != "pdserve_canary_baseline"}
+    # the environment the check runs in, as playbooks/vars/serving.yml defines it (the rest it reads comes from `extra`)
+    serving = yaml.safe_load((REPO / "playbooks" / "vars" / "serving.yml").read_text())
+    play_vars["pdstack_operator_tls_env"] = serving["pdstack_operator_tls_env"]
     play_vars |= {"pdstack_cli": str(cli), "canary_decode": "decode-a", "baseline_decode": "decode-b",
-                  "decode_port": 8300, "pdstack_scheme": "http", "pdserve_tls_ca_file": "", **extra}  # fmt: skip
+                  "decode_port": 8300, "pdstack_scheme": "http", "pdserve_tls_ca_file": "",
+                  "pdstack_operator_cert_file": "", "pdstack_operator_key_file": "", **extra}  # fmt: skip
     (tmp_path / "hosts.yml").write_text(
         yaml.safe_dump(
             {
