@@ -214,7 +214,8 @@ def start_fleet(model_dir: Path, key_file: Path, tmp: Path) -> Iterator[Fleet]:
     write_secret(engine_token_file)
     common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5}  # fmt: skip
-    args = ("--served-model-name", MODEL_NAME, "--api-key", engine_token_file.read_text().strip())
+    # One argument: a token may start with "-" (token_urlsafe), which argparse would take for an option.
+    args = ("--served-model-name", MODEL_NAME, f"--api-key={engine_token_file.read_text().strip()}")
     run_dirs = {role: tmp / f"run-{role}" for role in ROLES}
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0,
                          {**common, "port": free_port(), "run_dir": str(run_dirs["prefill"])}, tmp / "prefill.log",
