@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import ssl
 import subprocess
 import threading
 import time
@@ -149,6 +150,7 @@ class Daemon:
     url: str
     log: Path
     process: subprocess.Popen[bytes] | None = field(default=None)
+    verify: ssl.SSLContext | None = None  # how to call an HTTPS url (the CA, and a client certificate if required)
 
     def start(self) -> Daemon:
         with self.log.open("wb") as out:
@@ -158,7 +160,7 @@ class Daemon:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.process.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/-/ready", timeout=1, verify=self.verify or True).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -211,6 +211,26 @@ def test_prometheus_reloads_on_sighup_with_its_lifecycle_api_off(installed: Serv
     assert installed.node(NODE_A, "podman", "inspect", "--format", "{{.State.StartedAt}}", "prometheus") == started
 
 
+def test_alertmanager_takes_prometheus_alerts_over_mutual_tls_only(installed: Serving) -> None:
+    """Under the stack's mutual TLS it listens on the control node's address (#17): HTTPS, a client certificate from
+    the CA required, and its Prometheus sends there; amtool on the node reaches it with the node's pair."""
+    alertmanager = f"https://{installed.address[NODE_A]}:{CONTRACT.alertmanager.port}"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{alertmanager}/-/ready", verify=str(installed.tls.ca_cert), timeout=5)
+    assert installed.internal.get(f"{alertmanager}/-/ready", timeout=5).status_code == 200
+    prometheus = f"https://{installed.address[NODE_A]}:9090"
+    expected, deadline = [f"{alertmanager}/api/v2/alerts"], time.monotonic() + 30  # found again after a reload
+    while (active := active_alertmanagers(installed, prometheus)) != expected and time.monotonic() < deadline:
+        time.sleep(1)
+    assert active == expected
+    assert "receivers:" in installed.node(NODE_A, "amtool", "config", "show")
+
+
+def active_alertmanagers(installed: Serving, prometheus: str) -> list[str]:
+    found = installed.internal.get(f"{prometheus}/api/v1/alertmanagers", timeout=5).json()["data"]
+    return [a["url"] for a in found["activeAlertmanagers"]]
+
+
 def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> None:
     metrics = 'pdserve_scheduler_instance_transitions_total{state="draining"}'
 

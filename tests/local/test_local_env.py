@@ -229,10 +229,8 @@ def test_plain_http_to_the_gateway_gets_no_http_answer(local: Local) -> None:
         httpx.get(plain, headers={"Authorization": f"Bearer {local.api_key()}"}, timeout=15)
 
 
-# What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption) and
-# Alertmanager (the control node's loopback only, reached by its Prometheus).
-def plaintext_listeners(served: Contract) -> dict[int, str]:
-    return {22: "sshd", served.alertmanager.port: "Alertmanager"}
+# What still listens in plaintext on the nodes, and why: sshd (Ansible's own transport, its own encryption).
+PLAINTEXT_LISTENERS = {22: "sshd"}
 
 
 def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(local: Local) -> None:
@@ -249,19 +247,20 @@ def test_every_pdserve_listener_on_every_node_serves_tls_and_refuses_plaintext(l
         for address, port in listening(node.namespace, str(node.address.ip))
     ]
     store_port, exporter_port = local.contract.ratelimit_store.port, local.contract.node_exporter.port
-    prometheus_port = local.contract.prometheus.port
-    others = {store_port, exporter_port, prometheus_port} | set(plaintext_listeners(local.contract))
+    prometheus_port, alertmanager_port = local.contract.prometheus.port, local.contract.alertmanager.port
+    others = {store_port, exporter_port, prometheus_port, alertmanager_port} | set(PLAINTEXT_LISTENERS)
     unknown = [p for p in probed if p.port not in pdserve_ports | others]
     assert not unknown, unknown
     # the gateways' rate-limit store (Redis) on the control node: TLS only, a client certificate required
     (store,) = [p for p in probed if p.port == store_port]
     assert store.tls == "ok" and not store.answers_plaintext and store.refuses_anonymous_tls, store
-    # node_exporter on every node and Prometheus on the control node: likewise (a plaintext request gets Go's 400
-    # for HTTP to an HTTPS server)
+    # node_exporter on every node, Prometheus and Alertmanager on the control node: likewise (a plaintext request
+    # gets Go's 400 for HTTP to an HTTPS server)
     exporters = [p for p in probed if p.port == exporter_port]
     assert len(exporters) == len(local.topology.nodes), exporters
     (prometheus,) = [p for p in probed if p.port == prometheus_port]
-    go_servers = [*exporters, prometheus]
+    (alertmanager,) = [p for p in probed if p.port == alertmanager_port]
+    go_servers = [*exporters, prometheus, alertmanager]
     assert all(p.tls == "ok" and p.refuses_anonymous_tls and p.refuses_plaintext_http for p in go_servers), go_servers
     served = [p for p in probed if p.port in pdserve_ports]
     # gateway and scheduler on the control node, each prefill's HTTP and KV ports, each decode's HTTP port
