@@ -30,7 +30,7 @@ from infra.tags import datacenter_tags, pool_tags
 from infra.workloads import ControlWorkloads
 from infra.workloads.access import ingress_host
 from infra.workloads.common import GATEWAY_TOKEN, ControlWorkloadsArgs
-from infra.workloads.ratelimit_store import RATELIMIT_STORE_CONFIG, ratelimit_store_config
+from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, ratelimit_store_config
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.contract import (
     Names,
@@ -50,6 +50,7 @@ API_KEYS = "gateway-api-keys"
 RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 LOAD_BALANCED = ("gateway", "scheduler", "prometheus")  # the control plane's apps behind internal load balancers
+IN_CLUSTER_TLS = (*LOAD_BALANCED, "alertmanager", RATELIMIT_STORE)  # each serves TLS from its own Secret
 CA_CERTIFICATE_PARAMETER = "/pdstack/{env}/ca-certificate"
 
 
@@ -234,7 +235,9 @@ def build_control_plane(
         "tls",
         EnvironmentCertificatesArgs(
             env=view.env,
-            components=[CertificateSpec(app, component_names(names, app, dc.name, namespace)) for app in LOAD_BALANCED],
+            components=[
+                CertificateSpec(app, component_names(names, app, dc.name, namespace)) for app in IN_CLUSTER_TLS
+            ],
             pools={
                 c.datacenter.name: {
                     p.name: CertificateSpec(
@@ -317,7 +320,7 @@ def build_control_plane(
             gateway_max_replicas=replicas * 4,
             load_balancer_certificates={app: certificates.load_balancer_certificate(app).arn for app in LOAD_BALANCED},
             dns_names={app: names.host(app, dc.name) for app in LOAD_BALANCED},
-            tls={app: certificates.issued[app] for app in LOAD_BALANCED},
+            tls={app: certificates.issued[app] for app in IN_CLUSTER_TLS},
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
@@ -371,8 +374,10 @@ def build_control_plane(
 
 
 def component_names(names: Names, app: str, datacenter: str, namespace: str) -> list[str]:
-    """What `app`'s certificate names: its name in the zone, then its in-cluster Service names."""
-    return [names.host(app, datacenter), f"{app}.{namespace}.svc.cluster.local", f"{app}.{namespace}.svc"]
+    """What `app`'s certificate names: its name in the zone (an app behind a load balancer), then its in-cluster
+    Service names."""
+    zone = [names.host(app, datacenter)] if app in LOAD_BALANCED else []
+    return [*zone, f"{app}.{namespace}.svc.cluster.local", f"{app}.{namespace}.svc"]
 
 
 def _serving(view: EnvironmentView) -> Serving:

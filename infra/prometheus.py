@@ -70,10 +70,17 @@ def tls_client(server_name: str) -> dict[str, Any]:
             "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}"}  # fmt: skip
 
 
-def web_config() -> dict[str, Any]:
-    """Prometheus' own listener (--web.config.file): TLS with its certificate, which it re-reads as it changes."""
-    return {"tls_server_config": {"cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}",
-                                  "min_version": "TLS12"}}  # fmt: skip
+def web_config(client_auth: bool = False) -> dict[str, Any]:
+    """A Prometheus-family listener (--web.config.file): TLS with its certificate, which it re-reads as it changes;
+    with `client_auth`, only for callers presenting a certificate from the environment's CA."""
+    server = {
+        "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}",
+        "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}",
+        "min_version": "TLS12",
+    }
+    if client_auth:
+        server |= {"client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": f"{TLS_DIR}/{TLS_CA_FILE}"}
+    return {"tls_server_config": server}
 
 
 def pods_service(service: str) -> str:
@@ -127,7 +134,15 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
             "external_labels": {"environment": env},
         },
         "rule_files": [RULES_FILE],
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager_address(namespace, contract)]}]}]},
+        "alerting": {
+            "alertmanagers": [
+                {
+                    "scheme": "https",
+                    "tls_config": tls_client(f"alertmanager.{namespace}.svc.cluster.local"),
+                    "static_configs": [{"targets": [alertmanager_address(namespace, contract)]}],
+                }
+            ]
+        },
         "scrape_configs": jobs,
     }
 

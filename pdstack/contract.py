@@ -283,8 +283,8 @@ class Contract:
         return self.components[Component(component)]
 
     def ratelimit_storage(self, host: str) -> str:
-        """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`."""
-        return f"redis://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"
+        """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`, which serves TLS only."""
+        return f"rediss://{host}:{self.ratelimit_store.port}/{RATELIMIT_STORE_DB}"
 
 
 def kv_port_range(serving: Serving) -> range:

@@ -157,7 +157,7 @@ def alertmanager(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOpt
         f"{name}-alertmanager",
         metadata={"name": "alertmanager", "namespace": a.namespace},
         type="Opaque",
-        string_data={"alertmanager.yml": a.alertmanager_config},
+        string_data={"alertmanager.yml": a.alertmanager_config, WEB_CONFIG_FILE: prometheus_yaml(web_config(True))},
         opts=opts,
     )
     container: dict[str, Any] = {
@@ -167,22 +167,18 @@ def alertmanager(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOpt
             "--config.file=/etc/alertmanager/alertmanager.yml",
             "--storage.path=/alertmanager",
             f"--web.listen-address=:{listener.port}",
+            # TLS, and only Prometheus' client certificate (or another from the CA) may post alerts or silences
+            f"--web.config.file=/etc/alertmanager/{WEB_CONFIG_FILE}",
         ],
-        "ports": [{"name": "http", "container_port": listener.port}],
+        "ports": [{"name": "https", "container_port": listener.port}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-        "liveness_probe": {
-            "http_get": {"path": listener.health_live, "port": "http"},
-            "period_seconds": 15,
-            "failure_threshold": 6,
-        },
-        "readiness_probe": {
-            "http_get": {"path": listener.health_ready, "port": "http"},
-            "period_seconds": 5,
-            "failure_threshold": 3,
-        },
+        # TCP probes: the kubelet has no client certificate to present, and Alertmanager requires one.
+        "liveness_probe": {"tcp_socket": {"port": "https"}, "period_seconds": 15, "failure_threshold": 6},
+        "readiness_probe": {"tcp_socket": {"port": "https"}, "period_seconds": 5, "failure_threshold": 3},
         "volume_mounts": [
             {"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
             {"name": "data", "mount_path": "/alertmanager"},
+            {"name": TLS_VOLUME, "mount_path": TLS_DIR, "read_only": True},
         ],
     }
     volumes: list[Any] = [
@@ -191,5 +187,6 @@ def alertmanager(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOpt
             "secret": {"secret_name": "alertmanager", "optional": False, "default_mode": SECRET_FILE_MODE},
         },
         {"name": "data", "empty_dir": {}},
+        tls_volume("alertmanager"),
     ]
     single_pod(name, args, "alertmanager", 65534, container=container, volumes=volumes, opts=opts)

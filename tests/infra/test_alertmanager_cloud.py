@@ -1,23 +1,31 @@
 """The cloud's Alertmanager: the control-plane stack's webhook reaches its configuration, which is a Kubernetes Secret
-given to Pulumi as a secret (the URL may hold a token), and which Alertmanager's own checker accepts."""
+given to Pulumi as a secret (the URL may hold a token), and which Alertmanager's own checker accepts; the web
+configuration it is started with makes a real Alertmanager serve TLS to clients with a certificate from the CA only."""
 
 from __future__ import annotations
 
 import shutil
+import ssl
 import subprocess
 from pathlib import Path
 
+import httpx
 import pulumi
 import pytest
 import yaml
 
-from infra.prometheus import UNDECRYPTED_WEBHOOK, alertmanager_yaml, webhook_url
+from infra.prometheus import UNDECRYPTED_WEBHOOK, alertmanager_yaml, web_config, webhook_url
 from pdstack.alerting import receiver_name
+from pdstack.contract import TLS_DIR
+from pdstack.local.tls import Leaf, LocalCA
 from pdstack.synth import synthesize
+from tests.alerting.stack import Daemon
+from tests.serving.ports import free_port
 
 from .conftest import STACKS
 
 AMTOOL = shutil.which("amtool")
+ALERTMANAGER = shutil.which("prometheus-alertmanager")
 HOOK = "https://hooks.example.com/pdstack"
 
 
@@ -58,3 +66,39 @@ def test_the_rendered_configuration_is_a_secret_output() -> pulumi.Output[None]:
         assert HOOK in str(text) and "PdstackDatacenterLinkDown" in str(text)
 
     return pulumi.Output.all(rendered, pulumi.Output.from_input(rendered.is_secret())).apply(check)
+
+
+def test_the_web_configuration_admits_only_clients_with_a_certificate_from_the_ca(tmp_path: Path) -> None:
+    """web_config(client_auth=True), as the cluster's Alertmanager gets it, with the Secret's files (TLS_DIR) here."""
+    assert ALERTMANAGER is not None, "apt-get install prometheus-alertmanager"
+    ca = LocalCA(tmp_path / "tls")
+    ca.ensure([Leaf("alertmanager", ("localhost",), ("127.0.0.1",)), Leaf("prometheus", ("prometheus.test",), ())])
+    served = tmp_path / "run-tls"
+    served.mkdir()
+    for source, name in (
+        (ca.cert("alertmanager"), "tls.crt"),
+        (ca.key("alertmanager"), "tls.key"),
+        (ca.ca_cert, "ca.crt"),
+    ):
+        (served / name).write_bytes(source.read_bytes())
+    web = yaml.safe_dump(web_config(client_auth=True)).replace(TLS_DIR, str(served))
+    (tmp_path / "web.yml").write_text(web)
+    (tmp_path / "alertmanager.yml").write_text(
+        yaml.safe_dump({"route": {"receiver": "none"}, "receivers": [{"name": "none"}]})
+    )
+    port = free_port()
+    client = ssl.create_default_context(cafile=str(ca.ca_cert))
+    client.load_cert_chain(ca.cert("prometheus"), ca.key("prometheus"))
+    url = f"https://127.0.0.1:{port}"
+    daemon = Daemon("alertmanager", [ALERTMANAGER, f"--config.file={tmp_path / 'alertmanager.yml'}",
+                                     f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                                     "--cluster.listen-address=", f"--web.config.file={tmp_path / 'web.yml'}"],
+                    url, tmp_path / "alertmanager.log", verify=client)  # fmt: skip
+    daemon.start()
+    try:
+        assert httpx.get(f"{url}/api/v2/status", verify=client, timeout=5).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/-/ready", verify=ssl.create_default_context(cafile=str(ca.ca_cert)), timeout=5)
+        assert httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 400
+    finally:
+        daemon.stop()

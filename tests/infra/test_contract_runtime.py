@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from infra.network import plan_subnets
-from infra.workloads.common import SECRET_NAME
+from infra.workloads.common import SECRET_NAME, TLS_VOLUME
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG
 from pdserve.cli import CONTROL_ROLES, SERVER_ROLES
 from pdserve.common.settings import load_settings
@@ -248,7 +248,8 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
 
 def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: dict[str, Synthesis]) -> None:
     """The cloud half of issue 13's shared limits: every gateway replica points at one Redis, on the port that
-    Redis listens on, with the password that Redis requires, and only the gateways may reach it."""
+    Redis listens on, with the password that Redis requires, and only the gateways may reach it; over TLS only
+    (#17), by a name the store's certificate carries, the gateway presenting its own client certificate."""
     graph = graphs["prod-control"]
     deployments = _objects(graph, "kubernetes:apps/v1:Deployment")
     secret_object = _objects(graph, "kubernetes:core/v1:Secret")[SECRET_NAME]
@@ -261,9 +262,16 @@ def test_the_gateways_share_their_rate_limits_in_the_in_cluster_store(graphs: di
     redis = deployments[RATELIMIT_STORE]["spec"]["template"]["spec"]
     config = dict(line.split(" ", 1) for line in secret[RATELIMIT_STORE_CONFIG].splitlines())
 
-    assert store.scheme == "redis" and store.host.startswith(f"{RATELIMIT_STORE}.")
+    assert store.scheme == "rediss" and store.host.startswith(f"{RATELIMIT_STORE}.")
     assert store.port == service["spec"]["ports"][0]["port"] == redis["containers"][0]["ports"][0]["containerPort"]
-    assert int(config["port"]) == store.port
+    assert int(config["tls-port"]) == store.port and config["port"] == "0" and config["tls-auth-clients"] == "yes"
+    (request,) = [r for r in graph.of_type("tls:index/certRequest:CertRequest") if r.name == f"tls-{RATELIMIT_STORE}"]
+    assert store.host in request.inputs["dnsNames"]
+    assert gateway.tls_client_cert is not None and gateway.tls_ca is not None
+    (mount,) = [m for m in redis["containers"][0]["volumeMounts"] if m["name"] == TLS_VOLUME]
+    assert config["tls-cert-file"] == f"{mount['mountPath']}/tls.crt"
+    (volume,) = [v for v in redis["volumes"] if v["name"] == TLS_VOLUME]
+    assert volume["secret"]["secretName"] == f"{RATELIMIT_STORE}-tls"
     files = _mounted_files(pod, pod["containers"][0], secret_object)
     assert config["requirepass"] == secret[files[str(gateway.rate_limit_password_file)]]
     policy = _objects(graph, "kubernetes:networking.k8s.io/v1:NetworkPolicy")[RATELIMIT_STORE]["spec"]

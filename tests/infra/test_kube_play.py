@@ -17,10 +17,10 @@ What this test rewrites in the rendered objects, and why (nothing else is touche
   rate-limit store is Redis on the host, run with the Secret's own redis.conf;
 - the containers' `ports` are left out: podman 4.3 publishes each containerPort on the host (Kubernetes publishes
   none), which clashes between replicas and with the host's own listeners;
-- TLS is left out (the tls volume, its mount, the PDSERVE_TLS_* settings; the gateway is told it may then serve
-  plain HTTP): the pods are reached here by addresses podman picks at play time, which no certificate made before
-  can name. The rendered TLS wiring is checked against pdserve's settings in test_contract_runtime.py, and pdserve's
-  TLS itself by tests/serving/test_pdserve_tls.py;
+- TLS is left out (the tls volume, its mount, the PDSERVE_TLS_* settings, the store's tls-* lines and its rediss://
+  URL; the gateway is told it may then serve plain HTTP): the pods are reached here by addresses podman picks at play
+  time, which no certificate made before can name. The rendered TLS wiring is checked against pdserve's settings in
+  test_contract_runtime.py, and pdserve's TLS itself by tests/serving/test_pdserve_tls.py;
 - the claim's storageClassName (EBS) is left out: a claim here is a podman named volume;
 - the probes are left out of what podman runs and the test is the kubelet: podman would turn an httpGet probe into a
   `curl` health check, and the image has no curl. The test polls each container's readiness and liveness probes
@@ -352,6 +352,11 @@ def bridge_gateway(run: Run, app: str) -> str:
     return out.strip()
 
 
+def without_tls(redis_conf: str) -> str:
+    """The store's redis.conf with its TLS lines left out (module docstring), its password and limits kept."""
+    return "".join(line for line in redis_conf.splitlines(keepends=True) if not line.startswith(("tls-", "port ")))
+
+
 @pytest.fixture(scope="module")
 def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     assert PODMAN is not None and REDIS is not None, "podman and redis-server are needed (scripts/host-setup.sh)"
@@ -365,18 +370,17 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
         scheduler_url = service_url(run, "scheduler", [scheduler_ip])
         host = bridge_gateway(run, "scheduler")
         store_port = free_port()
-        (tmp / "redis.conf").write_text(run.secret["stringData"]["ratelimit-store-redis.conf"])
+        (tmp / "redis.conf").write_text(without_tls(run.secret["stringData"]["ratelimit-store-redis.conf"]))
         processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
                                            "--dir", str(tmp)], stdout=subprocess.DEVNULL))  # fmt: skip
         gateway_env = {e["name"]: e["value"] for e in run.container("gateway")["env"]}
+        storage = httpx.URL(gateway_env["PDSERVE_RATE_LIMIT_STORAGE"])
         gateway_ips = play(
             run,
             "gateway",
             {
                 "PDSERVE_SCHEDULER_URL": scheduler_url,
-                "PDSERVE_RATE_LIMIT_STORAGE": gateway_env["PDSERVE_RATE_LIMIT_STORAGE"].replace(
-                    httpx.URL(gateway_env["PDSERVE_RATE_LIMIT_STORAGE"]).netloc.decode(), f"{host}:{store_port}"
-                ),
+                "PDSERVE_RATE_LIMIT_STORAGE": str(storage.copy_with(scheme="redis", host=host, port=store_port)),
             },
         )
         model = make_test_checkpoint("dense", tmp / "model")

@@ -158,3 +158,30 @@ def test_the_control_planes_pods_listen_with_their_own_certificates(graphs: dict
     assert yaml.safe_load(config_map["web.yml"])["tls_server_config"]["cert_file"] == "/run/tls/tls.crt"
     args = workloads["prometheus"]["containers"][0]["args"]
     assert "--web.config.file=/etc/prometheus/web.yml" in args
+
+
+def test_the_clusters_alertmanager_takes_alerts_from_prometheus_over_mutual_tls(graphs: dict[str, Synthesis]) -> None:
+    """Inside the cluster too (#17): Alertmanager serves TLS from its own Secret and requires a client certificate
+    from the CA, Prometheus sends over TLS by the name that certificate carries and presents its own, and the
+    kubelet, which has no certificate to present, probes the port only."""
+    graph = graphs["prod-control"]
+    secrets = {s.inputs["metadata"]["name"]: s for s in graph.of_type("kubernetes:core/v1:Secret")}
+    assert set(secrets["alertmanager-tls"].inputs["stringData"]) == {"tls.crt", "tls.key", "ca.crt"}
+    assert _requests(graph)["alertmanager"][0] == "alertmanager.pdstack-prod.svc.cluster.local"
+    web = yaml.safe_load(secrets["alertmanager"].inputs["stringData"]["web.yml"])["tls_server_config"]
+    assert web["client_auth_type"] == "RequireAndVerifyClientCert" and web["client_ca_file"] == "/run/tls/ca.crt"
+    (deployment,) = [d for d in graph.of_type("kubernetes:apps/v1:Deployment") if d.name.endswith("-alertmanager")]
+    pod = deployment.inputs["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--web.config.file=/etc/alertmanager/web.yml" in container["args"]
+    assert any(v.get("secret", {}).get("secretName") == "alertmanager-tls" for v in pod["volumes"])
+    assert {"name": "tls", "mountPath": "/run/tls", "readOnly": True} in container["volumeMounts"]
+    assert container["livenessProbe"]["tcpSocket"] == container["readinessProbe"]["tcpSocket"] == {"port": "https"}
+    config_map = next(
+        c.inputs["data"]
+        for c in graph.of_type("kubernetes:core/v1:ConfigMap")
+        if c.inputs["metadata"]["name"] == "prometheus"
+    )
+    (sender,) = yaml.safe_load(config_map["prometheus.yml"])["alerting"]["alertmanagers"]
+    assert sender["scheme"] == "https" and sender["tls_config"]["server_name"] in _requests(graph)["alertmanager"]
+    assert sender["tls_config"]["cert_file"] == "/run/tls/tls.crt"

@@ -147,11 +147,11 @@ def _shared_storage(uri: str, password: str | None, tls: TLSClientSettings | Non
     if password is not None:
         options["password"] = password
     if uri.startswith("rediss://"):
-        options.update(_ssl_options(tls))
+        options.update(store_ssl_options(tls))
     return storage_from_string("async+" + uri, **options)
 
 
-def _ssl_options(tls: TLSClientSettings | None) -> dict[str, Any]:
+def store_ssl_options(tls: TLSClientSettings | None) -> dict[str, Any]:
     """redis-py's TLS options for a rediss:// store: its certificate verified against tls_ca (unset: the system's
     CAs) and its host name checked; tls_client_cert presented when set (a store requiring client certificates)."""
     options: dict[str, Any] = {
