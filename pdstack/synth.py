@@ -23,7 +23,8 @@ from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.sync_await import _sync_await
 
 from infra.program import main as program_main
-from pdstack.contract import KV_PORT_POLICY, cloud_names, contract, policy_config
+from pdstack.contract import cloud_names, contract
+from pdstack.contract_files import KV_PORT_POLICY, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
 from pdstack.policy import rules
 from pdstack.stackfile import StackFile, StackFileError, load_stack_file
@@ -118,7 +119,8 @@ def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
 
 
 def _policy_config(environment: dict[str, StackConfig]) -> rules.PolicyConfig:
-    """The pack's config as `pulumi preview` gets it from policy/config/<env>.json (pdstack.contract.policy_config)."""
+    """The pack's config as `pulumi preview` gets it from policy/config/<env>.json
+    (pdstack.contract_files.policy_config)."""
     serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
     if serving is None:
         return rules.PolicyConfig()

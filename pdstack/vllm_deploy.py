@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract import environment_serving, environments, kv_port_range, sync_files
+from pdstack.contract import kv_port_range
+from pdstack.contract_files import environment_serving, environments, sync_files
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.vllm_command import (
     AGENT_MODULE,

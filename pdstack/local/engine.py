@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from pdstack import vllm_deploy
-from pdstack.contract import render_ansible_vars
+from pdstack.contract_files import render_ansible_vars
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Alerting, Engine, Limits, Model, Serving, Vllm
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from openai import OpenAI
 
-from pdstack.contract import ansible_vars, contract, environment_alerting, write_ansible_vars
+from pdstack.contract import contract
+from pdstack.contract_files import ansible_vars, environment_alerting, write_ansible_vars
 from pdstack.local import nodes, transport
 from pdstack.local.commands import CommandError, run_captured
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers

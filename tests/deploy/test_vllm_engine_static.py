@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdstack.contract import environment_serving
+from pdstack.contract_files import environment_serving
 from pdstack.model import KvConnector, PoolRole
 from pdstack.vllm_command import agent_args, engine_args
 from pdstack.vllm_deploy import ansible_vars

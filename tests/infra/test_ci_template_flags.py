@@ -21,7 +21,8 @@ import typer
 import yaml
 
 from pdstack.cli import app
-from pdstack.contract import POLICY_CONFIG_DIR, contract, environment_serving, policy_config
+from pdstack.contract import contract
+from pdstack.contract_files import POLICY_CONFIG_DIR, environment_serving, policy_config
 from pdstack.stackfile import load_stack_file
 
 from .conftest import ROOT, STACKS

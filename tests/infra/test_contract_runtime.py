@@ -37,10 +37,10 @@ from pdstack.contract import (
     Component,
     Contract,
     contract,
-    environment_serving,
     prometheus_url_parameter,
     scheduler_url_parameter,
 )
+from pdstack.contract_files import environment_serving
 from pdstack.model import PoolRole
 from pdstack.synth import Synthesis
 from pdstack.vllm_command import connector_extra_config

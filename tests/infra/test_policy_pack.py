@@ -28,7 +28,8 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from pdstack.contract import Component, contract, environment_serving
+from pdstack.contract import Component, contract
+from pdstack.contract_files import environment_serving
 from pdstack.policy import rules
 from pdstack.policy.pack import policies
 from pdstack.synth import Resource, Synthesis

@@ -26,7 +26,8 @@ import yaml
 
 from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
-from pdstack.contract import Component, contract, environment_serving, prometheus_url_parameter
+from pdstack.contract import Component, contract, prometheus_url_parameter
+from pdstack.contract_files import environment_serving
 from pdstack.stacks import load_environment
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pdstack.cli import app
-from pdstack.contract import environment_serving
+from pdstack.contract_files import environment_serving
 from pdstack.local.engine import EngineError, resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Engine, PoolRole, Serving, Vllm

@@ -20,11 +20,8 @@ from pdstack.contract import (
     PDSERVE_BIN,
     Component,
     contract,
-    environment_serving,
-    environments,
-    main,
-    render_ansible_vars,
 )
+from pdstack.contract_files import environment_serving, environments, main, render_ansible_vars
 from pdstack.model import REQUIRED_SECRETS, Model, Ports, Serving
 from tests.conftest import REPO, STACKS
 
@@ -45,7 +42,9 @@ def test_every_environment_has_an_example() -> None:
 @pytest.mark.parametrize("env", ["local", "dev", "staging", "prod"])
 def test_the_committed_ansible_vars_are_what_the_stacks_render_to(env: str) -> None:
     committed = (REPO / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text()
-    assert committed == render_ansible_vars(env, environment_serving(STACKS, env)), "run `python -m pdstack.contract`"
+    assert committed == render_ansible_vars(env, environment_serving(STACKS, env)), (
+        "run `python -m pdstack.contract_files`"
+    )
 
 
 def test_the_render_command_reports_nothing_stale() -> None:

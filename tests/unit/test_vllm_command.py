@@ -21,9 +21,9 @@ from pdstack.contract import (
     LISTEN_HOST,
     SERVER_TOKEN,
     contract,
-    environment_serving,
     kv_port_range,
 )
+from pdstack.contract_files import environment_serving
 from pdstack.model import Engine, KvConnector, Model, PoolRole, Serving, Vllm
 from pdstack.vllm_command import (
     API_SERVER,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pdstack.contract import environment_serving
+from pdstack.contract_files import environment_serving
 from pdstack.model import Engine, KvConnector, PoolRole
 from pdstack.vllm_command import API_SERVER, VLLM_PYTHON, agent_args, engine_args, engine_env
 from pdstack.vllm_deploy import PLACEHOLDERS, VARS_DIR, ansible_vars, main, render

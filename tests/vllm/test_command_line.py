@@ -17,7 +17,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from pdstack.contract import environment_serving
+from pdstack.contract_files import environment_serving
 from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Tracing, Vllm
 from pdstack.vllm_command import API_SERVER, engine_args, engine_command, engine_env
 
