@@ -1,8 +1,8 @@
-"""A server pool's name in the environment's zone, <pool>.<datacenter>.<zone> (pdstack.contract.Names): an A record of
-its InService instances' addresses, kept by a small Lambda function (infra/lambdas/pool_records.py) that EventBridge
-runs on every launch and termination in the pool's Auto Scaling group and every RECONCILE_MINUTES. Instances come and
-go without a `pulumi up`, so the program cannot write these addresses itself; the function may change only this one
-record of the zone."""
+"""A server pool's names in the environment's zone (pdstack.contract.Names): <pool>.<datacenter>.<zone>, an A record of
+its InService instances' addresses, and <instance-id>.<pool>.<datacenter>.<zone> for each of them, kept by a small
+Lambda function (infra/lambdas/pool_records.py) that EventBridge runs on every launch and termination in the pool's
+Auto Scaling group and every RECONCILE_MINUTES. Instances come and go without a `pulumi up`, so the program cannot
+write these addresses itself; the function may change only the pool's A records of the zone."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class PoolRecordsArgs:
 
 
 def function_policy(zone_id: str, record_name: str) -> str:
-    """Read the group and its instances; change only the pool's own A record."""
+    """Read the group and its instances; change only the pool's own A records: its name and the names under it."""
     zone = f"arn:aws:route53:::hostedzone/{zone_id}"
     return json.dumps(
         {
@@ -52,8 +52,8 @@ def function_policy(zone_id: str, record_name: str) -> str:
                     "Action": "route53:ChangeResourceRecordSets",
                     "Resource": zone,
                     "Condition": {
-                        "ForAllValues:StringEquals": {
-                            "route53:ChangeResourceRecordSetsNormalizedRecordNames": [record_name],
+                        "ForAllValues:StringLike": {
+                            "route53:ChangeResourceRecordSetsNormalizedRecordNames": [record_name, f"*.{record_name}"],
                             "route53:ChangeResourceRecordSetsRecordTypes": ["A"],
                         }
                     },
@@ -102,7 +102,7 @@ class PoolRecords(pulumi.ComponentResource):
                     "RECORD_TTL": str(RECORD_TTL_S),
                 }
             },
-            description=pulumi.Output.concat("pdstack: keeps ", args.record_name, " equal to its group's instances"),
+            description=pulumi.Output.concat("pdstack: keeps ", args.record_name, " and its instances' names current"),
             tags=tags,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[policy]),
         )

@@ -1,4 +1,4 @@
-"""A pool's name follows its Auto Scaling group: the reconciler the datacenter stacks deploy
+"""A pool's names follow its Auto Scaling group: the reconciler the datacenter stacks deploy
 (infra/lambdas/pool_records.py) against moto's in-process AWS (EC2, Auto Scaling, Route53; no cloud here), and the
 functions, triggers and permissions in the prod graphs."""
 
@@ -12,7 +12,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from infra.lambdas.pool_records import reconcile, record_change
+from infra.lambdas.pool_records import instance_name, reconcile, record_change
 from pdstack.contract import cloud_names
 from pdstack.synth import Synthesis
 
@@ -41,32 +41,63 @@ def aws() -> Iterator[dict[str, Any]]:
         yield {"clients": clients, "zone": zone}
 
 
-def _record(aws: dict[str, Any]) -> list[str] | None:
+def _records(aws: dict[str, Any]) -> dict[str, list[str]]:
+    """The zone's A records under the pool's name (its own included): name -> addresses."""
     sets = aws["clients"]["route53"].list_resource_record_sets(HostedZoneId=aws["zone"])["ResourceRecordSets"]
-    found = [r for r in sets if r["Name"].rstrip(".") == NAME and r["Type"] == "A"]
-    return sorted(r["Value"] for r in found[0]["ResourceRecords"]) if found else None
+    return {
+        r["Name"].rstrip("."): sorted(v["Value"] for v in r["ResourceRecords"])
+        for r in sets
+        if r["Type"] == "A" and (r["Name"].rstrip(".") == NAME or r["Name"].rstrip(".").endswith(f".{NAME}"))
+    }
 
 
-def _addresses(aws: dict[str, Any]) -> list[str]:
+def _instances(aws: dict[str, Any]) -> dict[str, str]:
     groups = aws["clients"]["autoscaling"].describe_auto_scaling_groups(AutoScalingGroupNames=["pool"])
     ids = [i["InstanceId"] for i in groups["AutoScalingGroups"][0]["Instances"]]
     if not ids:
-        return []
+        return {}
     reservations = aws["clients"]["ec2"].describe_instances(InstanceIds=ids)["Reservations"]
-    return sorted(i["PrivateIpAddress"] for r in reservations for i in r["Instances"])
+    return {i["InstanceId"]: i["PrivateIpAddress"] for r in reservations for i in r["Instances"]}
 
 
-def test_the_record_follows_the_groups_instances(aws: dict[str, Any]) -> None:
+def _expected(aws: dict[str, Any]) -> dict[str, list[str]]:
+    instances = _instances(aws)
+    own = {instance_name(i, NAME): [a] for i, a in instances.items()}
+    return ({NAME: sorted(instances.values())} if instances else {}) | own
+
+
+def test_the_records_follow_the_groups_instances(aws: dict[str, Any]) -> None:
+    """The pool's name holds every InService address, and each instance's own name its address only."""
     clients, zone = aws["clients"], aws["zone"]
-    assert reconcile(clients, zone, NAME, "pool", 60)["Action"] == "UPSERT"
-    assert _record(aws) == _addresses(aws) and len(_addresses(aws)) == 2
-    assert reconcile(clients, zone, NAME, "pool", 60) is None  # nothing to change: no write
+    assert [c["Action"] for c in reconcile(clients, zone, NAME, "pool", 60)] == ["UPSERT"] * 3
+    assert _records(aws) == _expected(aws) and len(_instances(aws)) == 2
+    assert reconcile(clients, zone, NAME, "pool", 60) == []  # nothing to change: no write
     clients["autoscaling"].set_desired_capacity(AutoScalingGroupName="pool", DesiredCapacity=3)
     reconcile(clients, zone, NAME, "pool", 60)
-    assert _record(aws) == _addresses(aws) and len(_addresses(aws)) == 3
+    assert _records(aws) == _expected(aws) and len(_instances(aws)) == 3
+    gone = next(iter(_instances(aws)))
+    clients["autoscaling"].terminate_instance_in_auto_scaling_group(
+        InstanceId=gone, ShouldDecrementDesiredCapacity=True
+    )
+    reconcile(clients, zone, NAME, "pool", 60)
+    assert instance_name(gone, NAME) not in _records(aws) and _records(aws) == _expected(aws)
     clients["autoscaling"].update_auto_scaling_group(AutoScalingGroupName="pool", MinSize=0, DesiredCapacity=0)
-    assert reconcile(clients, zone, NAME, "pool", 60)["Action"] == "DELETE"  # no instance: no name
-    assert _record(aws) is None
+    assert {c["Action"] for c in reconcile(clients, zone, NAME, "pool", 60)} == {"DELETE"}  # no instance: no name
+    assert _records(aws) == {}
+
+
+def test_records_of_other_names_in_the_zone_are_left_alone(aws: dict[str, Any]) -> None:
+    clients, zone = aws["clients"], aws["zone"]
+    other = {"Name": f"other-{NAME}", "Type": "A", "TTL": 60, "ResourceRecords": [{"Value": "10.9.9.9"}]}
+    clients["route53"].change_resource_record_sets(
+        HostedZoneId=zone, ChangeBatch={"Changes": [{"Action": "UPSERT", "ResourceRecordSet": other}]}
+    )
+    changes = reconcile(clients, zone, NAME, "pool", 60)
+    assert all(c["ResourceRecordSet"]["Name"].endswith(NAME) and "other-" not in c["ResourceRecordSet"]["Name"]
+               for c in changes)  # fmt: skip
+    names = [r["Name"].rstrip(".") for r in clients["route53"].list_resource_record_sets(HostedZoneId=zone)[
+        "ResourceRecordSets"]]  # fmt: skip
+    assert f"other-{NAME}" in names
 
 
 def test_an_unchanged_set_in_another_order_is_no_change() -> None:
@@ -97,9 +128,9 @@ def test_each_pool_has_its_reconciler_allowed_only_its_own_record(graphs: dict[s
                       if p.name == function.name)  # fmt: skip
         write = next(s for s in json.loads(policy.inputs["policy"])["Statement"] if s["Sid"] == "WriteRecord")
         assert write["Resource"] == f"arn:aws:route53:::hostedzone/{variables['ZONE_ID']}"
-        assert write["Condition"]["ForAllValues:StringEquals"][
+        assert write["Condition"]["ForAllValues:StringLike"][
             "route53:ChangeResourceRecordSetsNormalizedRecordNames"
-        ] == [record]
+        ] == [record, f"*.{record}"]
     patterns = [json.loads(r.inputs["eventPattern"]) for r in graph.of_type("aws:cloudwatch/eventRule:EventRule")
                 if "eventPattern" in r.inputs]  # fmt: skip
     assert {p["detail"]["AutoScalingGroupName"][0] for p in patterns} == {f"{dc}-{p}-group" for p in pools}
