@@ -26,7 +26,7 @@ from infra.program import main as program_main
 from pdstack.contract import cloud_names, contract
 from pdstack.contract_files import KV_PORT_POLICY, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
-from pdstack.policy import rules
+from pdstack.policy import core, rules
 from pdstack.stackfile import StackFile, StackFileError, load_stack_file
 from pdstack.stacks import EnvironmentLoadError, load_environment, stack_files
 
@@ -66,7 +66,7 @@ class Synthesis:
     resources: list[Resource] = field(default_factory=list)
     outputs: dict[str, Any] = field(default_factory=dict)
     secret_outputs: set[str] = field(default_factory=set)
-    violations: list[rules.Violation] = field(default_factory=list)
+    violations: list[core.Violation] = field(default_factory=list)
     skipped: str | None = None  # why nothing was synthesised (the local environment)
     policies_checked: int = 0
 
@@ -101,7 +101,7 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
     recorder = _run(stack, config, environment, result)
     result.resources = recorder
     result.violations = rules.evaluate(
-        [rules.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
+        [core.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
         _policy_config(environment),
     )
     result.policies_checked = len(rules.POLICY_NAMES)
@@ -118,13 +118,13 @@ def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
     return configs
 
 
-def _policy_config(environment: dict[str, StackConfig]) -> rules.PolicyConfig:
+def _policy_config(environment: dict[str, StackConfig]) -> core.PolicyConfig:
     """The pack's config as `pulumi preview` gets it from policy/config/<env>.json
     (pdstack.contract_files.policy_config)."""
     serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
     if serving is None:
-        return rules.PolicyConfig()
-    return rules.PolicyConfig.from_pack_config(policy_config(contract(serving))[KV_PORT_POLICY])
+        return core.PolicyConfig()
+    return core.PolicyConfig.from_pack_config(policy_config(contract(serving))[KV_PORT_POLICY])
 
 
 def _config_strings(config: dict[str, Any]) -> dict[str, str]:

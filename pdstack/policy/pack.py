@@ -16,7 +16,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from pdstack.policy import rules
+from pdstack.policy import core, rules
 
 PACK_NAME = "pdstack"
 CONFIG_SCHEMA = PolicyConfigSchema(
@@ -27,11 +27,11 @@ CONFIG_SCHEMA = PolicyConfigSchema(
 )
 
 
-def _config(raw: Mapping[str, Any]) -> rules.PolicyConfig:
-    return rules.PolicyConfig.from_pack_config(raw)
+def _config(raw: Mapping[str, Any]) -> core.PolicyConfig:
+    return core.PolicyConfig.from_pack_config(raw)
 
 
-def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:
+def resource_policy(rule: core.ResourceRule) -> ResourceValidationPolicy:
     def validate(args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
         for message in rule.check(args.resource_type, dict(args.props), _config(args.get_config())):
             report_violation(message, None)
@@ -45,9 +45,9 @@ def resource_policy(rule: rules.ResourceRule) -> ResourceValidationPolicy:
     )
 
 
-def stack_policy(rule: rules.StackRule) -> StackValidationPolicy:
+def stack_policy(rule: core.StackRule) -> StackValidationPolicy:
     def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
-        graph = [rules.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props)) for r in args.resources]
+        graph = [core.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props)) for r in args.resources]
         for resource, message in rule.check(graph, _config(args.get_config())):
             report_violation(message, resource.urn)
 

@@ -30,7 +30,7 @@ from pulumi_policy import (
 
 from pdstack.contract import Component, contract
 from pdstack.contract_files import environment_serving
-from pdstack.policy import rules
+from pdstack.policy import core, rules
 from pdstack.policy.pack import policies
 from pdstack.synth import Resource, Synthesis
 
@@ -195,7 +195,7 @@ def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parame
 ) -> None:
     edited = _edit(graphs["prod-prefill-us-east-1"], type_, change, only)
     assert {policy for policy, _ in run_pack(pack, edited)} == expected
-    direct = rules.evaluate([rules.PolicyResource(r.type, r.name, r.urn, r.inputs) for r in edited])
+    direct = rules.evaluate([core.PolicyResource(r.type, r.name, r.urn, r.inputs) for r in edited])
     assert {v.policy for v in direct} == expected
 
 

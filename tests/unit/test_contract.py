@@ -120,7 +120,7 @@ def test_mutual_tls_requires_client_certificates_on_every_internal_listener_and_
 
 def test_the_policy_packs_default_kv_port_is_the_models() -> None:
     pack = (REPO / "pdstack" / "policy" / "pack.py").read_text()
-    rules = (REPO / "pdstack" / "policy" / "rules.py").read_text()
+    rules = (REPO / "pdstack" / "policy" / "core.py").read_text()
     assert f'"default": {Ports().kv}' in pack and f"kv_port: int = {Ports().kv}" in rules
 
 
