@@ -35,6 +35,7 @@ from pdstack.catalog import Catalog, load_catalog
 from pdstack.contract import (
     Names,
     cloud_names,
+    cluster_service_name,
     contract,
     gateway_keys_file,
     prometheus_url_parameter,
@@ -377,7 +378,7 @@ def component_names(names: Names, app: str, datacenter: str, namespace: str) -> 
     """What `app`'s certificate names: its name in the zone (an app behind a load balancer), then its in-cluster
     Service names."""
     zone = [names.host(app, datacenter)] if app in LOAD_BALANCED else []
-    return [*zone, f"{app}.{namespace}.svc.cluster.local", f"{app}.{namespace}.svc"]
+    return [*zone, cluster_service_name(app, namespace), f"{app}.{namespace}.svc"]
 
 
 def _serving(view: EnvironmentView) -> Serving:

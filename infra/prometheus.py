@@ -18,7 +18,15 @@ import yaml
 
 from infra.tags import DC, ENV, POOL, ROLE
 from pdstack.alerting import alertmanager_config
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE, Component, Contract
+from pdstack.contract import (
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_DIR,
+    TLS_KEY_FILE,
+    Component,
+    Contract,
+    cluster_service_name,
+)
 from pdstack.model import PoolRole
 from pdstack.stackfile import NAMESPACE
 
@@ -95,8 +103,8 @@ def _service_job(job: str, service: str, namespace: str, port: int, metrics_path
         "job_name": job,
         "metrics_path": metrics_path,
         "scheme": "https",
-        "tls_config": tls_client(f"{service}.{namespace}.svc.cluster.local"),
-        "dns_sd_configs": [{"names": [f"{pods_service(service)}.{namespace}.svc.cluster.local"], "type": "A",
+        "tls_config": tls_client(cluster_service_name(service, namespace)),
+        "dns_sd_configs": [{"names": [cluster_service_name(pods_service(service), namespace)], "type": "A",
                             "port": port}],
         "relabel_configs": [{"target_label": "role", "replacement": "control"}],
     }  # fmt: skip
@@ -112,7 +120,7 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
         {
             "job_name": contract.prometheus.job,
             "scheme": "https",
-            "tls_config": tls_client(f"prometheus.{namespace}.svc.cluster.local"),
+            "tls_config": tls_client(cluster_service_name("prometheus", namespace)),
             "static_configs": [itself],
         }
     ]
@@ -138,7 +146,7 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
             "alertmanagers": [
                 {
                     "scheme": "https",
-                    "tls_config": tls_client(f"alertmanager.{namespace}.svc.cluster.local"),
+                    "tls_config": tls_client(cluster_service_name("alertmanager", namespace)),
                     "static_configs": [{"targets": [alertmanager_address(namespace, contract)]}],
                 }
             ]

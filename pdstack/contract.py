@@ -84,6 +84,11 @@ class Names:
         return f"*.{self.host(pool, datacenter)}"
 
 
+def cluster_service_name(app: str, namespace: str) -> str:
+    """An in-cluster Service's DNS name: what its clients dial and its certificate carries."""
+    return f"{app}.{namespace}.svc.cluster.local"
+
+
 def tls_settings() -> dict[str, str]:
     """A pdserve component's HTTP TLS settings (pdserve.common.tls) from the files under TLS_DIR: its certificate
     for its listener and, towards the components it calls, as its client certificate (mutual TLS); the

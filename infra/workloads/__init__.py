@@ -24,7 +24,7 @@ from infra.workloads.common import SECRET_NAME, ControlWorkloadsArgs, https_url,
 from infra.workloads.monitoring import alertmanager, prometheus
 from infra.workloads.pdserve_apps import AppSpec, deployment, headless_service
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, ratelimit_store
-from pdstack.contract import Component
+from pdstack.contract import Component, cluster_service_name
 
 
 class ControlWorkloads(pulumi.ComponentResource):
@@ -64,9 +64,9 @@ class ControlWorkloads(pulumi.ComponentResource):
             )
         served = args.contract
         # the name the scheduler's certificate carries (infra/program.component_names)
-        scheduler_url = https_url(f"scheduler.{ns}.svc.cluster.local", served[Component.SCHEDULER].port)
+        scheduler_url = https_url(cluster_service_name("scheduler", ns), served[Component.SCHEDULER].port)
         gateway_contract = served[Component.GATEWAY]
-        store = served.ratelimit_storage(f"{RATELIMIT_STORE}.{ns}.svc.cluster.local")
+        store = served.ratelimit_storage(cluster_service_name(RATELIMIT_STORE, ns))
         gateway = AppSpec(
             "gateway",
             gateway_contract,

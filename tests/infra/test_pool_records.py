@@ -86,6 +86,18 @@ def test_the_records_follow_the_groups_instances(aws: dict[str, Any]) -> None:
     assert _records(aws) == {}
 
 
+def test_an_instances_name_is_covered_by_its_pools_certificate(graphs: dict[str, Synthesis]) -> None:
+    """The seam between the reconciler's names and the certificates the control stack issues the pools: the
+    instance's name falls under exactly the pool's wildcard (one label, as TLS wildcards match)."""
+    names = cloud_names("prod")
+    requests = {r.name.removeprefix("tls-"): r.inputs["dnsNames"] for r in
+                graphs["prod-control"].of_type("tls:index/certRequest:CertRequest")}  # fmt: skip
+    pool, dc = "decode-h200", "decode-us-west-2"
+    (wildcard,) = [n for n in requests[f"{dc}-{pool}"] if n.startswith("*.")]
+    name = instance_name("i-0123456789abcdef0", names.host(pool, dc))
+    assert name.split(".", 1)[1] == wildcard.removeprefix("*.") and "." not in name.split(".", 1)[0]
+
+
 def test_records_of_other_names_in_the_zone_are_left_alone(aws: dict[str, Any]) -> None:
     clients, zone = aws["clients"], aws["zone"]
     other = {"Name": f"other-{NAME}", "Type": "A", "TTL": 60, "ResourceRecords": [{"Value": "10.9.9.9"}]}
