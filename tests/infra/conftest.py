@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from pdstack.local.tls import LocalCA
 from pdstack.stackfile import load_stack_file
 from pdstack.synth import Synthesis, synthesize
 
@@ -25,3 +27,12 @@ def graphs() -> dict[str, Synthesis]:
 
 def stack_config(name: str):
     return load_stack_file(STACKS / f"Pulumi.{name}.yaml").config
+
+
+def mounted_tls(ca: LocalCA, name: str, folder: Path) -> Path:
+    """`name`'s pair and the CA in `folder` as its kubernetes.io/tls Secret is mounted at TLS_DIR (the contract's
+    file names), for a real daemon started with a rendered configuration whose TLS_DIR is replaced by `folder`."""
+    folder.mkdir()
+    for source, file in ((ca.cert(name), TLS_CERT_FILE), (ca.key(name), TLS_KEY_FILE), (ca.ca_cert, TLS_CA_FILE)):
+        (folder / file).write_bytes(source.read_bytes())
+    return folder

@@ -22,7 +22,7 @@ from pdstack.synth import synthesize
 from tests.alerting.stack import Daemon
 from tests.serving.ports import free_port
 
-from .conftest import STACKS
+from .conftest import STACKS, mounted_tls
 
 AMTOOL = shutil.which("amtool")
 ALERTMANAGER = shutil.which("prometheus-alertmanager")
@@ -73,14 +73,7 @@ def test_the_web_configuration_admits_only_clients_with_a_certificate_from_the_c
     assert ALERTMANAGER is not None, "apt-get install prometheus-alertmanager"
     ca = LocalCA(tmp_path / "tls")
     ca.ensure([Leaf("alertmanager", ("localhost",), ("127.0.0.1",)), Leaf("prometheus", ("prometheus.test",), ())])
-    served = tmp_path / "run-tls"
-    served.mkdir()
-    for source, name in (
-        (ca.cert("alertmanager"), "tls.crt"),
-        (ca.key("alertmanager"), "tls.key"),
-        (ca.ca_cert, "ca.crt"),
-    ):
-        (served / name).write_bytes(source.read_bytes())
+    served = mounted_tls(ca, "alertmanager", tmp_path / "run-tls")
     web = yaml.safe_dump(web_config(client_auth=True)).replace(TLS_DIR, str(served))
     (tmp_path / "web.yml").write_text(web)
     (tmp_path / "alertmanager.yml").write_text(

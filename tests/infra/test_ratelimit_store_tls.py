@@ -19,6 +19,8 @@ from pdstack.contract import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
 from tests.serving.ports import free_port
 
+from .conftest import mounted_tls
+
 REDIS = shutil.which("redis-server")
 PASSWORD = "store-password-for-this-test"
 STORE, GATEWAY = "localhost", "gateway"
@@ -30,10 +32,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Local
     tmp = tmp_path_factory.mktemp("ratelimit-tls")
     ca = LocalCA(tmp / "tls")
     ca.ensure([Leaf(STORE, (STORE,), ("127.0.0.1",)), Leaf(GATEWAY, ("gateway.test",), ())])
-    served = tmp / "run-tls"
-    served.mkdir()
-    for source, name in ((ca.cert(STORE), "tls.crt"), (ca.key(STORE), "tls.key"), (ca.ca_cert, "ca.crt")):
-        (served / name).write_bytes(source.read_bytes())
+    served = mounted_tls(ca, STORE, tmp / "run-tls")
     port = free_port()
     conf = (
         ratelimit_store_config(PASSWORD, port).replace(TLS_DIR, str(served)).replace("bind 0.0.0.0", "bind 127.0.0.1")
