@@ -20,8 +20,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_tls as tls
 
-from infra.secrets import secret_path
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE, tls_secret_name
 
 HOURS_PER_DAY = 24
 CA_VALIDITY_DAYS = 3650
@@ -61,10 +60,6 @@ class EnvironmentCertificatesArgs:
     secrets_key_arn: pulumi.Input[str]
     tags: Mapping[str, str]
     recovery_window_days: int
-
-
-def tls_secret_name(env: str, datacenter: str, pool: str) -> str:
-    return secret_path(env, f"tls/{datacenter}/{pool}")
 
 
 class EnvironmentCertificates(pulumi.ComponentResource):

@@ -34,6 +34,7 @@ from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CON
 from pdstack.catalog import Catalog, load_catalog
 from pdstack.contract import (
     Names,
+    ca_certificate_parameter,
     cloud_names,
     cluster_service_name,
     contract,
@@ -52,7 +53,6 @@ RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 LOAD_BALANCED = ("gateway", "scheduler", "prometheus")  # the control plane's apps behind internal load balancers
 IN_CLUSTER_TLS = (*LOAD_BALANCED, "alertmanager", RATELIMIT_STORE)  # each serves TLS from its own Secret
-CA_CERTIFICATE_PARAMETER = "/pdstack/{env}/ca-certificate"
 
 
 def main() -> None:
@@ -313,6 +313,7 @@ def build_control_plane(
                 namespace,
                 contract(serving),
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
+                names.zone,
             ),
             alert_rules=ALERT_RULES.read_text(),
             alertmanager_config=alertmanager_yaml(view.env),
@@ -339,7 +340,7 @@ def build_control_plane(
     # What clients trust (the GPU nodes calling the scheduler, the controller's canary judge): public, not secret.
     aws.ssm.Parameter(
         "ca-certificate",
-        name=CA_CERTIFICATE_PARAMETER.format(env=view.env),
+        name=ca_certificate_parameter(view.env),
         type="String",
         value=certificates.ca_cert_pem,
         description=f"pdstack {view.env}: the environment CA's certificate (PEM) every TLS listener chains to",

@@ -66,15 +66,25 @@ def _ec2_sd(env: str, dc: DatacenterTarget, port: int, role: PoolRole | None) ->
     return {"region": dc.region, "port": port, "filters": filters}
 
 
-def _ec2_job(job: str, sd_configs: list[dict[str, Any]], metrics_path: str | None = None) -> dict[str, Any]:
+def instance_address(zone: str, port: int) -> dict[str, Any]:
+    """Scrape an instance by its own name, <instance id>.<pool>.<datacenter>.<zone> (pdstack.contract
+    Names.instance, the record infra/lambdas/pool_records.py keeps), which its pool's certificate carries."""
+    return {"source_labels": ["__meta_ec2_instance_id", _tag_label(POOL), _tag_label(DC)], "separator": ".",
+            "regex": "(.+)", "target_label": "__address__", "replacement": f"${{1}}.{zone}:{port}"}  # fmt: skip
+
+
+def _ec2_job(job: str, sd_configs: list[dict[str, Any]], zone: str, metrics_path: str | None = None) -> dict[str, Any]:
+    port = sd_configs[0]["port"]
     return {"job_name": job, **({"metrics_path": metrics_path} if metrics_path else {}),
-            "ec2_sd_configs": sd_configs, "relabel_configs": EC2_RELABEL}  # fmt: skip
+            "scheme": "https", "tls_config": tls_client(), "ec2_sd_configs": sd_configs,
+            "relabel_configs": [*EC2_RELABEL, instance_address(zone, port)]}  # fmt: skip
 
 
-def tls_client(server_name: str) -> dict[str, Any]:
-    """How Prometheus scrapes a TLS listener: the environment's CA, the name the target's certificate carries (it
-    is dialled by address), and its own certificate, which a listener under mutual TLS asks for."""
-    return {"ca_file": f"{TLS_DIR}/{TLS_CA_FILE}", "server_name": server_name,
+def tls_client(server_name: str | None = None) -> dict[str, Any]:
+    """How Prometheus scrapes a TLS listener: the environment's CA, the name the target's certificate carries where
+    it is dialled by another (a pod by address), and its own certificate, which a listener under mutual TLS asks
+    for."""
+    return {"ca_file": f"{TLS_DIR}/{TLS_CA_FILE}", **({"server_name": server_name} if server_name else {}),
             "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}"}  # fmt: skip
 
 
@@ -114,7 +124,9 @@ def alertmanager_address(namespace: str, contract: Contract) -> str:
     return f"alertmanager.{namespace}.svc:{contract.alertmanager.port}"
 
 
-def scrape_config(env: str, namespace: str, contract: Contract, datacenters: list[DatacenterTarget]) -> dict[str, Any]:
+def scrape_config(
+    env: str, namespace: str, contract: Contract, datacenters: list[DatacenterTarget], zone: str
+) -> dict[str, Any]:
     itself = {"targets": [f"localhost:{contract.prometheus.port}"]}
     jobs: list[dict[str, Any]] = [
         {
@@ -131,10 +143,10 @@ def scrape_config(env: str, namespace: str, contract: Contract, datacenters: lis
         served = contract[component]
         sd = [_ec2_sd(env, dc, served.port, role) for dc in datacenters if role in dc.pool_roles]
         if sd:
-            jobs.append(_ec2_job(served.job, sd, served.metrics_path))
+            jobs.append(_ec2_job(served.job, sd, zone, served.metrics_path))
     node_job = contract.node_exporter.job
     assert node_job is not None
-    jobs.append(_ec2_job(node_job, [_ec2_sd(env, dc, contract.node_exporter.port, None) for dc in datacenters]))
+    jobs.append(_ec2_job(node_job, [_ec2_sd(env, dc, contract.node_exporter.port, None) for dc in datacenters], zone))
     return {
         "global": {
             "scrape_interval": SCRAPE_INTERVAL,

@@ -14,6 +14,7 @@ import pulumi_aws as aws
 import pulumi_random as random
 
 from infra.encryption import ManagedKey, ManagedKeyArgs
+from pdstack.contract import secret_name
 from pdstack.model import Secret
 
 SECRET_LENGTH = 48
@@ -35,10 +36,6 @@ def derive_token(key: str, principal: str) -> str:
     as pdserve.scheduler.identity and roles/pdserve/filter_plugins)."""
     mac = hmac.new(key.encode(), b"pdstack-scheduler-principal\0" + principal.encode(), hashlib.sha256).hexdigest()
     return f"pds1.{principal}.{mac}"
-
-
-def secret_path(env: str, name: str) -> str:
-    return f"pdstack/{env}/{name}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,7 @@ class EnvironmentSecrets(pulumi.ComponentResource):
             value = _as_secret(generated.result)
             stored = aws.secretsmanager.Secret(
                 f"{name}-{spec.name}",
-                name=secret_path(args.env, spec.name),
+                name=secret_name(args.env, spec.name),
                 description=f"pdstack {args.env} {spec.name}; rotated every {spec.rotation_days} days by pulumi up",
                 kms_key_id=self.key.key.arn,
                 recovery_window_in_days=args.recovery_window_days,

@@ -2,10 +2,10 @@
 
 - `pdstack.aws_ec2.yml`, the `amazon.aws.aws_ec2` inventory: the regions every cloud environment's datacenters are in;
   it groups the instances by the `pdstack:*` tags the Pulumi program puts on them (infra/tags.py).
-- `group_vars/all/stacks.yml`, per environment: its secrets' Secrets Manager names, the region holding them (the
-  control plane's) and, per
-  datacenter, its region and its widest link (the largest bandwidth-delay product, which sizes socket buffers), as
-  `pdstack local` renders them for inventories/local.
+- `group_vars/all/stacks.yml`, per environment: its secrets' Secrets Manager names (each server pool's certificate
+  among them), the region holding them (the control plane's), its private zone, the SSM parameters naming the
+  scheduler's URL and holding the CA, and per datacenter its region and its widest link (the largest
+  bandwidth-delay product, which sizes socket buffers), as `pdstack local` renders them for inventories/local.
 
 `python -m pdstack.cloud_inventory [--stacks DIR]` rewrites both; a test checks that the committed files are current.
 """
@@ -18,9 +18,16 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract import scheduler_url_parameter
+from pdstack.contract import (
+    DNS_DOMAIN,
+    ca_certificate_parameter,
+    cloud_names,
+    scheduler_url_parameter,
+    secret_name,
+    tls_secret_name,
+)
+from pdstack.model import DatacenterRole, Link, LinkKind, PoolRole
 from pdstack.model import Environment as EnvName
-from pdstack.model import Link, LinkKind, PoolRole
 from pdstack.stacks import PROJECT_FILE, EnvironmentStacks, default_stacks_dir, environment_names, load_environment
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
@@ -30,15 +37,13 @@ CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
 PATH_MTU = {LinkKind.TRANSIT_GATEWAY: 8500, LinkKind.VPC_PEERING: 1500}
 # Tag keys (infra/tags.py; a test checks they agree). Kept here so the toolkit does not import the Pulumi program.
 ENV_TAG, DC_TAG, ROLE_TAG, POOL_TAG = "pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool"
+# The control-plane stack's setting of the private zone's domain (infra/environment.py; a test checks it)
+DNS_DOMAIN_KEY = "pdstack-infra:dns_domain"
 ENV_VARIABLE = "PDSTACK_ENVIRONMENT"  # which environment's instances the inventory lists
 SERVING_ROLES = [str(r) for r in PoolRole if r.needs_gpu]  # the pdstack:role values of the hosts Ansible manages
 HEADER = (
     "# Rendered by `python -m pdstack.cloud_inventory` from stacks/Pulumi.{dev,staging,prod}-*.yaml; do not edit.\n"
 )
-
-
-def secret_id(env: str, name: str) -> str:
-    return f"pdstack/{env}/{name}"
 
 
 def environments(stacks_dir: Path) -> list[EnvironmentStacks]:
@@ -74,10 +79,22 @@ def stack_vars(envs: list[EnvironmentStacks]) -> dict[str, Any]:
             "secrets_region": control.datacenter.region,
             # Secrets Manager names of the environment's secrets (infra/secrets.py secret_path; a test checks them
             # against the names the program gives its aws.secretsmanager.Secret resources).
-            "secrets": {spec.name: secret_id(env.name, spec.name) for spec in control.secret_specs},
+            "secrets": {spec.name: secret_name(env.name, spec.name) for spec in control.secret_specs},
+            # each server pool's certificate, key and CA (infra/certificates.py), by datacenter and pool
+            "tls_secrets": {
+                s.config.datacenter.name: {
+                    p.name: tls_secret_name(env.name, s.config.datacenter.name, p.name)
+                    for p in s.config.datacenter.pools
+                }
+                for s in env.stacks
+                if s.config.datacenter.role is not DatacenterRole.CONTROL
+            },
             "datacenters": datacenters,
-            # where the control plane stack writes the EKS scheduler's URL (group_vars/all/control_plane.yml)
+            # the private zone the instances' own names are in (group_vars/nodes.yml pdstack_instance_name)
+            "zone": cloud_names(env.name, env.control.pulumi_config.get(DNS_DOMAIN_KEY) or DNS_DOMAIN).zone,
+            # where the control plane stack writes the EKS scheduler's URL and the CA (group_vars/all/control_plane.yml)
             "scheduler_url_parameter": scheduler_url_parameter(env.name),
+            "ca_certificate_parameter": ca_certificate_parameter(env.name),
         }
     return {"pdstack_cloud": cloud}
 

@@ -56,6 +56,9 @@ SCHEDULER_URL_PARAMETER = "/pdstack/{env}/scheduler-url"
 # the cloud environments' rendered contract vars (PROMETHEUS_URL_PARAMETER_VAR)
 PROMETHEUS_URL_PARAMETER = "/pdstack/{env}/prometheus-url"
 PROMETHEUS_URL_PARAMETER_VAR = "pdstack_prometheus_url_parameter"
+# -- and the environment CA's certificate (public: what every client verifies the listeners with), under this name;
+# inventories/aws reads it for the controller's calls (the canary's judge and golden check)
+CA_CERTIFICATE_PARAMETER = "/pdstack/{env}/ca-certificate"
 
 # -- names: every environment has one DNS zone, and each component or server pool a name in it,
 # <component or pool>.<datacenter>.<zone>, e.g. gateway.control.prod.pdstack.internal. In the cloud the zone is
@@ -82,6 +85,11 @@ class Names:
     def instances(self, pool: str, datacenter: str) -> str:
         """The wildcard under a pool's name that its instances' own names fall in (certificates carry it)."""
         return f"*.{self.host(pool, datacenter)}"
+
+    def instance(self, instance_id: str, pool: str, datacenter: str) -> str:
+        """An instance's own name under its pool's (infra/lambdas/pool_records.py keeps its record; the server
+        advertises it, so its callers verify the pool's certificate by that name)."""
+        return f"{instance_id}.{self.host(pool, datacenter)}"
 
 
 def cluster_service_name(app: str, namespace: str) -> str:
@@ -196,6 +204,20 @@ def scheduler_url_parameter(env: str) -> str:
 
 def prometheus_url_parameter(env: str) -> str:
     return PROMETHEUS_URL_PARAMETER.format(env=env)
+
+
+def ca_certificate_parameter(env: str) -> str:
+    return CA_CERTIFICATE_PARAMETER.format(env=env)
+
+
+def secret_name(env: str, name: str) -> str:
+    """A cloud environment's secret's name in Secrets Manager (infra/secrets.py, infra/certificates.py)."""
+    return f"pdstack/{env}/{name}"
+
+
+def tls_secret_name(env: str, datacenter: str, pool: str) -> str:
+    """The Secrets Manager secret holding a server pool's certificate, key and CA (JSON by TLS_*_FILE name)."""
+    return secret_name(env, f"tls/{datacenter}/{pool}")
 
 
 def gateway_keys_file(key: str, tenant: str) -> str:

@@ -94,6 +94,7 @@ def test_scrape_config_has_one_job_per_component_with_a_discovery_per_datacenter
             DatacenterTarget("a", "us-east-1", (PoolRole.PREFILL,)),
             DatacenterTarget("b", "us-west-2", (PoolRole.PREFILL, PoolRole.DECODE)),
         ],
+        "prod.pdstack.internal",
     )
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert set(jobs) == {
@@ -107,6 +108,9 @@ def test_scrape_config_has_one_job_per_component_with_a_discovery_per_datacenter
     assert [sd["region"] for sd in jobs["pdserve-prefill"]["ec2_sd_configs"]] == ["us-east-1", "us-west-2"]
     assert jobs["pdserve-decode"]["ec2_sd_configs"][0]["port"] == Ports().decode
     assert {sd["port"] for sd in jobs["node"]["ec2_sd_configs"]} == {NODE_EXPORTER_PORT}
+    for job in ("pdserve-prefill", "pdserve-decode", "node"):  # the nodes by their own names, over TLS
+        assert jobs[job]["scheme"] == "https" and "server_name" not in jobs[job]["tls_config"]
+        assert jobs[job]["relabel_configs"][-1]["target_label"] == "__address__"
     assert config["global"]["external_labels"] == {"environment": "prod"}
     assert config["rule_files"] == ["alerts.yml"]
     alerting = config["alerting"]["alertmanagers"][0]["static_configs"][0]

@@ -6,14 +6,18 @@ controller then see them as the playbooks expect."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import re
 import secrets
 import socket
+import ssl
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +28,23 @@ import httpx
 import pytest
 import yaml
 
+from infra.lambdas import pool_records
 from pdserve.scheduler.identity import derive_token
 from pdstack.cloud_inventory import render
-from pdstack.contract import Component, contract, prometheus_url_parameter
+from pdstack.contract import (
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    Component,
+    ca_certificate_parameter,
+    cloud_names,
+    contract,
+    prometheus_url_parameter,
+    tls_secret_name,
+)
 from pdstack.contract_files import environment_serving
 from pdstack.stacks import load_environment
+from tests.infra.tlsfiles import relocated, write_tls_dir
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -317,6 +333,13 @@ def test_the_inventory_keys_on_the_tags_the_program_puts_on_instances() -> None:
     assert keys == tags.INSTANCE_TAG_KEYS
 
 
+def test_the_inventory_reads_the_zone_from_the_setting_the_program_reads() -> None:
+    from infra import environment  # noqa: PLC0415 (the program's module, plain Python)
+    from pdstack import cloud_inventory  # noqa: PLC0415
+
+    assert f"{environment.SETTINGS_NAMESPACE}:dns_domain" == cloud_inventory.DNS_DOMAIN_KEY
+
+
 def podman_store(folder: Path) -> dict[str, str]:
     """Point podman at a store of the test's own (its secrets, locks and temporary files), so nothing here touches
     the host's containers or secrets."""
@@ -433,3 +456,158 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     for name, got in seen.items():  # the role's weights calls run where they are templated: on the controller
         assert got == {"scheduler_url": url, "weights_host": name, "prometheus_url": prometheus_url}, name
     assert seen["localhost"]["weights_host"] == "localhost"
+
+
+def store_pool_certificates(manager: Any, control: dict[str, Any], folder: Path) -> dict[str, dict[str, str]]:
+    """Each pool's secret as the program stores it (JSON of its tls.crt, tls.key and ca.crt), with a real
+    certificate for the pool's name and the wildcard under it; by secret name."""
+    zone = cloud_names("prod").zone
+    stored: dict[str, dict[str, str]] = {}
+    for name in (
+        r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET and "/tls/" in r["inputs"]["name"]
+    ):
+        dc, pool = name.split("/")[-2:]
+        pool_name = f"{pool}.{dc}.{zone}"
+        files = write_tls_dir(folder / dc / pool, [pool_name, f"*.{pool_name}"])
+        stored[name] = {f.name: f.read_text() for f in files.iterdir()}
+        if name not in {s["Name"] for s in manager.list_secrets()["SecretList"]}:
+            manager.create_secret(Name=name, SecretString=json.dumps(stored[name]))
+        else:
+            manager.put_secret_value(SecretId=name, SecretString=json.dumps(stored[name]))
+    return stored
+
+
+def serves_by_name(folder: Path, name: str) -> bool:
+    """Whether a client verifying `name` against folder's CA accepts a TLS listener serving folder's pair."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(folder / TLS_CERT_FILE, folder / TLS_KEY_FILE)
+    client = ssl.create_default_context(cafile=folder / TLS_CA_FILE)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        accepted = threading.Thread(target=lambda: _handshake(listener, server), daemon=True)
+        accepted.start()
+        try:
+            with (
+                socket.create_connection(listener.getsockname(), timeout=5) as raw,
+                client.wrap_socket(raw, server_hostname=name),
+            ):
+                return True
+        except ssl.SSLCertVerificationError:
+            return False
+        finally:
+            accepted.join(timeout=5)
+
+
+def _handshake(listener: socket.socket, context: ssl.SSLContext) -> None:
+    conn, _ = listener.accept()
+    with contextlib.suppress(ssl.SSLError, OSError), context.wrap_socket(conn, server_side=True):
+        pass
+
+
+def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_name(
+    launched: dict[str, dict[str, Any]],
+    synthesised: list[dict[str, Any]],
+    moto: str,
+    aws_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Through inventories/aws, each GPU node advertises its instance's own name (the record the pool's reconciler
+    keeps), the pdserve role and node_exporter's TLS files are its pool's Secrets Manager secret (never logged), the
+    pool's certificate verifies by that name, the node calls the scheduler over https, and the controller's canary
+    checks trust the CA from SSM."""
+    control = next(s for s in synthesised if s["stack"] == "prod-control")
+    region = control["outputs"]["region"]
+    client = lambda service: boto3.client(service, region_name=region, endpoint_url=moto,  # noqa: E731
+                                          aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    manager = client("secretsmanager")
+    stored_secrets(manager, [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET
+                             and "/tls/" not in r["inputs"]["name"]])  # fmt: skip
+    pools = store_pool_certificates(manager, control, tmp_path / "issued")
+    ca_pem = next(iter(pools.values()))[TLS_CA_FILE]
+    for parameter, value in (
+        (ca_certificate_parameter("prod"), ca_pem),
+        ("/pdstack/prod/scheduler-url", "https://scheduler.control.prod.pdstack.internal:8100"),
+    ):
+        client("ssm").put_parameter(Name=parameter, Value=value, Type="String", Overwrite=True)  # fmt: skip
+    play_dir = tmp_path / "play"  # beside playbooks/vars, as the playbooks are
+    play_dir.mkdir()
+    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
+    (play_dir / "node_tls.yml").symlink_to(PROBE.with_name("node_tls.yml"))
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(play_dir / "node_tls.yml"),
+         "-e", "pdstack_environment=prod", "-e", f"probe_out={out}", "-vvv"],
+        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    keys = [files[TLS_KEY_FILE] for files in pools.values()]
+    assert not any(key.strip().splitlines()[1] in run.stdout + run.stderr for key in keys), "a key was logged"
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    gpu = {i: w for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"}
+    for instance_id, want in gpu.items():
+        dc, pool = want["tags"]["pdstack:dc"], want["tags"]["pdstack:pool"]
+        host = out / f"{dc}-{instance_id}"
+        seen = json.loads((host / "seen.json").read_text())
+        name = pool_records.instance_name(instance_id, cloud_names("prod").host(pool, dc))
+        assert seen["address"] == seen["node_exporter_name"] == name
+        assert seen["scheme"] == "https" and seen["scheduler_url"].startswith("https://")
+        assert seen["tls_env"]["PDSERVE_TLS_CA"].endswith("/" + TLS_CA_FILE)
+        for folder in (host / "pdserve", host / "node_exporter"):
+            files = pools[tls_secret_name("prod", dc, pool)]
+            assert {f: (folder / f).read_text() for f in files} == files
+            assert serves_by_name(folder, name)
+        assert stat.S_IMODE((host / "pdserve" / TLS_KEY_FILE).stat().st_mode) == 0o400
+    # the check can fail: another pool's certificate does not carry this pool's instance names
+    some_id, some = next(iter(gpu.items()))
+    other = next(p for p in pools if f"/{some['tags']['pdstack:dc']}/" not in p)
+    other_dir = write_tls_dir(tmp_path / "other", [other.split("/")[-1] + ".elsewhere"])
+    assert not serves_by_name(other_dir, pool_records.instance_name(some_id, "decode.elsewhere"))
+    controller = json.loads((out / "controller.json").read_text())
+    assert controller["scheme"] == "https" and controller["env"]["PDSTACK_TLS_CA_PEM"].strip() == ca_pem.strip()
+
+
+def test_the_clouds_prometheus_scrapes_each_node_over_https_by_its_own_name(
+    launched: dict[str, dict[str, Any]], synthesised: list[dict[str, Any]], moto: str, tmp_path: Path
+) -> None:
+    """A real Prometheus with the control-plane stack's scrape configuration, its EC2 discovery pointed at moto:
+    every GPU node's target is https://<the name the pool's reconciler keeps>:<port> (which the pool's certificate
+    carries), never its address."""
+    control = next(s for s in synthesised if s["stack"] == "prod-control")
+    maps = [r["inputs"] for r in control["resources"] if r["type"] == "kubernetes:core/v1:ConfigMap"]
+    config = yaml.safe_load(next(m["data"] for m in maps if m["metadata"]["name"] == "prometheus")["prometheus.yml"])
+    tls = write_tls_dir(tmp_path / "tls", ["prometheus"])
+    jobs = [j for j in config["scrape_configs"] if "ec2_sd_configs" in j]
+    for job in jobs:
+        job["tls_config"] = {k: relocated(v, tls) for k, v in job["tls_config"].items()}
+        for sd in job["ec2_sd_configs"]:  # the test's own endpoint and credentials
+            sd |= {"endpoint": moto, "access_key": "testing", "secret_key": "testing", "refresh_interval": "1s"}
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": jobs})
+    )
+    port = free_port()
+    with (tmp_path / "prometheus.log").open("w") as log:
+        server = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log,
+        )  # fmt: skip
+    gpu = {i: w for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"}
+    wanted = {(j["job_name"], i) for j in jobs for i, w in gpu.items()
+              if j["job_name"] == "node" or j["job_name"] == f"pdserve-{w['tags']['pdstack:role']}"}  # fmt: skip
+    try:
+        deadline, targets = time.monotonic() + 60, []
+        while len(targets) < len(wanted) and time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            with contextlib.suppress(httpx.TransportError):
+                targets = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2).json()["data"][
+                    "activeTargets"
+                ]
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert {(t["labels"]["job"], t["labels"]["instance_id"]) for t in targets} == wanted
+    for target in targets:
+        tags = gpu[target["labels"]["instance_id"]]["tags"]
+        name = pool_records.instance_name(
+            target["labels"]["instance_id"], cloud_names("prod").host(tags["pdstack:pool"], tags["pdstack:dc"])
+        )
+        assert target["scrapeUrl"].startswith(f"https://{name}:"), target["scrapeUrl"]
+        assert target["labels"]["instance"].split(":")[0] == name
