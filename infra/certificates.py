@@ -4,7 +4,8 @@ scheduler, Prometheus) and per server pool, with the names pdstack.contract.Name
 The control-plane stack holds the CA and issues every certificate (it reads every datacenter's pools from the stack
 files), so the CA key never leaves that stack's encrypted state. The components' keys are generated here too and
 handed on only as secret Outputs: to the cluster as kubernetes.io/tls Secrets (infra/workloads/), to the GPU nodes
-through Secrets Manager under the environment's KMS key, one secret per pool that only that pool's nodes may read.
+through Secrets Manager under the environment's KMS key, one secret per pool that only that pool's nodes may read
+(and, under the stack's mutual TLS, one for the operator's client certificate, which the controller presents).
 The gateway's certificate is also imported into ACM for the TLS listener of its load balancer.
 
 Rotation: a certificate is re-signed by the first `pulumi up` inside its last EARLY_RENEWAL_DAYS (the nightly drift
@@ -20,7 +21,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_tls as tls
 
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE, tls_secret_name
+from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE, operator_tls_secret_name, tls_secret_name
 
 HOURS_PER_DAY = 24
 CA_VALIDITY_DAYS = 3650
@@ -57,6 +58,7 @@ class EnvironmentCertificatesArgs:
     env: str
     components: Sequence[CertificateSpec]  # served in the cluster: kubernetes.io/tls Secrets
     pools: Mapping[str, Mapping[str, CertificateSpec]]  # datacenter -> pool -> spec: Secrets Manager, for the nodes
+    operator: CertificateSpec | None  # the controller's: Secrets Manager, for the operator's credentials
     secrets_key_arn: pulumi.Input[str]
     tags: Mapping[str, str]
     recovery_window_days: int
@@ -89,9 +91,16 @@ class EnvironmentCertificates(pulumi.ComponentResource):
         self.ca_cert_pem = ca.cert_pem
         self.issued = {spec.name: self._issue(name, spec) for spec in args.components}
         self.pool_secret_arns = {
-            dc: {pool: self._node_secret(name, dc, pool, self._issue(name, spec)) for pool, spec in pools.items()}
+            dc: {
+                pool: self._stored(f"{name}-{dc}-{pool}", tls_secret_name(args.env, dc, pool),
+                                   f"{dc}'s pool {pool}", self._issue(name, spec))
+                for pool, spec in pools.items()
+            }
             for dc, pools in args.pools.items()
-        }
+        }  # fmt: skip
+        if args.operator is not None:
+            files = self._issue(name, args.operator)
+            self._stored(f"{name}-operator", operator_tls_secret_name(args.env), "the operator (the controller)", files)
         self.register_outputs({"ca_cert_pem": self.ca_cert_pem, "pool_secret_arns": self.pool_secret_arns})
 
     def _issue(self, name: str, spec: CertificateSpec) -> TlsFiles:
@@ -116,19 +125,19 @@ class EnvironmentCertificates(pulumi.ComponentResource):
         # Said out loud: the engine marks a tls key secret, but only when a real provider answers.
         return TlsFiles(cert.cert_pem, pulumi.Output.secret(key.private_key_pem), self._ca.cert_pem)
 
-    def _node_secret(self, name: str, dc: str, pool: str, files: TlsFiles) -> pulumi.Output[str]:
+    def _stored(self, resource: str, secret_name: str, owner: str, files: TlsFiles) -> pulumi.Output[str]:
         a = self.args
         secret = aws.secretsmanager.Secret(
-            f"{name}-{dc}-{pool}",
-            name=tls_secret_name(a.env, dc, pool),
-            description=f"pdstack {a.env}: TLS certificate and key of {dc}'s pool {pool}",
+            resource,
+            name=secret_name,
+            description=f"pdstack {a.env}: TLS certificate and key of {owner}",
             kms_key_id=a.secrets_key_arn,
             recovery_window_in_days=a.recovery_window_days,
             tags=dict(a.tags),
             opts=self.child,
         )
         aws.secretsmanager.SecretVersion(
-            f"{name}-{dc}-{pool}",
+            resource,
             secret_id=secret.id,
             secret_string=pulumi.Output.secret(pulumi.Output.all(**files.files()).apply(json.dumps)),
             opts=self.child,

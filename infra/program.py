@@ -53,6 +53,7 @@ RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 LOAD_BALANCED = ("gateway", "scheduler", "prometheus")  # the control plane's apps behind internal load balancers
 IN_CLUSTER_TLS = (*LOAD_BALANCED, "alertmanager", RATELIMIT_STORE)  # each serves TLS from its own Secret
+OPERATOR = "operator"  # the controller's client certificate (Secrets Manager), under mutual TLS
 
 
 def main() -> None:
@@ -250,6 +251,8 @@ def build_control_plane(
                 for c in view.datacenters.values()
                 if c.datacenter.role is not DatacenterRole.CONTROL
             },
+            # under mutual TLS the controller's calls (weights, the canary's checks) present their own
+            operator=CertificateSpec(OPERATOR, [names.host(OPERATOR, dc.name)]) if _serving(view).mutual_tls else None,
             secrets_key_arn=secrets.key.key.arn,
             tags=tags,
             recovery_window_days=7 if cfg.environment is Environment.DEV else 30,

@@ -22,6 +22,7 @@ from pdstack.contract import (
     DNS_DOMAIN,
     ca_certificate_parameter,
     cloud_names,
+    operator_tls_secret_name,
     scheduler_url_parameter,
     secret_name,
     tls_secret_name,
@@ -96,6 +97,9 @@ def stack_vars(envs: list[EnvironmentStacks]) -> dict[str, Any]:
             "scheduler_url_parameter": scheduler_url_parameter(env.name),
             "ca_certificate_parameter": ca_certificate_parameter(env.name),
         }
+        serving = control.serving
+        if serving is not None and serving.mutual_tls:  # the controller presents the operator's certificate
+            cloud[env.name]["operator_tls_secret"] = operator_tls_secret_name(env.name)
     return {"pdstack_cloud": cloud}
 
 

@@ -106,6 +106,19 @@ def tls_settings() -> dict[str, str]:
             setting("tls_client_cert"): cert, setting("tls_client_key"): key}  # fmt: skip
 
 
+def tls_probe_command(port: int, path: str) -> list[str]:
+    """A health check for a listener that requires a client certificate (serving.mutual_tls) where the prober has
+    none (the kubelet): from inside the container, on loopback, presenting the component's own pair and checking
+    the chain but not the name (127.0.0.1 is in no certificate)."""
+    cert, key, ca = (f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
+    script = (
+        f"import ssl, urllib.request; c = ssl.create_default_context(cafile={ca!r}); c.check_hostname = False; "
+        f"c.load_cert_chain({cert!r}, {key!r}); "
+        f"urllib.request.urlopen('https://127.0.0.1:{port}{path}', timeout=2, context=c)"
+    )
+    return ["python3", "-c", script]
+
+
 def kv_tls_settings() -> dict[str, str]:
     """A prefill or decode server's KV channel TLS (pdserve.server.settings kv_tls_*) from the same files: prefill
     serves with its certificate, decode verifies it against the CA (prefill is reached by address: an IP SAN)."""
@@ -218,6 +231,11 @@ def secret_name(env: str, name: str) -> str:
 def tls_secret_name(env: str, datacenter: str, pool: str) -> str:
     """The Secrets Manager secret holding a server pool's certificate, key and CA (JSON by TLS_*_FILE name)."""
     return secret_name(env, f"tls/{datacenter}/{pool}")
+
+
+def operator_tls_secret_name(env: str) -> str:
+    """The Secrets Manager secret holding the operator's certificate (the controller's, under mutual TLS), likewise."""
+    return secret_name(env, "tls/operator")
 
 
 def gateway_keys_file(key: str, tenant: str) -> str:

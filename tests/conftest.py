@@ -64,6 +64,7 @@ SLOW = {
 # Fixtures that make every test using them slow: what they start or compute, once per session.
 SLOW_FIXTURES = {
     "graphs": "tests/infra: the Pulumi program synthesised for every cloud stack under mocks (about 10 s)",
+    "mutual_tls_graph": "tests/infra: the prod control-plane stack synthesised with serving.mutual_tls on",
 }
 
 

@@ -126,6 +126,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             scheduler.port,
             sources=[*args.datacenter_cidrs, *args.controller_cidrs],
             opts=self.opts,
+            passthrough=args.contract.mutual_tls,
         )
         # What the GPU nodes call: the scheduler's internal load balancer, by its name (infra/dns.py points it there)
         self.scheduler_url = https_url(args.dns_names["scheduler"], scheduler.port)

@@ -13,21 +13,23 @@ import pulumi_kubernetes as k8s
 from infra.workloads.common import ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE
 from pdstack.contract import Component
+from pdstack.policy.core import NLB_TLS_CERT, NLB_TLS_POLICY, NLB_TLS_PORTS, TLS_PASSTHROUGH
 
 NLB_ANNOTATIONS = {
     "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
     "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
     "service.beta.kubernetes.io/aws-load-balancer-cross-zone-load-balancing-enabled": "true",
 }
-# Every internal load balancer listens with TLS: the certificate its app's name carries (infra/certificates.py,
-# imported into ACM) on every port, TLS 1.2 or 1.3 only.
-NLB_TLS_CERT = "service.beta.kubernetes.io/aws-load-balancer-ssl-cert"
-NLB_TLS_PORTS = "service.beta.kubernetes.io/aws-load-balancer-ssl-ports"
-NLB_TLS_POLICY = "service.beta.kubernetes.io/aws-load-balancer-ssl-negotiation-policy"
+# Every internal load balancer listens with TLS (the annotations are the tls-listeners policy's, pdstack.policy): the
+# certificate its app's name carries (infra/certificates.py, imported into ACM) on every port, TLS 1.2 or 1.3 only.
 NLB_TLS_POLICY_NAME = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 # and re-encrypts to the pods, which listen with TLS themselves (the NLB does not verify their certificates: the
 # clients inside the cluster and the other components do)
 NLB_BACKEND = "service.beta.kubernetes.io/aws-load-balancer-backend-protocol"
+# Under the stack's mutual TLS a listener that requires its callers' certificates (the scheduler, Prometheus) must
+# see them: its load balancer passes TLS through to the pods (a TCP listener, TLS_PASSTHROUGH said on the Service)
+# and the pods end it themselves, with the certificate that carries the load balancer's name (infra/program.py
+# component_names).
 
 
 def ingress_host(status: k8s.core.v1.outputs.ServiceStatus | None) -> str | None:
@@ -38,17 +40,29 @@ def ingress_host(status: k8s.core.v1.outputs.ServiceStatus | None) -> str | None
 
 
 def internal_load_balancer(
-    name: str, args: ControlWorkloadsArgs, app: str, port: int, *, sources: list[str], opts: pulumi.ResourceOptions
+    name: str,
+    args: ControlWorkloadsArgs,
+    app: str,
+    port: int,
+    *,
+    sources: list[str],
+    opts: pulumi.ResourceOptions,
+    passthrough: bool = False,
 ) -> k8s.core.v1.Service:
     """An internal NLB on the pods of `app`, admitting only `sources` (the node security-group rules the
-    cloud controller makes from loadBalancerSourceRanges; the app's NetworkPolicy admits the same blocks)."""
-    annotations = {
-        **NLB_ANNOTATIONS,
-        NLB_TLS_CERT: args.load_balancer_certificates[app],
-        NLB_TLS_PORTS: str(port),
-        NLB_TLS_POLICY: NLB_TLS_POLICY_NAME,
-        NLB_BACKEND: "ssl",
-    }
+    cloud controller makes from loadBalancerSourceRanges; the app's NetworkPolicy admits the same blocks); ending
+    TLS itself, or with `passthrough` handing it to the pods."""
+    tls = (
+        {TLS_PASSTHROUGH: "true"}
+        if passthrough
+        else {
+            NLB_TLS_CERT: args.load_balancer_certificates[app],
+            NLB_TLS_PORTS: str(port),
+            NLB_TLS_POLICY: NLB_TLS_POLICY_NAME,
+            NLB_BACKEND: "ssl",
+        }
+    )
+    annotations = {**NLB_ANNOTATIONS, **tls}
     return k8s.core.v1.Service(
         f"{name}-{app}",
         metadata={"name": app, "namespace": args.namespace, "annotations": annotations},

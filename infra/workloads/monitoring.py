@@ -40,6 +40,21 @@ def prometheus_yaml(config: Mapping[str, Any]) -> str:
     return text
 
 
+def web_probes(port: str, live: str | None, ready: str | None, *, client_auth: bool) -> dict[str, Any]:
+    """A Prometheus-family daemon's probes: its health paths over HTTPS, or, where its listener requires a client
+    certificate (which the kubelet has not, and the image has no client to present one from inside), its port."""
+
+    def check(path: str | None) -> dict[str, Any]:
+        if client_auth or path is None:
+            return {"tcp_socket": {"port": port}}
+        return {"http_get": {"path": path, "port": port, "scheme": "HTTPS"}}
+
+    return {
+        "liveness_probe": {**check(live), "period_seconds": 15, "failure_threshold": 6},
+        "readiness_probe": {**check(ready), "period_seconds": 5, "failure_threshold": 3},
+    }
+
+
 def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptions) -> k8s.core.v1.Service:
     a, ns = args, args.namespace
     labels = {"app": "prometheus"}
@@ -52,7 +67,7 @@ def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptio
         data={
             "prometheus.yml": prometheus_yaml(a.prometheus_config),
             RULES_FILE: a.alert_rules,
-            WEB_CONFIG_FILE: prometheus_yaml(web_config()),
+            WEB_CONFIG_FILE: prometheus_yaml(web_config(client_auth=a.contract.mutual_tls)),
         },
         opts=opts,
     )
@@ -99,24 +114,12 @@ def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptio
                             ],
                             "ports": [{"name": "http", "container_port": port}],
                             "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
-                            "liveness_probe": {
-                                "http_get": {
-                                    "path": a.contract.prometheus.health_live,
-                                    "port": "http",
-                                    "scheme": "HTTPS",
-                                },
-                                "period_seconds": 15,
-                                "failure_threshold": 6,
-                            },
-                            "readiness_probe": {
-                                "http_get": {
-                                    "path": a.contract.prometheus.health_ready,
-                                    "port": "http",
-                                    "scheme": "HTTPS",
-                                },
-                                "period_seconds": 5,
-                                "failure_threshold": 3,
-                            },
+                            **web_probes(
+                                "http",
+                                a.contract.prometheus.health_live,
+                                a.contract.prometheus.health_ready,
+                                client_auth=a.contract.mutual_tls,
+                            ),
                             "volume_mounts": [
                                 {"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
                                 {"name": "data", "mount_path": "/prometheus"},
@@ -146,7 +149,9 @@ def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptio
     )
     # In-cluster clients keep calling prometheus.<ns>.svc on its ClusterIP; the controller, outside the
     # cluster, calls its internal load balancer.
-    return internal_load_balancer(name, a, "prometheus", port, sources=[*a.controller_cidrs], opts=opts)
+    return internal_load_balancer(
+        name, a, "prometheus", port, sources=[*a.controller_cidrs], opts=opts, passthrough=a.contract.mutual_tls
+    )
 
 
 def alertmanager(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptions) -> None:
@@ -173,8 +178,7 @@ def alertmanager(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOpt
         "ports": [{"name": "https", "container_port": listener.port}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
         # TCP probes: the kubelet has no client certificate to present, and Alertmanager requires one.
-        "liveness_probe": {"tcp_socket": {"port": "https"}, "period_seconds": 15, "failure_threshold": 6},
-        "readiness_probe": {"tcp_socket": {"port": "https"}, "period_seconds": 5, "failure_threshold": 3},
+        **web_probes("https", listener.health_live, listener.health_ready, client_auth=True),
         "volume_mounts": [
             {"name": "config", "mount_path": "/etc/alertmanager", "read_only": True},
             {"name": "data", "mount_path": "/alertmanager"},

@@ -29,6 +29,7 @@ from pdstack.contract import (
     TLS_DIR,
     Component,
     ComponentContract,
+    tls_probe_command,
 )
 
 SCHEDULER_STATE_CLAIM = "scheduler-state"
@@ -55,19 +56,27 @@ class AppSpec:
                 if self.shared_store or not s.only_with_shared_store]  # fmt: skip
 
 
-def probes(port: str, live: str, ready: str) -> dict[str, Any]:
+def probes(served: ComponentContract) -> dict[str, Any]:
     """Liveness asks "is the process wedged" (slow to fire, restarts); readiness asks "may it take traffic now"
-    (fast, removes it from the Service while the scheduler or a dependency is away)."""
+    (fast, removes it from the Service while the scheduler or a dependency is away). Over the TLS listener (there
+    is no plaintext port); one that requires a client certificate, which the kubelet has not, is probed from inside
+    the pod presenting the pod's own."""
+
+    def check(path: str) -> dict[str, Any]:
+        if served.tls_client_auth == "required":
+            return {"exec": {"command": tls_probe_command(served.port, path)}}
+        return {"http_get": {"path": path, "port": "http", "scheme": "HTTPS"}}
+
     return {
         "liveness_probe": {
-            "http_get": {"path": live, "port": port, "scheme": "HTTPS"},  # the TLS listener (no plaintext port)
+            **check(served.health_live),
             "initial_delay_seconds": 10,
             "period_seconds": 10,
             "timeout_seconds": 2,
             "failure_threshold": 6,
         },
         "readiness_probe": {
-            "http_get": {"path": ready, "port": port, "scheme": "HTTPS"},
+            **check(served.health_ready),
             "period_seconds": 5,
             "timeout_seconds": 2,
             "failure_threshold": 2,
@@ -147,7 +156,7 @@ def deployment(
                             },
                             "volume_mounts": mounts,
                             "security_context": RESTRICTED_CONTAINER,
-                            **probes("http", app.served.health_live, app.served.health_ready),
+                            **probes(app.served),
                         }
                     ],
                     "volumes": volumes,

@@ -123,11 +123,6 @@ class StackConfig(Strict):
         if self.datacenter.role is DatacenterRole.CONTROL:
             if self.serving is None:
                 raise ValueError("the control-plane stack must set `serving`")
-            if self.serving.mutual_tls and self.environment is not Environment.LOCAL:
-                raise ValueError(
-                    "pdstack:serving.mutual_tls: not yet in the cloud: the scheduler's internal load balancer "
-                    "terminates TLS and cannot present a client certificate to its pods (docs/tls.md)"
-                )
             names = {s.name for s in self.secret_specs}
             retired = [f"{name} is retired ({why})" for name, why in RETIRED_SECRETS.items() if name in names]
             if retired:

@@ -31,6 +31,8 @@ LB_LISTENERS = ("aws:lb/listener:Listener", "aws:alb/listener:Listener")
 NLB_TLS_CERT = "service.beta.kubernetes.io/aws-load-balancer-ssl-cert"
 NLB_TLS_PORTS = "service.beta.kubernetes.io/aws-load-balancer-ssl-ports"
 NLB_TLS_POLICY = "service.beta.kubernetes.io/aws-load-balancer-ssl-negotiation-policy"
+# A load balancer that passes TLS through to its pods, which end it themselves (infra/workloads/access.py)
+TLS_PASSTHROUGH = "pdstack.io/tls-passthrough"
 # ELB security policies that still negotiate TLS 1.0 or 1.1: a listener with one is not encrypted as we mean it
 LEGACY_TLS_POLICIES = ("ELBSecurityPolicy-2016-08", "ELBSecurityPolicy-2015-05", "ELBSecurityPolicy-TLS-1-0-2015-04",
                        "ELBSecurityPolicy-TLS-1-1-2017-01", "ELBSecurityPolicy-FS-2018-06",

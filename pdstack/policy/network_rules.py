@@ -20,6 +20,7 @@ from pdstack.policy.core import (
     PURPOSE_TAG,
     SECURITY_GROUP,
     SECURITY_GROUP_RULE,
+    TLS_PASSTHROUGH,
     PolicyConfig,
     get,
     is_open,
@@ -106,8 +107,12 @@ def _modern_policy(policy: Any) -> bool:
 
 
 def _service_tls(props: dict[str, Any]) -> list[str]:
-    """A load-balanced Service listens with TLS on every port: a certificate, the ports it covers, TLS 1.2+."""
+    """A load-balanced Service listens with TLS on every port: a certificate, the ports it covers, TLS 1.2+; or it
+    passes TLS through to its pods (which end it, seeing their callers' certificates) and ends none itself."""
     annotations = get(props, "metadata.annotations") or {}
+    if str(annotations.get(TLS_PASSTHROUGH, "")).lower() == "true":
+        ends_too = bool(annotations.get(NLB_TLS_CERT))
+        return [f"a Service passing TLS through ({TLS_PASSTHROUGH}) cannot end it too ({NLB_TLS_CERT})"] * ends_too
     if not annotations.get(NLB_TLS_CERT):
         return [f"a {get(props, 'spec.type')} Service must listen with TLS ({NLB_TLS_CERT})"]
     covered = {p.strip() for p in str(annotations.get(NLB_TLS_PORTS, "*")).split(",")}

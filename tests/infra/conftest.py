@@ -25,6 +25,14 @@ def graphs() -> dict[str, Synthesis]:
     return {name: synthesize(STACKS / f"Pulumi.{name}.yaml") for name in CLOUD_STACKS}
 
 
+@pytest.fixture(scope="session")
+def mutual_tls_graph() -> Synthesis:
+    """The prod control-plane stack with serving.mutual_tls on."""
+    path = STACKS / "Pulumi.prod-control.yaml"
+    serving = {**load_stack_file(path).pulumi_config["pdstack:serving"], "mutual_tls": True}
+    return synthesize(path, {"pdstack:serving": serving})
+
+
 def stack_config(name: str):
     return load_stack_file(STACKS / f"Pulumi.{name}.yaml").config
 

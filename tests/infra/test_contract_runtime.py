@@ -5,9 +5,12 @@ selector matches a scrape job of both the local and the cloud Prometheus, and pr
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import ssl
 import subprocess
+import time
 from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ from pdstack.contract_files import environment_serving
 from pdstack.model import PoolRole
 from pdstack.synth import Synthesis
 from pdstack.vllm_command import connector_extra_config
+from tests.serving.ports import free_port
 
 from .conftest import ROOT, STACKS, stack_config
 from .tlsfiles import relocated, write_tls_dir
@@ -494,3 +498,45 @@ def test_the_controller_finds_prometheus_at_its_internal_load_balancer_by_the_na
     assert parsed.scheme == "https" and parsed.host == load_balancer_record(graph, "prometheus")
     assert parsed.port == service["spec"]["ports"][0]["port"] == contract_of(env).prometheus.port
     assert listen == f"--web.listen-address=:{parsed.port}"
+
+
+def test_under_mutual_tls_the_schedulers_own_probe_passes_where_a_kubelets_would_be_refused(
+    mutual_tls_graph: Synthesis, tmp_path: Path
+) -> None:
+    """The scheduler started as its mutual-TLS pod would be (its container's settings, the Secret's files made real)
+    answers the probe its pod runs (the pod's own pair, on loopback) and refuses an HTTPS probe without a
+    certificate, the kubelet's."""
+    graph = mutual_tls_graph
+    pod = _objects(graph, "kubernetes:apps/v1:Deployment")["scheduler"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    _, rest, environ = _started(container)
+    tls = tmp_path / "tls"
+    environ = _with_tls_files(graph, pod, container, environ, tls)
+    secret = _objects(graph, "kubernetes:core/v1:Secret")[SECRET_NAME]
+    environ = _materialise(environ, _mounted_files(pod, container, secret), secret, tmp_path)
+    port = free_port()
+    environ |= {"PDSERVE_HOST": "127.0.0.1", "PDSERVE_PORT": str(port)}
+    probe = container["readinessProbe"]["exec"]["command"]
+    served = f":{environ_port(container)}/"
+    assert served in probe[2]
+    probe = [probe[0], probe[1], relocated(probe[2], tls).replace(served, f":{port}/")]
+    with (tmp_path / "scheduler.log").open("w") as log:
+        scheduler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "pdserve"), "scheduler", *rest],
+                                     env={"PATH": os.environ["PATH"], **environ}, stdout=log, stderr=log)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while (ran := subprocess.run(probe, capture_output=True, check=False, timeout=10)).returncode != 0:
+            assert scheduler.poll() is None, (tmp_path / "scheduler.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, ran.stderr.decode()[-2000:]
+            time.sleep(0.5)
+        context = ssl.create_default_context(cafile=tls / "ca.crt")
+        context.check_hostname = False
+        with pytest.raises(httpx.TransportError):  # no client certificate: the handshake is refused
+            httpx.get(f"https://127.0.0.1:{port}/health/ready", verify=context, timeout=5).raise_for_status()
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=10)
+
+
+def environ_port(container: dict[str, Any]) -> str:
+    return next(e["value"] for e in container["env"] if e["name"] == "PDSERVE_PORT")

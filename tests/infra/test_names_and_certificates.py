@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from infra import outputs
-from pdstack.contract import cloud_names
+from pdstack.contract import cloud_names, operator_tls_secret_name
 from pdstack.model import DatacenterRole
+from pdstack.policy.core import NLB_TLS_CERT, TLS_PASSTHROUGH
 from pdstack.synth import SynthError, Synthesis, mock_zone_id, synthesize
 
 from .conftest import CLOUD_STACKS, STACKS, stack_config
@@ -185,3 +186,47 @@ def test_the_clusters_alertmanager_takes_alerts_from_prometheus_over_mutual_tls(
     (sender,) = yaml.safe_load(config_map["prometheus.yml"])["alerting"]["alertmanagers"]
     assert sender["scheme"] == "https" and sender["tls_config"]["server_name"] in _requests(graph)["alertmanager"]
     assert sender["tls_config"]["cert_file"] == "/run/tls/tls.crt"
+
+
+def test_under_mutual_tls_the_scheduler_and_prometheus_end_tls_themselves(
+    graphs: dict[str, Synthesis], mutual_tls_graph: Synthesis
+) -> None:
+    """Their load balancers pass TLS through to the pods, which require their callers' certificates with
+    certificates carrying the load balancers' names; the kubelet probes from inside the scheduler's pod with the
+    pod's pair and Prometheus' port only; the gateway's load balancer still ends the clients' TLS; the operator's
+    certificate waits in Secrets Manager. Without the setting none of it."""
+    graph = mutual_tls_graph
+    assert not graph.violations
+    services = {s.inputs["metadata"]["name"]: s.inputs for s in graph.of_type("kubernetes:core/v1:Service")}
+    names = cloud_names("prod")
+    for app in ("scheduler", "prometheus"):
+        annotations = services[app]["metadata"]["annotations"]
+        assert annotations[TLS_PASSTHROUGH] == "true" and NLB_TLS_CERT not in annotations
+        assert _requests(graph)[app][0] == names.host(app, "control")
+    assert NLB_TLS_CERT in services["gateway"]["metadata"]["annotations"]
+    workloads = {
+        w.inputs["metadata"]["name"]: w.inputs["spec"]["template"]["spec"]["containers"][0]
+        for w in graph.of_type("kubernetes:apps/v1:Deployment") + graph.of_type("kubernetes:apps/v1:StatefulSet")
+    }
+    scheduler = workloads["scheduler"]
+    env = {e["name"]: e["value"] for e in scheduler["env"]}
+    assert env["PDSERVE_TLS_CLIENT_AUTH"] == "required"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert scheduler[probe]["exec"]["command"][:2] == ["python3", "-c"]
+        assert "load_cert_chain('/run/tls/tls.crt', '/run/tls/tls.key')" in scheduler[probe]["exec"]["command"][2]
+        assert set(workloads["prometheus"][probe]) >= {"tcpSocket"}
+    config_map = next(c.inputs["data"] for c in graph.of_type("kubernetes:core/v1:ConfigMap")
+                      if c.inputs["metadata"]["name"] == "prometheus")  # fmt: skip
+    assert (
+        yaml.safe_load(config_map["web.yml"])["tls_server_config"]["client_auth_type"] == "RequireAndVerifyClientCert"
+    )
+    secret_names = {s.inputs["name"] for s in graph.of_type("aws:secretsmanager/secret:Secret")}
+    assert operator_tls_secret_name("prod") in secret_names
+    assert _requests(graph)["operator"] == [names.host("operator", "control")]
+
+    plain = graphs["prod-control"]
+    assert operator_tls_secret_name("prod") not in {
+        s.inputs["name"] for s in plain.of_type("aws:secretsmanager/secret:Secret")
+    }
+    for service in plain.of_type("kubernetes:core/v1:Service"):
+        assert TLS_PASSTHROUGH not in (service.inputs["metadata"].get("annotations") or {})

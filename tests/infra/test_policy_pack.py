@@ -310,6 +310,8 @@ def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
 
 
 LISTENER = "aws:lb/listener:Listener"
+INTERNAL = {"service.beta.kubernetes.io/aws-load-balancer-internal": "true"}
+PASSED_THROUGH = {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0/16"], "ports": [{"port": 8100}]}
 TLS_RESOURCES = [
     ("plain HTTP forwarded", LISTENER, {"protocol": "HTTP", "defaultActions": [{"type": "forward"}]}, True),
     ("plain TCP", LISTENER, {"protocol": "TCP", "port": 8000, "defaultActions": [{"type": "forward"}]}, True),
@@ -328,6 +330,12 @@ TLS_RESOURCES = [
      {"spec": {"rules": [{"host": "g.example"}], "tls": [{"hosts": ["g.example"], "secretName": "g"}]}}, False),
     ("NodePort Service without TLS", "kubernetes:core/v1:Service",
      {"spec": {"type": "NodePort", "ports": [{"port": 8000}]}}, True),
+    ("Service passing TLS through to its pods", "kubernetes:core/v1:Service",
+     {"metadata": {"annotations": {**INTERNAL, "pdstack.io/tls-passthrough": "true"}}, "spec": PASSED_THROUGH}, False),
+    ("Service passing TLS through and ending it too", "kubernetes:core/v1:Service",
+     {"metadata": {"annotations": {**INTERNAL, "pdstack.io/tls-passthrough": "true",
+                                   "service.beta.kubernetes.io/aws-load-balancer-ssl-cert": "arn:c"}},
+      "spec": PASSED_THROUGH}, True),
 ]  # fmt: skip
 
 

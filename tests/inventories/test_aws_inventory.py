@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import ssl
 import stat
@@ -39,10 +40,11 @@ from pdstack.contract import (
     ca_certificate_parameter,
     cloud_names,
     contract,
+    operator_tls_secret_name,
     prometheus_url_parameter,
     tls_secret_name,
 )
-from pdstack.contract_files import environment_serving
+from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
 from pdstack.stacks import load_environment
 from tests.infra.tlsfiles import relocated, write_tls_dir
 
@@ -228,7 +230,9 @@ def test_inventory_groups_and_describes_the_instances_as_the_playbooks_expect(
     # `control`: the control plane runs in EKS, and no play may run on its nodes.
     assert "control" not in inv
     for play in ("baseline", "serving", "deploy", "rollback"):
-        for hosts in (p["hosts"] for p in yaml.safe_load((REPO / "playbooks" / f"{play}.yml").read_text())):
+        for hosts in (
+            p["hosts"] for p in yaml.safe_load((REPO / "playbooks" / f"{play}.yml").read_text()) if "hosts" in p
+        ):
             for group in str(hosts).split(":"):
                 if group not in ("localhost", "canary", "promote", "control") and "{{" not in group:
                     assert members(group), (play, group)
@@ -458,6 +462,13 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     assert seen["localhost"]["weights_host"] == "localhost"
 
 
+def put_secret(manager: Any, name: str, value: str) -> None:
+    if name in {s["Name"] for s in manager.list_secrets()["SecretList"]}:
+        manager.put_secret_value(SecretId=name, SecretString=value)
+    else:
+        manager.create_secret(Name=name, SecretString=value)
+
+
 def store_pool_certificates(manager: Any, control: dict[str, Any], folder: Path) -> dict[str, dict[str, str]]:
     """Each pool's secret as the program stores it (JSON of its tls.crt, tls.key and ca.crt), with a real
     certificate for the pool's name and the wildcard under it; by secret name."""
@@ -470,11 +481,32 @@ def store_pool_certificates(manager: Any, control: dict[str, Any], folder: Path)
         pool_name = f"{pool}.{dc}.{zone}"
         files = write_tls_dir(folder / dc / pool, [pool_name, f"*.{pool_name}"])
         stored[name] = {f.name: f.read_text() for f in files.iterdir()}
-        if name not in {s["Name"] for s in manager.list_secrets()["SecretList"]}:
-            manager.create_secret(Name=name, SecretString=json.dumps(stored[name]))
-        else:
-            manager.put_secret_value(SecretId=name, SecretString=json.dumps(stored[name]))
+        put_secret(manager, name, json.dumps(stored[name]))
     return stored
+
+
+def cloud_plays(tmp_path: Path, mutual_tls: bool) -> tuple[Path, Path]:
+    """The inventory and a play folder (the probe beside playbooks/vars and controller_tls.yml, as the playbooks
+    are); with `mutual_tls`, both rendered from a copy of the stacks whose control plane sets serving.mutual_tls."""
+    play_dir = tmp_path / "play"
+    play_dir.mkdir()
+    (play_dir / "node_tls.yml").symlink_to(PROBE.with_name("node_tls.yml"))
+    (play_dir / "controller_tls.yml").symlink_to(REPO / "playbooks" / "controller_tls.yml")
+    if not mutual_tls:
+        (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
+        return INVENTORY, play_dir
+    stacks = shutil.copytree(REPO / "stacks", tmp_path / "stacks")
+    control = stacks / "Pulumi.prod-control.yaml"
+    data = yaml.safe_load(control.read_text())
+    data["config"]["pdstack:serving"]["mutual_tls"] = True
+    control.write_text(yaml.safe_dump(data))
+    shutil.copytree(REPO / "playbooks" / "vars", play_dir / "vars")
+    serving, alerting = environment_serving(stacks, "prod"), environment_alerting(stacks, "prod")
+    (play_dir / "vars" / "contract" / "prod.yml").write_text(render_ansible_vars("prod", serving, alerting))
+    inventory = shutil.copytree(INVENTORY, tmp_path / "inventory")
+    for name, text in render(stacks).items():
+        (inventory / name).write_text(text)
+    return inventory, play_dir
 
 
 def serves_by_name(folder: Path, name: str) -> bool:
@@ -503,17 +535,19 @@ def _handshake(listener: socket.socket, context: ssl.SSLContext) -> None:
         pass
 
 
-def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_name(
+@pytest.mark.parametrize("mutual_tls", [False, True], ids=["tls", "mutual-tls"])
+def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_name(  # noqa: PLR0917 (fixtures)
     launched: dict[str, dict[str, Any]],
     synthesised: list[dict[str, Any]],
     moto: str,
     aws_env: dict[str, str],
     tmp_path: Path,
+    mutual_tls: bool,
 ) -> None:
     """Through inventories/aws, each GPU node advertises its instance's own name (the record the pool's reconciler
     keeps), the pdserve role and node_exporter's TLS files are its pool's Secrets Manager secret (never logged), the
-    pool's certificate verifies by that name, the node calls the scheduler over https, and the controller's canary
-    checks trust the CA from SSM."""
+    pool's certificate verifies by that name, and the node calls the scheduler over https. The controller's calls
+    verify the CA from SSM and, under mutual TLS, present the operator's certificate from Secrets Manager."""
     control = next(s for s in synthesised if s["stack"] == "prod-control")
     region = control["outputs"]["region"]
     client = lambda service: boto3.client(service, region_name=region, endpoint_url=moto,  # noqa: E731
@@ -522,23 +556,23 @@ def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_
     stored_secrets(manager, [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET
                              and "/tls/" not in r["inputs"]["name"]])  # fmt: skip
     pools = store_pool_certificates(manager, control, tmp_path / "issued")
+    operator = write_tls_dir(tmp_path / "issued" / "operator", ["operator.control.prod.pdstack.internal"])
+    operator_files = {f.name: f.read_text() for f in operator.iterdir()}
+    put_secret(manager, operator_tls_secret_name("prod"), json.dumps(operator_files))
     ca_pem = next(iter(pools.values()))[TLS_CA_FILE]
     for parameter, value in (
         (ca_certificate_parameter("prod"), ca_pem),
         ("/pdstack/prod/scheduler-url", "https://scheduler.control.prod.pdstack.internal:8100"),
     ):
         client("ssm").put_parameter(Name=parameter, Value=value, Type="String", Overwrite=True)  # fmt: skip
-    play_dir = tmp_path / "play"  # beside playbooks/vars, as the playbooks are
-    play_dir.mkdir()
-    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
-    (play_dir / "node_tls.yml").symlink_to(PROBE.with_name("node_tls.yml"))
+    inventory, play_dir = cloud_plays(tmp_path, mutual_tls)
     out = tmp_path / "out"
     run = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(play_dir / "node_tls.yml"),
+        [str(BIN / "ansible-playbook"), "-i", str(inventory), str(play_dir / "node_tls.yml"),
          "-e", "pdstack_environment=prod", "-e", f"probe_out={out}", "-vvv"],
         cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
-    keys = [files[TLS_KEY_FILE] for files in pools.values()]
+    keys = [files[TLS_KEY_FILE] for files in [*pools.values(), operator_files]]
     assert not any(key.strip().splitlines()[1] in run.stdout + run.stderr for key in keys), "a key was logged"
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     gpu = {i: w for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"}
@@ -550,18 +584,28 @@ def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_
         assert seen["address"] == seen["node_exporter_name"] == name
         assert seen["scheme"] == "https" and seen["scheduler_url"].startswith("https://")
         assert seen["tls_env"]["PDSERVE_TLS_CA"].endswith("/" + TLS_CA_FILE)
+        assert seen["tls_env"]["PDSERVE_TLS_CLIENT_AUTH"] == ("required" if mutual_tls else "none")
         for folder in (host / "pdserve", host / "node_exporter"):
             files = pools[tls_secret_name("prod", dc, pool)]
             assert {f: (folder / f).read_text() for f in files} == files
             assert serves_by_name(folder, name)
+            assert not serves_by_name(folder, f"{instance_id}.another-pool.{dc}.prod.pdstack.internal")
         assert stat.S_IMODE((host / "pdserve" / TLS_KEY_FILE).stat().st_mode) == 0o400
-    # the check can fail: another pool's certificate does not carry this pool's instance names
-    some_id, some = next(iter(gpu.items()))
-    other = next(p for p in pools if f"/{some['tags']['pdstack:dc']}/" not in p)
-    other_dir = write_tls_dir(tmp_path / "other", [other.split("/")[-1] + ".elsewhere"])
-    assert not serves_by_name(other_dir, pool_records.instance_name(some_id, "decode.elsewhere"))
+        web = yaml.safe_load((host / "node_exporter" / "web.yml").read_text())["tls_server_config"]
+        assert ("client_auth_type" in web) is mutual_tls
     controller = json.loads((out / "controller.json").read_text())
-    assert controller["scheme"] == "https" and controller["env"]["PDSTACK_TLS_CA_PEM"].strip() == ca_pem.strip()
+    ca_file = controller["env"]["SSL_CERT_FILE"]
+    assert controller["scheme"] == "https" and Path(ca_file).read_text().strip() == ca_pem.strip()
+    if not mutual_tls:
+        assert "PDSTACK_TLS_CLIENT_CERT" not in controller["env"] and controller["weights"] == [ca_file, "", ""]
+        return
+    cert, key = controller["env"]["PDSTACK_TLS_CLIENT_CERT"], controller["env"]["PDSTACK_TLS_CLIENT_KEY"]
+    assert (Path(cert).read_text(), Path(key).read_text()) == (
+        operator_files[TLS_CERT_FILE],
+        operator_files[TLS_KEY_FILE],
+    )
+    assert stat.S_IMODE(Path(key).stat().st_mode) == 0o600
+    assert controller["weights"] == [ca_file, cert, key]
 
 
 def test_the_clouds_prometheus_scrapes_each_node_over_https_by_its_own_name(

@@ -40,7 +40,7 @@ def golden_play(tmp_path: Path, extra: dict[str, Any]) -> dict[str, Any]:
     serving = yaml.safe_load((REPO / "playbooks" / "vars" / "serving.yml").read_text())
     play_vars["pdstack_operator_tls_env"] = serving["pdstack_operator_tls_env"]
     play_vars |= {"pdstack_cli": str(cli), "canary_decode": "decode-a", "baseline_decode": "decode-b",
-                  "decode_port": 8300, "pdstack_scheme": "http", "pdserve_tls_ca_file": "",
+                  "decode_port": 8300, "pdstack_scheme": "http", "pdstack_operator_ca_file": "",
                   "pdstack_operator_cert_file": "", "pdstack_operator_key_file": "", **extra}  # fmt: skip
     (tmp_path / "hosts.yml").write_text(
         yaml.safe_dump(
@@ -86,7 +86,7 @@ def test_over_tls_the_golden_check_calls_the_decode_servers_by_https_verifying_t
     token, ca = tmp_path / "server-api.token", tmp_path / "ca.crt"
     token.write_text("local-token")
     got = golden_play(tmp_path, {"pdserve_server_token_file": str(token), "pdstack_scheme": "https",
-                                 "pdserve_tls_ca_file": str(ca)})  # fmt: skip
+                                 "pdstack_operator_ca_file": str(ca)})  # fmt: skip
     assert got["canary"] == "https://10.31.0.10:8300" and got["ca"] == str(ca)
     assert got["client"] == [None, None]  # no client certificate unless the stack's mutual TLS asks for one
 
@@ -99,7 +99,7 @@ def test_under_mutual_tls_the_golden_check_presents_the_operators_certificate(tm
         "pdstack_operator_key_file": str(tmp_path / "op.key"),
     }
     got = golden_play(tmp_path, {"pdserve_server_token_file": str(token), "pdstack_scheme": "https",
-                                 "pdserve_tls_ca_file": str(ca), **pair})  # fmt: skip
+                                 "pdstack_operator_ca_file": str(ca), **pair})  # fmt: skip
     assert got["client"] == [pair["pdstack_operator_cert_file"], pair["pdstack_operator_key_file"]]
 
 

@@ -27,6 +27,6 @@ def weights_calls(tasks: list[dict[str, Any]]) -> int:
 @pytest.mark.parametrize("playbook", ["serving.yml", "deploy.yml", "rollback.yml"])
 def test_weights_are_set_only_from_the_controller(playbook: str) -> None:
     plays = yaml.safe_load((REPO / "playbooks" / playbook).read_text())
-    calls = {play["name"]: (play["hosts"], weights_calls(play.get("tasks", []))) for play in plays}
+    calls = {play["name"]: (play["hosts"], weights_calls(play.get("tasks", []))) for play in plays if "hosts" in play}
     assert any(n for _, n in calls.values()), playbook  # the check sees the calls it is about
     assert {name: hosts for name, (hosts, n) in calls.items() if n and hosts != "localhost"} == {}

@@ -209,12 +209,6 @@ def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
             "pdstack:secrets: scheduler-instance-token is retired (the scheduler derives each server's own token from "
             "scheduler-identity-key; one token shared by every node let any node act as another)",
         ),
-        (
-            "Pulumi.prod-control.yaml",
-            lambda c: c["pdstack:serving"].update(mutual_tls=True),
-            "pdstack:serving.mutual_tls: not yet in the cloud: the scheduler's internal load balancer terminates TLS "
-            "and cannot present a client certificate to its pods (docs/tls.md)",
-        ),
     ],
 )
 def test_other_mistakes_name_the_field(stacks_dir: Path, file: str, change: Any, expected: str) -> None:
