@@ -19,7 +19,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdstack.contract import INSTANCE_TOKEN, KV_KEY, LISTEN_HOST, SERVER_TOKEN, SecretFile, contract
+from pdstack.contract import (
+    INSTANCE_TOKEN,
+    KV_KEY,
+    LISTEN_HOST,
+    SERVER_TOKEN,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_DIR,
+    TLS_KEY_FILE,
+    SecretFile,
+    contract,
+)
 from pdstack.model import Engine, KvConnector, PoolRole, Serving, Vllm
 
 VLLM_PYTHON = "/opt/vllm/bin/python"  # both vLLM images' interpreter (Containerfile.vllm-cpu's venv; a link on GPU)
@@ -42,6 +53,29 @@ class KvTls:
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeTls(KvTls):
+    """TLS of a vLLM node from the node's pair and the CA mounted at the contract's TLS_DIR (as pdserve's): the API
+    server serves with them (re-read as they change) and, under the stack's mutual TLS, requires a client
+    certificate from the CA; the connector's KV channel uses the same files; the agent reaches the engine and the
+    scheduler over https, verifying the CA and presenting the pair."""
+
+    cert: str | None = f"{TLS_DIR}/{TLS_CERT_FILE}"
+    key: str | None = f"{TLS_DIR}/{TLS_KEY_FILE}"
+    ca: str | None = f"{TLS_DIR}/{TLS_CA_FILE}"
+    mutual: bool = False
+
+    def server_flags(self) -> list[str]:
+        """vLLM's API server (uvicorn): ssl_cert_reqs 2 is ssl.CERT_REQUIRED."""
+        flags = ["--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key), "--ssl-ca-certs", str(self.ca),
+                 "--enable-ssl-refresh"]  # fmt: skip
+        return [*flags, "--ssl-cert-reqs", "2"] if self.mutual else flags
+
+    def client_flags(self) -> list[str]:
+        """pdserve agent's (pdserve.common.tls TLSClientSettings)."""
+        return ["--tls-ca", str(self.ca), "--tls-client-cert", str(self.cert), "--tls-client-key", str(self.key)]
 
 
 def _vllm(serving: Serving) -> Vllm:
@@ -149,6 +183,8 @@ def engine_args(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTl
         args += ["--otlp-traces-endpoint", serving.tracing.otlp_endpoint]
     config = kv_transfer_config(serving, side, advertise_host, tls)
     args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    if isinstance(tls, NodeTls):
+        args += tls.server_flags()
     return tuple(args)
 
 
@@ -173,10 +209,18 @@ def engine_env(serving: Serving, side: PoolRole, advertise_host: str) -> dict[st
 
 
 def agent_args(
-    serving: Serving, side: PoolRole, *, advertise_host: str, scheduler_url: str, version: str, instance_id: str
+    serving: Serving,
+    side: PoolRole,
+    *,
+    advertise_host: str,
+    scheduler_url: str,
+    version: str,
+    instance_id: str,
+    tls: NodeTls | None = None,
 ) -> tuple[str, ...]:
     """`pdserve agent`'s arguments (pdserve/agent/settings.py) for the engine on this node: it reaches vLLM on
-    loopback, registers it under the node's address with the token derived for `instance_id`."""
+    loopback (over TLS by the node's name, which its certificate carries), registers it under that name with the
+    token derived for `instance_id`."""
     v = _vllm_of(serving, side)
     if v.kv_connector is KvConnector.NIXL:
         raise ValueError(
@@ -184,26 +228,35 @@ def agent_args(
             "(its KV fingerprint and endpoint); with nixl there is none to register yet"
         )
     port = http_port(serving, side)
+    engine_url = f"https://{advertise_host}:{port}" if tls else f"http://127.0.0.1:{port}"
     return (
         "agent",
-        "--engine-url", f"http://127.0.0.1:{port}",
+        "--engine-url", engine_url,
         "--role", str(side),
         "--scheduler-url", scheduler_url,
         "--scheduler-token-file", INSTANCE_TOKEN.path,
-        "--advertise-url", f"http://{advertise_host}:{port}",
+        "--advertise-url", f"{'https' if tls else 'http'}://{advertise_host}:{port}",
         "--version", version,
         "--connector-run-dir", RUN_DIR,
         "--instance-id", instance_id,
         "--engine-token-file", SERVER_TOKEN.path,
         "--max-num-seqs", str(max_num_seqs(serving)),
+        *(tls.client_flags() if tls else []),
     )  # fmt: skip
 
 
 def agent_command(
-    serving: Serving, side: PoolRole, *, advertise_host: str, scheduler_url: str, version: str, instance_id: str
+    serving: Serving,
+    side: PoolRole,
+    *,
+    advertise_host: str,
+    scheduler_url: str,
+    version: str,
+    instance_id: str,
+    tls: NodeTls | None = None,
 ) -> tuple[str, ...]:
     args = agent_args(serving, side, advertise_host=advertise_host, scheduler_url=scheduler_url, version=version,
-                      instance_id=instance_id)  # fmt: skip
+                      instance_id=instance_id, tls=tls)  # fmt: skip
     return (VLLM_PYTHON, "-m", AGENT_MODULE, *args)
 
 

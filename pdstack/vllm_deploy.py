@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract import kv_port_range
+from pdstack.contract import TLS_DIR, kv_port_range
 from pdstack.contract_files import environment_serving, environments, sync_files
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.vllm_command import (
@@ -31,6 +31,7 @@ from pdstack.vllm_command import (
     ENGINE_SECRET_ENV,
     RUN_DIR,
     VLLM_PYTHON,
+    NodeTls,
     agent_args,
     engine_args,
     engine_env,
@@ -56,11 +57,11 @@ def _mounted_in(argv: tuple[str, ...], side: PoolRole) -> list[str]:
     return [s.secret for s in secret_files(side) if any(s.path in word for word in argv)]
 
 
-def _agent(serving: Serving, side: PoolRole) -> dict[str, Any] | None:
+def _agent(serving: Serving, side: PoolRole, tls: NodeTls | None) -> dict[str, Any] | None:
     if serving.vllm is not None and serving.vllm.kv_connector is KvConnector.NIXL:
         return None  # vllm_command.agent_args refuses it: NixlConnector writes no instance.json to register
     args = agent_args(serving, side, advertise_host=ADVERTISE_HOST, scheduler_url=SCHEDULER_URL, version=VERSION,
-                      instance_id=INSTANCE_ID)  # fmt: skip
+                      instance_id=INSTANCE_ID, tls=tls)  # fmt: skip
     return {"entrypoint": VLLM_PYTHON, "command": ["-m", AGENT_MODULE, *args],
             "secret_files": _mounted_in(args, side)}  # fmt: skip
 
@@ -76,11 +77,23 @@ def _engine_wrapper() -> list[str]:
     return ["-c", f'{exports}; exec "$@"', "vllm-engine", VLLM_PYTHON, "-m", API_SERVER]
 
 
+def _engine(serving: Serving, side: PoolRole, tls: NodeTls | None) -> dict[str, Any]:
+    args = engine_args(serving, side, ADVERTISE_HOST, tls)
+    return {
+        "entrypoint": SHELL,
+        "command": [*_engine_wrapper(), *args],
+        "env": engine_env(serving, side, ADVERTISE_HOST),
+        "secret_files": _mounted_in((*_engine_wrapper(), *args), side),
+    }
+
+
 def side_vars(serving: Serving, side: PoolRole) -> dict[str, Any]:
     """One side's containers: the engine's argv after the image's entry point, its environment and secrets, and
-    the agent's entry point, argv and secrets (None where there is no agent: kv_connector nixl)."""
+    the agent's entry point, argv and secrets (None where there is no agent: kv_connector nixl); under `tls` the
+    same for a node with a certificate (vLLM's API server and KV channel with the node's pair, the agent over
+    https; the stack's mutual TLS makes the API server require a client certificate)."""
     assert serving.vllm is not None
-    args = engine_args(serving, side, ADVERTISE_HOST)
+    tls = NodeTls(mutual=serving.mutual_tls)
     kv_ports = kv_port_range(serving) if side is PoolRole.PREFILL else range(0)
     role = serving.vllm.role(side)
     return {
@@ -88,13 +101,9 @@ def side_vars(serving: Serving, side: PoolRole) -> dict[str, Any]:
         "kv_ports": [kv_ports.start, kv_ports.stop - 1] if kv_ports else [],
         # vLLM's local world on one node: its ranks' CPU lists (VLLM_CPU_OMP_THREADS_BIND) on CPU nodes
         "world_size": role.tensor_parallel_size * role.data_parallel_size,
-        "engine": {
-            "entrypoint": SHELL,
-            "command": [*_engine_wrapper(), *args],
-            "env": engine_env(serving, side, ADVERTISE_HOST),
-            "secret_files": _mounted_in((*_engine_wrapper(), *args), side),
-        },
-        "agent": _agent(serving, side),
+        "engine": _engine(serving, side, None),
+        "agent": _agent(serving, side, None),
+        "tls": {"engine": _engine(serving, side, tls), "agent": _agent(serving, side, tls)},
     }
 
 
@@ -111,6 +120,7 @@ def ansible_vars(serving: Serving) -> dict[str, Any]:
         "run_dir": RUN_DIR,
         "health_path": HEALTH_PATH,
         "python": VLLM_PYTHON,  # both images' interpreter: the engine container's health check runs it
+        "tls_dir": TLS_DIR,  # where both containers mount the node's TLS folder (NodeTls' files)
         "placeholders": {"address": ADVERTISE_HOST, "scheduler_url": SCHEDULER_URL, "version": VERSION,
                          "instance_id": INSTANCE_ID},
         "sides": {str(side): side_vars(serving, side) for side in SIDES},

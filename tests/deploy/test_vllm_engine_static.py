@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
+from pdstack.contract import TLS_DIR
 from pdstack.contract_files import environment_serving
 from pdstack.model import KvConnector, PoolRole
-from pdstack.vllm_command import agent_args, engine_args
+from pdstack.vllm_command import NodeTls, agent_args, engine_args
 from pdstack.vllm_deploy import ansible_vars
 from tests.deploy.conftest import ANSIBLE_PLAYBOOK, REPO
 
@@ -50,15 +51,20 @@ def run(tmp_path: Path, plays: list[dict[str, Any]]) -> tuple[int, str]:
 CPU_NODE = {"numa_nodes": {"0": {"cpus": "0-3"}}, "gpus": []}
 GPU_NODE = {"numa_nodes": {"0": {"cpus": "0-3"}}, "gpus": [{"pci": "0000:17:00.0"}]}
 CASES = {"prefill-cpu": ("prefill", CPU_NODE), "decode-cpu": ("decode", CPU_NODE), "prefill-gpu": ("prefill", GPU_NODE),
-         "decode-gpu": ("decode", GPU_NODE)}  # fmt: skip
+         "decode-gpu": ("decode", GPU_NODE), "prefill-tls": ("prefill", CPU_NODE, True),
+         "decode-tls": ("decode", CPU_NODE, True)}  # fmt: skip
+# What pdserve's validate.yml leaves for a node given its pair as values (the cloud's pool secret)
+TLS_VALUES = {"tls.crt": "CERT", "tls.key": "KEY", "ca.crt": "CA"}
 
 
-def render_play(out: Path, side: str, topology: dict[str, Any]) -> dict[str, Any]:
+def render_play(out: Path, side: str, topology: dict[str, Any], tls: bool = False) -> dict[str, Any]:
     """A play writing the role's container specs for `side` to `out`, from its defaults and vars as the role loads
-    them, with what its earlier tasks (pdserve's release, secrets and pinning tasks) leave as facts."""
+    them, with what its earlier tasks (pdserve's release, secrets, pinning and, with `tls`, validate tasks) leave
+    as facts."""
     specs = (
         "{{ {'engine': vllm_engine__engine_spec, 'agent': vllm_engine__agent_spec, "
-        "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels} | to_json }}"
+        "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels, "
+        "'healthcheck': vllm_engine__healthcheck} | to_json }}"
     )
     release = {"image": IMAGE, "version": "r7", "config_version": "3",
                "stack": {"engine": "vllm", **{k: v for k, v in STACK.items() if k != "sides"},
@@ -66,7 +72,7 @@ def render_play(out: Path, side: str, topology: dict[str, Any]) -> dict[str, Any
     variables = {"vllm_engine_side": side, "vllm_engine_stack": STACK, "pdstack_address": ADDRESS,
                  "pdstack_scheduler_url": SCHEDULER, "vllm_engine__release": release, "pdserve__engine_id": ENGINE_ID,
                  "pdserve__secret_mounts": MOUNTS, "pdserve__cpuset_cpus": "2-3", "pdserve__cpuset_mems": "0",
-                 "vllm_engine__topology": topology}  # fmt: skip
+                 "vllm_engine__topology": topology, "pdserve__tls_values": TLS_VALUES if tls else {}}  # fmt: skip
     case = out.with_suffix(".vars.json")  # after the role's defaults, which a play's own vars would not override
     case.write_text(json.dumps(variables))
     return {"vars_files": [str(ROLE / "defaults" / "main.yml"), str(case), str(ROLE / "vars" / "main.yml")],
@@ -107,6 +113,28 @@ def test_the_containers_run_what_vllm_command_renders_for_this_node(
     assert engine["env"] == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
     assert engine["devices"] == [] and engine["cpuset"] == ["2-3", "0"]
     assert int(engine["stop_timeout"]) > 10  # vLLM's API server does not stop within podman's default
+
+
+@pytest.mark.parametrize("side", [PoolRole.PREFILL, PoolRole.DECODE])
+def test_a_node_with_a_certificate_runs_what_vllm_command_renders_over_tls(
+    rendered: dict[str, dict[str, Any]], side: PoolRole
+) -> None:
+    """vLLM's API server and KV channel with the node's pair, the agent over https by the node's name, the node's
+    TLS folder mounted read-only in both, and the engine's health check over TLS presenting the pair; without a
+    certificate none of it."""
+    found, tls = rendered[f"{side}-tls"], NodeTls(mutual=DEV.mutual_tls)
+    engine, agent = found["engine"], found["agent"]
+    assert engine["command"][6:] == list(engine_args(DEV, side, ADDRESS, tls))
+    wanted = agent_args(DEV, side, advertise_host=ADDRESS, scheduler_url=SCHEDULER, version="r7",
+                        instance_id=f"{side}-{ENGINE_ID}", tls=tls)  # fmt: skip
+    assert agent["command"] == ["-m", "pdserve.cli", *wanted]
+    mount = f"/etc/pdstack/tls:{TLS_DIR}:ro"
+    assert mount in engine["volumes"] and mount in agent["volumes"]
+    assert f"https://127.0.0.1:{STACK['sides'][str(side)]['port']}/health" in found["healthcheck"]
+    assert f"load_cert_chain('{tls.cert}', '{tls.key}')" in found["healthcheck"]
+    plain = rendered[f"{side}-cpu"]
+    assert "--ssl-certfile" not in plain["engine"]["command"] and mount not in plain["engine"]["volumes"]
+    assert "http://127.0.0.1:" in plain["healthcheck"] and "ssl" not in plain["healthcheck"]
 
 
 def test_a_gpu_node_gets_the_cdi_device_no_cpu_settings_and_no_pinning(rendered: dict[str, dict[str, Any]]) -> None:

@@ -581,7 +581,7 @@ def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_
         host = out / f"{dc}-{instance_id}"
         seen = json.loads((host / "seen.json").read_text())
         name = pool_records.instance_name(instance_id, cloud_names("prod").host(pool, dc))
-        assert seen["address"] == seen["node_exporter_name"] == name
+        assert seen["address"] == seen["node_exporter_name"] == seen["vllm_address"] == name
         assert seen["scheme"] == "https" and seen["scheduler_url"].startswith("https://")
         assert seen["tls_env"]["PDSERVE_TLS_CA"].endswith("/" + TLS_CA_FILE)
         assert seen["tls_env"]["PDSERVE_TLS_CLIENT_AUTH"] == ("required" if mutual_tls else "none")

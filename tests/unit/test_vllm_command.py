@@ -20,6 +20,10 @@ from pdstack.contract import (
     KV_KEY,
     LISTEN_HOST,
     SERVER_TOKEN,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_DIR,
+    TLS_KEY_FILE,
     contract,
     kv_port_range,
 )
@@ -30,6 +34,7 @@ from pdstack.vllm_command import (
     RUN_DIR,
     VLLM_PYTHON,
     KvTls,
+    NodeTls,
     agent_args,
     agent_command,
     engine_args,
@@ -182,6 +187,28 @@ def test_the_agent_argv_parses_and_agrees_with_the_engine(
     assert str(settings.scheduler_token_file) == INSTANCE_TOKEN.path
     assert str(settings.engine_token_file) == SERVER_TOKEN.path
     assert (settings.version, settings.registered_id()) == ("r7", "decode-a")
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_over_tls_the_engine_serves_the_nodes_pair_and_the_agent_calls_it_by_name(key_file: Path, mutual: bool) -> None:
+    """A node with a certificate: vLLM's API server serves the contract's TLS files (requiring a client certificate
+    only under mutual TLS), the connector's KV channel takes the same files, and the agent's own parser gets https
+    URLs by the node's name (its certificate carries it, not 127.0.0.1) and the CA and pair for its calls."""
+    tls = NodeTls(mutual=mutual)
+    assert (tls.cert, tls.key, tls.ca) == tuple(f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
+    got = flags(engine_args(CPU, PoolRole.PREFILL, HOST, tls))
+    assert (got["--ssl-certfile"], got["--ssl-keyfile"], got["--ssl-ca-certs"]) == (tls.cert, tls.key, tls.ca)
+    assert "--enable-ssl-refresh" in got and got.get("--ssl-cert-reqs") == ("2" if mutual else None)
+    extra = json.loads(got["--kv-transfer-config"] or "")["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
+    connector = parse(extra, producer=True, engine_id="e")
+    assert (connector.tls_cert, connector.tls_key, connector.tls_ca) == (tls.cert, tls.key, tls.ca)
+    argv = agent_command(CPU, PoolRole.PREFILL, advertise_host="i-0abc.prefill.dc1.prod.pdstack.internal",
+                         scheduler_url="https://scheduler.control.prod.pdstack.internal:8100", version="r7",
+                         instance_id="prefill-a", tls=tls)  # fmt: skip
+    agent = load_settings(AgentSettings, argv[4:], prog="pdserve agent", env={})
+    port = got["--port"]
+    assert agent.engine_url == agent.advertise_url == f"https://i-0abc.prefill.dc1.prod.pdstack.internal:{port}"
+    assert (str(agent.tls_ca), str(agent.tls_client_cert), str(agent.tls_client_key)) == (tls.ca, tls.cert, tls.key)
 
 
 def test_the_agent_refuses_a_bad_instance_id_through_its_own_parser() -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -117,10 +118,12 @@ class VLLMServer:
     """False: no --kv-transfer-config at all (role, policy and extra unused), a colocated baseline."""
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    verify: ssl.SSLContext | None = None
+    """A client context for an API server started with --ssl-* in `args`: it is then reached over https."""
 
     @property
     def url(self) -> str:
-        return f"http://{self.site.http_host}:{self.port}"
+        return f"{'https' if self.verify else 'http'}://{self.site.http_host}:{self.port}"
 
     def start(self) -> None:
         config = {
@@ -159,7 +162,7 @@ class VLLMServer:
             if self.process.poll() is not None:
                 pytest.fail(f"vLLM {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.verify or True).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

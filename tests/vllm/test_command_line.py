@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from pdstack.contract_files import environment_serving
 from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Tracing, Vllm
-from pdstack.vllm_command import API_SERVER, engine_args, engine_command, engine_env
+from pdstack.vllm_command import API_SERVER, NodeTls, engine_args, engine_command, engine_env
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 HOST = "10.20.1.7"
@@ -96,6 +97,18 @@ def test_with_tracing_vllm_exports_to_the_stacks_endpoint(parser: FlexibleArgume
         assert engine.otlp_traces_endpoint == endpoint
         assert engine_env(traced, side, HOST)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     assert AsyncEngineArgs.from_cli_args(parsed(parser, engine_args(CPU, side, HOST))).otlp_traces_endpoint is None
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_over_tls_vllms_api_server_serves_the_nodes_pair(parser: FlexibleArgumentParser, mutual: bool) -> None:
+    """What vLLM's own parser makes of NodeTls' flags: the contract's files, re-read as they change, and a client
+    certificate required (ssl.CERT_REQUIRED) only under the stack's mutual TLS."""
+    tls = NodeTls(mutual=mutual)
+    args = parsed(parser, engine_args(CPU, PoolRole.DECODE, HOST, tls))
+    assert (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs) == (tls.cert, tls.key, tls.ca)
+    assert args.enable_ssl_refresh is True
+    assert args.ssl_cert_reqs == (ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE)
+    assert parsed(parser, engine_args(CPU, PoolRole.DECODE, HOST)).ssl_certfile is None
 
 
 def test_cpu_extra_args_reach_vllm(parser: FlexibleArgumentParser) -> None:
