@@ -66,9 +66,8 @@ def render_play(out: Path, side: str, topology: dict[str, Any], tls: bool = Fals
         "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels, "
         "'healthcheck': vllm_engine__healthcheck} | to_json }}"
     )
-    release = {"image": IMAGE, "version": "r7", "config_version": "3",
-               "stack": {"engine": "vllm", **{k: v for k, v in STACK.items() if k != "sides"},
-                         "side": STACK["sides"][side]}}  # fmt: skip
+    # the stack part as the role's release.yml records it (its own vllm_engine__stack_release)
+    release = {"image": IMAGE, "version": "r7", "config_version": "3", "stack": "{{ vllm_engine__stack_release }}"}
     variables = {"vllm_engine_side": side, "vllm_engine_stack": STACK, "pdstack_address": ADDRESS,
                  "pdstack_scheduler_url": SCHEDULER, "vllm_engine__release": release, "pdserve__engine_id": ENGINE_ID,
                  "pdserve__secret_mounts": MOUNTS, "pdserve__cpuset_cpus": "2-3", "pdserve__cpuset_mems": "0",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ class Deployed:
                                 "vllm_image": self.vllm_image},
             "pdstack_model": {"name": MODEL, "source": str(self.cluster.workdir / "models" / MODEL)},
             "pdstack_secrets_dir": str(self.cluster.secrets.folder),
+            "pdstack_tls_dir": str(self.cluster.tls.folder),  # TLS as everywhere: the node's pair, the local CA
             **ansible_vars(self.serving),  # the environment's rendered vLLM vars, for this CPU stack
             # the control play validates every role's arguments, even those its tags skip (Prometheus here)
             "pdstack_prometheus_image": "localhost/pdstack-prometheus@sha256:" + "0" * 64,
@@ -74,7 +76,7 @@ class Deployed:
 
     def url(self, node: str, side: str) -> str:
         port = self.serving.ports.prefill if side == "prefill" else self.serving.ports.decode
-        return f"http://{self.cluster.address[node]}:{port}"
+        return f"https://{self.cluster.address[node]}:{port}"
 
     def token(self) -> str:
         return self.cluster.secrets.server_api_token.read_text().strip()
@@ -86,7 +88,7 @@ class Deployed:
 
     def instances(self) -> list[dict[str, Any]]:
         admin = self.cluster.secrets.scheduler_admin_token.read_text().strip()
-        found: list[dict[str, Any]] = httpx.get(
+        found: list[dict[str, Any]] = self.cluster.internal.get(
             f"{self.cluster.scheduler()}/v1/instances", timeout=5, headers={"Authorization": f"Bearer {admin}"}
         ).json()["instances"]
         return found
@@ -128,11 +130,16 @@ def test_install_runs_both_containers_and_vllm_answers_on_the_nodes_address(depl
         for container in (f"vllm-{side}", f"vllm-{side}-agent"):
             labels = deployed.labels(node, container)
             assert labels["pdstack.release.image"] == deployed.vllm_image and labels["pdstack.release.version"] == "r1"
-        url = deployed.url(node, side)
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+        url, client = deployed.url(node, side), deployed.cluster.internal
+        assert client.get(f"{url}/health", timeout=10).status_code == 200
+        # the local stack's mutual TLS: vLLM's API server admits only a caller with a certificate from the CA
+        with pytest.raises(httpx.TransportError):
+            httpx.get(
+                f"{url}/health", timeout=10, verify=ssl.create_default_context(cafile=deployed.cluster.tls.ca_cert)
+            )
+        assert client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
                           timeout=60).status_code == 401  # fmt: skip
-        answer = httpx.post(
+        answer = client.post(
             f"{url}/v1/completions",
             timeout=120,
             headers={"Authorization": f"Bearer {deployed.token()}"},
@@ -187,7 +194,7 @@ def test_rollback_restores_the_previous_release(deployed: Deployed) -> None:
         record = deployed.cluster.record(node, side)
         assert (record["current"]["version"], record["current"]["config_version"]) == ("r1", "1")
         assert deployed.labels(node, f"vllm-{side}-agent")["pdstack.release.version"] == "r1"
-        answer = httpx.post(
+        answer = deployed.cluster.internal.post(
             f"{deployed.url(node, side)}/v1/completions",
             timeout=120,
             headers={"Authorization": f"Bearer {deployed.token()}"},
