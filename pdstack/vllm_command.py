@@ -245,19 +245,9 @@ def agent_args(
     )  # fmt: skip
 
 
-def agent_command(
-    serving: Serving,
-    side: PoolRole,
-    *,
-    advertise_host: str,
-    scheduler_url: str,
-    version: str,
-    instance_id: str,
-    tls: NodeTls | None = None,
-) -> tuple[str, ...]:
-    args = agent_args(serving, side, advertise_host=advertise_host, scheduler_url=scheduler_url, version=version,
-                      instance_id=instance_id, tls=tls)  # fmt: skip
-    return (VLLM_PYTHON, "-m", AGENT_MODULE, *args)
+def agent_command(serving: Serving, side: PoolRole, **node: Any) -> tuple[str, ...]:
+    """The agent's whole argv: the image's interpreter running pdserve's CLI with agent_args(serving, side, **node)."""
+    return (VLLM_PYTHON, "-m", AGENT_MODULE, *agent_args(serving, side, **node))
 
 
 def secret_files(side: PoolRole) -> tuple[SecretFile, ...]:

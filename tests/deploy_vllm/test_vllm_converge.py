@@ -99,6 +99,7 @@ def cpu_serving(image: str) -> Serving:
     return Serving(
         model=Model(name=MODEL, path=f"/var/lib/pdstack/models/{MODEL}"),
         engine=Engine.VLLM,
+        mutual_tls=True,  # as the deploy cluster's contract (the local stack's): vLLM then requires a client cert
         vllm=Vllm(image=image, version="0.32.0", dtype="float32", max_model_len=4096, block_size=32,
                   extra_args={"enforce-eager": True}),
         limits=Limits(max_prompt_tokens=2048, max_output_tokens=256, max_batch_size=16, prefill_token_budget=1024,
