@@ -75,7 +75,8 @@ class Local:
         return Path(self.status["api_key_file"]).read_text().strip()
 
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.status["gateway_url"], "completions", self.topology.serving.model.name, self.api_key())
+        """The gateway's completions, of the model `up` deployed (the engine's: pdserve's or vLLM's)."""
+        return Endpoint(self.status["gateway_url"], "completions", self.status["model"], self.api_key())
 
     def gateway_metrics(self) -> str:
         return httpx.get(f"https://{self.control}:{self.contract[Component.GATEWAY].port}/metrics", timeout=10).text
@@ -128,14 +129,14 @@ class Local:
         """(node, component) of every prefill and decode server."""
         return [(n.name, str(n.role)) for n in self.topology.nodes if str(n.role) in ("prefill", "decode")]
 
-    def deploy(self, version: str, config_version: str, **release: Any) -> subprocess.CompletedProcess[str]:
-        """Run playbooks/deploy.yml for a release of the current image with this version and config."""
+    def deploy(
+        self, version: str, config_version: str, settings: dict[str, Any] | None = None, **release: Any
+    ) -> subprocess.CompletedProcess[str]:
+        """Run playbooks/deploy.yml for a release of the current image with this version and config; `settings`:
+        extra vars the release changes too (with vLLM, the rendered command lines `pdstack_vllm_vars`)."""
         path = self.env.state_dir / f"release-{version}.json"
-        path.write_text(
-            json.dumps(
-                {"pdstack_release": {**self.release(), "version": version, "config_version": config_version, **release}}
-            )
-        )
+        release = {**self.release(), "version": version, "config_version": config_version, **release}
+        path.write_text(json.dumps({"pdstack_release": release, **(settings or {})}))
         argv = self.env.playbook_argv("deploy.yml", "-e", f"@{path}")
         return subprocess.run(
             argv,
@@ -174,9 +175,9 @@ def wan_bytes(local: Local, a: str, b: str) -> int:
     return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
 
 
-@pytest.fixture(scope="module")
-def local() -> Iterator[Local]:
-    up = pdstack("local", "up")
+def brought_up(*up_args: str) -> Iterator[Local]:
+    """`pdstack local up` with these arguments, then the environment as the tests see it."""
+    up = pdstack("local", "up", *up_args)
     assert up.returncode == 0, (up.stdout + up.stderr)[-6000:]
     status = json.loads(pdstack("local", "status", "--json").stdout)
     env = LocalEnv(REPO)
@@ -191,6 +192,11 @@ def local() -> Iterator[Local]:
             os.environ.pop("SSL_CERT_FILE", None)
         else:
             os.environ["SSL_CERT_FILE"] = before
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[Local]:
+    yield from brought_up()
 
 
 def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> None:
@@ -433,22 +439,27 @@ def test_a_certificate_rotated_on_one_decode_node_is_served_without_a_failed_req
 
 
 def test_a_killed_decode_container_is_restarted_and_requests_recover(local: Local) -> None:
+    assert_a_killed_decode_recovers(local, "pdserve-decode", restart_s=180)
+
+
+def assert_a_killed_decode_recovers(local: Local, container: str, restart_s: float) -> None:
+    """Under load, the first decode node's `container` is killed: podman restarts it, it is healthy again within
+    `restart_s`, the requests after that all succeed, and the gateway carried the others on the other decode."""
     node = local.topology.nodes_with_role(PoolRole.DECODE)[0].name
-    pid = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}}", "pdserve-decode"]).strip()
+    pid = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.State.Pid}}", container]).strip()
     with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
         time.sleep(5)
         nodes.exec_in_node(node, ["kill", "-KILL", pid])
-        killed_at = time.monotonic()
-        deadline = killed_at + 180
+        deadline = time.monotonic() + restart_s
         while time.monotonic() < deadline:
             now = nodes.exec_in_node(
-                node, ["podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}", "pdserve-decode"]
+                node, ["podman", "inspect", "--format", "{{.State.Pid}} {{.State.Health.Status}}", container]
             ).split()
             if now[0] not in ("0", pid) and now[1:] == ["healthy"]:
                 break
             time.sleep(2)
         else:
-            raise AssertionError("the decode container was not restarted and healthy within 180 s")
+            raise AssertionError(f"{container} was not restarted and healthy within {restart_s:.0f} s")
         recovered_at = time.perf_counter()
         time.sleep(15)
     results = load.results

@@ -1,8 +1,9 @@
 """The local environment on vLLM, end to end: `pdstack local up --engine vllm` (`make up ENGINE=vllm`), then a
 completion through the gateway with the official openai client: prefilled by vLLM in dc1, its KV across the emulated
 WAN through PdstackConnector, decoded by vLLM in dc2, and equal to what a vLLM engine of the same checkpoint
-generates colocated (prompt and output on one engine, no KV transfer). Then `up` again changes nothing, and `down`
-leaves nothing behind.
+generates colocated (prompt and output on one engine, no KV transfer). Then `up` again changes nothing; canaries of
+vLLM releases under load (a good one promoted with no failed request, one whose greedy outputs differ rolled back by
+the golden check); a killed vLLM decode restarted while the other carries the load; `down` leaves nothing behind.
 
 Opt-in (`make test-local-vllm`, PDSTACK_LOCAL_VLLM=1; tests/local/conftest.py): the vLLM-cpu image and four vLLM
 engines take more than CI's time budget. Owns the machine's local environment like test_local_env.py.
@@ -14,25 +15,28 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from pdstack import vllm_deploy
 from pdstack.local import nodes
-from pdstack.local.env import LocalEnv
+from pdstack.local.engine import vllm_serving
 from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.local.network import namespaces
-from pdstack.local.topology import Topology
 from pdstack.model import PoolRole
+from tests.local.load import ClientLoad
 from tests.local.operator import operator_context
-from tests.local.test_local_env import assert_a_warm_up_changes_nothing, pdstack
+from tests.local.test_local_env import (
+    LOAD_RATE,
+    Local,
+    assert_a_killed_decode_recovers,
+    assert_a_warm_up_changes_nothing,
+    brought_up,
+    pdstack,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
 # About 1.5K tokens of the checkpoint's tokenizer: well past the offload threshold (remote prefill), and past the
 # 512-token context of the pdserve model, within vLLM's 4K.
 PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cache crosses the link. " * 40
@@ -41,30 +45,31 @@ MAX_TOKENS = 16
 pytestmark = pytest.mark.timeout(3600)
 
 
-@dataclass
-class LocalVllm:
-    env: LocalEnv
-    topology: Topology
-    up_output: str
-    status: dict[str, Any]
-
-    def client(self) -> OpenAI:
-        key = Path(self.status["api_key_file"]).read_text().strip()
-        return OpenAI(base_url=self.status["gateway_url"], api_key=key, timeout=120, max_retries=0)
-
-    def engine_url(self, role: PoolRole) -> str:
-        node = self.topology.nodes_with_role(role)[0]
-        port = self.topology.serving.ports.decode if role is PoolRole.DECODE else self.topology.serving.ports.prefill
-        return f"http://{node.address.ip}:{port}"
-
-    def prometheus_sum(self, query: str) -> float:
-        url = f"{self.status['prometheus_url']}/api/v1/query"
-        result = httpx.get(url, params={"query": query}, timeout=10, verify=operator_context(self.status))
-        series = result.json()["data"]["result"]
-        return sum(float(s["value"][1]) for s in series)
+@pytest.fixture(scope="module")
+def local() -> Iterator[Local]:
+    started = time.monotonic()
+    yield from brought_up("--engine", "vllm")
+    print(f"pdstack local up --engine vllm and the tests: {time.monotonic() - started:.0f} s")
 
 
-def wan_rx_bytes(local: LocalVllm, a: str, b: str) -> int:
+def client(local: Local) -> OpenAI:
+    return OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=120, max_retries=0)
+
+
+def engine_url(local: Local, role: PoolRole) -> str:
+    """A vLLM engine's API by the name its certificate carries (the node's address is in it too)."""
+    node = local.topology.nodes_with_role(role)[0]
+    port = local.topology.serving.ports.decode if role is PoolRole.DECODE else local.topology.serving.ports.prefill
+    return f"https://{node.address.ip}:{port}"
+
+
+def prometheus_sum(local: Local, query: str) -> float:
+    url = f"{local.status['prometheus_url']}/api/v1/query"
+    series = local.internal.get(url, params={"query": query}, timeout=10).json()["data"]["result"]
+    return sum(float(s["value"][1]) for s in series)
+
+
+def wan_rx_bytes(local: Local, a: str, b: str) -> int:
     """Bytes datacenter `b`'s router received from its WAN link to `a` (the forwarder's TUN device)."""
     router = local.topology.datacenter(b).router_namespace
     link = next(lk for lk in local.topology.links if {lk.a, lk.b} == {a, b})
@@ -73,18 +78,7 @@ def wan_rx_bytes(local: LocalVllm, a: str, b: str) -> int:
     return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
 
 
-@pytest.fixture(scope="module")
-def local() -> Iterator[LocalVllm]:
-    started = time.monotonic()
-    up = pdstack("local", "up", "--engine", "vllm")
-    print(f"pdstack local up --engine vllm: {time.monotonic() - started:.0f} s")
-    assert up.returncode == 0, (up.stdout + up.stderr)[-6000:]
-    status = json.loads(pdstack("local", "status", "--json").stdout)
-    env = LocalEnv(REPO)
-    yield LocalVllm(env, env.topology(), up.stdout + up.stderr, status)
-
-
-def test_up_reports_the_vllm_engine_and_its_4k_model(local: LocalVllm) -> None:
+def test_up_reports_the_vllm_engine_and_its_4k_model(local: Local) -> None:
     assert local.status["engine"] == "vllm" and local.status["model"] == VLLM_MODEL_NAME
     assert f"engine:     vllm (model {VLLM_MODEL_NAME})" in local.up_output
     for node in local.topology.nodes_with_role(PoolRole.PREFILL) + local.topology.nodes_with_role(PoolRole.DECODE):
@@ -92,25 +86,27 @@ def test_up_reports_the_vllm_engine_and_its_4k_model(local: LocalVllm) -> None:
         assert f"vllm-{node.role}" in running and f"vllm-{node.role}-agent" in running, (node.name, running)
 
 
-def test_a_completion_through_the_gateway_crosses_the_wan_and_equals_vllm_colocated(local: LocalVllm) -> None:
+def test_a_completion_through_the_gateway_crosses_the_wan_and_equals_vllm_colocated(local: Local) -> None:
     # job, not the connector's role label: Prometheus renames that one exported_role (the target has a role label)
     kv_query = 'sum(pdserve_kv_transfer_bytes_total{job="pdserve-decode"})'
-    kv_before = local.prometheus_sum(kv_query)
+    kv_before = prometheus_sum(local, kv_query)
     wan_before = wan_rx_bytes(local, "dc1", "dc2")
-    completion = local.client().completions.create(
+    completion = client(local).completions.create(
         model=VLLM_MODEL_NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
     )
     assert completion.usage is not None and completion.usage.prompt_tokens > 1024, completion.usage
     assert completion.usage.completion_tokens == MAX_TOKENS
     wan_moved = wan_rx_bytes(local, "dc1", "dc2") - wan_before
 
-    # The same checkpoint and settings, colocated: the prompt straight to a decode engine, no kv_transfer_params.
+    # The same checkpoint and settings, colocated: the prompt straight to a decode engine, no kv_transfer_params
+    # (over its TLS, presenting the operator's certificate as the stack's mutual TLS asks).
     token = local.env.secrets.server_api_token.read_text().strip()
     colocated = httpx.post(
-        f"{local.engine_url(PoolRole.DECODE)}/v1/completions",
+        f"{engine_url(local, PoolRole.DECODE)}/v1/completions",
         headers={"Authorization": f"Bearer {token}"},
         json={"model": VLLM_MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0},
         timeout=120,
+        verify=operator_context(local.status),
     )
     assert colocated.status_code == 200, colocated.text
     assert completion.choices[0].text == colocated.json()["choices"][0]["text"]
@@ -118,17 +114,53 @@ def test_a_completion_through_the_gateway_crosses_the_wan_and_equals_vllm_coloca
     # 4 layers x 2 KV heads x 64 x (K, V) x 4 bytes = 4 KiB of KV per prompt token crossed dc1 -> dc2.
     assert wan_moved >= 4096 * completion.usage.prompt_tokens * 0.9, wan_moved
     deadline = time.monotonic() + 90  # Prometheus scrapes every few seconds
-    while (kv_moved := local.prometheus_sum(kv_query) - kv_before) <= 0 and time.monotonic() < deadline:
+    while (kv_moved := prometheus_sum(local, kv_query) - kv_before) <= 0 and time.monotonic() < deadline:
         time.sleep(3)
     assert kv_moved > 0, f"{kv_query} did not move in Prometheus"
     assert wan_moved >= kv_moved  # the connector's bytes are on the link
 
 
-def test_up_again_changes_nothing(local: LocalVllm) -> None:
+def test_up_again_changes_nothing(local: Local) -> None:
     assert_a_warm_up_changes_nothing(local.env, local.topology, "--engine", "vllm")
 
 
-def test_down_leaves_no_container_namespace_link_or_rule(local: LocalVllm) -> None:
+def test_a_good_vllm_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        deployed = local.deploy("vllm-good-2", "2")
+    assert deployed.returncode == 0, deployed.stdout[-6000:]
+    assert "release vllm-good-2 promoted" in deployed.stdout
+    assert load.completed() > 50 and not load.failures(), load.failures()
+    for node, component in local.servers():
+        record = local.record(node, component)
+        assert record["current"]["version"] == "vllm-good-2" and record["current"]["stack"]["engine"] == "vllm"
+    assert local.weights() == {"vllm-good-2": 100}
+
+
+def test_a_vllm_canary_whose_outputs_differ_is_rolled_back_by_the_golden_check(local: Local) -> None:
+    """A release that serves the model in bfloat16 rather than float32: both canary engines start (their
+    fingerprints match each other, not the baseline's), but their greedy outputs differ from the baseline's, so the
+    canary gets no traffic and returns to the baseline's command lines."""
+    serving = vllm_serving(local.topology.serving, local.release()["vllm_image"])
+    assert serving.vllm is not None and serving.vllm.dtype == "float32"
+    bf16 = serving.model_copy(update={"vllm": serving.vllm.model_copy(update={"dtype": "bfloat16"})})
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        deployed = local.deploy("vllm-bf16-3", "3", settings={"pdstack_vllm_vars": vllm_deploy.ansible_vars(bf16)})
+    output = deployed.stdout + deployed.stderr
+    assert deployed.returncode != 0
+    assert "canary vllm-bf16-3 rolled back" in output and "golden" in output, output[-6000:]
+    assert not load.failures(), load.failures()
+    for node, component in local.servers():
+        assert local.record(node, component)["current"]["version"] == "vllm-good-2", node
+        engine = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.Config.Cmd}}", f"vllm-{component}"])
+        assert "bfloat16" not in engine and "float32" in engine, (node, engine)
+    assert local.weights().get("vllm-bf16-3", 0) == 0
+
+
+def test_a_killed_vllm_decode_is_restarted_and_requests_recover(local: Local) -> None:
+    assert_a_killed_decode_recovers(local, "vllm-decode", restart_s=420)  # vLLM loads for 1-3 minutes here
+
+
+def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:
     down = pdstack("local", "down")
     assert down.returncode == 0, down.stderr[-3000:]
     assert not any(nodes.node_exists(n.name) for n in local.topology.nodes)
