@@ -63,9 +63,10 @@ test-vllm-deploy: venv $(VLLM_STAMP)
 host:
 	bash scripts/host-setup.sh
 
-# ENGINE=vllm|pdserve overrides the local stack's serving.engine for this `up` (docs/local.md); vLLM's image is built
-# with .venv-vllm's interpreter.
-ENGINE ?=
+# `make up` serves with vLLM, the engine real fleets run; ENGINE=pdserve brings the numpy reference engine up instead
+# (minutes faster, what tests/local runs in CI), ENGINE= the local stack's own serving.engine (docs/local.md). vLLM's
+# image is built with .venv-vllm's interpreter.
+ENGINE ?= vllm
 up: venv host $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(VENV)/bin/pdstack local up $(if $(ENGINE),--engine $(ENGINE))
 
@@ -76,8 +77,9 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # The local environment on vLLM end to end (tests/local/test_local_vllm.py): make up ENGINE=vllm, a completion
-# through the gateway against vLLM colocated, the WAN's and the connector's bytes, up again, down. Not in `make test`
-# (four vLLM engines and a 3.78 GB image push; docs/local.md). Owns the machine's local environment.
+# through the gateway against vLLM colocated, the WAN's and the connector's bytes, up again, canaries of vLLM
+# releases under load, a killed decode, down. Not in `make test` (four vLLM engines, a 3.78 GB image push and eight
+# more vLLM starts, about 45 minutes here; docs/local.md). Owns the machine's local environment.
 .PHONY: test-local-vllm
 test-local-vllm: venv host $(VLLM_STAMP)
 	PDSTACK_LOCAL_VLLM=1 $(VENV)/bin/pytest tests/local/test_local_vllm.py
