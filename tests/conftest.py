@@ -1,15 +1,14 @@
-"""Shared fixtures: the repository's own example stacks, copied so tests may edit them. The `slow` marker of whole
-folders and files (docs/testing.md: `make test-unit` runs everything else)."""
+"""The `slow` marker of whole folders and files (docs/testing.md: `make test-unit` runs everything else), and the
+shared fixtures of tests/support/fixtures.py."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-STACKS = REPO / "stacks"
+pytest_plugins = ["tests.support.fixtures"]
+
 TESTS = Path(__file__).resolve().parent
 
 # Folders and files (relative to tests/) whose every test is slow, and why. A slow test elsewhere carries
@@ -91,11 +90,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if slow_reason(item.path) is not None or SLOW_FIXTURES.keys() & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture
-def stacks_dir(tmp_path: Path) -> Path:
-    """A private copy of stacks/ that a test may edit."""
-    target = tmp_path / "stacks"
-    shutil.copytree(STACKS, target)
-    return target

@@ -19,8 +19,8 @@ import httpx
 import yaml
 
 from pdstack.contract import ALERTMANAGER_API
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"
 ALERTS = REPO / "monitoring" / "alerts.yml"

@@ -34,8 +34,8 @@ from tests.alerting.stack import (
     render,
     wait_until,
 )
-from tests.serving.ports import free_port
-from tests.serving.server.serverproc import ServerProcess
+from tests.support.ports import free_port
+from tests.support.serverproc import ServerProcess
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager")

@@ -35,9 +35,9 @@ from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.local.transport import OPERATOR
-from tests.serving.server.serverproc import free_port
+from tests.support import REPO
+from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 # The ports the playbooks deploy with: the local environment's contract (playbooks/vars/contract/local.yml).
 CONTRACT = contract(environment_serving(REPO / "stacks", "local"))
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")

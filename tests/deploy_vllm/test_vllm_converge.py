@@ -30,9 +30,10 @@ from pdstack.local import nodes
 from pdstack.local.model import write_manifest
 from pdstack.model import Engine, Limits, Model, Serving, Vllm
 from pdstack.vllm_deploy import ansible_vars
-from tests.deploy.conftest import NODE_A, NODE_B, REPO, Played
+from tests.deploy.conftest import NODE_A, NODE_B, Played
 from tests.deploy.conftest import Serving as Cluster
 from tests.deploy.conftest import serving as cluster  # noqa: F401  (the node containers, registry and secrets)
+from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(3600)
 

@@ -24,11 +24,10 @@ from pdstack.cli import app
 from pdstack.contract import contract
 from pdstack.contract_files import POLICY_CONFIG_DIR, environment_serving, policy_config
 from pdstack.stackfile import load_stack_file
+from tests.support import REPO, STACKS
 
-from .conftest import ROOT, STACKS
-
-TEMPLATES = ROOT / "ci-templates"
-BIN = ROOT / ".venv" / "bin"
+TEMPLATES = REPO / "ci-templates"
+BIN = REPO / ".venv" / "bin"
 # pulumi/actions inputs that become CLI flags (the automation API option they set, the flag it emits) ...
 ACTION_FLAGS = {"policyPacks": ("policy_packs", "--policy-pack"),
                 "policyPackConfigs": ("policy_pack_configs", "--policy-pack-config")}  # fmt: skip
@@ -158,7 +157,7 @@ def test_every_preview_and_up_runs_the_policy_pack_with_its_environments_rendere
                 assert load_stack_file(STACKS / f"Pulumi.{stack}.yaml").config.environment == env, stack
             config = EXPRESSION.sub(env, given["policyPackConfigs"])
             assert Path(config).parent == POLICY_CONFIG_DIR
-            rendered = (ROOT / config).read_text()
+            rendered = (REPO / config).read_text()
             assert yaml.safe_load(rendered) == policy_config(contract(environment_serving(STACKS, env))), config
             checked.add(env)
     assert checked == {"dev", "staging", "prod"}

@@ -58,8 +58,7 @@ from pdserve.scheduler.identity import derive_token
 from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
 from pdstack.synth import Synthesis
-
-from .conftest import ROOT
+from tests.support import REPO
 
 ENV = "dev"
 PODMAN = shutil.which("podman")
@@ -90,7 +89,7 @@ def podman(*args: str, check: bool = True, timeout: float = 300) -> subprocess.C
 def runtime_image() -> str:
     """The runtime image of serving/'s current sources under this test's own name: re-tagged from `pdstack local`'s
     build of the same sources when there is one (CI builds it for tests/local), else built."""
-    tag = f"src-{source_hash(ROOT, ['serving'])}"
+    tag = f"src-{source_hash(REPO, ['serving'])}"
     image = f"{IMAGE_REPOSITORY}:{tag}"
     if nodes.image_exists(image):
         return image
@@ -98,7 +97,7 @@ def runtime_image() -> str:
     if nodes.image_exists(local):
         podman("tag", local, image)
     else:
-        built = subprocess.run(["bash", str(ROOT / "serving" / "build-image.sh"), image],
+        built = subprocess.run(["bash", str(REPO / "serving" / "build-image.sh"), image],
                                capture_output=True, text=True, check=False, timeout=1800)  # fmt: skip
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     remove_older_builds(image)
@@ -299,7 +298,7 @@ def service_url(run: Run, service: str, addresses: list[str]) -> str:
 
 
 def contract_env(component: str) -> dict[str, str]:
-    loaded = yaml.safe_load((ROOT / "playbooks" / "vars" / "contract" / f"{ENV}.yml").read_text())
+    loaded = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / f"{ENV}.yml").read_text())
     env: dict[str, str] = loaded["pdserve_components"][component]["env"]
     return env
 

@@ -46,9 +46,9 @@ from pdstack.contract import (
 )
 from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
 from pdstack.stacks import load_environment
-from tests.infra.tlsfiles import relocated, write_tls_dir
+from tests.support import REPO
+from tests.support.tlsfiles import relocated, write_tls_dir
 
-REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 INVENTORY = REPO / "inventories" / "aws"
 PROBE = Path(__file__).with_name("probe.yml")

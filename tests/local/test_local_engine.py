@@ -3,8 +3,6 @@ gets, and the vLLM serving block and release vars `up --engine vllm` deploys fro
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -14,8 +12,8 @@ from pdstack.contract_files import environment_serving
 from pdstack.local.engine import EngineError, resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Engine, PoolRole, Serving, Vllm
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 IMAGE = "10.210.255.1:5000/pdstack/vllm@sha256:" + "ab" * 32
 
 

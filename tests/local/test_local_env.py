@@ -37,14 +37,14 @@ from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.local.transport import local_ca
 from pdstack.model import PoolRole
-from tests.dashboardcheck import query_problems
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.local.operator import operator_context
-from tests.otlp import Span, receiving
+from tests.support import REPO
+from tests.support.dashboardcheck import query_problems
+from tests.support.otlp import Span, receiving
 
-REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
 RECAP = re.compile(
     r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"

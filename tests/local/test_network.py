@@ -30,7 +30,7 @@ from pdstack.local.env import LocalEnv
 from pdstack.local.network import LocalNetwork, NetworkError, UnknownLinkError, namespaces
 from pdstack.local.topology import SERVICE_ADDRESS, LocalLink, Topology
 from pdstack.local.wan import LinkShape
-from tests.conftest import REPO, STACKS
+from tests.support import REPO, STACKS
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from pdstack.local import nodes
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "baseline.yml"
-ANSIBLE_PLAYBOOK = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ansible-playbook")
+ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 # Unique per test process: two test sessions on one machine (a developer's and CI's) must not share nodes.
 NODE_A = f"pdstack-role-a-{os.getpid()}"
 NODE_B = f"pdstack-role-b-{os.getpid()}"

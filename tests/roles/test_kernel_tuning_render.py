@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.roles.conftest import ANSIBLE_PLAYBOOK, REPO
+from tests.roles.conftest import ANSIBLE_PLAYBOOK
+from tests.support import REPO
 
 ROLE = REPO / "roles" / "kernel_tuning"
 

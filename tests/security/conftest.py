@@ -1,6 +1,6 @@
 """The standing adversarial suite: real pdserve processes on loopback, attacked in bounded ways.
 
-Each module builds its own stack (scheduler, prefill, decode, gateway) with tests/serving's harnesses; this file holds
+Each module builds its own stack (scheduler, prefill, decode, gateway) with tests/support's harnesses; this file holds
 the tiny checkpoint and the KV key they share.
 """
 

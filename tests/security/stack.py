@@ -1,4 +1,4 @@
-"""A whole pdserve stack on loopback for the adversarial tests, built with the gateway tests' Cluster."""
+"""A whole pdserve stack on loopback for the adversarial tests, built with tests/support's Cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.gateway.cluster import KEYS, Cluster
+from tests.support.cluster import KEYS, Cluster
 
 KEY = KEYS["bulk"]  # limits far above what these tests send: they probe inputs, not the rate limiter
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.serving.gateway.cluster import Cluster, metric, wait_for
-from tests.serving.scheduler.services import Service, start_scheduler
+from tests.support.cluster import Cluster, metric, wait_for
+from tests.support.services import Service, start_scheduler
 
 from .fuzzing import (
     CONTENT_TYPES,

@@ -20,7 +20,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv.protocol import HEADER, MAGIC, NONCE_BYTES, VERSION, FrameType
-from tests.serving.gateway.cluster import Cluster
+from tests.support.cluster import Cluster
 
 from .fuzzing import FUZZ
 from .stack import normal_completion, pd_stack

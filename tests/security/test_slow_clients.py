@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdserve.listener import ListenerLimits
-from tests.serving.gateway.cluster import Cluster, metric
+from tests.support.cluster import Cluster, metric
 
 from .stack import KEY, normal_completion, pd_stack
 

@@ -35,9 +35,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pdserve.gateway.settings import GatewaySettings
-from tests.serving.gateway.cluster import KEYS, write_keys_file
-from tests.serving.ports import free_port
-from tests.serving.scheduler.services import (
+from tests.support.cluster import KEYS, write_keys_file
+from tests.support.ports import free_port
+from tests.support.serverproc import api_token_file
+from tests.support.services import (
     Service,
     gateway_token_file,
     identity_key_file,
@@ -45,7 +46,6 @@ from tests.serving.scheduler.services import (
     principal_token,
     write_secret,
 )
-from tests.serving.server.serverproc import api_token_file
 
 RELOAD_SECONDS = "0.1"
 START_TIMEOUT_S = 180.0

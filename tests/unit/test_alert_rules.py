@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
-MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+from tests.support import REPO
+
+MONITORING = REPO / "monitoring"
 RULES = MONITORING / "alerts.yml"
 RULE_TESTS = sorted((MONITORING / "tests").glob("*.yml"))
 PROMTOOL = shutil.which("promtool")

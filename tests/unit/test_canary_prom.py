@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -14,7 +13,8 @@ from pdstack.canary.prom import Prometheus, PrometheusError, duration_s, observe
 from pdstack.cli import app
 from pdstack.model import CanaryThresholds
 from tests.deploy.promdata import SCRAPE_S, Traffic, openmetrics, prometheus_with
-from tests.serving.server.serverproc import free_port
+from tests.support import STACKS
+from tests.support.ports import free_port
 
 SCRAPES = 41  # ten minutes at 15 s
 START = 1_700_000_000
@@ -87,7 +87,7 @@ def test_a_bad_query_names_the_cause() -> None:
 
 
 def run_judge(prom: Prometheus, canary: str, *extra: str) -> tuple[int, str]:
-    stacks = Path(__file__).resolve().parents[2] / "stacks"
+    stacks = STACKS
     result = CliRunner().invoke(
         app,
         [

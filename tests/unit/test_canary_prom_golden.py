@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdstack.canary.golden import DEFAULT_PROMPTS, GoldenError, compare, generate, load_golden
 from pdstack.cli import app
-from tests.serving.server.serverproc import ServerProcess, start_all
+from tests.support.serverproc import ServerProcess, start_all
 
 MAX_TOKENS = 8
 

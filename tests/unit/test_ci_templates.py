@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATES = ROOT / "ci-templates"
-STACKS = {p.name[len("Pulumi.") : -len(".yaml")] for p in (ROOT / "stacks").glob("Pulumi.*.yaml")}
+from tests.support import REPO
+
+TEMPLATES = REPO / "ci-templates"
+STACKS = {p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("Pulumi.*.yaml")}
 CLOUD_STACKS = {s for s in STACKS if not s.startswith("local-")}
 
 
@@ -82,7 +82,7 @@ def test_a_stage_goes_up_control_then_prefill_then_decode_then_deploys() -> None
         next(c for c in commands if "playbooks/site.yml" in c)
     )
     for playbook in ("site.yml", "deploy.yml"):
-        assert (ROOT / "playbooks" / playbook).is_file()
+        assert (REPO / "playbooks" / playbook).is_file()
 
 
 def test_promotion_runs_dev_then_staging_then_prod_each_gated_on_the_last() -> None:
@@ -115,7 +115,7 @@ def test_the_shared_setup_action_installs_the_program_and_the_policy_pack() -> N
     action = yaml.safe_load((TEMPLATES / "actions" / "pdstack-setup" / "action.yml").read_text(encoding="utf-8"))
     script = "\n".join(s.get("run", "") for s in action["runs"]["steps"])
     assert "infra/requirements.txt" in script and "policy/requirements.txt" in script
-    assert (ROOT / "infra" / "requirements.txt").is_file() and (ROOT / "policy" / "requirements.txt").is_file()
+    assert (REPO / "infra" / "requirements.txt").is_file() and (REPO / "policy" / "requirements.txt").is_file()
 
 
 def _compact(text: object) -> str:
@@ -146,7 +146,7 @@ def _option_values(argv: list[str], flag: str) -> list[str]:
 
 def _read_by_playbooks() -> str:
     """Everything the playbooks (and the roles and vars they load) template from."""
-    files = [*(ROOT / "playbooks").rglob("*.yml"), *(ROOT / "roles").rglob("*.yml"), *(ROOT / "roles").rglob("*.j2")]
+    files = [*(REPO / "playbooks").rglob("*.yml"), *(REPO / "roles").rglob("*.yml"), *(REPO / "roles").rglob("*.j2")]
     return "\n".join(p.read_text(encoding="utf-8") for p in files)
 
 
@@ -156,12 +156,12 @@ def test_every_ansible_command_names_an_inventory_that_exists_and_variables_the_
     read = _read_by_playbooks()
     for env, argv in commands:
         (inventory,) = _option_values(argv, "-i")
-        folder = ROOT / inventory
+        folder = REPO / inventory
         assert folder.is_dir() and [*folder.glob("*.aws_ec2.yml"), *folder.glob("hosts.yml")], inventory
         if inventory == "inventories/aws":  # it lists the environment PDSTACK_ENVIRONMENT names
             assert env.get("PDSTACK_ENVIRONMENT") == "${{inputs.environment}}", argv
         for playbook in (a for a in argv if a.startswith("playbooks/")):
-            assert (ROOT / playbook).is_file(), playbook
+            assert (REPO / playbook).is_file(), playbook
         for extra in _option_values(argv, "-e"):
             if extra.startswith("@"):
                 continue  # a vars file the user keeps (the stage's release-vars input)

@@ -23,7 +23,7 @@ from pdstack.contract import (
 )
 from pdstack.contract_files import environment_serving, environments, main, render_ansible_vars
 from pdstack.model import REQUIRED_SECRETS, Model, Ports, Serving
-from tests.conftest import REPO, STACKS
+from tests.support import REPO, STACKS
 
 SETTINGS: dict[Component, type[BaseModel]] = {
     Component.GATEWAY: GatewaySettings,

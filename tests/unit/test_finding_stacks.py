@@ -15,8 +15,8 @@ from pdstack.cli import app
 from pdstack.local.inventory import render_inventory
 from pdstack.local.topology import topology_of
 from pdstack.stacks import EnvironmentLoadError, default_stacks_dir, find_project, load_environment
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SUBFOLDERS = [".", "stacks", "roles/pdserve/tasks", "infra", "deep/er/still"]
 
 

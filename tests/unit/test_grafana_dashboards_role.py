@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 DASHBOARDS = sorted((REPO / "monitoring" / "dashboards").glob("*.json"))
 

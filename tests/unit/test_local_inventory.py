@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from pdstack.cli import app
 from pdstack.local.inventory import render_inventory
 from pdstack.local.topology import load_topology
-from tests.conftest import REPO, STACKS
+from tests.support import REPO, STACKS
 
 INVENTORY = REPO / "inventories" / "local" / "hosts.yml"
 

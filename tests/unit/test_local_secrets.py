@@ -11,7 +11,7 @@ import yaml
 
 from pdstack.local.secrets import LocalSecrets
 from pdstack.model import REQUIRED_SECRETS
-from tests.conftest import REPO
+from tests.support import REPO
 
 
 def test_ensure_makes_every_secret_private_and_distinct_then_keeps_them(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pdstack.local import names
 from pdstack.local.names import hosts_block, remove_hosts, write_hosts
 from pdstack.local.tls import RENEW_BEFORE, VALIDITY, Leaf, LocalCA
 from pdstack.local.topology import load_topology
-from tests.conftest import REPO
+from tests.support import REPO
 
 LEAF = Leaf("control-control-1", ("gateway.control.local.pdstack", "scheduler.control.local.pdstack"), ("127.0.0.1",))
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.scheduler import identity
-from tests.conftest import REPO
+from tests.support import REPO
 
 PLUGIN = REPO / "roles" / "pdserve" / "filter_plugins" / "pdserve_tokens.py"
 KEYS = st.text(

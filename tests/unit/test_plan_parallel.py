@@ -20,9 +20,9 @@ from pdstack.plan.parallel import Parallelism, engine_memory, memory_misfits, sh
 from pdstack.plan.planner import PlanInputs, Slo, make_plan
 from pdstack.plan.timing import Efficiency, decode_step_seconds, engine_step_seconds, model_costs
 from pdstack.plan.workload import from_distribution
+from tests.support import STACKS
 from tests.unit.test_validate import edit
 
-STACKS = Path(__file__).resolve().parents[2] / "stacks"
 GPUS = load_catalog().gpus
 
 # Llama-3-70B (meta-llama/Meta-Llama-3-70B config.json): hidden 8192, intermediate 28672, 80 layers, 64 heads,

@@ -23,8 +23,7 @@ from pdstack.plan.stacks import link_checks, link_problems
 from pdstack.plan.timing import Efficiency, model_costs, prefill_seconds
 from pdstack.plan.workload import WorkloadError, from_distribution, from_trace
 from pdstack.stackfile import load_stack_file
-
-STACKS = Path(__file__).resolve().parents[2] / "stacks"
+from tests.support import STACKS
 
 
 def inputs(model: str = "Qwen3-Next-80B-A3B", link: LinkSpec | None = None, **kw: object) -> PlanInputs:

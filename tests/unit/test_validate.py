@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdstack.validate import validate
-from tests.conftest import STACKS
+from tests.support import STACKS
 
 PDSTACK = [sys.executable, "-m", "pdstack"]
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pdstack.stackfile import StackFileError, load_stack_file
 from pdstack.validate import validate
-from tests.conftest import STACKS
+from tests.support import STACKS
 
 EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(STACKS.glob("Pulumi.*.yaml"))}
 

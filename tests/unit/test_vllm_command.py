@@ -41,7 +41,7 @@ from pdstack.vllm_command import (
     engine_command,
     engine_env,
 )
-from tests.conftest import STACKS
+from tests.support import STACKS
 
 SIDES = (PoolRole.PREFILL, PoolRole.DECODE)
 CLOUD = ("dev", "staging", "prod")

@@ -11,7 +11,7 @@ from pdstack.contract_files import environment_serving
 from pdstack.model import Engine, KvConnector, PoolRole
 from pdstack.vllm_command import API_SERVER, VLLM_PYTHON, agent_args, engine_args, engine_env
 from pdstack.vllm_deploy import PLACEHOLDERS, VARS_DIR, ansible_vars, main, render
-from tests.conftest import REPO, STACKS
+from tests.support import REPO, STACKS
 
 ENVS = ("local", "dev", "staging", "prod")
 

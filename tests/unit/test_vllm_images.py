@@ -16,7 +16,7 @@ import pytest
 from pdstack.model import IMAGE_BY_DIGEST
 from pdstack.vllm_command import API_SERVER, RUN_DIR, VLLM_PYTHON
 from pdstack.vllm_lock import LEFT_OUT
-from tests.conftest import REPO
+from tests.support import REPO
 
 SERVING = REPO / "serving"
 CPU = SERVING / "Containerfile.vllm-cpu"

@@ -21,9 +21,10 @@ import httpx
 import pytest
 
 from pdserve.scheduler.client import bearer
-from tests.serving.gateway.cluster import KEYS, write_keys_file
-from tests.serving.ports import free_port
-from tests.serving.scheduler.services import (
+from tests.support import REPO
+from tests.support.cluster import KEYS, write_keys_file
+from tests.support.ports import free_port
+from tests.support.services import (
     Service,
     gateway_token_file,
     instance_token_file,
@@ -35,7 +36,6 @@ from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, VLLMServer, prompt_of
 
 MODEL_NAME = "tiny"
 API_KEY = KEYS["bulk"]
-REPO = Path(__file__).resolve().parents[2]
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 

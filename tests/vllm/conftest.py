@@ -31,7 +31,7 @@ from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.consumer import VLLM_ADDED_FIELDS
 from pdstack.local.wan import LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace, run_ip
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 
 # TP 2 puts four workers, two EngineCores and two API servers on 2 cores: there a KV frame sometimes stalls for
 # more than 20 s (the CI rehearsal of 83cad20 failed 2 of its 5 tests that way), so it runs on request:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from pdserve.agent.instance import InstanceFileError, find
-from tests.serving.scheduler.services import Service
+from tests.support.services import Service
 from tests.vllm.agenthelpers import API_KEY, MODEL_NAME, Fleet, prompt_of, start_fleet
 
 LONG_TOKENS = 600

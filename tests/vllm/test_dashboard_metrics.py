@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from pdstack.dashboards.promql import metric_names, panels
+from tests.support import REPO
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
+DASHBOARDS = REPO / "monitoring" / "dashboards"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
 
 

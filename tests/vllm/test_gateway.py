@@ -16,8 +16,8 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from pdserve.kv.params import derive_params_key
-from tests.serving.gateway.cluster import metric, wait_for
-from tests.serving.scheduler.services import Service
+from tests.support.cluster import metric, wait_for
+from tests.support.services import Service
 from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of, start_fleet
 from tests.vllm.conftest import SilentServer
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdserve.kv.auth import SecretKey
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     LEASE_SECONDS,

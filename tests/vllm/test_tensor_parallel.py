@@ -28,7 +28,7 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.settings import kv_port_of
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,

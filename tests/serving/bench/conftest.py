@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.serving.server.serverproc import ServerProcess
+from tests.support.serverproc import ServerProcess
 
 # short prompts are ~400 tokens with the test tokenizer; the stock 512-position test model would truncate them
 CONTEXT = 2048

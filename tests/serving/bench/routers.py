@@ -6,8 +6,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.serving.ports import free_port
-from tests.serving.scheduler.services import Service
+from tests.support.ports import free_port
+from tests.support.services import Service
 
 VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.scheduler.services import Service, gateway_token_file, instance_token_file, start_scheduler
-from tests.serving.server.serverproc import ServerProcess, api_token_file
+from tests.support.serverproc import ServerProcess, api_token_file
+from tests.support.services import Service, gateway_token_file, instance_token_file, start_scheduler
 
 from .conftest import BenchRunner, bench_process
 

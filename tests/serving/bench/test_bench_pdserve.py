@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.serving.server.serverproc import ServerProcess
+from tests.support.serverproc import ServerProcess
 
 from .conftest import BenchRunner
 

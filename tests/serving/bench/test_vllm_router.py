@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.scheduler.services import Service
-from tests.serving.server.serverproc import API_TOKEN, ServerProcess, start_all
+from tests.support.serverproc import API_TOKEN, ServerProcess, start_all
+from tests.support.services import Service
 
 from .routers import vllm_router
 

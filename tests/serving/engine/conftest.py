@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import Engine
-
-from ..conftest import CheckpointFactory
+from tests.support.fixtures import CheckpointFactory
 
 KINDS = ("dense", "moe", "hybrid")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import CheckpointFactory
+from tests.support.fixtures import CheckpointFactory
 
 
 @pytest.fixture(scope="session")

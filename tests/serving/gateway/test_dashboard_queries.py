@@ -22,10 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdstack.contract import NODE_JOB, Component
 from pdstack.dashboards.promql import metric_names
-from tests.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems
-from tests.serving.ports import free_port
-
-from .cluster import HTTP, KEYS, Cluster, wait_for
+from tests.support.cluster import HTTP, KEYS, Cluster, wait_for
+from tests.support.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems
+from tests.support.ports import free_port
 
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 SUFFIXES = {

@@ -28,10 +28,9 @@ from starlette.routing import Route
 
 from pdserve.kv import params as signed_params
 from pdserve.scheduler.client import bearer
-
-from ..ports import free_port
-from ..scheduler.services import Service, gateway_token_file, principal_token, start_scheduler
-from .cluster import KEYS, metric, wait_for, write_keys_file
+from tests.support.cluster import KEYS, metric, wait_for, write_keys_file
+from tests.support.ports import free_port
+from tests.support.services import Service, gateway_token_file, principal_token, start_scheduler
 
 HOLD_SECONDS = 10.0
 

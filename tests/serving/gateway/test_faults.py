@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric, wait_for
+from tests.support.cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 LONG_STREAM = {"model": "dense", "prompt": "Hi", "max_tokens": 3000, "stream": True, "ignore_eos": True}

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from .cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric
+from tests.support.cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 SHORT_PROMPT = "Hi"

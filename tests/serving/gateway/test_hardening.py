@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .cluster import HTTP, KEYS, Cluster, metric
+from tests.support.cluster import HTTP, KEYS, Cluster, metric
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}

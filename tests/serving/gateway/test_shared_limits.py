@@ -21,9 +21,10 @@ import httpx
 import pytest
 import redis
 
-from ..ports import free_port
+from tests.support.cluster import KEYS, Cluster, metric
+from tests.support.ports import free_port
+
 from ..test_pdserve_tls import PKI, Files
-from .cluster import KEYS, Cluster, metric
 
 AUTH = {"Authorization": f"Bearer {KEYS['scarce']}"}
 BODY = {"model": "dense", "prompt": "Hi", "max_tokens": 1}

@@ -23,10 +23,9 @@ import httpx
 import pytest
 
 from pdserve.common.logs import FIXED
-from tests.otlp import Receiver, Span, receiving
-from tests.serving.scheduler.services import Service, instance_token_file
-
-from .cluster import HTTP, KEYS, Cluster, wait_for
+from tests.support.cluster import HTTP, KEYS, Cluster, wait_for
+from tests.support.otlp import Receiver, Span, receiving
+from tests.support.services import Service, instance_token_file
 
 RECEIVER_TOKEN = "otlp-test-token-5f1c"  # what the exporters present (OTEL_EXPORTER_OTLP_TRACES_HEADERS)
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn, twice over"

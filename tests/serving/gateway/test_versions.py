@@ -15,7 +15,7 @@ import httpx
 import pytest
 from scipy.stats import binomtest
 
-from .cluster import HTTP, KEYS, Cluster, metric, wait_for
+from tests.support.cluster import HTTP, KEYS, Cluster, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}  # limits far above these tests: they measure routing

@@ -17,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.scheduler.client import bearer
 from pdserve.scheduler.identity import derive_token
-
-from .services import Service, principal_token, start_scheduler
+from tests.support.services import Service, principal_token, start_scheduler
 
 VICTIM = "decode-victim"
 READS = ("routing", "list_instances", "advice", "get_weights")

@@ -11,8 +11,7 @@ import pytest
 
 from pdserve.scheduler.client import drain, run_heartbeats
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad
-
-from .services import instance_token_file, principal_token, start_scheduler
+from tests.support.services import instance_token_file, principal_token, start_scheduler
 
 INFO = InstanceInfo(instance_id="decode-x", role="decode", version="v1", kv_fingerprint="fp", url="http://127.0.0.1:9")
 

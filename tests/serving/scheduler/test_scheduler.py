@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from pdserve.scheduler.client import bearer
-
-from .services import Service, principal_token, start_scheduler
+from tests.support.services import Service, principal_token, start_scheduler
 
 
 @dataclass(frozen=True)

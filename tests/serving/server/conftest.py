@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .serverproc import ServerProcess, start_all
+from tests.support.serverproc import ServerProcess, start_all
 
 KINDS = ("dense", "moe", "hybrid")
 

@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
+from tests.support.serverproc import API_TOKEN, AUTH, ServerProcess, metric_value, prefill
+
 from .conftest import Deployment
-from .serverproc import API_TOKEN, AUTH, ServerProcess, metric_value, prefill
 
 PROMPT = "a request joins the running batch and leaves it when done"
 

@@ -13,10 +13,10 @@ import pytest
 
 from pdserve.kv import KVTransferError, SecretKey, pull
 from pdserve.kv.params import derive_params_key, sign
+from tests.support.serverproc import AUTH, ServerProcess, metric_value, prefill
 
 from .conftest import Deployment
 from .faultproxy import ByteFlipProxy
-from .serverproc import AUTH, ServerProcess, metric_value, prefill
 
 BODY = {
     "prompt": "the decode server pulls the cache from the prefill server over the network",

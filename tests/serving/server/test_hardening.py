@@ -20,9 +20,10 @@ import uvicorn
 from pdserve.engine import Engine
 from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS
 from pdserve.server import ServerSettings, create_app
+from tests.support.ports import free_port
+from tests.support.serverproc import AUTH, ServerProcess, api_token_file, metric_value, prefill
 
 from .conftest import Deployment
-from .serverproc import AUTH, ServerProcess, api_token_file, free_port, metric_value, prefill
 
 PROMPT = "a request that fails after admission gives its slot back"
 SIGNATURE = "kv_transfer_params.pdstack_signature"

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .serverproc import free_port
+from tests.support import REPO
+from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[3]
 IMAGE = "localhost/pdserve:latest"
 
 

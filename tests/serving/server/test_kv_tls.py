@@ -8,8 +8,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.serverproc import AUTH, ServerProcess, prefill
+
 from .conftest import Deployment
-from .serverproc import AUTH, ServerProcess, prefill
 
 
 def test_pd_over_tls_kv_channel(dense: Deployment, spawn: Callable[..., ServerProcess], tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from tests.serving.engine.test_parity import hf_greedy, hf_model
+from tests.support.serverproc import AUTH, prefill
 
 from .conftest import KINDS, Deployment
-from .serverproc import AUTH, prefill
 
 PROMPTS = (
     "the quick server sends a request to the cache and the cache answers slowly over the network",

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from .serverproc import AUTH, ServerProcess, metric_value, prefill
+from tests.support.serverproc import AUTH, ServerProcess, metric_value, prefill
+
 from .test_faults import resigned
 
 LONG_PROMPT = " ".join(f"token{i}" for i in range(400))  # 2291 tokens of the test tokenizer

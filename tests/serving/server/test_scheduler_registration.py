@@ -15,9 +15,10 @@ import pytest
 
 from pdserve.scheduler.client import bearer
 from pdserve.scheduler.identity import derive_token
+from tests.support.ports import free_port
+from tests.support.serverproc import ServerProcess
 
 from .conftest import Deployment
-from .serverproc import ServerProcess, free_port
 
 ENGINE_ID = "0123456789abcdef0123456789abcdef"
 

@@ -24,8 +24,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from tests.support.ports import free_port
+from tests.support.serverproc import API_TOKEN, metric_value
+
 from .conftest import Deployment
-from .serverproc import API_TOKEN, free_port, metric_value
 
 
 def vllm_toy_proxy(prefill_url: str, decode_url: str) -> Starlette:

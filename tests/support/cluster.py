@@ -13,8 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.scheduler.client import bearer
-
-from ..scheduler.services import (
+from tests.support.services import (
     Service,
     gateway_token_file,
     instance_token_file,

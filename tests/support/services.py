@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.scheduler.identity import GATEWAY, derive_token, instance_principal
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Shared fixtures for the serving tests: tiny engine checkpoints made once per session (no binaries in git)."""
+"""The fixtures every test folder may use (tests/conftest.py loads this module as a plugin): the repository's
+example stacks copied for a test to edit, and tiny engine checkpoints made once per session (no binaries in git)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,8 +11,17 @@ from typing import Any
 import pytest
 
 from pdserve.engine.testmodels import make_test_checkpoint
+from tests.support import STACKS
 
 CheckpointFactory = Callable[..., Path]
+
+
+@pytest.fixture
+def stacks_dir(tmp_path: Path) -> Path:
+    """A private copy of stacks/ that a test may edit."""
+    target = tmp_path / "stacks"
+    shutil.copytree(STACKS, target)
+    return target
 
 
 @pytest.fixture(scope="session")

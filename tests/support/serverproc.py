@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 
 READY_TIMEOUT_S = 180.0  # model loads crawl when the CI host is oversubscribed
 # The model-server API token every test server of this process is started with (prefill and decode require one).

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import ssl
 import time
-from pathlib import Path
 
 import httpx
 
 from pdstack.dashboards.promql import expand, metric_names, panels
+from tests.support import REPO
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "monitoring" / "dashboards"
+DASHBOARDS = REPO / "monitoring" / "dashboards"
 VLLM_PREFIX = "vllm:"
 
 
