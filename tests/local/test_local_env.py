@@ -385,7 +385,7 @@ def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: 
     [
         ("slow-3", {"PDSERVE_FAULT_DELAY_MS": "600"}, "FAIL ttft_p95"),
         # caught by the golden prompts before the canary gets any traffic; a canary that fails its golden prompts
-        # with errors takes the same gate and rollback (its report: tests/unit/test_canary_prom_golden.py)
+        # with errors takes the same gate and rollback (its report: tests/pdstack/canary/test_golden.py)
         ("wrong-4", {"PDSERVE_FAULT_PERTURB_OUTPUT": "true"}, "golden"),
     ],
 )

@@ -12,7 +12,7 @@ from pdstack.canary.judge import Outcome, judge
 from pdstack.canary.prom import Prometheus, PrometheusError, duration_s, observe
 from pdstack.cli import app
 from pdstack.model import CanaryThresholds
-from tests.deploy.promdata import SCRAPE_S, Traffic, openmetrics, prometheus_with
+from tests.pdstack.canary.promdata import SCRAPE_S, Traffic, openmetrics, prometheus_with
 from tests.support import STACKS
 from tests.support.ports import free_port
 

@@ -21,7 +21,7 @@ from pdstack.plan.planner import PlanInputs, Slo, make_plan
 from pdstack.plan.timing import Efficiency, decode_step_seconds, engine_step_seconds, model_costs
 from pdstack.plan.workload import from_distribution
 from tests.support import STACKS
-from tests.unit.test_validate import edit
+from tests.support.stackedit import edit
 
 GPUS = load_catalog().gpus
 

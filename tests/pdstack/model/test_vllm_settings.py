@@ -11,7 +11,7 @@ from pdstack.model import Engine
 from pdstack.stackfile import load_stack_file
 from pdstack.validate import validate
 from tests.support import STACKS
-from tests.unit.test_validate import edit, problems_of
+from tests.support.stackedit import edit, problems_of
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 

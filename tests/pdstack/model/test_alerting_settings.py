@@ -10,7 +10,7 @@ import pytest
 
 from pdstack.model import PulumiSecret
 from pdstack.stackfile import load_stack_file
-from tests.unit.test_validate import edit, problems_of
+from tests.support.stackedit import edit, problems_of
 
 
 def alerting(value: Any) -> Any:

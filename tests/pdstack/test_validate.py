@@ -9,23 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from pdstack.validate import validate
 from tests.support import STACKS
+from tests.support.stackedit import edit, problems_of
 
 PDSTACK = [sys.executable, "-m", "pdstack"]
-
-
-def edit(path: Path, change: Any) -> None:
-    """Apply `change(config_block)` to a stack file, writing it back as YAML."""
-    doc = yaml.safe_load(path.read_text())
-    change(doc["config"])
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-
-
-def problems_of(folder: Path) -> list[str]:
-    return [str(p) for p in validate([folder]).problems]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
