@@ -20,7 +20,7 @@ What this test rewrites in the rendered objects, and why (nothing else is touche
 - TLS is left out (the tls volume, its mount, the PDSERVE_TLS_* settings, the store's tls-* lines and its rediss://
   URL; the gateway is told it may then serve plain HTTP): the pods are reached here by addresses podman picks at play
   time, which no certificate made before can name. The rendered TLS wiring is checked against pdserve's settings in
-  test_contract_runtime.py, and pdserve's TLS itself by tests/serving/test_pdserve_tls.py;
+  test_contract_runtime.py, and pdserve's TLS itself by tests/pdserve/test_pdserve_tls.py;
 - the claim's storageClassName (EBS) is left out: a claim here is a podman named volume;
 - the probes are left out of what podman runs and the test is the kubelet: podman would turn an httpGet probe into a
   `curl` health check, and the image has no curl. The test polls each container's readiness and liveness probes

@@ -37,7 +37,7 @@ from .fuzzing import (
     encode,
     kv_params,
 )
-from .stack import AUTH, NORMAL, normal_completion, pd_stack
+from .serving_stack import AUTH, NORMAL, normal_completion, pd_stack
 
 COMPLETION = {
     "model": "dense",

@@ -23,7 +23,7 @@ from pdserve.kv.protocol import HEADER, MAGIC, NONCE_BYTES, VERSION, FrameType
 from tests.support.cluster import Cluster
 
 from .fuzzing import FUZZ
-from .stack import normal_completion, pd_stack
+from .serving_stack import normal_completion, pd_stack
 
 FUZZ_NO_SHRINK = settings(FUZZ, phases=[Phase.explicit, Phase.generate])
 GIVE_UP = 10.0  # far below the server's 30 s I/O timeout: a close must come from refusing the input

@@ -23,7 +23,7 @@ import pytest
 from pdserve.listener import ListenerLimits
 from tests.support.cluster import Cluster, metric
 
-from .stack import KEY, normal_completion, pd_stack
+from .serving_stack import KEY, normal_completion, pd_stack
 
 LIMITS = {
     "PDSERVE_HTTP_HEADER_TIMEOUT_SECONDS": "2",

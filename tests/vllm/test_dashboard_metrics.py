@@ -1,6 +1,6 @@
 """The vllm: metrics the dashboards read are ones vLLM registers, with the sample names Prometheus stores.
 
-The main suite checks every other name against the components' scrapes (tests/serving/gateway/
+The main suite checks every other name against the components' scrapes (tests/pdserve/gateway/
 test_dashboard_queries.py); vLLM is importable only here. The names come from vLLM's own metric registrations
 (the `name=` of each gauge, counter and histogram its loggers create), read from the installed package.
 """

@@ -10,7 +10,7 @@ One module-scoped pair (both instances share both cores): about 1-2 minutes to s
 threads, pinned to their rank's core beside the forward, sat runnable in the run queue for seconds (a watchdog thread
 measured 4-9 s of run-queue wait in a 0.1 s sleep at load 11-16, KEEPALIVEs 13 s apart), and decode gave up on a
 live server after its read timeout. Decode now outwaits a server whose TCP still answers, up to stall_timeout_s
-(pdserve.kv.wire; tests/serving/kv/test_kv_stall.py). The longer timeouts and lease below are kept for the load.
+(pdserve.kv.wire; tests/pdserve/kv/test_kv_stall.py). The longer timeouts and lease below are kept for the load.
 """
 
 from __future__ import annotations

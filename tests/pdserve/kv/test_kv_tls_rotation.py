@@ -13,10 +13,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from kvtestlib import make_layers, meta_for, running_server
 
 from pdserve.common.kv_tls import kv_client_context, kv_server_context
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
+
+from .kvtestlib import make_layers, meta_for, running_server
 
 CHECK_SECONDS = 0.05
 PULLS_ACROSS_ROTATION = 60

@@ -7,10 +7,11 @@ import threading
 
 import numpy as np
 import pytest
-from kvtestlib import meta_for
 
 from pdserve.kv import KVTransferError, LeaseStore
 from pdserve.kv.blob import ArraySpec
+
+from .kvtestlib import meta_for
 
 SPECS = ((ArraySpec(np.dtype(np.uint8).str, (4, 16)), ArraySpec(np.dtype(np.uint8).str, (0,))),)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtestlib import make_layers, meta_for, running_server
-from test_kv_streaming import assert_same, raw, specs_of, store_of
-
 from pdserve.kv import KVMetrics, LeaseStore, SecretKey, pull
+
+from .kvtestlib import make_layers, meta_for, running_server
+from .test_kv_streaming import assert_same, raw, specs_of, store_of
 
 READ_TIMEOUT_S = 0.6
 KEEPALIVE_S = 0.2

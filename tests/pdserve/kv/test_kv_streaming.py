@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from kvtestlib import make_layers, meta_for, proxy_to, running_server
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVMetrics, KVTransferError, Layer, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.blob import ArraySpec
 from pdserve.kv.entry import StoredKV
+
+from .kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 STEP_WAIT_S = 10.0  # how long the adding thread waits for decode to have received a piece before failing

@@ -46,7 +46,7 @@ def decode(server: ServerProcess, params: dict[str, Any]) -> httpx.Response:
 def resigned(params: dict[str, Any], key_file: Path, **edits: object) -> dict[str, Any]:
     """Params edited as a faulty prefill would have issued them (signed with the params key derived from the shared
     KV key), so that decode gets as far as the KV channel; edited and unsigned, decode refuses them before connecting
-    (test_hardening)."""
+    (test_server_hardening)."""
     return sign(derive_params_key(SecretKey.from_file(key_file).material), {**params, **edits})
 
 

@@ -24,9 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from kvtestlib import proxy_to
 
 from pdserve.kv import KVTransferError, SecretKey, pull
+
+from .kvtestlib import proxy_to
 
 HERE = Path(__file__).parent
 READ_TIMEOUT_S = 0.5

@@ -7,10 +7,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from kvtestlib import make_layers, meta_for, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv.blob import ArraySpec
+
+from .kvtestlib import make_layers, meta_for, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 BLOCKS = 12

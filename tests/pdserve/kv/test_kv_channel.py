@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.protocol import FrameType, encode_header
+
+from .kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 HERE = Path(__file__).parent
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}

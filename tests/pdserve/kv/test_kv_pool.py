@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kvtestlib import make_layers, meta_for, proxy_to, running_server
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
@@ -19,6 +18,8 @@ from pdserve.server.kvlink import DecodeImporter
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.schemas import KVTransferParams
 from pdserve.server.settings import Role, ServerSettings
+
+from .kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.serverproc import AUTH, ServerProcess, metric_value, prefill
 
-from .test_faults import resigned
+from .test_server_faults import resigned
 
 LONG_PROMPT = " ".join(f"token{i}" for i in range(400))  # 2291 tokens of the test tokenizer
 WAITING = "pdserve_num_requests_waiting"

@@ -8,10 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kvtestlib import make_layers, meta_for, running_server
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
+
+from .kvtestlib import make_layers, meta_for, running_server
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ import contextlib
 import socket
 
 import pytest
-from kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv.connect import Connector
 from pdserve.kv.protocol import HEADER, MAGIC, FrameType, crc32c, json_payload
 from pdserve.kv.wire import FrameSocket
+
+from .kvtestlib import make_layers, meta_for, proxy_to, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 CHUNK = 64 << 10

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtestlib import make_layers, meta_for, running_server
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv import auth as kv_auth
@@ -32,6 +31,8 @@ from pdserve.kv.protocol import (
     read_frame,
 )
 from pdserve.kv.server import READ_BUFFER_BYTES
+
+from .kvtestlib import make_layers, meta_for, running_server
 
 HERE = Path(__file__).parent
 CLAIMED = 4 << 20  # what finding 4's clients claimed their opening frame held

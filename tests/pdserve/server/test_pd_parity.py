@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.engine.test_parity import hf_greedy, hf_model
+from tests.pdserve.engine.test_parity import hf_greedy, hf_model
 from tests.support.serverproc import AUTH, prefill
 
 from .conftest import KINDS, Deployment

@@ -11,13 +11,14 @@ import asyncio
 import json
 
 import pytest
-from kvtestlib import make_layers, meta_for, running_server
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv.blob import as_bytes
 from pdserve.kv.entry import StoredKV
 from pdserve.kv.protocol import DATA_HEADER, HEADER, FrameType, encode_header
+
+from .kvtestlib import make_layers, meta_for, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 0}
 
