@@ -19,9 +19,9 @@ from pdstack.alerting import receiver_name
 from pdstack.contract import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.synth import synthesize
-from tests.alerting.stack import Daemon
 from tests.support import STACKS
 from tests.support.ports import free_port
+from tests.support.process import Daemon
 
 from .conftest import mounted_tls
 

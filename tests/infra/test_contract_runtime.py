@@ -48,6 +48,7 @@ from pdstack.model import PoolRole
 from pdstack.synth import Synthesis
 from pdstack.vllm_command import connector_extra_config
 from tests.support import REPO, STACKS
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 from tests.support.ports import free_port
 from tests.support.tlsfiles import relocated, write_tls_dir
 
@@ -56,7 +57,6 @@ from .conftest import stack_config
 ENVIRONMENTS = ("local", "dev", "staging", "prod")
 CLOUD = ("dev", "staging", "prod")
 ALERTS = REPO / "monitoring" / "alerts.yml"
-ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 PROMTOOL = shutil.which("promtool")
 
 

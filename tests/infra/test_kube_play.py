@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -59,6 +58,7 @@ from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
 from pdstack.synth import Synthesis
 from tests.support import REPO
+from tests.support.ports import free_port
 
 ENV = "dev"
 PODMAN = shutil.which("podman")
@@ -67,12 +67,7 @@ IMAGE_REPOSITORY = "localhost/pdstack-kubeplay-pdserve"
 LOCAL_RUNTIME_REPOSITORY = "localhost/pdserve"  # pdstack.local.images.build_runtime_image: same sources, same tag
 PLAYED = ("scheduler", "gateway")
 READY_TIMEOUT_S = 180.0  # a loaded CI host; the wait ends as soon as the probe passes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))  # the pods reach these through the podman bridge
-        return int(sock.getsockname()[1])
+EVERY_ADDRESS = "0.0.0.0"  # where free ports are looked for: the pods reach them through the podman bridge
 
 
 PODMAN_ENV: dict[str, str] = {}  # CONTAINERS_CONF once the run's pause image is known (infra_image)
@@ -323,7 +318,7 @@ def start_server(
         path = folder / Path(env[variable]).name
         path.write_text(value)
         env[variable] = str(path)
-    port = free_port()
+    port = free_port(EVERY_ADDRESS)
     env |= {
         "PDSERVE_PORT": str(port),
         "PDSERVE_MODEL": str(model),
@@ -335,7 +330,7 @@ def start_server(
         "PDSERVE_HEARTBEAT_SECONDS": "0.5",
     }
     if role == "prefill":
-        env["PDSERVE_KV_PORT"] = str(free_port())
+        env["PDSERVE_KV_PORT"] = str(free_port(EVERY_ADDRESS))
     with (folder / "log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", role], stdout=log, stderr=log, env={**os.environ, **env}
@@ -368,7 +363,7 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
         (scheduler_ip,) = play(run, "scheduler", {})
         scheduler_url = service_url(run, "scheduler", [scheduler_ip])
         host = bridge_gateway(run, "scheduler")
-        store_port = free_port()
+        store_port = free_port(EVERY_ADDRESS)
         (tmp / "redis.conf").write_text(without_tls(run.secret["stringData"]["ratelimit-store-redis.conf"]))
         processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
                                            "--dir", str(tmp)], stdout=subprocess.DEVNULL))  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import ssl
 import subprocess
 import sys
@@ -42,15 +41,11 @@ from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.local.operator import operator_context
 from tests.support import REPO
+from tests.support.ansible import RECAP
 from tests.support.dashboardcheck import query_problems
 from tests.support.otlp import Span, receiving
 
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
-RECAP = re.compile(
-    r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-    r"\s+failed=(?P<failed>\d+)",
-    re.MULTILINE,
-)
 LOAD_RATE = 5.0  # requests/s: what the local stack's canary policy (min_samples 10 at a 20 % step) is sized for
 
 pytestmark = pytest.mark.timeout(3600)

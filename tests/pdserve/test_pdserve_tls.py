@@ -179,18 +179,8 @@ class Listener:
 
 
 def wait_https(listener: Listener, context: ssl.SSLContext, timeout: float = START_TIMEOUT_S) -> None:
-    process, deadline = listener.service.process, time.monotonic() + timeout
-    assert process is not None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{listener.name} exited {process.returncode}:\n{listener.service.logs()}")
-        try:
-            if httpx.get(listener.url + listener.ready_path, verify=context, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{listener.name} did not answer {listener.ready_path}:\n{listener.service.logs()}")
+    listener.service.wait_http(listener.url + listener.ready_path, what=listener.name, timeout=timeout,
+                               verify=context, request_timeout=2)  # fmt: skip
 
 
 @dataclass

@@ -88,6 +88,8 @@ def connector_settings(serving: Serving, side: PoolRole, key_file: Path) -> Conn
 
 @pytest.fixture
 def key_file(tmp_path: Path) -> Path:
+    """A key whose bytes the test knows (not tests/support's random kv_key_file): the connector must read exactly
+    these."""
     path = tmp_path / "kv.key"
     path.write_bytes(b"k" * 32)
     return path

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
-ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 DASHBOARDS = sorted((REPO / "monitoring" / "dashboards").glob("*.json"))
 
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.scheduler import identity
 from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 PLUGIN = REPO / "roles" / "pdserve" / "filter_plugins" / "pdserve_tokens.py"
 KEYS = st.text(
@@ -92,7 +93,7 @@ def test_ansible_finds_the_filter_through_the_role(tmp_path: Path) -> None:
         ],
     }]))  # fmt: skip
     result = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", str(playbook),
+        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook),
          "-e", json.dumps({"pdserve_component": "decode", "ansible_python_interpreter": "/usr/bin/python3"})],
         capture_output=True, text=True, cwd=REPO, check=False,
         env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",

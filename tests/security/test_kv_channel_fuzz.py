@@ -31,8 +31,8 @@ SMALL = 64 * 1024  # no pre-auth frame needs more; a header claiming more must b
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, security_kv_key: Path, security_model: Path) -> Iterator[Cluster]:
-    with pd_stack(tmp_path_factory.mktemp("kv-fuzz"), security_kv_key, security_model) as cluster:
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, dense_checkpoint: Path) -> Iterator[Cluster]:
+    with pd_stack(tmp_path_factory.mktemp("kv-fuzz"), kv_key_file, dense_checkpoint) as cluster:
         yield cluster
 
 

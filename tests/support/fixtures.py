@@ -1,8 +1,10 @@
 """The fixtures every test folder may use (tests/conftest.py loads this module as a plugin): the repository's
-example stacks copied for a test to edit, and tiny engine checkpoints made once per session (no binaries in git)."""
+example stacks copied for a test to edit, tiny engine checkpoints made once per session (no binaries in git), and the
+session's KV channel key."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -52,3 +54,13 @@ def moe_checkpoint(make_checkpoint: CheckpointFactory) -> Path:
 @pytest.fixture(scope="session")
 def hybrid_checkpoint(make_checkpoint: CheckpointFactory) -> Path:
     return make_checkpoint("hybrid")
+
+
+@pytest.fixture(scope="session")
+def kv_key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The KV channel key file every prefill/decode pair, gateway cluster and vLLM connector of the session is
+    started with (32 random bytes in hex, readable by its owner only, as the deployers write it)."""
+    path = tmp_path_factory.mktemp("secrets") / "kv.key"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path

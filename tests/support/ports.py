@@ -28,14 +28,21 @@ _OFFSET = (os.getpid() * 127) % _SPAN  # each test process probes from its own p
 _TRIED = itertools.count()
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now, outside the ephemeral range."""
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether `port` on `host` can be bound now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing listens on now, outside the ephemeral range ("0.0.0.0": on every address, for
+    a listener reached through the podman bridge)."""
     for _ in range(_SPAN):
         port = FIRST + (_OFFSET + next(_TRIED)) % _SPAN
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if port_is_free(port, host):
             return port
     raise RuntimeError(f"no free port between {FIRST} and {_LIMIT}")

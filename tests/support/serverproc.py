@@ -1,14 +1,12 @@
-"""Real pdserve server processes on loopback for the tests: start, wait until ready, stop."""
+"""Real pdserve model-server processes on loopback for the tests: start, wait until ready, stop (the lifecycle is
+tests.support.process's)."""
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.ports import free_port
+from tests.support.process import ChildProcess
 
 READY_TIMEOUT_S = 180.0  # model loads crawl when the CI host is oversubscribed
 # The model-server API token every test server of this process is started with (prefill and decode require one).
@@ -35,7 +34,7 @@ def api_token_file() -> Path:
 
 
 @dataclass
-class ServerProcess:
+class ServerProcess(ChildProcess):
     role: str
     model: Path
     args: Sequence[str] = ()
@@ -69,40 +68,15 @@ class ServerProcess:
             *token,
             *self.args,
         ]
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        self.spawn(command, self.env)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServerProcess:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.role} server exited with {self.process.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.role} server not ready after {timeout} s: {self.log_tail()}")
+        self.wait_http(f"{self.url}/health/ready", what=f"{self.role} server", timeout=timeout)
+        return self
 
     def ready_info(self) -> dict[str, object]:
         return dict(httpx.get(f"{self.url}/health/ready").json())
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies without any cleanup, as a crashed server would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
@@ -110,11 +84,6 @@ class ServerProcess:
     def post(self, path: str, body: object, **options: object) -> httpx.Response:
         """POST a JSON body with the API token."""
         return httpx.post(self.url + path, json=body, headers=AUTH, timeout=options.pop("timeout", 60), **options)  # type: ignore[arg-type]
-
-    def log_tail(self, lines: int = 20) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def start_all(servers: Sequence[ServerProcess]) -> list[ServerProcess]:

@@ -1,24 +1,21 @@
-"""Start control-plane services as real processes on loopback ports, and wait for them to answer."""
+"""Start control-plane services as real processes on loopback ports, and wait for them to answer (the lifecycle is
+tests.support.process's)."""
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from pdserve.scheduler.identity import GATEWAY, derive_token, instance_principal
 from tests.support.ports import free_port
+from tests.support.process import ChildProcess
 
 
 @dataclass
-class Service:
+class Service(ChildProcess):
     """A `python -m MODULE` process listening on 127.0.0.1:port; its stderr (JSON logs) goes to `log_path`."""
 
     module: str
@@ -40,40 +37,15 @@ class Service:
         return self.launch().wait(ready_path, timeout)
 
     def launch(self) -> Service:
+        """Start it; its log is appended to, so a service restarted on the same log keeps the earlier lines."""
         program = self.program or [sys.executable, "-m", self.module]
-        command = [*program, *self.role, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, **self.env})
+        self.spawn([*program, *self.role, "--host", "127.0.0.1", "--port", str(self.port), *self.args], self.env,
+                   append=True)  # fmt: skip
         return self
 
     def wait(self, ready_path: str = "/health/live", timeout: float = 60.0) -> Service:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.process.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + ready_path, timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{self.module} did not answer {ready_path} within {timeout}s:\n{self.log_path.read_text()}")
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies without any cleanup, as a crashed server would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.wait_http(self.url + ready_path, what=self.module, timeout=timeout, interval=0.05)
+        return self
 
     def logs(self) -> str:
         return self.log_path.read_text()

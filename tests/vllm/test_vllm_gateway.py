@@ -27,8 +27,8 @@ CHAT = [{"role": "user", "content": "Tell me about the weather in the mountains 
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from start_fleet(model_dir, key_file, tmp_path_factory.mktemp("gateway-fleet"))
+def fleet(model_dir: Path, kv_key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    yield from start_fleet(model_dir, kv_key_file, tmp_path_factory.mktemp("gateway-fleet"))
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +127,10 @@ def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.O
 
 
 @pytest.fixture(scope="module")
-def early_gateway(fleet: Fleet, key_file: Path) -> Service:
+def early_gateway(fleet: Fleet, kv_key_file: Path) -> Service:
     """A gateway holding the params key (derived from the KV channel key, never the key itself): early dispatch."""
     path = fleet.tmp / "kv-params.key"
-    path.write_text(derive_params_key(SecretKey.from_file(key_file).material).hex())
+    path.write_text(derive_params_key(SecretKey.from_file(kv_key_file).material).hex())
     service = fleet.start_gateway("--kv-params-key-file", str(path))
     fleet.wait_routable(service)
     return service

@@ -1,21 +1,13 @@
-"""Fixtures for the gateway tests: the tiny checkpoints and a KV key; each test module builds its own cluster."""
+"""Fixtures for the gateway tests: the tiny checkpoints (the KV key is tests/support's kv_key_file); each test module
+builds its own cluster."""
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
 import pytest
 
 from tests.support.fixtures import CheckpointFactory
-
-
-@pytest.fixture(scope="session")
-def gateway_kv_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("gateway-secrets") / "kv.key"
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from pdstack.dashboards.promql import metric_names
 from tests.support.cluster import HTTP, KEYS, Cluster, wait_for
 from tests.support.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems
 from tests.support.ports import free_port
+from tests.support.process import Daemon
 
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 SUFFIXES = {
@@ -51,23 +51,12 @@ def registered_sample_names(text: str) -> set[str]:
     return {family.name + suffix for family in text_string_to_metric_families(text) for suffix in SUFFIXES[family.type]}
 
 
-def start_node_exporter(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_node_exporter(log: Path) -> Daemon:
     binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     assert binary, "node_exporter is not installed: apt-get install prometheus-node-exporter"
     port = free_port()
-    process = subprocess.Popen(
-        [binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=log.open("wb")
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _answers(url + "/metrics"), what="node_exporter answering")
-    return process, url
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    argv = [binary, f"--web.listen-address=127.0.0.1:{port}"]
+    return Daemon("node_exporter", argv, f"http://127.0.0.1:{port}", log, ready_path="/metrics").start()
 
 
 def scrape_config(targets: dict[str, tuple[str, dict[str, str]]]) -> str:
@@ -94,11 +83,11 @@ def send_traffic(gateway: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Observed]:
+def observed(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Observed]:
     assert shutil.which("prometheus"), "prometheus is not installed: apt-get install prometheus"
     tmp = tmp_path_factory.mktemp("dashboards")
-    cluster = Cluster(tmp, gateway_kv_key)
-    node_exporter, node_url = start_node_exporter(tmp / "node_exporter.log")
+    cluster = Cluster(tmp, kv_key_file)
+    node_exporter = start_node_exporter(tmp / "node_exporter.log")
     prometheus = None
     try:
         gateway = cluster.start_pd(
@@ -133,22 +122,18 @@ def observed(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mod
                 cluster.servers["d1"].url,
                 {"datacenter": "dc-b", "role": "decode", "pool": "decode"},
             ),
-            NODE_JOB: (node_url, {}),
+            NODE_JOB: (node_exporter.url, {}),
         }
         (tmp / "prometheus.yml").write_text(scrape_config(targets))
         port = free_port()
-        prometheus = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(tmp / "prometheus.log").open("wb"),
-        )
+        argv = [
+            "prometheus",
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(url + "/-/ready"), timeout=60, what="prometheus ready")
+        prometheus = Daemon("prometheus", argv, url, tmp / "prometheus.log").start(timeout=60)
         wait_for(lambda: all_targets_up(url, len(targets)), timeout=60, what="every target scraped")
         send_traffic(gateway.url)
         time.sleep(5)  # a few scrapes after the traffic, so rates over the last minute have two points
@@ -156,10 +141,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, mod
         yield Observed(url, scrapes)
     finally:
         if prometheus is not None:
-            prometheus.terminate()
-            prometheus.wait(20)
-        node_exporter.terminate()
-        node_exporter.wait(10)
+            prometheus.stop(grace=20)
+        node_exporter.stop()
         cluster.stop()
 
 

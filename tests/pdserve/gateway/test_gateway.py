@@ -26,8 +26,8 @@ AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("gateway-main"), gateway_kv_key)
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("gateway-main"), kv_key_file)
     try:
         cluster.start_pd(
             [(name, role, model_v1, "v1") for name, role in FOUR_SERVERS],

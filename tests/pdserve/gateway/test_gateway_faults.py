@@ -22,8 +22,8 @@ AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_long: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("gateway-faults"), gateway_kv_key, missed_heartbeats=200)
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_long: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("gateway-faults"), kv_key_file, missed_heartbeats=200)
     try:
         cluster.start_pd(
             [(name, role, model_long, "v1") for name, role in FOUR_SERVERS], "--offload-threshold-tokens", "8"

@@ -28,8 +28,8 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("gateway-hardening"), gateway_kv_key)
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("gateway-hardening"), kv_key_file)
     try:
         cluster.start_pd(
             [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],

@@ -110,8 +110,8 @@ def tls_store(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, gateway_kv_key: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path, gateway_kv_key)
+def cluster(tmp_path: Path, kv_key_file: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, kv_key_file)
     cluster.start_scheduler()
     yield cluster
     cluster.stop()

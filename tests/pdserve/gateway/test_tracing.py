@@ -59,9 +59,9 @@ def start(cluster: Cluster, model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def traced(
-    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, receiver: Receiver
+    tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path, receiver: Receiver
 ) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("traced"), gateway_kv_key)
+    cluster = Cluster(tmp_path_factory.mktemp("traced"), kv_key_file)
     try:
         with environment(
             PDSERVE_OTLP_TRACES_ENDPOINT=receiver.url(),
@@ -249,11 +249,11 @@ def test_the_agent_logs_in_the_same_schema(traced: Cluster, tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def untraced(
-    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, receiver: Receiver, traced: Cluster
+    tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path, receiver: Receiver, traced: Cluster
 ) -> Iterator[Cluster]:
     """pdserve's setting unset; the OTel SDK's own endpoint variable set, which must not turn tracing on."""
     traced.stop()  # its tests are done (this module's last test uses this one): two clusters at once only crawl
-    cluster = Cluster(tmp_path_factory.mktemp("untraced"), gateway_kv_key)
+    cluster = Cluster(tmp_path_factory.mktemp("untraced"), kv_key_file)
     try:
         with environment(
             OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url("/untraced"),

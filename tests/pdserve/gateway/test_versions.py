@@ -24,9 +24,9 @@ NAMES = {"pa": ("prefill", "v1"), "da": ("decode", "v1"), "pb": ("prefill", "v2"
 
 @pytest.fixture(scope="module")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, gateway_kv_key: Path, model_v1: Path, model_v2: Path
+    tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path, model_v2: Path
 ) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("gateway-versions"), gateway_kv_key)
+    cluster = Cluster(tmp_path_factory.mktemp("gateway-versions"), kv_key_file)
     try:
         servers = [
             (name, role, model_v1 if version == "v1" else model_v2, version) for name, (role, version) in NAMES.items()

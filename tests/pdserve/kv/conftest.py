@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,9 @@ from pdserve.kv import KVMetrics, SecretKey
 
 
 @pytest.fixture
-def key_file(tmp_path: Path) -> Path:
-    path = tmp_path / "kv.key"
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return path
-
-
-@pytest.fixture
-def key(key_file: Path) -> SecretKey:
-    return SecretKey.from_file(key_file)
+def key(kv_key_file: Path) -> SecretKey:
+    """The session's KV key (tests/support's kv_key_file)."""
+    return SecretKey.from_file(kv_key_file)
 
 
 @pytest.fixture

@@ -191,9 +191,9 @@ def test_fingerprint_and_announced_checksum_are_enforced(key: SecretKey, metrics
     asyncio.run(scenario())
 
 
-def test_server_killed_mid_transfer_fails_fast_with_connection_error(key_file: Path, key: SecretKey):
+def test_server_killed_mid_transfer_fails_fast_with_connection_error(kv_key_file: Path, key: SecretKey):
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(key_file), "req-kill", "32"],
+        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), "req-kill", "32"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=HERE,

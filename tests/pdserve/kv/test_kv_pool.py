@@ -302,7 +302,7 @@ def test_idle_connections_expire_and_each_server_keeps_a_bounded_number(key: Sec
     assert connections(metrics, "sender", "new") == 4 + 2 + 4
 
 
-def test_pool_never_lends_a_connection_to_other_credentials(key: SecretKey, key_file: Path, metrics: KVMetrics):
+def test_pool_never_lends_a_connection_to_other_credentials(key: SecretKey, kv_key_file: Path, metrics: KVMetrics):
     store = small_store(metrics)
     stored = store.put("cred-1", make_layers(2, (8, 8), "float32"), meta_for("cred-1"))
 
@@ -310,7 +310,7 @@ def test_pool_never_lends_a_connection_to_other_credentials(key: SecretKey, key_
         async with running_server(store, key, metrics=metrics) as server:
             pool = KVConnectionPool(metrics=metrics)
             await pull("127.0.0.1", server.port, "cred-1", stored.checksum, key=key, streams=2, pool=pool, **FAST)
-            same_key_read_again = SecretKey.from_file(key_file)
+            same_key_read_again = SecretKey.from_file(kv_key_file)
             await pull("127.0.0.1", server.port, "cred-1", stored.checksum, key=same_key_read_again, streams=2,
                        pool=pool, **FAST)  # fmt: skip
             await pool.close()
@@ -341,13 +341,13 @@ def test_corrupted_request_frame_on_an_open_connection_is_answered_with_an_error
 
 
 def test_decode_importer_pulls_and_acks_through_one_pool_and_closes_it(
-    tmp_path: Path, key_file: Path, key: SecretKey, metrics: KVMetrics
+    tmp_path: Path, kv_key_file: Path, key: SecretKey, metrics: KVMetrics
 ):
     store = small_store(metrics)
     sent = {rid: make_layers(3, (8, 16), "float32", seed=n) for n, rid in enumerate(("dec-1", "dec-2"))}
     checksums = {rid: store.put(rid, layers, meta_for(rid, token_count=7)).checksum for rid, layers in sent.items()}
     settings = ServerSettings(
-        role=Role.DECODE, model=tmp_path, kv_key_file=key_file, kv_streams=2, api_token_file=tmp_path / "api.token"
+        role=Role.DECODE, model=tmp_path, kv_key_file=kv_key_file, kv_streams=2, api_token_file=tmp_path / "api.token"
     )
     engine = SimpleNamespace(fingerprint="fp-test-1", cache_from_layers=lambda layers, tokens: (layers, tokens))
     server_metrics = ServerMetrics(CollectorRegistry())

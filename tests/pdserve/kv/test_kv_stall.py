@@ -37,10 +37,10 @@ GUARD_S = 60  # guards against a hang only
 
 
 @contextmanager
-def server_process(key_file: Path, request_id: str, mib: int) -> Iterator[tuple[subprocess.Popen[str], int, str]]:
+def server_process(kv_key_file: Path, request_id: str, mib: int) -> Iterator[tuple[subprocess.Popen[str], int, str]]:
     """A KV server in its own process holding one blob: (process, port, checksum)."""
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(key_file), request_id, str(mib)],
+        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), request_id, str(mib)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=HERE,
@@ -73,8 +73,8 @@ def digest(layers: list[tuple[object, object]]) -> str:
     return sha.hexdigest()
 
 
-def test_a_pull_outlasts_a_server_stopped_during_its_handshake(key_file: Path, key: SecretKey) -> None:
-    with server_process(key_file, "req-stopped", 4) as (process, port, checksum):
+def test_a_pull_outlasts_a_server_stopped_during_its_handshake(kv_key_file: Path, key: SecretKey) -> None:
+    with server_process(kv_key_file, "req-stopped", 4) as (process, port, checksum):
 
         async def scenario() -> None:
             stop_for(process, STOPPED_S)  # the pull connects (the kernel accepts) and waits for CHALLENGE
@@ -87,9 +87,9 @@ def test_a_pull_outlasts_a_server_stopped_during_its_handshake(key_file: Path, k
         asyncio.run(scenario())
 
 
-def test_a_pull_outlasts_a_server_stopped_mid_transfer(key_file: Path, key: SecretKey) -> None:
+def test_a_pull_outlasts_a_server_stopped_mid_transfer(kv_key_file: Path, key: SecretKey) -> None:
     """The pull's checksum (sha256 over the BLAKE3 unit digests, all verified) is the one the server computed."""
-    with server_process(key_file, "req-mid", 16) as (process, port, checksum):
+    with server_process(kv_key_file, "req-mid", 16) as (process, port, checksum):
         stopped: list[bool] = []
 
         def stop_after_the_first_mebibyte(forwarded: int) -> None:
@@ -108,8 +108,8 @@ def test_a_pull_outlasts_a_server_stopped_mid_transfer(key_file: Path, key: Secr
         asyncio.run(scenario())
 
 
-def test_a_silence_past_stall_timeout_still_ends_the_pull_with_timeout(key_file: Path, key: SecretKey) -> None:
-    with server_process(key_file, "req-gone", 1) as (process, port, checksum):
+def test_a_silence_past_stall_timeout_still_ends_the_pull_with_timeout(kv_key_file: Path, key: SecretKey) -> None:
+    with server_process(kv_key_file, "req-gone", 1) as (process, port, checksum):
 
         async def scenario() -> None:
             os.kill(process.pid, signal.SIGSTOP)  # never continued: killed when the test ends

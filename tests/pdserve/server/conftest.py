@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +19,6 @@ class Deployment:
     prefill: ServerProcess
     decode: ServerProcess
     model: Path
-
-
-@pytest.fixture(scope="session")
-def kv_key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("secrets") / "kv.key"
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture(scope="session")

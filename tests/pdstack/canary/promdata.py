@@ -10,15 +10,14 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from pdserve.gateway.metrics import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS
+from tests.support.process import Daemon
 
 SCRAPE_S = 15
 
@@ -128,33 +127,17 @@ def prometheus_with(text: str, port: int) -> Iterator[str]:
             check=True,
             capture_output=True,
         )
-        process = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={root / 'prometheus.yml'}",
-                f"--storage.tsdb.path={root / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--storage.tsdb.retention.time=10y",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(root / "prometheus.log").open("w"),
-        )
         url = f"http://127.0.0.1:{port}"
+        argv = [
+            "prometheus",
+            f"--config.file={root / 'prometheus.yml'}",
+            f"--storage.tsdb.path={root / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=10y",
+        ]
+        prometheus = Daemon("prometheus", argv, url, root / "prometheus.log")
         try:
-            _wait_ready(url, process, root / "prometheus.log")
+            prometheus.start(timeout=60)
             yield url
         finally:
-            process.terminate()
-            process.wait(20)
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited: {log.read_text()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"prometheus not ready: {log.read_text()[-2000:]}")
+            prometheus.stop(grace=20)
