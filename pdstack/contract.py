@@ -7,7 +7,7 @@ roles (pdstack/contract_files.py, committed per environment as playbooks/vars/co
 groups and the policy pack's port rules (infra/security.py), the Kubernetes control plane (infra/workloads/), the
 cloud scrape config (infra/prometheus.py) and the alert rules' job selectors (monitoring/alerts.yml, checked against
 `JOBS`).
-tests/unit/test_contract.py parses what is rendered with pdserve's own settings loaders.
+tests/pdstack/test_contract.py parses what is rendered with pdserve's own settings loaders.
 
 A module rather than a data file: the values are functions of the stack model (ports, limits, secrets), Pulumi and
 the toolkit import it directly, and Ansible gets a rendered file that a test keeps equal to it (as it does for

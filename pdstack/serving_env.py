@@ -1,7 +1,7 @@
 """The stack's serving settings (limits, timeouts, routing) as the PDSERVE_* variables each pdserve component reads.
 
 pdstack.contract folds these into each component's settings next to its ports and secret files; every name is a
-field of the component's pdserve settings model (tests/unit/test_contract.py parses them with pdserve's loaders).
+field of the component's pdserve settings model (tests/pdstack/test_contract.py parses them with pdserve's loaders).
 """
 
 from __future__ import annotations

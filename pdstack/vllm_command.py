@@ -7,7 +7,7 @@ with the scheduler. Everything either is started with comes from here: the setti
 only what differs per node (its address, the scheduler's URL, the release, the instance id). Secrets are file paths
 or podman secrets exposed as environment variables, never values in an argv.
 
-tests/unit/test_vllm_command.py checks what is rendered against the agent's own parser and the connector's own
+tests/pdstack/test_vllm_command.py checks what is rendered against the agent's own parser and the connector's own
 settings parser; tests/vllm/test_command_line.py parses the engine's argv with vLLM's own argument parser.
 """
 

@@ -4,7 +4,7 @@ The two containers' command lines come from pdstack.vllm_command (which takes th
 this module renders them for Ansible, committed per environment as playbooks/vars/vllm/<env>.yml, with what differs
 per node left as placeholders (PLACEHOLDERS) that the role fills with its own variables: the node's address, the
 scheduler's URL, the release and the instance id. So no flag, port or path is typed in the role, and a test keeps
-the committed files equal to what the stacks render (tests/unit/test_vllm_deploy.py), as for the contract's vars.
+the committed files equal to what the stacks render (tests/pdstack/test_vllm_deploy.py), as for the contract's vars.
 
 Which secret each container gets follows from its argv: a secret file is mounted where the command line names its
 path (the engine reads the KV key and, through a shell that exports it as vLLM's API key, the server token:

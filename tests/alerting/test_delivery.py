@@ -25,8 +25,6 @@ from pdstack.alerting import LINK_DOWN_ALERT, Timing, alertmanager_config, recei
 from pdstack.contract import ALERTMANAGER_API
 from tests.alerting.stack import (
     CONTRACT_VARS,
-    Daemon,
-    Webhook,
     alert_state,
     create_silence,
     fast_rules,
@@ -34,8 +32,10 @@ from tests.alerting.stack import (
     render,
     wait_until,
 )
-from tests.serving.ports import free_port
-from tests.serving.server.serverproc import ServerProcess
+from tests.support.ports import free_port
+from tests.support.process import Daemon
+from tests.support.serverproc import ServerProcess
+from tests.support.webhook import Webhook
 
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager")

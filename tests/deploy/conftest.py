@@ -35,12 +35,12 @@ from pdstack.local.registry import Registry
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.local.transport import OPERATOR
-from tests.serving.server.serverproc import free_port
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK, PlaybookRun
+from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 # The ports the playbooks deploy with: the local environment's contract (playbooks/vars/contract/local.yml).
 CONTRACT = contract(environment_serving(REPO / "stacks", "local"))
-ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
 NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
@@ -60,19 +60,6 @@ NODE_VARS: dict[str, Any] = {
     "pdserve_env": {"PDSERVE_OFFLOAD_THRESHOLD_TOKENS": "8"},
 }
 RUNTIME_PLAY = [{"name": "Container runtime", "hosts": "all", "gather_facts": True, "roles": ["container_runtime"]}]
-
-
-@dataclass
-class Played:
-    returncode: int
-    output: str
-
-    def changed(self) -> int:
-        return sum(
-            int(line.split("changed=")[1].split()[0])
-            for line in self.output.splitlines()
-            if " changed=" in line and " ok=" in line
-        )
 
 
 @dataclass
@@ -99,7 +86,7 @@ class Serving:
         }))  # fmt: skip
         return path
 
-    def play(self, playbook: str, *args: str) -> Played:
+    def play(self, playbook: str, *args: str) -> PlaybookRun:
         return run_playbook(self.inventory, REPO / "playbooks" / playbook, self.workdir, *args)
 
     def node(self, name: str, *command: str) -> str:
@@ -133,7 +120,7 @@ class Serving:
         )
 
 
-def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Played:
+def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> PlaybookRun:
     started = time.monotonic()
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
@@ -143,7 +130,7 @@ def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Pla
     )  # fmt: skip
     with (home / "plays.log").open("a") as log:  # where the module's time goes (docs/testing.md)
         log.write(f"{time.monotonic() - started:7.1f} s  {playbook.name} {' '.join(args)}\n")
-    return Played(result.returncode, result.stdout + result.stderr)
+    return PlaybookRun(result.returncode, result.stdout + result.stderr)
 
 
 def bridge_gateway() -> str:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.conftest import ANSIBLE_PLAYBOOK, REPO
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
 DIGEST_IMAGE = "10.210.255.1:5000/pdstack/pdserve@sha256:" + "ab" * 32

@@ -19,7 +19,8 @@ from pdstack.contract_files import environment_serving
 from pdstack.model import KvConnector, PoolRole
 from pdstack.vllm_command import NodeTls, agent_args, engine_args
 from pdstack.vllm_deploy import ansible_vars
-from tests.deploy.conftest import ANSIBLE_PLAYBOOK, REPO
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 ROLE = REPO / "roles" / "vllm_engine"
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "dev.yml"

@@ -30,9 +30,11 @@ from pdstack.local import nodes
 from pdstack.local.model import write_manifest
 from pdstack.model import Engine, Limits, Model, Serving, Vllm
 from pdstack.vllm_deploy import ansible_vars
-from tests.deploy.conftest import NODE_A, NODE_B, REPO, Played
+from tests.deploy.conftest import NODE_A, NODE_B
 from tests.deploy.conftest import Serving as Cluster
 from tests.deploy.conftest import serving as cluster  # noqa: F401  (the node containers, registry and secrets)
+from tests.support import REPO
+from tests.support.ansible import PlaybookRun
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -50,7 +52,7 @@ class Deployed:
     cluster: Cluster
     vllm_image: str
     serving: Serving
-    first: Played
+    first: PlaybookRun
     first_seconds: float
 
     def extra_vars(self, version: str, config_version: str = "1") -> Path:
@@ -71,7 +73,7 @@ class Deployed:
         }))  # fmt: skip
         return path
 
-    def converge(self, version: str, config_version: str = "1") -> Played:
+    def converge(self, version: str, config_version: str = "1") -> PlaybookRun:
         return self.cluster.play("serving.yml", "--tags", TAGS, "-e", f"@{self.extra_vars(version, config_version)}")
 
     def url(self, node: str, side: str) -> str:
@@ -117,7 +119,7 @@ def deployed(cluster: Cluster) -> Iterator[Deployed]:  # noqa: F811
     image = cluster.registry.push(VLLM_IMAGE, "pdstack/vllm", "test")
     serving = cpu_serving(image)
     started = time.monotonic()
-    deployed = Deployed(cluster, image, serving, Played(0, ""), 0.0)
+    deployed = Deployed(cluster, image, serving, PlaybookRun(0, ""), 0.0)
     deployed.first = deployed.converge("r1")
     deployed.first_seconds = time.monotonic() - started
     (cluster.workdir / "first-converge.log").write_text(deployed.first.output)

@@ -24,8 +24,8 @@ from typer.core import TyperGroup
 
 from pdstack.cli import app
 from pdstack.local.wan.__main__ import _parser as wan_parser
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", REPO / "serving" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # What a command needs at run time and the manual shows only as an example of that run: the local environment's
 # state (.cache/local), a scratch file, or a running scheduler.

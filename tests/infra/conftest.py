@@ -10,9 +10,8 @@ from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 from pdstack.local.tls import LocalCA
 from pdstack.stackfile import load_stack_file
 from pdstack.synth import Synthesis, synthesize
+from tests.support import STACKS
 
-ROOT = Path(__file__).resolve().parents[2]
-STACKS = ROOT / "stacks"
 CLOUD_STACKS = sorted(
     p.name[len("Pulumi.") : -len(".yaml")]
     for p in STACKS.glob("Pulumi.*.yaml")

@@ -19,10 +19,11 @@ from pdstack.alerting import receiver_name
 from pdstack.contract import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.synth import synthesize
-from tests.alerting.stack import Daemon
-from tests.serving.ports import free_port
+from tests.support import STACKS
+from tests.support.ports import free_port
+from tests.support.process import Daemon
 
-from .conftest import STACKS, mounted_tls
+from .conftest import mounted_tls
 
 AMTOOL = shutil.which("amtool")
 ALERTMANAGER = shutil.which("prometheus-alertmanager")

@@ -16,7 +16,7 @@ from infra.storage import bucket_name
 from pdstack.contract import NODE_EXPORTER_PORT, contract
 from pdstack.contract_files import environment_serving
 from pdstack.model import DatacenterRole, Model, PoolRole, Ports, Serving
-from tests.conftest import STACKS
+from tests.support import STACKS
 
 CONTRACT = contract(Serving(model=Model(name="m", path="/m")))
 

@@ -47,15 +47,16 @@ from pdstack.contract_files import environment_serving
 from pdstack.model import PoolRole
 from pdstack.synth import Synthesis
 from pdstack.vllm_command import connector_extra_config
-from tests.serving.ports import free_port
+from tests.support import REPO, STACKS
+from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ports import free_port
+from tests.support.tlsfiles import relocated, write_tls_dir
 
-from .conftest import ROOT, STACKS, stack_config
-from .tlsfiles import relocated, write_tls_dir
+from .conftest import stack_config
 
 ENVIRONMENTS = ("local", "dev", "staging", "prod")
 CLOUD = ("dev", "staging", "prod")
-ALERTS = ROOT / "monitoring" / "alerts.yml"
-ANSIBLE_PLAYBOOK = str(ROOT / ".venv" / "bin" / "ansible-playbook")
+ALERTS = REPO / "monitoring" / "alerts.yml"
 PROMTOOL = shutil.which("promtool")
 
 
@@ -65,7 +66,7 @@ def contract_of(env: str) -> Contract:
 
 def ansible_contract(env: str) -> dict[str, Any]:
     """What the playbooks load for the environment (playbooks/vars/contract/<env>.yml)."""
-    loaded: dict[str, Any] = yaml.safe_load((ROOT / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text())
+    loaded: dict[str, Any] = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text())
     return loaded
 
 
@@ -304,21 +305,21 @@ def local_prometheus_config(tmp_path: Path) -> Path:
     """roles/prometheus's template rendered by Ansible for the local inventory with playbooks/vars/serving.yml."""
     play_dir = tmp_path / "play"
     play_dir.mkdir()
-    (play_dir / "vars").symlink_to(ROOT / "playbooks" / "vars")
+    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
     out = tmp_path / "local" / "prometheus.yml"
     out.parent.mkdir()
     (play_dir / "render.yml").write_text(yaml.safe_dump([{
         "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(ROOT / "roles" / "prometheus" / "defaults" / "main.yml"), "vars/serving.yml"],
+        "vars_files": [str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"), "vars/serving.yml"],
         "tasks": [{"name": "render", "ansible.builtin.template": {
-            "src": str(ROOT / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"), "dest": str(out),
+            "src": str(REPO / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"), "dest": str(out),
             "mode": "0644"}}],
     }]))  # fmt: skip
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(ROOT / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
+        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
          "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=ROOT, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "HOME": str(tmp_path)},
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     (out.parent / "rules").mkdir()
@@ -425,7 +426,7 @@ def test_gpu_nodes_find_the_scheduler_at_its_load_balancer_by_the_name_the_inven
     inventory from moto)."""
     graph = graphs[f"{env}-control"]
     (parameter,) = [p for p in graph.of_type("aws:ssm/parameter:Parameter") if p.name == "scheduler-url"]
-    stacks = yaml.safe_load((ROOT / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
+    stacks = yaml.safe_load((REPO / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
     assert (
         parameter.inputs["name"]
         == scheduler_url_parameter(env)
@@ -521,7 +522,7 @@ def test_under_mutual_tls_the_schedulers_own_probe_passes_where_a_kubelets_would
     assert served in probe[2]
     probe = [probe[0], probe[1], relocated(probe[2], tls).replace(served, f":{port}/")]
     with (tmp_path / "scheduler.log").open("w") as log:
-        scheduler = subprocess.Popen([str(ROOT / ".venv" / "bin" / "pdserve"), "scheduler", *rest],
+        scheduler = subprocess.Popen([str(REPO / ".venv" / "bin" / "pdserve"), "scheduler", *rest],
                                      env={"PATH": os.environ["PATH"], **environ}, stdout=log, stderr=log)  # fmt: skip
     try:
         deadline = time.monotonic() + 60

@@ -20,7 +20,7 @@ What this test rewrites in the rendered objects, and why (nothing else is touche
 - TLS is left out (the tls volume, its mount, the PDSERVE_TLS_* settings, the store's tls-* lines and its rediss://
   URL; the gateway is told it may then serve plain HTTP): the pods are reached here by addresses podman picks at play
   time, which no certificate made before can name. The rendered TLS wiring is checked against pdserve's settings in
-  test_contract_runtime.py, and pdserve's TLS itself by tests/serving/test_pdserve_tls.py;
+  test_contract_runtime.py, and pdserve's TLS itself by tests/pdserve/test_pdserve_tls.py;
 - the claim's storageClassName (EBS) is left out: a claim here is a podman named volume;
 - the probes are left out of what podman runs and the test is the kubelet: podman would turn an httpGet probe into a
   `curl` health check, and the image has no curl. The test polls each container's readiness and liveness probes
@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -58,8 +57,8 @@ from pdserve.scheduler.identity import derive_token
 from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
 from pdstack.synth import Synthesis
-
-from .conftest import ROOT
+from tests.support import REPO
+from tests.support.ports import free_port
 
 ENV = "dev"
 PODMAN = shutil.which("podman")
@@ -68,12 +67,7 @@ IMAGE_REPOSITORY = "localhost/pdstack-kubeplay-pdserve"
 LOCAL_RUNTIME_REPOSITORY = "localhost/pdserve"  # pdstack.local.images.build_runtime_image: same sources, same tag
 PLAYED = ("scheduler", "gateway")
 READY_TIMEOUT_S = 180.0  # a loaded CI host; the wait ends as soon as the probe passes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))  # the pods reach these through the podman bridge
-        return int(sock.getsockname()[1])
+EVERY_ADDRESS = "0.0.0.0"  # where free ports are looked for: the pods reach them through the podman bridge
 
 
 PODMAN_ENV: dict[str, str] = {}  # CONTAINERS_CONF once the run's pause image is known (infra_image)
@@ -90,7 +84,7 @@ def podman(*args: str, check: bool = True, timeout: float = 300) -> subprocess.C
 def runtime_image() -> str:
     """The runtime image of serving/'s current sources under this test's own name: re-tagged from `pdstack local`'s
     build of the same sources when there is one (CI builds it for tests/local), else built."""
-    tag = f"src-{source_hash(ROOT, ['serving'])}"
+    tag = f"src-{source_hash(REPO, ['serving'])}"
     image = f"{IMAGE_REPOSITORY}:{tag}"
     if nodes.image_exists(image):
         return image
@@ -98,7 +92,7 @@ def runtime_image() -> str:
     if nodes.image_exists(local):
         podman("tag", local, image)
     else:
-        built = subprocess.run(["bash", str(ROOT / "serving" / "build-image.sh"), image],
+        built = subprocess.run(["bash", str(REPO / "serving" / "build-image.sh"), image],
                                capture_output=True, text=True, check=False, timeout=1800)  # fmt: skip
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     remove_older_builds(image)
@@ -299,7 +293,7 @@ def service_url(run: Run, service: str, addresses: list[str]) -> str:
 
 
 def contract_env(component: str) -> dict[str, str]:
-    loaded = yaml.safe_load((ROOT / "playbooks" / "vars" / "contract" / f"{ENV}.yml").read_text())
+    loaded = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / f"{ENV}.yml").read_text())
     env: dict[str, str] = loaded["pdserve_components"][component]["env"]
     return env
 
@@ -324,7 +318,7 @@ def start_server(
         path = folder / Path(env[variable]).name
         path.write_text(value)
         env[variable] = str(path)
-    port = free_port()
+    port = free_port(EVERY_ADDRESS)
     env |= {
         "PDSERVE_PORT": str(port),
         "PDSERVE_MODEL": str(model),
@@ -336,7 +330,7 @@ def start_server(
         "PDSERVE_HEARTBEAT_SECONDS": "0.5",
     }
     if role == "prefill":
-        env["PDSERVE_KV_PORT"] = str(free_port())
+        env["PDSERVE_KV_PORT"] = str(free_port(EVERY_ADDRESS))
     with (folder / "log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", role], stdout=log, stderr=log, env={**os.environ, **env}
@@ -369,7 +363,7 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
         (scheduler_ip,) = play(run, "scheduler", {})
         scheduler_url = service_url(run, "scheduler", [scheduler_ip])
         host = bridge_gateway(run, "scheduler")
-        store_port = free_port()
+        store_port = free_port(EVERY_ADDRESS)
         (tmp / "redis.conf").write_text(without_tls(run.secret["stringData"]["ratelimit-store-redis.conf"]))
         processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
                                            "--dir", str(tmp)], stdout=subprocess.DEVNULL))  # fmt: skip

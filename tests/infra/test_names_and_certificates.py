@@ -13,8 +13,9 @@ from pdstack.contract import cloud_names, operator_tls_secret_name
 from pdstack.model import DatacenterRole
 from pdstack.policy.core import NLB_TLS_CERT, TLS_PASSTHROUGH
 from pdstack.synth import SynthError, Synthesis, mock_zone_id, synthesize
+from tests.support import STACKS
 
-from .conftest import CLOUD_STACKS, STACKS, stack_config
+from .conftest import CLOUD_STACKS, stack_config
 
 PROD = [n for n in CLOUD_STACKS if n.startswith("prod-")]
 NAMES = cloud_names("prod")

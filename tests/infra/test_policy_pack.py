@@ -33,8 +33,7 @@ from pdstack.contract_files import environment_serving
 from pdstack.policy import core, rules
 from pdstack.policy.pack import policies
 from pdstack.synth import Resource, Synthesis
-
-from .conftest import ROOT
+from tests.support import REPO
 
 PROD = ("prod-control", "prod-prefill-us-east-1", "prod-decode-us-west-2")
 
@@ -48,7 +47,7 @@ def test_the_packs_entry_serves_every_rule_from_a_virtualenv_without_pdstack(tmp
     """policy/__main__.py run as Pulumi runs it, a script in the pack's virtualenv (pulumi and pulumi-policy, no
     pdstack): `-S` leaves out the .pth files, so this venv's site-packages holds everything but the editable pdstack."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": sysconfig.get_paths()["purelib"]}
-    argv = [sys.executable, "-S", "-u", str(ROOT / "policy" / "__main__.py")]
+    argv = [sys.executable, "-S", "-u", str(REPO / "policy" / "__main__.py")]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     with subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, **pipes) as pack:
         try:
@@ -301,8 +300,8 @@ def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
 ) -> None:
     """policy/config/<env>.json (pdstack.contract) is what `pulumi preview --policy-pack-config` gets: its KV port is
     the contract's, and the environment's stacks pass the pack under it."""
-    config = json.loads((ROOT / "policy" / "config" / f"{env}.json").read_text())["kv-port-peers-only"]
-    ports = contract(environment_serving(ROOT / "stacks", env))[Component.PREFILL].kv_ports
+    config = json.loads((REPO / "policy" / "config" / f"{env}.json").read_text())["kv-port-peers-only"]
+    ports = contract(environment_serving(REPO / "stacks", env))[Component.PREFILL].kv_ports
     assert (config["kvPort"], config["kvPortLast"]) == (ports[0], ports[-1])
     for name, graph in graphs.items():
         if name.startswith(f"{env}-"):

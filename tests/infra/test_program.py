@@ -15,9 +15,9 @@ from infra.workloads.common import SECRET_NAME
 from pdserve.scheduler import identity
 from pdstack.model import REQUIRED_SECRETS, DatacenterRole
 from pdstack.synth import SynthError, Synthesis, synthesize
-from tests.conftest import REPO
+from tests.support import REPO, STACKS
 
-from .conftest import CLOUD_STACKS, STACKS, stack_config
+from .conftest import CLOUD_STACKS, stack_config
 
 INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"

@@ -17,7 +17,7 @@ from pdserve.common.tls import TLSClientSettings
 from pdserve.gateway.ratelimit import store_ssl_options
 from pdstack.contract import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 
 from .conftest import mounted_tls
 

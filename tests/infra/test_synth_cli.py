@@ -8,13 +8,12 @@ import pytest
 from typer.testing import CliRunner
 
 from pdstack.cli import app
-
-from .conftest import ROOT
+from tests.support import REPO
 
 
 @pytest.fixture
 def in_project(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT / "infra")  # the command finds the project by walking up to Pulumi.yaml
+    monkeypatch.chdir(REPO / "infra")  # the command finds the project by walking up to Pulumi.yaml
 
 
 def test_synth_lists_resources_and_passes_the_policies(in_project: None) -> None:

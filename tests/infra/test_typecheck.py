@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support import REPO
 
 BASEDPYRIGHT = Path(sys.executable).with_name("basedpyright")
 

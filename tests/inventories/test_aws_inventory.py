@@ -46,21 +46,16 @@ from pdstack.contract import (
 )
 from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
 from pdstack.stacks import load_environment
-from tests.infra.tlsfiles import relocated, write_tls_dir
+from tests.support import REPO
+from tests.support.ports import free_port
+from tests.support.tlsfiles import relocated, write_tls_dir
 
-REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 INVENTORY = REPO / "inventories" / "aws"
 PROBE = Path(__file__).with_name("probe.yml")
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 SECRET = "aws:secretsmanager/secret:Secret"
 PER_TEMPLATE = {"prefill": 2, "decode": 2, "control": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

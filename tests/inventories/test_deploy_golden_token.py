@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 BIN = Path(sys.executable).parent
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 BIN = Path(sys.executable).parent
 INVENTORY = REPO / "inventories" / "local" / "hosts.yml"
 

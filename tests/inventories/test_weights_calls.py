@@ -5,13 +5,12 @@ call in a play on the GPU nodes would, in the cloud, send the admin token from a
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def weights_calls(tasks: list[dict[str, Any]]) -> int:

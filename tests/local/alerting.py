@@ -13,7 +13,7 @@ from typing import Any
 
 from pdstack.alerting import receiver_name
 from pdstack.local.topology import SERVICE_ADDRESS
-from tests.alerting.stack import Webhook
+from tests.support.webhook import Webhook
 
 DELIVERY_TIMEOUT_S = 120.0  # the role's reload, the 30 s group wait, and a loaded 2-core host
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import ssl
 import subprocess
 import sys
@@ -37,20 +36,16 @@ from pdstack.local.network import namespaces
 from pdstack.local.topology import Topology
 from pdstack.local.transport import local_ca
 from pdstack.model import PoolRole
-from tests.dashboardcheck import query_problems
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.local.operator import operator_context
-from tests.otlp import Span, receiving
+from tests.support import REPO
+from tests.support.ansible import RECAP
+from tests.support.dashboardcheck import query_problems
+from tests.support.otlp import Span, receiving
 
-REPO = Path(__file__).resolve().parents[2]
 PDSTACK = str(REPO / ".venv" / "bin" / "pdstack")
-RECAP = re.compile(
-    r"^(?:== )?(?P<host>\S+)\s+:\s+ok=\d+\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-    r"\s+failed=(?P<failed>\d+)",
-    re.MULTILINE,
-)
 LOAD_RATE = 5.0  # requests/s: what the local stack's canary policy (min_samples 10 at a 20 % step) is sized for
 
 pytestmark = pytest.mark.timeout(3600)
@@ -385,7 +380,7 @@ def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: 
     [
         ("slow-3", {"PDSERVE_FAULT_DELAY_MS": "600"}, "FAIL ttft_p95"),
         # caught by the golden prompts before the canary gets any traffic; a canary that fails its golden prompts
-        # with errors takes the same gate and rollback (its report: tests/unit/test_canary_prom_golden.py)
+        # with errors takes the same gate and rollback (its report: tests/pdstack/canary/test_golden.py)
         ("wrong-4", {"PDSERVE_FAULT_PERTURB_OUTPUT": "true"}, "golden"),
     ],
 )

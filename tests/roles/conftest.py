@@ -8,7 +8,6 @@ both recaps for the tests to assert on.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -20,19 +19,14 @@ import pytest
 import yaml
 
 from pdstack.local import nodes
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK, PlaybookRun
 
-REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "baseline.yml"
-ANSIBLE_PLAYBOOK = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "ansible-playbook")
 # Unique per test process: two test sessions on one machine (a developer's and CI's) must not share nodes.
 NODE_A = f"pdstack-role-a-{os.getpid()}"
 NODE_B = f"pdstack-role-b-{os.getpid()}"
 DISK_BYTES = 512 * 1024 * 1024
-RECAP = re.compile(
-    r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
-    r"\s+failed=(?P<failed>\d+)",
-    re.MULTILINE,
-)
 
 # Test settings: every address a node may talk to is its own loopback or the nodes' own network.
 TEST_VARS: dict[str, Any] = {
@@ -67,34 +61,20 @@ TEST_VARS: dict[str, Any] = {
 
 
 @dataclass
-class Run:
-    """One ansible-playbook run: its exit code, output and per-host recap."""
-
-    returncode: int
-    output: str
-
-    def recap(self, host: str) -> dict[str, int]:
-        for match in RECAP.finditer(self.output):
-            if match["host"] == host:
-                return {k: int(v) for k, v in match.groupdict().items() if k != "host"}
-        raise AssertionError(f"no recap for {host} in:\n{self.output[-3000:]}")
-
-
-@dataclass
 class Cluster:
     """The converged nodes and what it took to get there."""
 
     inventory: Path
     workdir: Path
-    first_run: Run
-    second_run: Run
+    first_run: PlaybookRun
+    second_run: PlaybookRun
     disk: str
 
-    def playbook(self, *args: str, playbook: Path = PLAYBOOK) -> Run:
+    def playbook(self, *args: str, playbook: Path = PLAYBOOK) -> PlaybookRun:
         return run_playbook(self.inventory, playbook, *args)
 
 
-def run_playbook(inventory: Path, playbook: Path, *args: str) -> Run:
+def run_playbook(inventory: Path, playbook: Path, *args: str) -> PlaybookRun:
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
         capture_output=True, text=True, cwd=REPO, check=False,
@@ -102,7 +82,7 @@ def run_playbook(inventory: Path, playbook: Path, *args: str) -> Run:
              "ANSIBLE_NOCOLOR": "1", "HOME": str(inventory.parent),
              "ANSIBLE_CALLBACKS_ENABLED": "ansible.posix.profile_tasks"},
     )  # fmt: skip
-    return Run(result.returncode, result.stdout + result.stderr)
+    return PlaybookRun(result.returncode, result.stdout + result.stderr)
 
 
 def attach_loop_device(image: Path, size: int = DISK_BYTES) -> str:

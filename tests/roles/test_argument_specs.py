@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.roles.conftest import ANSIBLE_PLAYBOOK, REPO
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 
 def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.roles.conftest import ANSIBLE_PLAYBOOK, REPO
+from tests.support import REPO
+from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 ROLE = REPO / "roles" / "kernel_tuning"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.roles.conftest import REPO
+from tests.support import REPO
 
 ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
 

@@ -15,7 +15,8 @@ from cryptography import x509
 
 from pdstack.local import nodes
 from pdstack.local.tls import Leaf, LocalCA
-from tests.roles.conftest import NODE_B, Cluster, Run
+from tests.roles.conftest import NODE_B, Cluster
+from tests.support.ansible import PlaybookRun
 
 pytestmark = pytest.mark.timeout(900)
 CLIENT = "client"  # Prometheus' part: any pair from the CA
@@ -25,7 +26,7 @@ def leaves() -> list[Leaf]:
     return [Leaf(NODE_B, (f"{NODE_B}.test",), (nodes.node_address(NODE_B),)), Leaf(CLIENT, ("client.test",), ())]
 
 
-def converge(cluster: Cluster, tls: LocalCA | None) -> Run:
+def converge(cluster: Cluster, tls: LocalCA | None) -> PlaybookRun:
     """The baseline's node_exporter on node B, with the release's TLS folder (the local environment's) or without."""
     release = ["-e", "pdstack_environment=local", "-e", f"pdstack_tls_dir={tls.folder}"] if tls else []
     run = cluster.playbook("--tags", "node_exporter", "--limit", NODE_B, *release)

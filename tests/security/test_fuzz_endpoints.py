@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.serving.gateway.cluster import Cluster, metric, wait_for
-from tests.serving.scheduler.services import Service, start_scheduler
+from tests.support.cluster import Cluster, metric, wait_for
+from tests.support.services import Service, start_scheduler
 
 from .fuzzing import (
     CONTENT_TYPES,
@@ -37,7 +37,7 @@ from .fuzzing import (
     encode,
     kv_params,
 )
-from .stack import AUTH, NORMAL, normal_completion, pd_stack
+from .serving_stack import AUTH, NORMAL, normal_completion, pd_stack
 
 COMPLETION = {
     "model": "dense",
@@ -52,8 +52,8 @@ IDS = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, security_kv_key: Path, security_model: Path) -> Iterator[Cluster]:
-    with pd_stack(tmp_path_factory.mktemp("fuzz"), security_kv_key, security_model) as cluster:
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, dense_checkpoint: Path) -> Iterator[Cluster]:
+    with pd_stack(tmp_path_factory.mktemp("fuzz"), kv_key_file, dense_checkpoint) as cluster:
         yield cluster
 
 

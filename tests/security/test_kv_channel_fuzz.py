@@ -20,10 +20,10 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv.protocol import HEADER, MAGIC, NONCE_BYTES, VERSION, FrameType
-from tests.serving.gateway.cluster import Cluster
+from tests.support.cluster import Cluster
 
 from .fuzzing import FUZZ
-from .stack import normal_completion, pd_stack
+from .serving_stack import normal_completion, pd_stack
 
 FUZZ_NO_SHRINK = settings(FUZZ, phases=[Phase.explicit, Phase.generate])
 GIVE_UP = 10.0  # far below the server's 30 s I/O timeout: a close must come from refusing the input
@@ -31,8 +31,8 @@ SMALL = 64 * 1024  # no pre-auth frame needs more; a header claiming more must b
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, security_kv_key: Path, security_model: Path) -> Iterator[Cluster]:
-    with pd_stack(tmp_path_factory.mktemp("kv-fuzz"), security_kv_key, security_model) as cluster:
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, dense_checkpoint: Path) -> Iterator[Cluster]:
+    with pd_stack(tmp_path_factory.mktemp("kv-fuzz"), kv_key_file, dense_checkpoint) as cluster:
         yield cluster
 
 

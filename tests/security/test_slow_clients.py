@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from pdserve.listener import ListenerLimits
-from tests.serving.gateway.cluster import Cluster, metric
+from tests.support.cluster import Cluster, metric
 
-from .stack import KEY, normal_completion, pd_stack
+from .serving_stack import KEY, normal_completion, pd_stack
 
 LIMITS = {
     "PDSERVE_HTTP_HEADER_TIMEOUT_SECONDS": "2",
@@ -53,8 +53,8 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, security_kv_key: Path, security_model: Path) -> Iterator[Cluster]:
-    with pd_stack(tmp_path_factory.mktemp("slow-clients"), security_kv_key, security_model, LIMITS) as cluster:
+def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, dense_checkpoint: Path) -> Iterator[Cluster]:
+    with pd_stack(tmp_path_factory.mktemp("slow-clients"), kv_key_file, dense_checkpoint, LIMITS) as cluster:
         yield cluster
 
 

@@ -8,7 +8,6 @@ $PDSTACK_MAIN_PYTHON), since vLLM's lacks the gateway's rate-limit dependencies.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,9 +20,11 @@ import httpx
 import pytest
 
 from pdserve.scheduler.client import bearer
-from tests.serving.gateway.cluster import KEYS, write_keys_file
-from tests.serving.ports import free_port
-from tests.serving.scheduler.services import (
+from tests.support import REPO
+from tests.support.cluster import KEYS, write_keys_file
+from tests.support.ports import free_port
+from tests.support.process import ChildProcess
+from tests.support.services import (
     Service,
     gateway_token_file,
     instance_token_file,
@@ -35,7 +36,6 @@ from tests.vllm.conftest import BLOCK_SIZE, LEASE_SECONDS, VLLMServer, prompt_of
 
 MODEL_NAME = "tiny"
 API_KEY = KEYS["bulk"]
-REPO = Path(__file__).resolve().parents[2]
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -49,8 +49,9 @@ def main_python() -> str:
 
 
 @dataclass
-class AgentProcess:
-    """One `python -m pdserve.cli agent` for one vLLM instance."""
+class AgentProcess(ChildProcess):
+    """One `python -m pdserve.cli agent` for one vLLM instance (tests.support.process's lifecycle; a stop gives it a
+    minute to drain)."""
 
     role: str
     engine: VLLMServer
@@ -72,19 +73,11 @@ class AgentProcess:
                 "--advertise-url", self.engine.url, "--version", "v1", "--connector-run-dir", str(self.run_dir),
                 "--engine-token-file", str(self.fleet.engine_token_file), "--heartbeat-seconds", "0.5",
                 "--drain-grace-seconds", "1", "--engine-timeout-seconds", "1", *extra]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "agent", *args], stdout=log,
-                                            stderr=log)  # fmt: skip
+        self.spawn([sys.executable, "-m", "pdserve.cli", "agent", *args], append=True)
         return self
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+    def stop(self, grace: float = 60.0) -> None:
+        super().stop(grace)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -206,13 +199,13 @@ def _wait_ready_sampling(fleet: Fleet) -> None:
         time.sleep(1)
 
 
-def start_fleet(model_dir: Path, key_file: Path, tmp: Path) -> Iterator[Fleet]:
+def start_fleet(model_dir: Path, kv_key_file: Path, tmp: Path) -> Iterator[Fleet]:
     """Scheduler, vLLM prefill (core 0) and decode (core 1) with PdstackConnector, an agent for each, started
     together; the fixture yields once both agents' instances are ready in the scheduler."""
     scheduler, admin_token = start_scheduler(tmp, heartbeat_interval=0.5, missed=20)
     engine_token_file = tmp / "vllm-api.key"
     write_secret(engine_token_file)
-    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5}  # fmt: skip
     # One argument: a token may start with "-" (token_urlsafe), which argparse would take for an option.
     args = ("--served-model-name", MODEL_NAME, f"--api-key={engine_token_file.read_text().strip()}")

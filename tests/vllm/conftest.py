@@ -31,7 +31,7 @@ from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.consumer import VLLM_ADDED_FIELDS
 from pdstack.local.wan import LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace, run_ip
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 
 # TP 2 puts four workers, two EngineCores and two API servers on 2 cores: there a KV frame sometimes stalls for
 # more than 20 s (the CI rehearsal of 83cad20 failed 2 of its 5 tests that way), so it runs on request:
@@ -73,15 +73,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("secrets") / "kv-channel-key"
-    path.write_text(os.urandom(32).hex())
-    return path
-
-
-@pytest.fixture(scope="session")
-def kv_key(key_file: Path) -> SecretKey:
-    return SecretKey.from_file(key_file)
+def kv_key(kv_key_file: Path) -> SecretKey:
+    return SecretKey.from_file(kv_key_file)
 
 
 @dataclass(frozen=True)
@@ -100,6 +93,9 @@ class Site:
 LOOPBACK = Site()
 
 
+# Not a tests.support.process harness, on purpose: an instance is three processes (API server, EngineCore, worker)
+# started in a session of their own and signalled as a group (os.killpg), given a minute to stop, and a start that
+# fails is pytest.fail with the log's end; the other harnesses start and signal one process.
 @dataclass
 class VLLMServer:
     """One `python -m vllm.entrypoints.openai.api_server` with PdstackConnector, its log in a file."""
@@ -261,14 +257,14 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
-    yield from start_pair(model_dir, key_file, kv_key, tmp_path_factory, "recompute")
+    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "recompute")
 
 
 def start_pair(
     model_dir: Path,
-    key_file: Path,
+    kv_key_file: Path,
     kv_key: SecretKey,
     tmp_path_factory: pytest.TempPathFactory,
     policy: str,
@@ -283,7 +279,7 @@ def start_pair(
     `sites` places them (by default both on this namespace's loopback)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(key_file), "advertise_host": sites[0].kv_host, "lease_seconds": LEASE_SECONDS,
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": sites[0].kv_host, "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
     # Prefill computes at most `batched_tokens` tokens a step, so long prompts take several steps (chunked prefill).
     prefill_config = {**common, "port": kv_port, **(prefill_extra or {})}

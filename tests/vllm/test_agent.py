@@ -20,15 +20,15 @@ import httpx
 import pytest
 
 from pdserve.agent.instance import InstanceFileError, find
-from tests.serving.scheduler.services import Service
+from tests.support.services import Service
 from tests.vllm.agenthelpers import API_KEY, MODEL_NAME, Fleet, prompt_of, start_fleet
 
 LONG_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from start_fleet(model_dir, key_file, tmp_path_factory.mktemp("agent-fleet"))
+def fleet(model_dir: Path, kv_key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    yield from start_fleet(model_dir, kv_key_file, tmp_path_factory.mktemp("agent-fleet"))
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from pdstack.contract_files import environment_serving
 from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Tracing, Vllm
 from pdstack.vllm_command import API_SERVER, NodeTls, engine_args, engine_command, engine_env
+from tests.support import STACKS
 
-STACKS = Path(__file__).resolve().parents[2] / "stacks"
 HOST = "10.20.1.7"
 CPU = Serving(
     model=Model(name="tiny", path="/var/lib/pdstack/models/tiny"),

@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,

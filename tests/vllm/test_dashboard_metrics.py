@@ -1,6 +1,6 @@
 """The vllm: metrics the dashboards read are ones vLLM registers, with the sample names Prometheus stores.
 
-The main suite checks every other name against the components' scrapes (tests/serving/gateway/
+The main suite checks every other name against the components' scrapes (tests/pdserve/gateway/
 test_dashboard_queries.py); vLLM is importable only here. The names come from vLLM's own metric registrations
 (the `name=` of each gauge, counter and histogram its loggers create), read from the installed package.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from pdstack.dashboards.promql import metric_names, panels
+from tests.support import REPO
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "monitoring" / "dashboards"
+DASHBOARDS = REPO / "monitoring" / "dashboards"
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
 
 

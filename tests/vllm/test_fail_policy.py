@@ -15,9 +15,9 @@ from tests.vllm.conftest import BLOCK_SIZE, MAX_TOKENS, FlippingProxy, Pair, pro
 
 @pytest.fixture(scope="module")
 def pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
-    yield from start_pair(model_dir, key_file, kv_key, tmp_path_factory, "fail")
+    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "fail")
 
 
 def decode_raw(pair: Pair, prompt: list[int], params: dict[str, object]) -> httpx.Response:

@@ -47,9 +47,9 @@ SEAL_LINE = re.compile(r"lease (\S+) sealed after (\d+) steps: (\d+) of (\d+) by
 
 @pytest.fixture(scope="module")
 def pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
-    yield from start_pair(model_dir, key_file, kv_key, tmp_path_factory, "recompute", batched_tokens=BATCHED_TOKENS)
+    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "recompute", batched_tokens=BATCHED_TOKENS)
 
 
 def colocated(pair: Pair, prompt: list[int]) -> list[int]:

@@ -43,12 +43,12 @@ LOGPROB_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def arch_pair(
-    request: pytest.FixtureRequest, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     kind, overrides, max_model_len = ARCHITECTURES[request.param]
     checkpoint = make_test_checkpoint(kind, tmp_path_factory.mktemp(request.param), "float32", overrides=overrides,
                                       vocab_size=512)  # fmt: skip
-    yield from start_pair(checkpoint, key_file, kv_key, tmp_path_factory, "recompute", max_model_len=max_model_len)
+    yield from start_pair(checkpoint, kv_key_file, kv_key, tmp_path_factory, "recompute", max_model_len=max_model_len)
 
 
 def greedy(answer: dict[str, Any]) -> tuple[list[int], list[float]]:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdserve.kv.auth import SecretKey
-from tests.serving.ports import free_port
+from tests.support.ports import free_port
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     LEASE_SECONDS,
@@ -45,12 +45,12 @@ PREEMPT_REQUESTS, PREEMPT_PROMPT, PREEMPT_TOKENS = 12, 200, 400
 
 @pytest.fixture(scope="module")
 def pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     """As conftest.start_pair, with a decode of DECODE_BLOCKS KV blocks."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
               "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
                          args=("--max-num-batched-tokens", "256"))  # fmt: skip

@@ -11,9 +11,9 @@ from pdserve.vllm.settings import parse
 from pdserve.vllm.worker import result_path, write_json_atomically
 
 
-def test_stale_results_are_swept_and_fresh_ones_kept(key_file: Path, tmp_path: Path) -> None:
+def test_stale_results_are_swept_and_fresh_ones_kept(kv_key_file: Path, tmp_path: Path) -> None:
     connector = PdstackConnector.__new__(PdstackConnector)  # the scheduler-side state only, without a vLLM config
-    connector.settings = parse({"kv_key_file": str(key_file), "port": 14600, "lease_seconds": 10,
+    connector.settings = parse({"kv_key_file": str(kv_key_file), "port": 14600, "lease_seconds": 10,
                                 "run_dir": str(tmp_path)}, producer=True, engine_id="e1")  # fmt: skip
     connector._next_sweep = 0.0
     run_dir = connector.settings.run_dir
@@ -32,11 +32,11 @@ def test_stale_results_are_swept_and_fresh_ones_kept(key_file: Path, tmp_path: P
     assert connector._take_result("about-to-finish") is None
 
 
-def test_a_tp_prefill_offers_kv_only_when_every_rank_holds_it(key_file: Path, tmp_path: Path) -> None:
+def test_a_tp_prefill_offers_kv_only_when_every_rank_holds_it(kv_key_file: Path, tmp_path: Path) -> None:
     """Each TP rank leaves its own shard's checksum in its own run dir; one rank missing (its store refused the
     request) means no KV is offered, and the other ranks' results are removed all the same."""
     connector = PdstackConnector.__new__(PdstackConnector)
-    extra = {"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)}
+    extra = {"kv_key_file": str(kv_key_file), "port": 14600, "run_dir": str(tmp_path)}
     connector.settings = parse(extra, producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1, data_parallel=True)
     connector._next_sweep = 0.0
     ranks = [connector.settings.for_rank(r).run_dir for r in range(2)]

@@ -12,8 +12,8 @@ from pdserve.vllm import fingerprint
 from pdserve.vllm.settings import SettingsError, parse
 
 
-def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
-    settings = parse({"kv_key_file": str(key_file), "port": 14600, "run_dir": str(tmp_path)}, producer=True,
+def test_defaults_and_run_dir(kv_key_file: Path, tmp_path: Path) -> None:
+    settings = parse({"kv_key_file": str(kv_key_file), "port": 14600, "run_dir": str(tmp_path)}, producer=True,
                      engine_id="e1")  # fmt: skip
     assert (settings.streams, settings.lease_seconds, settings.advertise_host) == (4, 30.0, "127.0.0.1")
     assert settings.open_wait_seconds == 10.0
@@ -23,8 +23,8 @@ def test_defaults_and_run_dir(key_file: Path, tmp_path: Path) -> None:
     assert settings.kv_cpus is None
 
 
-def test_kv_cpus_takes_linux_cpu_lists(key_file: Path) -> None:
-    settings = parse({"kv_key_file": str(key_file), "kv_cpus": "0,2-3"}, producer=False, engine_id="e1")
+def test_kv_cpus_takes_linux_cpu_lists(kv_key_file: Path) -> None:
+    settings = parse({"kv_key_file": str(kv_key_file), "kv_cpus": "0,2-3"}, producer=False, engine_id="e1")
     assert settings.kv_cpus == {0, 2, 3}
 
 
@@ -63,9 +63,9 @@ def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> N
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_key(
-    key_file: Path, extra: dict[str, object], producer: bool, named: str
+    kv_key_file: Path, extra: dict[str, object], producer: bool, named: str
 ) -> None:
-    config = {"kv_key_file": str(key_file), **extra} if named != "kv_key_file" else extra
+    config = {"kv_key_file": str(kv_key_file), **extra} if named != "kv_key_file" else extra
     with pytest.raises(SettingsError, match=rf"^kv_connector_extra_config\.{named}:"):
         parse(config, producer=producer, engine_id="e1")
 

@@ -10,14 +10,13 @@ One module-scoped pair (both instances share both cores): about 1-2 minutes to s
 threads, pinned to their rank's core beside the forward, sat runnable in the run queue for seconds (a watchdog thread
 measured 4-9 s of run-queue wait in a 0.1 s sleep at load 11-16, KEEPALIVEs 13 s apart), and decode gave up on a
 live server after its read timeout. Decode now outwaits a server whose TCP still answers, up to stall_timeout_s
-(pdserve.kv.wire; tests/serving/kv/test_kv_stall.py). The longer timeouts and lease below are kept for the load.
+(pdserve.kv.wire; tests/pdserve/kv/test_kv_stall.py). The longer timeouts and lease below are kept for the load.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import pytest
 
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.settings import kv_port_of
-from tests.serving.ports import free_port
+from tests.support.ports import free_port, port_is_free
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
@@ -60,7 +59,7 @@ def free_port_pair() -> int:
     """A port whose successor is free too (prefill's two ranks bind base and base + 1)."""
     for _ in range(50):
         base = free_port()
-        if free_port_is(base + 1):
+        if port_is_free(base + 1):
             return base
     raise AssertionError("no two consecutive free ports on loopback")
 
@@ -73,25 +72,16 @@ def free_port_besides(taken: set[int]) -> int:
     return port
 
 
-def free_port_is(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def tp_pair(
-    model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     logs = tmp_path_factory.mktemp("vllm-tp-logs")
     kv_port = free_port_pair()
     taken = {kv_port, kv_port + 1}
     # Four workers, two EngineCores and two API servers on two cores beside other tests: handshakes here took over
     # 10 s under load (the KV channel's stall, see the module docstring), so the timeouts and lease are generous.
-    common = {"kv_key_file": str(key_file), "advertise_host": "127.0.0.1", "lease_seconds": 60, "streams": 2,
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": 60, "streams": 2,
               "connect_timeout_seconds": 10, "read_timeout_seconds": 20, "run_dir": str(logs / "run")}  # fmt: skip
     parallel = ("--tensor-parallel-size", str(TP))
     prefill = VLLMServer("prefill-tp2", model_dir, "kv_producer", INSTANCE_CORES, {**common, "port": kv_port},  # type: ignore[arg-type]

@@ -42,14 +42,14 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def pair(
     model_dir: Path,
-    key_file: Path,
+    kv_key_file: Path,
     kv_key: SecretKey,
     tmp_path_factory: pytest.TempPathFactory,
     certificates: dict[str, Path],
 ) -> Iterator[Pair]:
     prefill_tls = {"tls_cert": str(certificates["server"]), "tls_key": str(certificates["server-key"])}
     decode_tls = {"tls_ca": str(certificates["ca"])}
-    yield from start_pair(model_dir, key_file, kv_key, tmp_path_factory, "fail", prefill_extra=prefill_tls,
+    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "fail", prefill_extra=prefill_tls,
                           decode_extra=decode_tls)  # fmt: skip
 
 

@@ -53,12 +53,12 @@ def wan() -> Iterator[WanSites]:
 
 @pytest.fixture(scope="module")
 def wan_pair(
-    wan: WanSites, model_dir: Path, key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
+    wan: WanSites, model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     # The long-context llama, so ~4K-token prompts fit (the same tiny model with max_position_embeddings 16384).
     long_model = make_test_checkpoint("dense", tmp_path_factory.mktemp("llama-long"), "float32",
                                       overrides=LONG_MODEL_CONFIG, vocab_size=512)  # fmt: skip
-    yield from start_pair(long_model, key_file, kv_key, tmp_path_factory, "fail", sites=wan.sites,
+    yield from start_pair(long_model, kv_key_file, kv_key, tmp_path_factory, "fail", sites=wan.sites,
                           max_model_len=LONG_PROMPT + 512)  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 The scheduler holds one identity key and recomputes a token's MAC instead of keeping a token list; each node is
 handed only the token of its own principal (`instance:<instance_id>` for a model server, `gateway` for a gateway),
 so one node cannot register, heartbeat or drain as another. The formula is the hardening contract's §1, the same as
-`pdserve.scheduler.identity.derive_token` (tests/unit/test_pdserve_tokens.py checks they agree); it is repeated here
+`pdserve.scheduler.identity.derive_token` (tests/roles/test_pdserve_tokens.py checks they agree); it is repeated here
 because the controller's Ansible need not have the runtime installed.
 """
 

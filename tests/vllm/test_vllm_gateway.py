@@ -1,0 +1,160 @@
+"""pdstack's gateway in front of a real vLLM prefill and decode, registered with pdstack's scheduler by two
+`pdserve agent` processes: the official openai client through the gateway gets vLLM's colocated greedy output,
+token for token, and the KV really crossed (decode's connector logged the load for each request), both with vLLM's
+sequential proxy flow and with early dispatch (prefill and decode sent at once).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pdserve.kv.auth import SecretKey
+from pdserve.kv.params import derive_params_key
+from tests.support.cluster import metric, wait_for
+from tests.support.services import Service
+from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of, start_fleet
+from tests.vllm.conftest import SilentServer
+
+MAX_TOKENS = 16
+LENGTHS = {"under_one_block": BLOCK_SIZE - 7, "three_blocks": 3 * BLOCK_SIZE, "not_aligned": 2 * BLOCK_SIZE + 13}
+CHAT = [{"role": "user", "content": "Tell me about the weather in the mountains in spring, please."}]
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, kv_key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    yield from start_fleet(model_dir, kv_key_file, tmp_path_factory.mktemp("gateway-fleet"))
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet) -> Service:
+    """A gateway without the params key: the sequential proxy flow (prefill answers, then decode gets its params)."""
+    service = fleet.start_gateway()
+    fleet.wait_routable(service)
+    return service
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def complete(client: openai.OpenAI, prompt: list[int]) -> list[int]:
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    ids = answer.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert len(ids) == MAX_TOKENS, answer
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+    return list(ids)
+
+
+def complete_streamed(client: openai.OpenAI, prompt: list[int]) -> list[int]:
+    ids: list[int] = []
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids.extend((choice.model_extra or {}).get("token_ids") or [])
+    return ids
+
+
+@pytest.mark.parametrize("length", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_completions_equal_colocated(fleet: Fleet, client: openai.OpenAI, length: int, streamed: bool) -> None:
+    prompt = prompt_of(length, seed=length)
+    expected = fleet.colocated(prompt, MAX_TOKENS)
+    loads = fleet.loads()
+    got = complete_streamed(client, prompt) if streamed else complete(client, prompt)
+    assert got == expected
+    assert fleet.loads() == loads + 1, "decode did not load the KV from prefill"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_chat_equals_colocated(fleet: Fleet, client: openai.OpenAI, streamed: bool) -> None:
+    expected = fleet.colocated_chat(CHAT, MAX_TOKENS)
+    loads = fleet.loads()
+    kwargs = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    if streamed:
+        parts = [choice.delta.content or "" for chunk in client.chat.completions.create(**kwargs, stream=True)
+                 for choice in chunk.choices]  # fmt: skip
+        got = "".join(parts)
+    else:
+        got = client.chat.completions.create(**kwargs).choices[0].message.content or ""
+    assert got == expected
+    assert fleet.loads() == loads + 1
+
+
+def test_models_lists_what_vllm_serves(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL_NAME]
+
+
+def test_vllm_errors_reach_the_client_as_vllms(client: openai.OpenAI) -> None:
+    """A request vLLM itself refuses (here a token id past the vocabulary) comes back with vLLM's status and
+    message, not as a gateway failure."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=[5, 100_000], max_tokens=4)
+    assert "100000" in str(refused.value) or "token" in str(refused.value).lower()
+
+
+def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.OpenAI) -> None:
+    """A prefill of another KV layout (registered with another fingerprint) gets no request, though it is ready
+    and idle; with the same fingerprint the same registration would draw about half of them."""
+    prompt = prompt_of(LENGTHS["not_aligned"], seed=7)
+    expected = fleet.colocated(prompt, MAX_TOKENS)
+    with SilentServer() as other:
+        fleet.register_fake("prefill-other-layout", "prefill", f"http://127.0.0.1:{other.port}", "sha256:other")
+        try:
+            fleet.wait_routable(fleet.gateways[0], instances=3)
+            for _ in range(8):
+                fleet.beat_fake("prefill-other-layout")
+                assert complete(client, prompt) == expected
+            assert other.connections == 0
+        finally:
+            fleet.remove_fake("prefill-other-layout")
+    fleet.wait_routable(fleet.gateways[0], instances=2)
+
+
+@pytest.fixture(scope="module")
+def early_gateway(fleet: Fleet, kv_key_file: Path) -> Service:
+    """A gateway holding the params key (derived from the KV channel key, never the key itself): early dispatch."""
+    path = fleet.tmp / "kv-params.key"
+    path.write_text(derive_params_key(SecretKey.from_file(kv_key_file).material).hex())
+    service = fleet.start_gateway("--kv-params-key-file", str(path))
+    fleet.wait_routable(service)
+    return service
+
+
+@pytest.mark.parametrize("length", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+def test_early_dispatch_equals_colocated(fleet: Fleet, early_gateway: Service, length: int, streamed: bool) -> None:
+    """Prefill and decode sent at once (both registered kv_streaming): decode pulls the transfer the gateway named
+    while prefill computes it, and the answer is still vLLM's colocated one."""
+    assert all(entry["info"]["kv_streaming"] for entry in fleet.instances().values())
+    client = openai.OpenAI(base_url=early_gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    prompt = prompt_of(length, seed=100 + length)
+    expected = fleet.colocated(prompt, MAX_TOKENS)
+    loads, before = fleet.loads(), early_prefills(early_gateway)
+    got = complete_streamed(client, prompt) if streamed else complete(client, prompt)
+    assert got == expected
+    assert fleet.loads() == loads + 1, "decode did not load the KV from prefill"
+    last_load = [line for line in fleet.decode.log().splitlines() if "pdstack connector: loaded the KV" in line][-1]
+    assert re.search(r"\([0-9a-f]{32}\)$", last_load), f"not a transfer the gateway named: {last_load}"
+    wait_for(lambda: early_prefills(early_gateway) == before + 1, what="the early prefill counted as ok")
+
+
+def early_prefills(gateway: Service) -> float:
+    return metric(
+        httpx.get(gateway.url + "/metrics").text, "pdserve_gateway_early_dispatch_prefills_total", outcome="ok"
+    )
