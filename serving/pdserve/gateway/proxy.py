@@ -22,7 +22,7 @@ from pdserve.scheduler.protocol import RoutedInstance
 from .metrics import GatewayMetrics
 from .routing import NoRouteError, Plan, Router, alternative_decode
 from .settings import GatewaySettings
-from .streaming import DONE, carries_token, encode, error_event, kv_stats, sse_data
+from .streaming import DONE, carries_token, encode, error_event, kv_stats, sse_data, unfinished
 from .validation import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,10 @@ T = TypeVar("T")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 SUSPEND_SECONDS = 5.0
-SUSPENDING_CAUSES = frozenset({"connect_error", "connect_timeout", "connection_lost", "stream_truncated", "timeout"})
+# engine_abort: an engine that aborts requests is usually shutting down (given_up)
+SUSPENDING_CAUSES = frozenset(
+    {"connect_error", "connect_timeout", "connection_lost", "engine_abort", "stream_truncated", "timeout"}
+)
 
 
 class UpstreamError(Exception):
@@ -221,6 +224,7 @@ class PDProxy:
                 data = await self._next_event(stream)
                 if data is None:
                     raise UpstreamError("decode", "stream_truncated", "decode ended the stream without [DONE]")
+                given_up(data)
                 observe(data)
                 yield encode(data)
                 if data == DONE:
@@ -312,6 +316,7 @@ class PDProxy:
         with self.router.dispatched(decode):
             response = await self.post("decode", url, decode_body(ctx.request.body, kv_params), ctx, timeout)
         self._observe_kv(response.text)
+        given_up(response.text)
         return response
 
     async def post(
@@ -343,6 +348,7 @@ class PDProxy:
                     raise status_error("decode", response, await response.aread())
                 events = sse_data(response)
                 first = await anext(events)
+                given_up(first)  # nothing reached the client yet: another decode may still answer
             return Stream(response, events, first, exits)
         except BaseException as exc:
             if response is not None:
@@ -361,6 +367,14 @@ class PDProxy:
             self.metrics.kv_seconds.observe(stats["seconds"])
         if stats.get("source") in ("remote", "recompute", "local"):
             self.metrics.kv_source.labels(stats["source"]).inc()
+
+
+def given_up(data: str) -> None:
+    """Raise for decode's event or answer that gives its choice up (finish_reason abort or error): relayed, the
+    client would take an empty or cut-short text for a whole one."""
+    reason = unfinished(data)
+    if reason is not None:
+        raise UpstreamError("decode", f"engine_{reason}", f"decode gave the request up (finish_reason {reason!r})")
 
 
 def _as_upstream_error(exc: BaseException) -> BaseException:

@@ -37,6 +37,23 @@ def error_event(message: str, error_type: str, request_id: str) -> bytes:
     return encode(json.dumps(payload)) + encode(DONE)
 
 
+UNFINISHED = frozenset({"abort", "error"})
+"""finish_reasons with which an engine gives a choice up (vLLM's: `abort` for a request aborted, e.g. by an engine
+shutting down; `error` for one that failed, e.g. a KV load under the `fail` policy): not an answer to relay as one."""
+
+
+def unfinished(data: str) -> str | None:
+    """The finish_reason of a choice this event (or JSON answer) gives up, if it gives one up."""
+    try:
+        choices = json.loads(data).get("choices") or []
+    except (ValueError, AttributeError):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("finish_reason") in UNFINISHED:
+            return str(choice["finish_reason"])
+    return None
+
+
 def carries_token(data: str) -> bool:
     """Whether a decode event holds generated text (or ends a choice): what TTFT and inter-token latency time."""
     if data == DONE:
