@@ -44,6 +44,8 @@ shutting down; `error` for one that failed, e.g. a KV load under the `fail` poli
 
 def unfinished(data: str) -> str | None:
     """The finish_reason of a choice this event (or JSON answer) gives up, if it gives one up."""
+    if '"abort"' not in data and '"error"' not in data:  # every token event passes here: parse only a candidate
+        return None
     try:
         choices = json.loads(data).get("choices") or []
     except (ValueError, AttributeError):
