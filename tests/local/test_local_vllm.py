@@ -2,8 +2,8 @@
 completion through the gateway with the official openai client: prefilled by vLLM in dc1, its KV across the emulated
 WAN through PdstackConnector, decoded by vLLM in dc2, and equal to what a vLLM engine of the same checkpoint
 generates colocated (prompt and output on one engine, no KV transfer). Then `up` again changes nothing; canaries of
-vLLM releases under load (a good one promoted with no failed request, one whose greedy outputs differ rolled back by
-the golden check); a killed vLLM decode restarted while the other carries the load; `down` leaves nothing behind.
+vLLM releases under load (a good one promoted with no failed request, a slow one rolled back by the judge's TTFT
+check, one whose greedy outputs differ rolled back by the golden check); a killed vLLM decode restarted while the other carries the load; `down` leaves nothing behind.
 
 Opt-in (`make test-local-vllm`, PDSTACK_LOCAL_VLLM=1; tests/local/conftest.py): the vLLM-cpu image and four vLLM
 engines take more than CI's time budget. Owns the machine's local environment like test_local_env.py.
@@ -15,6 +15,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -136,24 +137,49 @@ def test_a_good_vllm_canary_is_promoted_to_all_traffic_with_no_failed_request(lo
     assert local.weights() == {"vllm-good-2": 100}
 
 
+def release_settings(local: Local, extra_args: dict[str, Any] | None = None, **vllm: Any) -> dict[str, Any]:
+    """Deploy settings for a release of the running image whose vLLM settings differ from the baseline's by `vllm`
+    and by `extra_args` added to its extra flags."""
+    serving = vllm_serving(local.topology.serving, local.release()["vllm_image"])
+    assert serving.vllm is not None
+    vllm["extra_args"] = serving.vllm.extra_args | (extra_args or {})
+    changed = serving.model_copy(update={"vllm": serving.vllm.model_copy(update=vllm)})
+    return {"pdstack_vllm_vars": vllm_deploy.ansible_vars(changed)}
+
+
+def assert_rolled_back(local: Local, version: str, config: str, settings: dict[str, Any], check: str) -> str:
+    """Deploy a bad vLLM release under load: it is rolled back, the report names `check`, no client request failed,
+    every node is back on the promoted release and the canary holds no traffic. Returns the engines' command lines."""
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        deployed = local.deploy(version, config, settings=settings)
+    output = deployed.stdout + deployed.stderr
+    assert deployed.returncode != 0
+    assert f"canary {version} rolled back" in output and check in output, output[-6000:]
+    assert not load.failures(), load.failures()  # slowness is what the canary's clients got, not errors
+    commands = ""
+    for node, component in local.servers():
+        assert local.record(node, component)["current"]["version"] == "vllm-good-2", node
+        commands += nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.Config.Cmd}}", f"vllm-{component}"])
+    assert local.weights().get(version, 0) == 0
+    return commands
+
+
+def test_a_slow_vllm_canary_is_rolled_back_by_the_judge_under_load(local: Local) -> None:
+    """A release that lets vLLM compute 4 prompt tokens a step (a mistuned max-num-batched-tokens): its outputs
+    equal the baseline's, so it passes the golden check and takes traffic, and its prefills take many more steps,
+    so the judge fails its TTFT p95 against the baseline's and the canary returns to the baseline's command lines.
+    (Measured colocated on the local checkpoint: TTFT p50 0.04 -> 0.17 s for the load's prompts.)"""
+    slow = release_settings(local, extra_args={"max-num-batched-tokens": 4, "max-num-seqs": 4})
+    commands = assert_rolled_back(local, "vllm-slow-3", "3", slow, "FAIL ttft_p95")
+    assert "--max-num-batched-tokens 4 " not in commands, commands
+
+
 def test_a_vllm_canary_whose_outputs_differ_is_rolled_back_by_the_golden_check(local: Local) -> None:
     """A release that serves the model in bfloat16 rather than float32: both canary engines start (their
     fingerprints match each other, not the baseline's), but their greedy outputs differ from the baseline's, so the
     canary gets no traffic and returns to the baseline's command lines."""
-    serving = vllm_serving(local.topology.serving, local.release()["vllm_image"])
-    assert serving.vllm is not None and serving.vllm.dtype == "float32"
-    bf16 = serving.model_copy(update={"vllm": serving.vllm.model_copy(update={"dtype": "bfloat16"})})
-    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
-        deployed = local.deploy("vllm-bf16-3", "3", settings={"pdstack_vllm_vars": vllm_deploy.ansible_vars(bf16)})
-    output = deployed.stdout + deployed.stderr
-    assert deployed.returncode != 0
-    assert "canary vllm-bf16-3 rolled back" in output and "golden" in output, output[-6000:]
-    assert not load.failures(), load.failures()
-    for node, component in local.servers():
-        assert local.record(node, component)["current"]["version"] == "vllm-good-2", node
-        engine = nodes.exec_in_node(node, ["podman", "inspect", "--format", "{{.Config.Cmd}}", f"vllm-{component}"])
-        assert "bfloat16" not in engine and "float32" in engine, (node, engine)
-    assert local.weights().get("vllm-bf16-3", 0) == 0
+    commands = assert_rolled_back(local, "vllm-bf16-4", "4", release_settings(local, dtype="bfloat16"), "golden")
+    assert "bfloat16" not in commands and "float32" in commands, commands
 
 
 def test_a_killed_vllm_decode_is_restarted_and_requests_recover(local: Local) -> None:
