@@ -102,9 +102,9 @@ def kv_port(serving: Serving) -> int:
 
 
 def kv_transfer_config(
-    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None
+    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None, version: str | None = None
 ) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config for `side`."""
+    """vLLM's --kv-transfer-config for `side` (`version`: the release the engine serves, see connector_extra_config)."""
     v = _vllm_of(serving, side)
     common = {"kv_role": KV_ROLES[side], "kv_load_failure_policy": serving.kv_load_failure_policy}
     if v.kv_connector is KvConnector.NIXL:
@@ -112,15 +112,17 @@ def kv_transfer_config(
         extra: dict[str, Any] = {"kv_lease_duration": math.ceil(serving.timeouts.kv_lease_s)}
         return {"kv_connector": NIXL_CONNECTOR, **common, "kv_connector_extra_config": extra}
     name, module = PDSTACK_CONNECTOR
-    return {"kv_connector": name, "kv_connector_module_path": module, **common,
-            "kv_connector_extra_config": connector_extra_config(serving, side, advertise_host, tls)}  # fmt: skip
+    extra = connector_extra_config(serving, side, advertise_host, tls, version)
+    return {"kv_connector": name, "kv_connector_module_path": module, **common, "kv_connector_extra_config": extra}
 
 
 def connector_extra_config(
-    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None
+    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None, version: str | None = None
 ) -> dict[str, Any]:
     """PdstackConnector's kv_connector_extra_config (pdserve/vllm/settings.py), with the side's keys only: prefill
-    listens for pulls and holds KV under leases; decode pulls with N streams under the stack's timeouts."""
+    listens for pulls and holds KV under leases; decode pulls with N streams under the stack's timeouts. With
+    `version`, the engine's /metrics carries pdserve_build_info{version} as a pdserve server's does, so the canary
+    judge attributes its KV load failures to its release."""
     timeouts = serving.timeouts
     extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR}
     if side is PoolRole.PREFILL:
@@ -132,6 +134,8 @@ def connector_extra_config(
     if tls is not None:
         files = {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
         extra |= {name: path for name, path in files.items() if path is not None}
+    if version is not None:
+        extra["release_version"] = version
     return extra
 
 
@@ -155,8 +159,11 @@ def _extra_flags(serving: Serving) -> list[str]:
     return out
 
 
-def engine_args(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None) -> tuple[str, ...]:
-    """What follows the image's entry point (the API server module): `vllm serve`'s arguments for `side`."""
+def engine_args(
+    serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None, version: str | None = None
+) -> tuple[str, ...]:
+    """What follows the image's entry point (the API server module): `vllm serve`'s arguments for `side`, serving
+    release `version` when given."""
     v = _vllm_of(serving, side)
     role = v.role(side)
     args = [
@@ -181,7 +188,7 @@ def engine_args(serving: Serving, side: PoolRole, advertise_host: str, tls: KvTl
     args += _extra_flags(serving)
     if serving.tracing is not None:  # vLLM continues the gateway's trace (engine_env says how it exports)
         args += ["--otlp-traces-endpoint", serving.tracing.otlp_endpoint]
-    config = kv_transfer_config(serving, side, advertise_host, tls)
+    config = kv_transfer_config(serving, side, advertise_host, tls, version)
     args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
     if isinstance(tls, NodeTls):
         args += tls.server_flags()

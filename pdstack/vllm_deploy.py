@@ -78,7 +78,7 @@ def _engine_wrapper() -> list[str]:
 
 
 def _engine(serving: Serving, side: PoolRole, tls: NodeTls | None) -> dict[str, Any]:
-    args = engine_args(serving, side, ADVERTISE_HOST, tls)
+    args = engine_args(serving, side, ADVERTISE_HOST, tls, VERSION)
     return {
         "entrypoint": SHELL,
         "command": [*_engine_wrapper(), *args],

@@ -3,8 +3,9 @@
 Requests and successes come from the gateway's request counter (label `version`; a success is any answer that is not
 5xx, as Flagger's request-success-rate). TTFT and inter-token latency p95 are sampled at `points` steps across the
 window (histogram_quantile over rate() of the gateway's histograms), giving the judge one value per step to test.
-KV failures are requests whose decode server could not use remote KV (`pdserve_kv_load_failures_total`), joined to
-the version through each server's `pdserve_build_info`.
+KV failures are requests whose decode could not use remote KV (`pdserve_kv_load_failures_total`, counted alike by a
+pdserve server and by PdstackConnector in a vLLM engine), joined to the version through each one's
+`pdserve_build_info` on the scrape's instance.
 """
 
 from __future__ import annotations

@@ -95,7 +95,9 @@ def test_the_containers_run_what_vllm_command_renders_for_this_node(
 ) -> None:
     found = rendered[f"{side}-cpu"]
     engine, agent = found["engine"], found["agent"]
-    assert engine["entrypoint"] == "/bin/sh" and engine["command"][6:] == list(engine_args(DEV, side, ADDRESS))
+    assert engine["entrypoint"] == "/bin/sh" and engine["command"][6:] == list(
+        engine_args(DEV, side, ADDRESS, version="r7")
+    )
     instance = f"{side}-{ENGINE_ID}"
     assert agent["entrypoint"] == "/opt/vllm/bin/python"
     assert agent["command"] == ["-m", "pdserve.cli", *agent_args(DEV, side, advertise_host=ADDRESS,
@@ -124,7 +126,7 @@ def test_a_node_with_a_certificate_runs_what_vllm_command_renders_over_tls(
     certificate none of it."""
     found, tls = rendered[f"{side}-tls"], NodeTls(mutual=DEV.mutual_tls)
     engine, agent = found["engine"], found["agent"]
-    assert engine["command"][6:] == list(engine_args(DEV, side, ADDRESS, tls))
+    assert engine["command"][6:] == list(engine_args(DEV, side, ADDRESS, tls, version="r7"))
     wanted = agent_args(DEV, side, advertise_host=ADDRESS, scheduler_url=SCHEDULER, version="r7",
                         instance_id=f"{side}-{ENGINE_ID}", tls=tls)  # fmt: skip
     assert agent["command"] == ["-m", "pdserve.cli", *wanted]

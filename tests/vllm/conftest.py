@@ -41,6 +41,7 @@ collect_ignore = [] if os.environ.get("PDSTACK_VLLM_TP") == "1" else ["test_tens
 START_TIMEOUT_S = 420
 MAX_TOKENS = 16  # what test_connector and test_tensor_parallel generate per request
 LEASE_SECONDS = 20
+RELEASE = "vllm-test-1"  # the pair's kv_connector_extra_config.release_version, as pdstack's deploy sets it
 BLOCK_SIZE = 32
 # head_dim 64: vLLM's CPU attention has kernels for head sizes 32, 48, 64, ... only.
 MODEL_CONFIG = {
@@ -280,7 +281,8 @@ def start_pair(
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
     common = {"kv_key_file": str(kv_key_file), "advertise_host": sites[0].kv_host, "lease_seconds": LEASE_SECONDS,
-              "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
+              "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run"),
+              "release_version": RELEASE}  # fmt: skip
     # Prefill computes at most `batched_tokens` tokens a step, so long prompts take several steps (chunked prefill).
     prefill_config = {**common, "port": kv_port, **(prefill_extra or {})}
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, prefill_config, logs / "prefill.log",

@@ -20,12 +20,17 @@ import pytest
 
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
+from pdstack.canary.prom import Prometheus, queries
+from pdstack.contract import Component
+from tests.support.cluster import wait_for
 from tests.support.ports import free_port
+from tests.support.prometheus import scraping
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
     LEASE_SECONDS,
     MAX_TOKENS,
+    RELEASE,
     FlippingProxy,
     Pair,
     SilentServer,
@@ -115,6 +120,26 @@ def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
     assert "checksum" in failure_line(pair, answer)
     pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v > checksum_failures,
                             'cause="checksum"')  # fmt: skip
+
+
+def test_a_failed_kv_load_reaches_the_canary_judge_under_the_engines_release(pair: Pair, tmp_path: Path) -> None:
+    """The seam between the connector's metrics and the canary judge: a real Prometheus scrapes the decode engine
+    as roles/prometheus labels it, and the judge's own query (pdstack.canary.prom.queries) attributes a failed KV
+    load to the release the engine serves (kv_connector_extra_config.release_version), and to no other release."""
+    assert pair.decode.metric("pdserve_build_info", f'version="{RELEASE}",role="decode"') == 1
+    labels = {"datacenter": "dc2", "role": "decode", "pool": "decode"}
+    with scraping(tmp_path, {Component.DECODE.job: (pair.decode.url, labels)}) as url:
+        prom = Prometheus(url)
+        failures = {v: queries(v, window_s=120, rate_window_s=5)["kv_transfer_failures"] for v in (RELEASE, "other")}
+        time.sleep(3)  # the series at their values before the failure, scraped
+        prompt = prompt_of(2 * BLOCK_SIZE + 5, seed=9)
+        params = pair.prefill_params(prompt)
+        with FlippingProxy(pair.kv_port, flip_at=4096) as proxy:
+            pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=pair.resign(params, remote_port=proxy.port))
+        assert proxy.flipped >= 1
+        wait_for(lambda: round(prom.scalar(failures[RELEASE], time.time())) >= 1, timeout=30,
+                 what=f"the judge's KV failures of {RELEASE} counting the failed load")  # fmt: skip
+        assert prom.scalar(failures["other"], time.time()) == 0
 
 
 def test_forged_params_cause_no_connection(pair: Pair) -> None:

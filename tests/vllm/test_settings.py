@@ -60,6 +60,8 @@ def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> N
         ({"tls_cert": "/c.pem"}, False, "tls_cert"),
         ({"kv_cpus": "1,x"}, False, "kv_cpus"),
         ({"kv_cpus": "-1"}, False, "kv_cpus"),
+        ({"release_version": "r 1"}, False, "release_version"),
+        ({"release_version": 7}, False, "release_version"),
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_key(

@@ -12,10 +12,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 from pdserve.engine import ChatTemplateError, Engine, KVCache, TokenOutput
 from pdserve.kv import StoredKV
+from pdserve.kv.errors import Cause
 from pdserve.server import faults
 from pdserve.server.batching import Admission, BatchScheduler, Reservation, Sequence
 from pdserve.server.kvlink import DecodeImporter, KVLoadFailure, PrefillExporter, kv_memory_per_request
@@ -107,6 +108,10 @@ class GenerationService:
         self.metrics = metrics
         self.exporter = exporter
         self.importer = importer
+        self.kv_failure_action = "recompute" if settings.kv_load_failure_policy is FailurePolicy.RECOMPUTE else "fail"
+        if importer is not None:  # every cause's series from 0: a judge's increase() then counts its first failure
+            for cause in get_args(Cause):
+                metrics.kv_load_failures.labels(cause, self.kv_failure_action)
         self.max_model_len = min(
             settings.max_model_len or engine.config.max_position_embeddings, engine.config.max_position_embeddings
         )
@@ -244,14 +249,13 @@ class GenerationService:
         try:
             return await self.importer.load(params, prompt_tokens), False
         except KVLoadFailure as failure:
-            policy = self.settings.kv_load_failure_policy
-            action = "recompute" if policy is FailurePolicy.RECOMPUTE else "fail"
+            action = self.kv_failure_action
             self.metrics.kv_load_failures.labels(failure.cause, action).inc()
             log.warning(
                 "remote KV unusable",
                 extra={"request_id": request_id, "cause": failure.cause, "action": action, "detail": failure.message},
             )
-            if policy is FailurePolicy.FAIL:
+            if action == "fail":
                 raise RequestError(
                     f"remote KV could not be loaded ({failure}); kv_load_failure_policy is fail",
                     param="kv_transfer_params",

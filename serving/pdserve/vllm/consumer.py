@@ -139,8 +139,10 @@ class ConsumerWorker(ConnectorWorker):
                 self._write(pending.spec, pending.future.result())
             except Exception as error:  # every failure, whatever its cause, goes to vLLM's kv_load_failure_policy
                 failed.add(request_id)
+                cause = error.cause if isinstance(error, KVTransferError) else _cause(error)
                 if not isinstance(error, KVTransferError):  # pull() counts its own failures
-                    self.metrics.observe_failure("receiver", _cause(error))
+                    self.metrics.observe_failure("receiver", cause)
+                self.metrics.observe_load_failure(cause)
                 log.warning(
                     "pdstack connector: KV load for request %s failed, left to kv_load_failure_policy: %s",
                     request_id,

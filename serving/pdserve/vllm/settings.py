@@ -5,6 +5,7 @@ Pure Python (no vLLM, no torch), so the keys and their defaults can be read and 
 
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,9 @@ _KNOWN = {
     "tls_reload_seconds",
     "run_dir",
     "kv_cpus",
+    "release_version",
 }
+RELEASE_VERSION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # as roles/pdserve and roles/vllm_engine take a version
 
 
 class SettingsError(ValueError):
@@ -155,6 +158,7 @@ def parse(
     if (tls_cert is None) != (tls_key is None):
         raise SettingsError("kv_connector_extra_config.tls_cert: tls_cert and tls_key go together")
     run_dir = Path(str(extra.get("run_dir", Path(tempfile.gettempdir()) / "pdstack-vllm")))
+    release_version(extra)
     settings = ConnectorSettings(
         key=key,
         advertise_host=advertise_host,
@@ -187,6 +191,14 @@ def parse(
     if settings.open_wait_seconds < 0:
         raise SettingsError("kv_connector_extra_config.open_wait_seconds: must be 0 or more")
     return settings
+
+
+def release_version(extra: dict[str, Any]) -> str | None:
+    """The release the engine serves (`release_version`, set by pdstack's deploy), or None outside a deploy."""
+    version = extra.get("release_version")
+    if version is not None and not (isinstance(version, str) and RELEASE_VERSION.match(version)):
+        raise SettingsError(f"kv_connector_extra_config.release_version: 1-64 of A-Z a-z 0-9 . _ -, got {version!r}")
+    return version
 
 
 def _number(extra: dict[str, Any], name: str, default: float, kind: type) -> Any:

@@ -7,23 +7,32 @@ pdserve_kv_transfer_seconds, pdserve_kv_transfer_goodput_bytes_per_second, pdser
 pdserve_kv_connections,
 pdserve_kv_auth_refused, pdserve_kv_leases_released, pdserve_kv_lease_bytes, pdserve_kv_leases) with vLLM's
 engine labels. vLLM forwards stats at engine steps only: an idle prefill's numbers advance at its next step.
+
+Like a pdserve server, a decode engine counts the requests whose remote KV it could not use as
+pdserve_kv_load_failures{cause, action} (action: its kv_load_failure_policy), and an engine deployed by pdstack
+(kv_connector_extra_config.release_version) exports pdserve_build_info{version, role}: the canary judge joins the
+two on the scrape's instance to attribute KV failures to a release (pdstack/canary/prom.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pdserve.kv.errors import Cause
 from pdserve.kv.metrics import GBPS_BUCKETS, SECONDS_BUCKETS, KVMetrics
+from pdserve.vllm.settings import release_version
 
 
 def _empty() -> dict[str, Any]:
-    return {"transfers": [], "failures": [], "connections": [], "auth_refused": 0, "released": {}, "gauges": {}}
+    return {"transfers": [], "failures": [], "load_failures": [], "connections": [], "auth_refused": 0,
+            "released": {}, "gauges": {}}  # fmt: skip
 
 
 class RecordingKVMetrics(KVMetrics):
@@ -44,6 +53,11 @@ class RecordingKVMetrics(KVMetrics):
         super().observe_failure(role, cause)
         with self._lock:
             self._news["failures"].append([role, cause])
+
+    def observe_load_failure(self, cause: str) -> None:
+        """A request's remote KV could not be loaded (left to vLLM's kv_load_failure_policy)."""
+        with self._lock:
+            self._news["load_failures"].append(cause)
 
     def observe_connection(self, role: str, outcome: str) -> None:
         super().observe_connection(role, outcome)
@@ -86,6 +100,7 @@ class PdstackStats(KVConnectorStats):
         theirs = other.data
         self.data["transfers"] = [*self.data["transfers"], *theirs.get("transfers", [])]
         self.data["failures"] = [*self.data["failures"], *theirs.get("failures", [])]
+        self.data["load_failures"] = [*self.data["load_failures"], *theirs.get("load_failures", [])]
         self.data["connections"] = [*self.data["connections"], *theirs.get("connections", [])]
         self.data["auth_refused"] += theirs.get("auth_refused", 0)
         for reason, count in theirs.get("released", {}).items():
@@ -107,8 +122,8 @@ class PdstackStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         data = self.data
-        return not (data["transfers"] or data["failures"] or data["connections"] or data["auth_refused"]
-                    or data["released"] or data["gauges"])  # fmt: skip
+        return not (data["transfers"] or data["failures"] or data["load_failures"] or data["connections"]
+                    or data["auth_refused"] or data["released"] or data["gauges"])  # fmt: skip
 
 
 class PdstackPromMetrics(KVConnectorPromMetrics):
@@ -137,6 +152,16 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             name="pdserve_kv_transfer_failures", documentation="Failed KV transfers by cause",
             labelnames=[*by_role, "cause"],
         )  # fmt: skip
+        self.load_failures = self._counter_cls(
+            name="pdserve_kv_load_failures",
+            documentation="Requests whose remote KV could not be used, by cause and the action taken",
+            labelnames=[*labelnames, "cause", "action"],
+        )  # fmt: skip
+        self.action = str(vllm_config.kv_transfer_config.kv_load_failure_policy)
+        if vllm_config.kv_transfer_config.kv_role == "kv_consumer":  # from 0: increase() counts a first failure
+            for engine, cause in itertools.product(per_engine_labelvalues.values(), get_args(Cause)):
+                self.load_failures.labels(*engine, cause, self.action)
+        self._build_info(vllm_config)
         self.connections = self._counter_cls(
             name="pdserve_kv_connections",
             documentation="Connections KV requests ran on, by outcome (new, reused, stale)",
@@ -165,6 +190,19 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             "leases": create_metric_per_engine(leases, per_engine_labelvalues),
         }
 
+    def _build_info(self, vllm_config: Any) -> None:
+        """pdserve_build_info{version, role} = 1 once per API server, without engine labels: the judge's join
+        needs one series per scraped instance."""
+        transfer = vllm_config.kv_transfer_config
+        version = release_version(transfer.kv_connector_extra_config or {})
+        if version is None:
+            return
+        build = self._gauge_cls(
+            name="pdserve_build_info", documentation="Release and role of this server (always 1; join on instance)",
+            labelnames=["version", "role"], multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        build.labels(version, "prefill" if transfer.kv_role == "kv_producer" else "decode").set(1)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
         for role, nbytes, seconds in transfer_stats_data.get("transfers", []):
@@ -173,6 +211,8 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             self.goodput.labels(*engine, role).observe(nbytes / seconds if seconds > 0 else 0.0)
         for role, cause in transfer_stats_data.get("failures", []):
             self.failures.labels(*engine, role, cause).inc()
+        for cause in transfer_stats_data.get("load_failures", []):
+            self.load_failures.labels(*engine, cause, self.action).inc()
         for role, outcome in transfer_stats_data.get("connections", []):
             self.connections.labels(*engine, role, outcome).inc()
         if transfer_stats_data.get("auth_refused"):

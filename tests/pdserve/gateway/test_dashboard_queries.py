@@ -7,7 +7,6 @@ test sends traffic through the gateway, then runs every panel's queries over the
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,10 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdstack.contract import NODE_JOB, Component
 from pdstack.dashboards.promql import metric_names
-from tests.support.cluster import HTTP, KEYS, Cluster, wait_for
+from tests.support.cluster import HTTP, KEYS, Cluster
 from tests.support.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems
 from tests.support.ports import free_port
 from tests.support.process import Daemon
+from tests.support.prometheus import scraping
 
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
 SUFFIXES = {
@@ -59,15 +59,6 @@ def start_node_exporter(log: Path) -> Daemon:
     return Daemon("node_exporter", argv, f"http://127.0.0.1:{port}", log, ready_path="/metrics").start()
 
 
-def scrape_config(targets: dict[str, tuple[str, dict[str, str]]]) -> str:
-    """One job per component with the labels roles/prometheus gives it; scraped every second."""
-    jobs = [
-        {"job_name": job, "static_configs": [{"targets": [url.removeprefix("http://")], "labels": labels}]}
-        for job, (url, labels) in targets.items()
-    ]
-    return json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs})
-
-
 def send_traffic(gateway: str) -> None:
     def complete(i: int) -> int:
         body = {
@@ -84,11 +75,9 @@ def send_traffic(gateway: str) -> None:
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Observed]:
-    assert shutil.which("prometheus"), "prometheus is not installed: apt-get install prometheus"
     tmp = tmp_path_factory.mktemp("dashboards")
     cluster = Cluster(tmp, kv_key_file)
     node_exporter = start_node_exporter(tmp / "node_exporter.log")
-    prometheus = None
     try:
         gateway = cluster.start_pd(
             [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
@@ -124,31 +113,14 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_
             ),
             NODE_JOB: (node_exporter.url, {}),
         }
-        (tmp / "prometheus.yml").write_text(scrape_config(targets))
-        port = free_port()
-        argv = [
-            "prometheus",
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ]
-        url = f"http://127.0.0.1:{port}"
-        prometheus = Daemon("prometheus", argv, url, tmp / "prometheus.log").start(timeout=60)
-        wait_for(lambda: all_targets_up(url, len(targets)), timeout=60, what="every target scraped")
-        send_traffic(gateway.url)
-        time.sleep(5)  # a few scrapes after the traffic, so rates over the last minute have two points
-        scrapes = {job: httpx.get(target + "/metrics").text for job, (target, _) in targets.items()}
-        yield Observed(url, scrapes)
+        with scraping(tmp, targets) as url:
+            send_traffic(gateway.url)
+            time.sleep(5)  # a few scrapes after the traffic, so rates over the last minute have two points
+            scrapes = {job: httpx.get(target + "/metrics").text for job, (target, _) in targets.items()}
+            yield Observed(url, scrapes)
     finally:
-        if prometheus is not None:
-            prometheus.stop(grace=20)
         node_exporter.stop()
         cluster.stop()
-
-
-def all_targets_up(url: str, count: int) -> bool:
-    active = httpx.get(url + "/api/v1/targets").json()["data"]["activeTargets"]
-    return len(active) == count and all(t["health"] == "up" for t in active)
 
 
 def test_every_metric_a_panel_uses_is_registered_by_a_component(observed: Observed) -> None:
