@@ -238,10 +238,20 @@ def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> N
         text = installed.internal.get(f"{installed.scheduler()}/metrics", timeout=5).text  # no token, like /health
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metrics))
 
+    # As if the decode node had run vLLM before (containers and the run volume named as roles/vllm_engine names
+    # them; the pdserve image idles in their place): the upgrade drains and removes them.
+    vllm = ["vllm-decode", "vllm-decode-agent"]
+    installed.node(NODE_B, "podman", "volume", "create", "vllm-decode-run")
+    for name in vllm:
+        installed.node(NODE_B, "podman", "run", "-d", "--name", name, "--stop-signal", "KILL", "--entrypoint", "sleep",
+                       installed.image, "600")  # fmt: skip
     before = drained()
     upgrade = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r2', '2')}")
     assert upgrade.returncode == 0, upgrade.output[-5000:]
     assert drained() - before == 2  # the prefill and the decode server, each drained before its stop
+    left = installed.node(NODE_B, "podman", "ps", "-a", "--format", "{{.Names}}").split()
+    assert not set(vllm) & set(left) and "pdserve-decode" in left, left
+    assert "vllm-decode-run" not in installed.node(NODE_B, "podman", "volume", "ls", "--format", "{{.Name}}").split()
     assert serve(installed, ("prefill", "r2"), ("decode", "r2")), versions_ready(installed)
     assert installed.complete().status_code == 200
     record = installed.record(NODE_B, "decode")
