@@ -21,7 +21,10 @@ TIMEOUT = "timeout"
 CONNECTION = "connection"
 STREAM_ERROR = "stream_error"  # the server sent an error event inside the stream
 PROTOCOL = "protocol"  # the stream was not what an OpenAI-compatible server sends (bad JSON, no [DONE], no tokens)
-ERROR_CAUSES = (OVERLOAD, HTTP_429, HTTP_4XX, HTTP_5XX, TIMEOUT, CONNECTION, STREAM_ERROR, PROTOCOL)
+# The model ended its answer before any text (finish_reason stop: a greedy EOS first, as a random test checkpoint
+# does for some prompts): not a serving failure, but no TTFT to measure; --ignore-eos asks for full-length answers.
+EMPTY_ANSWER = "empty_answer"
+ERROR_CAUSES = (OVERLOAD, HTTP_429, HTTP_4XX, HTTP_5XX, TIMEOUT, CONNECTION, STREAM_ERROR, PROTOCOL, EMPTY_ANSWER)
 
 
 @dataclass
@@ -121,8 +124,14 @@ def _parse_event(data: str) -> dict[str, Any]:
     return chunk
 
 
+def _finish_reasons(chunk: dict[str, Any]) -> set[str]:
+    choices = chunk.get("choices") or []
+    return {c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)}
+
+
 async def _consume_stream(response: httpx.Response, result: RequestResult, started: float) -> None:
     done = False
+    finished: set[str] = set()
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, comments and `event:` lines
@@ -131,6 +140,7 @@ async def _consume_stream(response: httpx.Response, result: RequestResult, start
             done = True
             break
         chunk = _parse_event(data)
+        finished |= _finish_reasons(chunk)
         if result.first_event_s is None:
             result.first_event_s = time.perf_counter() - started
         if chunk_text(chunk):
@@ -143,6 +153,8 @@ async def _consume_stream(response: httpx.Response, result: RequestResult, start
             result.completion_tokens = usage.get("completion_tokens")
     if not done:
         raise StreamFailure(PROTOCOL, "stream ended without [DONE]")
+    if result.ttft_s is None and finished == {"stop"}:
+        raise StreamFailure(EMPTY_ANSWER, "the model ended its answer before any text (finish_reason stop)")
     if result.ttft_s is None:
         raise StreamFailure(PROTOCOL, "stream carried no generated text")
 

@@ -17,6 +17,7 @@ import pytest
 
 from pdstack.bench.client import (
     CONNECTION,
+    EMPTY_ANSWER,
     HTTP_4XX,
     HTTP_5XX,
     HTTP_429,
@@ -125,6 +126,16 @@ def test_malformed_streams_are_protocol_errors(body: bytes, why: str) -> None:
     result = measure(lambda _: httpx.Response(200, content=body))
     assert result.error == PROTOCOL
     assert why in (result.detail or "")
+
+
+def test_an_answer_the_model_ends_before_any_text_is_named_apart_from_protocol_errors() -> None:
+    """A greedy EOS first (vLLM: one completion token, no text, finish_reason stop) is the model's answer, not a
+    broken stream; an empty stream that says nothing of how it ended stays a protocol error (above)."""
+    eos = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]}
+    result = measure(lambda _: httpx.Response(200, content=sse(chat_chunk(""), eos, USAGE, "[DONE]")))
+    assert result.error == EMPTY_ANSWER and "finish_reason stop" in (result.detail or "")
+    aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+    assert measure(lambda _: httpx.Response(200, content=sse(aborted, "[DONE]"))).error == PROTOCOL
 
 
 def test_a_dropped_connection_mid_stream() -> None:
