@@ -104,7 +104,8 @@ def synth_command(
 ) -> None:
     """Run the Pulumi program under mocks, offline: list the resources a stack would create and the policy
     verdicts on them. Exit 1 on a violation."""
-    from pdstack.synth import SynthError, run_command  # noqa: PLC0415 (pulumi is heavy: load it only here)
+    from pdstack.synth import SynthError  # noqa: PLC0415 (pulumi is heavy: load it only here)
+    from pdstack.synth_report import run_command  # noqa: PLC0415
 
     try:
         text, status = run_command(stacks_dir(stacks), names or [], as_json, env=env)
