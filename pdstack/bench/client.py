@@ -21,8 +21,9 @@ TIMEOUT = "timeout"
 CONNECTION = "connection"
 STREAM_ERROR = "stream_error"  # the server sent an error event inside the stream
 PROTOCOL = "protocol"  # the stream was not what an OpenAI-compatible server sends (bad JSON, no [DONE], no tokens)
-# The model ended its answer before any text (finish_reason stop: a greedy EOS first, as a random test checkpoint
-# does for some prompts): not a serving failure, but no TTFT to measure; --ignore-eos asks for full-length answers.
+# A whole answer without text: the stream ended normally (finish_reason stop or length) but its tokens render as
+# nothing (a greedy EOS first, or bytes that form no UTF-8, as a random test checkpoint gives for some prompts; the
+# same answer from the engine directly). Not a serving failure, but no TTFT to measure.
 EMPTY_ANSWER = "empty_answer"
 ERROR_CAUSES = (OVERLOAD, HTTP_429, HTTP_4XX, HTTP_5XX, TIMEOUT, CONNECTION, STREAM_ERROR, PROTOCOL, EMPTY_ANSWER)
 
@@ -153,8 +154,10 @@ async def _consume_stream(response: httpx.Response, result: RequestResult, start
             result.completion_tokens = usage.get("completion_tokens")
     if not done:
         raise StreamFailure(PROTOCOL, "stream ended without [DONE]")
-    if result.ttft_s is None and finished == {"stop"}:
-        raise StreamFailure(EMPTY_ANSWER, "the model ended its answer before any text (finish_reason stop)")
+    if result.ttft_s is None and finished and finished <= {"stop", "length"}:
+        reasons = ", ".join(sorted(finished))
+        raise StreamFailure(EMPTY_ANSWER, f"the answer has no text (finish_reason {reasons}, "
+                                          f"{result.completion_tokens} completion tokens)")  # fmt: skip
     if result.ttft_s is None:
         raise StreamFailure(PROTOCOL, "stream carried no generated text")
 

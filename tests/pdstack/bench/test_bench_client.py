@@ -128,12 +128,15 @@ def test_malformed_streams_are_protocol_errors(body: bytes, why: str) -> None:
     assert why in (result.detail or "")
 
 
-def test_an_answer_the_model_ends_before_any_text_is_named_apart_from_protocol_errors() -> None:
-    """A greedy EOS first (vLLM: one completion token, no text, finish_reason stop) is the model's answer, not a
-    broken stream; an empty stream that says nothing of how it ended stays a protocol error (above)."""
-    eos = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]}
-    result = measure(lambda _: httpx.Response(200, content=sse(chat_chunk(""), eos, USAGE, "[DONE]")))
-    assert result.error == EMPTY_ANSWER and "finish_reason stop" in (result.detail or "")
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_a_whole_answer_without_text_is_named_apart_from_protocol_errors(reason: str) -> None:
+    """A greedy EOS first (stop), or tokens that render as no text (length, with ignore_eos): the model's answer,
+    not a broken stream; an empty stream that says nothing of how it ended stays a protocol error (above), and so
+    does one the engine gave up (abort)."""
+    end = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": reason}]}
+    result = measure(lambda _: httpx.Response(200, content=sse(chat_chunk(""), end, USAGE, "[DONE]")))
+    assert result.error == EMPTY_ANSWER, result.detail
+    assert f"finish_reason {reason}, 3 completion tokens" in (result.detail or "")
     aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
     assert measure(lambda _: httpx.Response(200, content=sse(aborted, "[DONE]"))).error == PROTOCOL
 
