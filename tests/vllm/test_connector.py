@@ -126,7 +126,8 @@ def test_a_failed_kv_load_reaches_the_canary_judge_under_the_engines_release(pai
     """The seam between the connector's metrics and the canary judge: a real Prometheus scrapes the decode engine
     as roles/prometheus labels it, and the judge's own query (pdstack.canary.prom.queries) attributes a failed KV
     load to the release the engine serves (kv_connector_extra_config.release_version), and to no other release."""
-    assert pair.decode.metric("pdserve_build_info", f'version="{RELEASE}",role="decode"') == 1
+    build = [pair.decode.metric("pdserve_build_info", label) for label in (f'version="{RELEASE}"', 'role="decode"')]
+    assert build == [1, 1]  # one series (labels in either order: vLLM's multiprocess registry sorts them)
     labels = {"datacenter": "dc2", "role": "decode", "pool": "decode"}
     with scraping(tmp_path, {Component.DECODE.job: (pair.decode.url, labels)}) as url:
         prom = Prometheus(url)
