@@ -147,6 +147,8 @@ def check_repo_paths(words: list[str], shown: Shown) -> None:
 
 def check(shown: Shown) -> None:
     words = shlex.split(shown.text) if not shown.synopsis else shown.text.split()
+    while re.match(r"[A-Z_][A-Z0-9_]*=", words[0]):  # the command's environment, as in `SSL_CERT_FILE=... pdstack`
+        words.pop(0)
     program, rest = Path(words[0]).name, words[1:]
     check_repo_paths(rest, shown)
     if program == "pdstack":
