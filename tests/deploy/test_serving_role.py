@@ -12,6 +12,7 @@ import testinfra
 
 from pdserve.scheduler import identity
 from pdstack.contract import Component
+from pdstack.local.inventory import NESTED_NODE_VARS
 from tests.deploy.conftest import CONTRACT, MODEL_NAME, NODE_A, NODE_B, Serving
 
 # Each ansible-playbook run converges two nodes over `podman exec`; on a loaded 2-core host one run can take minutes.
@@ -242,9 +243,11 @@ def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> N
     # them; the pdserve image idles in their place): the upgrade drains and removes them.
     vllm = ["vllm-decode", "vllm-decode-agent"]
     installed.node(NODE_B, "podman", "volume", "create", "vllm-decode-run")
+    mounts = [f"--volume={v}" for v in NESTED_NODE_VARS["pdserve_extra_volumes"]]  # as the roles run them
     for name in vllm:
-        installed.node(NODE_B, "podman", "run", "-d", "--name", name, "--stop-signal", "KILL", "--entrypoint", "sleep",
-                       installed.image, "600")  # fmt: skip
+        # no network: podman's default bridge inside the node is the outer one's subnet and would cut the node off
+        installed.node(NODE_B, "podman", "run", "-d", "--name", name, *mounts, "--network=none",
+                       "--stop-signal", "KILL", "--entrypoint", "sleep", installed.image, "600")  # fmt: skip
     before = drained()
     upgrade = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r2', '2')}")
     assert upgrade.returncode == 0, upgrade.output[-5000:]
