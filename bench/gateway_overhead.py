@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ BODY = {
     "temperature": 0,
     "ignore_eos": True,
 }
+Send = Callable[[httpx.AsyncClient], Awaitable[None]]
 
 
 def free_port() -> int:
@@ -154,18 +156,27 @@ def start_stack(work: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     return procs, server_url, gateway_url
 
 
-async def run_round(client: httpx.AsyncClient, url: str, requests: int, concurrency: int) -> tuple[list[float], float]:
-    """`requests` completions with `concurrency` in flight; returns each latency and the wall time."""
+def completion(url: str, key: str = API_KEY) -> Send:
+    """One completion (BODY) sent to `url`."""
+
+    async def send(client: httpx.AsyncClient) -> None:
+        response = await client.post(url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+        response.raise_for_status()
+
+    return send
+
+
+async def run_round(
+    client: httpx.AsyncClient, send: Send, requests: int, concurrency: int
+) -> tuple[list[float], float]:
+    """`requests` sends with `concurrency` in flight; returns each latency and the wall time."""
     latencies: list[float] = []
     queue = iter(range(requests))
 
     async def worker() -> None:
         for _ in queue:
             started = time.perf_counter()
-            response = await client.post(
-                url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {API_KEY}"}
-            )
-            response.raise_for_status()
+            await send(client)
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -182,28 +193,34 @@ async def measure(targets: dict[str, str], requests: int, rounds: int) -> dict[s
     throughput: dict[str, list[float]] = {name: [] for name in targets}
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        for url in targets.values():  # warm up connections, the engine and the gateway's routing
-            await run_round(client, url, 20, 4)
+        sends = {name: completion(url) for name, url in targets.items()}
+        for send in sends.values():  # warm up connections, the engine and the gateway's routing
+            await run_round(client, send, 20, 4)
         per_round = max(1, requests // rounds)
         for _ in range(rounds):  # alternate so that drift on the machine hits both alike
-            for name, url in targets.items():
-                lat, _ = await run_round(client, url, per_round, 1)
+            for name, send in sends.items():
+                lat, _ = await run_round(client, send, per_round, 1)
                 latency[name].extend(lat)
-                _, wall = await run_round(client, url, per_round, 8)
+                _, wall = await run_round(client, send, per_round, 8)
                 throughput[name].append(per_round / wall)
     return summarise(latency, throughput)
 
 
-def summarise(latency: dict[str, list[float]], throughput: dict[str, list[float]]) -> dict[str, Any]:
-    stats = {
+def target_stats(latency: dict[str, list[float]], rates: dict[str, list[float]], rate: str) -> dict[str, Any]:
+    """Per target: latency p50/p99 in ms, the median of its rounds' request rates (as `rate`), the sample count."""
+    return {
         name: {
             "p50_ms": percentile(lat, 50) * 1e3,
             "p99_ms": percentile(lat, 99) * 1e3,
-            "requests_per_second_c8": statistics.median(throughput[name]),
+            rate: statistics.median(rates[name]),
             "samples": len(lat),
         }
         for name, lat in latency.items()
     }
+
+
+def summarise(latency: dict[str, list[float]], throughput: dict[str, list[float]]) -> dict[str, Any]:
+    stats = target_stats(latency, throughput, "requests_per_second_c8")
     direct, gateway = stats["direct"], stats["gateway"]
     return {
         "direct": direct,

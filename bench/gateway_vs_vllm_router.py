@@ -20,33 +20,21 @@ import json
 import os
 import platform
 import secrets
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from gateway_overhead import free_port, launch, percentile, wait_ok
+from gateway_overhead import API_KEY, Send, completion, free_port, launch, run_round, target_stats, wait_ok
 
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
 
 CONCURRENCY = (1, 16, 64)
-API_KEY = "sk-bench-" + secrets.token_hex(8)
-BODY = {
-    "model": "bench",
-    "prompt": "The quick brown fox jumps over the lazy dog",
-    "max_tokens": 8,
-    "temperature": 0,
-    "ignore_eos": True,
-}
 VLLM_ROUTER = Path(sys.executable).with_name("vllm-router")
-
-Send = Callable[[httpx.AsyncClient], Awaitable[None]]
 
 
 def secret(path: Path, value: str) -> Path:
@@ -196,33 +184,6 @@ def start_vllm_router(work: Path, prefill_url: str, decode_url: str, server_toke
     return proc, url
 
 
-def via(url: str, key: str) -> Send:
-    """One completion through a router."""
-
-    async def send(client: httpx.AsyncClient) -> None:
-        response = await client.post(url + "/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
-        response.raise_for_status()
-
-    return send
-
-
-async def run_round(
-    client: httpx.AsyncClient, send: Send, requests: int, concurrency: int
-) -> tuple[list[float], float]:
-    latencies: list[float] = []
-    queue = iter(range(requests))
-
-    async def worker() -> None:
-        for _ in queue:
-            started = time.perf_counter()
-            await send(client)
-            latencies.append(time.perf_counter() - started)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - started
-
-
 async def measure(targets: dict[str, Send], requests: int, rounds: int) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     results: dict[str, Any] = {}
@@ -243,15 +204,7 @@ async def measure(targets: dict[str, Send], requests: int, rounds: int) -> dict[
 
 
 def summarise(latency: dict[str, list[float]], rates: dict[str, list[float]]) -> dict[str, Any]:
-    stats = {
-        name: {
-            "p50_ms": percentile(lat, 50) * 1e3,
-            "p99_ms": percentile(lat, 99) * 1e3,
-            "requests_per_second": statistics.median(rates[name]),
-            "samples": len(lat),
-        }
-        for name, lat in latency.items()
-    }
+    stats = target_stats(latency, rates, "requests_per_second")
     gateway, router = stats["gateway"], stats["vllm_router"]
     return {
         **stats,
@@ -281,8 +234,8 @@ def main() -> None:
             router, router_url = start_vllm_router(work, urls["prefill"], urls["decode"], server_token)
             procs.append(router)
             targets = {
-                "gateway": via(gateway_url, API_KEY),
-                "vllm_router": via(router_url, "unused"),
+                "gateway": completion(gateway_url, API_KEY),
+                "vllm_router": completion(router_url, "unused"),
             }
             result = asyncio.run(measure(targets, args.requests, args.rounds))
         except BaseException:

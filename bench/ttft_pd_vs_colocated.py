@@ -32,6 +32,7 @@ import httpx
 import numpy as np
 
 from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.gateway.proxy import prefill_body
 
 PROMPT_LENGTHS = (512, 2048, 8192)
 CONCURRENCY = (1, 4, 16, 64)
@@ -46,14 +47,6 @@ BENCH_MODEL = {
     "intermediate_size": 688,
     "num_hidden_layers": 4,
     "max_position_embeddings": 16384,
-}
-KV_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 
 
@@ -107,9 +100,7 @@ async def first_token_seconds(client: httpx.AsyncClient, url: str, body: dict[st
 
 
 async def prefill(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = await client.post(
-        url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": KV_PARAMS}
-    )
+    response = await client.post(url + "/v1/completions", json=prefill_body(body))
     response.raise_for_status()
     return dict(response.json()["kv_transfer_params"])
 

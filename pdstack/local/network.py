@@ -82,6 +82,13 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return run_captured(args, check=check)
 
 
+def add_veth(device: str, peer: str, peer_namespace: str, *, namespace: str | None = None) -> None:
+    """A veth pair of MTU-sized ends: `device` in `namespace` (the host's by default), `peer` in `peer_namespace`."""
+    where = ["-n", namespace] if namespace else []
+    sh("ip", *where, "link", "add", device, "mtu", MTU, "type", "veth", "peer", "name", peer, "netns", peer_namespace,
+       "mtu", MTU)  # fmt: skip
+
+
 def namespaces() -> set[str]:
     return {line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.strip()}
 
@@ -133,23 +140,7 @@ class LocalNetwork:
         sh("ip", "-n", ns, "link", "add", "br0", "mtu", MTU, "type", "bridge")
         sh("ip", "-n", ns, "addr", "add", str(dc.gateway), "dev", "br0")
         sh("ip", "-n", ns, "link", "set", "br0", "up")
-        sh(
-            "ip",
-            "link",
-            "add",
-            dc.uplink_device,
-            "mtu",
-            MTU,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "uplink",
-            "netns",
-            ns,
-            "mtu",
-            MTU,
-        )
+        add_veth(dc.uplink_device, "uplink", ns)
         sh("ip", "addr", "add", str(dc.uplink_host), "dev", dc.uplink_device)
         sh("ip", "link", "set", dc.uplink_device, "up")
         sh("ip", "-n", ns, "addr", "add", str(dc.uplink_router), "dev", "uplink")
@@ -164,25 +155,7 @@ class LocalNetwork:
         sh("ip", "netns", "add", ns)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         port = f"v{node.address.ip.packed[-1]}"
-        sh(
-            "ip",
-            "-n",
-            dc.router_namespace,
-            "link",
-            "add",
-            port,
-            "mtu",
-            MTU,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns,
-            "mtu",
-            MTU,
-        )
+        add_veth(port, "eth0", ns, namespace=dc.router_namespace)
         sh("ip", "-n", dc.router_namespace, "link", "set", port, "master", "br0", "up")
         sh("ip", "-n", ns, "addr", "add", str(node.address), "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.gateway.proxy import prefill_body
 from tests.support.ports import free_port
 from tests.support.process import ChildProcess
 
@@ -116,23 +117,9 @@ def metric_value(text: str, name: str, labels: Mapping[str, str] | None = None) 
     return 0.0
 
 
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
 def prefill(url: str, body: dict[str, object], endpoint: str = "/v1/completions") -> dict[str, object]:
-    """What vLLM's proxy sends prefill: the request with max_tokens=1, no streaming, the six KV fields."""
-    request = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
-    request.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
-    if "max_completion_tokens" in request:
-        request["max_completion_tokens"] = 1
-    response = httpx.post(url + endpoint, json=request, timeout=60, headers=AUTH)
+    """What vLLM's proxy sends prefill (as the gateway does): max_tokens=1, no streaming, the six KV fields."""
+    response = httpx.post(url + endpoint, json=prefill_body(body), timeout=60, headers=AUTH)
     response.raise_for_status()
     params = response.json()["kv_transfer_params"]
     assert params is not None, "prefill answered without kv_transfer_params"

@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from pdserve.engine.testmodels import make_test_checkpoint
+from pdserve.gateway.proxy import prefill_kv_transfer_params
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.consumer import VLLM_ADDED_FIELDS
@@ -56,14 +57,7 @@ MODEL_CONFIG = {
 # The same llama with a long context, for ~4K-token prompts in the tests and 8K in bench/vllm_ttft.py.
 LONG_CONTEXT = 16384
 LONG_MODEL_CONFIG = {**MODEL_CONFIG, "max_position_embeddings": LONG_CONTEXT}
-DO_REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+DO_REMOTE_DECODE = prefill_kv_transfer_params()
 
 
 @pytest.fixture(scope="session")

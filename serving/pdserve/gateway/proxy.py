@@ -73,20 +73,21 @@ class Context:
         self.timings[name] = round(time.perf_counter() - self.started, 6)
 
 
+def prefill_kv_transfer_params() -> dict[str, Any]:
+    """What vLLM's disaggregated-serving proxy asks prefill for: keep the KV for a remote decode and say where."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     request = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    request.update(
-        max_tokens=1,
-        stream=False,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-    )
+    request.update(max_tokens=1, stream=False, kv_transfer_params=prefill_kv_transfer_params())
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
     return request
