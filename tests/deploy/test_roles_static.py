@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import ANSIBLE_PLAYBOOK, assert_lint_clean
 
-ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
 DIGEST_IMAGE = "10.210.255.1:5000/pdstack/pdserve@sha256:" + "ab" * 32
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"  # what playbooks/vars/serving.yml loads
 
@@ -52,12 +51,7 @@ def test_ansible_lint_production_profile(tmp_path: Path) -> None:
         "playbooks/deploy.yml",
         "playbooks/rollback.yml",
     ]
-    result = subprocess.run(
-        [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_lint_clean(targets, tmp_path)
 
 
 @pytest.mark.parametrize(

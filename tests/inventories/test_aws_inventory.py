@@ -46,6 +46,7 @@ from pdstack.contract import (
 )
 from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
 from pdstack.stacks import load_environment
+from tests.inventories.scheduler_calls import scheduler_calls
 from tests.support import REPO
 from tests.support.ports import free_port
 from tests.support.tlsfiles import relocated, write_tls_dir
@@ -432,24 +433,7 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     for role in ("prefill", "decode"):
         assert by_pattern[role] == sum(w["tags"]["pdstack:role"] == role for w in launched.values())
 
-    play_dir = tmp_path / "play"  # beside playbooks/vars, as the playbooks are
-    play_dir.mkdir()
-    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
-    (play_dir / "probe.yml").write_text(yaml.safe_dump([
-        {"name": "Where each party calls the scheduler", "hosts": "prefill:decode:localhost", "gather_facts": False,
-         "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
-         "tasks": [{"name": "Write it on the controller", "delegate_to": "localhost", "ansible.builtin.copy": {
-             "content": "{{ {'scheduler_url': pdserve_scheduler_url, 'weights_host': pdserve_weights_host,"
-                        " 'prometheus_url': pdstack_prometheus_url} | to_json }}",
-             "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600"}}]},
-    ]))  # fmt: skip
-    probe = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(play_dir / "probe.yml"),
-         "-e", "pdstack_environment=prod"],
-        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
-    assert probe.returncode == 0, probe.stdout[-4000:] + probe.stderr[-2000:]
-    seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    seen = scheduler_calls(tmp_path, INVENTORY, "-e", "pdstack_environment=prod", env=aws_env)
     gpu = [i for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"]
     assert len(seen) == len(gpu) + 1
     for name, got in seen.items():  # the role's weights calls run where they are templated: on the controller

@@ -365,14 +365,20 @@ def assert_a_warm_up_changes_nothing(env: LocalEnv, topology: Topology, *up_args
 
 
 def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
+    assert_promoted_under_load(local, "good-2", "2", engine="pdserve")
+
+
+def assert_promoted_under_load(local: Local, version: str, build: str, engine: str) -> None:
+    """A release deployed under load passes its canary and takes every server and all traffic, no request failing."""
     with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
-        deployed = local.deploy("good-2", "2")
+        deployed = local.deploy(version, build)
     assert deployed.returncode == 0, deployed.stdout[-6000:]
-    assert "release good-2 promoted" in deployed.stdout
+    assert f"release {version} promoted" in deployed.stdout
     assert load.completed() > 50 and not load.failures(), load.failures()
     for node, component in local.servers():
-        assert local.record(node, component)["current"]["version"] == "good-2", node
-    assert local.weights() == {"good-2": 100}
+        current = local.record(node, component)["current"]
+        assert (current["version"], current.get("stack", {}).get("engine", "pdserve")) == (version, engine), node
+    assert local.weights() == {version: 100}
 
 
 @pytest.mark.parametrize(
@@ -494,6 +500,11 @@ def test_every_dashboard_query_returns_series_after_the_traffic(local: Local) ->
 
 
 def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:
+    assert_down_leaves_nothing(local)
+
+
+def assert_down_leaves_nothing(local: Local) -> None:
+    """`pdstack local down` removes every node, namespace, link, rule, the registry and the names' hosts block."""
     down = pdstack("local", "down")
     assert down.returncode == 0, down.stderr[-3000:]
     assert not any(nodes.node_exists(n.name) for n in local.topology.nodes)

@@ -26,7 +26,6 @@ from pdstack import vllm_deploy
 from pdstack.local import nodes
 from pdstack.local.engine import vllm_serving
 from pdstack.local.model import VLLM_MODEL_NAME
-from pdstack.local.network import namespaces
 from pdstack.model import PoolRole
 from tests.local.load import ClientLoad
 from tests.local.operator import operator_context
@@ -35,8 +34,9 @@ from tests.local.test_local_env import (
     Local,
     assert_a_killed_decode_recovers,
     assert_a_warm_up_changes_nothing,
+    assert_down_leaves_nothing,
+    assert_promoted_under_load,
     brought_up,
-    pdstack,
 )
 
 # About 1.5K tokens of the checkpoint's tokenizer: well past the offload threshold (remote prefill), and past the
@@ -127,15 +127,7 @@ def test_up_again_changes_nothing(local: Local) -> None:
 
 
 def test_a_good_vllm_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
-    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
-        deployed = local.deploy("vllm-good-2", "2")
-    assert deployed.returncode == 0, deployed.stdout[-6000:]
-    assert "release vllm-good-2 promoted" in deployed.stdout
-    assert load.completed() > 50 and not load.failures(), load.failures()
-    for node, component in local.servers():
-        record = local.record(node, component)
-        assert record["current"]["version"] == "vllm-good-2" and record["current"]["stack"]["engine"] == "vllm"
-    assert local.weights() == {"vllm-good-2": 100}
+    assert_promoted_under_load(local, "vllm-good-2", "2", engine="vllm")
 
 
 def release_settings(local: Local, extra_args: dict[str, Any] | None = None, **vllm: Any) -> dict[str, Any]:
@@ -188,9 +180,4 @@ def test_a_killed_vllm_decode_is_restarted_and_requests_recover(local: Local) ->
 
 
 def test_down_leaves_no_container_namespace_link_or_rule(local: Local) -> None:
-    down = pdstack("local", "down")
-    assert down.returncode == 0, down.stderr[-3000:]
-    assert not any(nodes.node_exists(n.name) for n in local.topology.nodes)
-    assert not [ns for ns in namespaces() if ns.startswith("pds")]
-    assert local.env.network(local.topology).leftovers() == []
-    assert not local.env.registry().healthy()
+    assert_down_leaves_nothing(local)

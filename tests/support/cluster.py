@@ -76,6 +76,12 @@ def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> 
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
+def counting_tokens(model: Path, offload_threshold: int) -> tuple[str, ...]:
+    """Gateway flags: count prompt tokens with `model`'s tokenizer, send prompts of `offload_threshold` tokens or more
+    to remote prefill."""
+    return ("--tokenizer-file", str(model / "tokenizer.json"), "--offload-threshold-tokens", str(offload_threshold))
+
+
 @dataclass
 class Cluster:
     tmp: Path

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cluster import Cluster
 from tests.support.fixtures import CheckpointFactory
 
 
@@ -25,3 +26,9 @@ def model_v2(make_checkpoint: CheckpointFactory) -> Path:
 def model_long(make_checkpoint: CheckpointFactory) -> Path:
     """The v1 architecture with an 8K context, so one stream can run for seconds (about 1 ms per token here)."""
     return make_checkpoint("dense", overrides={"max_position_embeddings": 8192})
+
+
+@pytest.fixture(scope="module")
+def gateway_url(cluster: Cluster) -> str:
+    """The first gateway of the module's own `cluster` fixture."""
+    return cluster.gateways[0].url

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, metric
+from tests.support.cluster import FOUR_SERVERS, HTTP, KEYS, Cluster, counting_tokens, metric
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 SHORT_PROMPT = "Hi"
@@ -29,21 +29,10 @@ AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-main"), kv_key_file)
     try:
-        cluster.start_pd(
-            [(name, role, model_v1, "v1") for name, role in FOUR_SERVERS],
-            "--tokenizer-file",
-            str(model_v1 / "tokenizer.json"),
-            "--offload-threshold-tokens",
-            "16",
-        )
+        cluster.start_pd([(name, role, model_v1, "v1") for name, role in FOUR_SERVERS], *counting_tokens(model_v1, 16))
         yield cluster
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(cluster: Cluster) -> str:
-    return cluster.gateways[0].url
 
 
 def complete(url: str, key: str = KEYS["acme"], **body: Any) -> httpx.Response:

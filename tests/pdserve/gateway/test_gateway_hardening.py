@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.cluster import HTTP, KEYS, Cluster, metric
+from tests.support.cluster import HTTP, KEYS, Cluster, counting_tokens, metric
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"
 AUTH = {"Authorization": f"Bearer {KEYS['bulk']}"}
@@ -31,21 +31,11 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 def cluster(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_v1: Path) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("gateway-hardening"), kv_key_file)
     try:
-        cluster.start_pd(
-            [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")],
-            "--tokenizer-file",
-            str(model_v1 / "tokenizer.json"),
-            "--offload-threshold-tokens",
-            "16",
-        )
+        servers = [("p1", "prefill", model_v1, "v1"), ("d1", "decode", model_v1, "v1")]
+        cluster.start_pd(servers, *counting_tokens(model_v1, 16))
         yield cluster
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(cluster: Cluster) -> str:
-    return cluster.gateways[0].url
 
 
 def post(url: str, body: Any, path: str = "/v1/completions", **headers: str) -> httpx.Response:

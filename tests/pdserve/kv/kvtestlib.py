@@ -1,15 +1,21 @@
-"""Helpers for the KV channel tests: synthetic KV, a running server and a byte-level TCP proxy for fault injection."""
+"""Helpers for the KV channel tests: synthetic KV, a running server (in this process or its own) and a byte-level
+TCP proxy for fault injection."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from pdserve.kv import KVMeta, KVServer, Layer, LeaseStore, SecretKey
+
+HERE = Path(__file__).parent
 
 
 def make_layers(count: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> list[Layer]:
@@ -38,8 +44,30 @@ async def running_server(store: LeaseStore, key: SecretKey, **options: object) -
         await server.close()
 
 
+class LoopbackProxy:
+    """A listener on a loopback port whose connections `_handle` serves; close() cancels the tasks it ran."""
+
+    port: int
+    _server: asyncio.Server | None
+    _tasks: set[asyncio.Task[None]]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class ByteProxy:
+class ByteProxy(LoopbackProxy):
     """A loopback TCP proxy that can flip one server-to-client byte, throttle, report how much it forwarded, and
     drop the connections it holds the next time their client uses them."""
 
@@ -55,17 +83,6 @@ class ByteProxy:
     on_forward: Callable[[int], None] | None = None
     _clients: set[asyncio.StreamWriter] = field(default_factory=set)
     _doomed: set[asyncio.StreamWriter] = field(default_factory=set)
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def sever_when_used(self) -> None:
         """The connections open now are closed, their request unforwarded, as soon as their client sends anything:
@@ -133,3 +150,21 @@ async def proxy_to(upstream_port: int, **options: object) -> AsyncIterator[ByteP
         yield proxy
     finally:
         await proxy.close()
+
+
+@contextlib.contextmanager
+def server_process(kv_key_file: Path, request_id: str, mib: int) -> Iterator[tuple[subprocess.Popen[str], int, str]]:
+    """A KV server in its own process holding one blob: (process, port, checksum)."""
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), request_id, str(mib)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+    )
+    try:
+        assert process.stdout is not None
+        port, checksum = process.stdout.readline().split()
+        yield process, int(port), checksum
+    finally:
+        process.kill()
+        process.wait()

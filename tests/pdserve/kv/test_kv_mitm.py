@@ -18,12 +18,12 @@ from pdserve.kv.blob import as_bytes
 from pdserve.kv.entry import StoredKV
 from pdserve.kv.protocol import DATA_HEADER, HEADER, FrameType, encode_header
 
-from .kvtestlib import make_layers, meta_for, running_server
+from .kvtestlib import LoopbackProxy, make_layers, meta_for, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 0}
 
 
-class RewritingProxy:
+class RewritingProxy(LoopbackProxy):
     """Forwards client bytes as they are; parses the server's frames and, when `forged` is set, rewrites them into
     `forged`'s KV with every unkeyed check recomputed."""
 
@@ -34,17 +34,6 @@ class RewritingProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import struct
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,8 @@ from pdserve.kv.protocol import (
 )
 from pdserve.kv.server import READ_BUFFER_BYTES
 
-from .kvtestlib import make_layers, meta_for, running_server
+from .kvtestlib import make_layers, meta_for, running_server, server_process
 
-HERE = Path(__file__).parent
 CLAIMED = 4 << 20  # what finding 4's clients claimed their opening frame held
 ANSWER_S = 20.0  # guards against a hang only
 
@@ -172,19 +170,8 @@ class KVProcess:
 def kv_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KVProcess, SecretKey]]:
     key_file = tmp_path_factory.mktemp("kv-process") / "kv.key"
     key_file.write_text("0123456789abcdef" * 4)
-    process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(key_file), "req-fuzz", "1"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=HERE,
-    )
-    try:
-        assert process.stdout is not None
-        port, checksum = process.stdout.readline().split()
-        yield KVProcess(process, int(port), checksum), SecretKey.from_file(key_file)
-    finally:
-        process.kill()
-        process.wait(10)
+    with server_process(key_file, "req-fuzz", 1) as (process, port, checksum):
+        yield KVProcess(process, port, checksum), SecretKey.from_file(key_file)
 
 
 async def good_pull(server: KVProcess, key: SecretKey) -> None:

@@ -17,41 +17,19 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from pdserve.kv import KVTransferError, SecretKey, pull
 
-from .kvtestlib import proxy_to
+from .kvtestlib import proxy_to, server_process
 
-HERE = Path(__file__).parent
 READ_TIMEOUT_S = 0.5
 STOPPED_S = 5 * READ_TIMEOUT_S  # the server gets no CPU for five read timeouts
 OPTIONS = {"connect_timeout_s": 2.0, "read_timeout_s": READ_TIMEOUT_S, "retries": 0, "stall_timeout_s": 20.0}
 GUARD_S = 60  # guards against a hang only
-
-
-@contextmanager
-def server_process(kv_key_file: Path, request_id: str, mib: int) -> Iterator[tuple[subprocess.Popen[str], int, str]]:
-    """A KV server in its own process holding one blob: (process, port, checksum)."""
-    process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), request_id, str(mib)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=HERE,
-    )
-    try:
-        assert process.stdout is not None
-        port, checksum = process.stdout.readline().split()
-        yield process, int(port), checksum
-    finally:
-        process.kill()
-        process.wait()
 
 
 def stop_for(process: subprocess.Popen[str], seconds: float) -> None:

@@ -119,21 +119,18 @@ def test_wrong_fingerprint(
     assert recomputed(recompute_decode, "fingerprint") >= 1
 
 
+def pull_once(params: dict[str, object], key: SecretKey) -> None:
+    """Pull the KV prefill's `params` name straight from its KV server, as a decode would, with no retry."""
+    port, request_id, checksum = (str(params[name]) for name in ("remote_port", "remote_request_id", "kv_checksum"))
+    asyncio.run(pull("127.0.0.1", int(port), request_id, checksum, key=key, retries=0))
+
+
 def test_unauthenticated_kv_client_is_refused(dense: Deployment, tmp_path: Path, expected: list[int]) -> None:
     params = prefill(dense.prefill.url, BODY)
     refused_before = metric_value(dense.prefill.metrics(), "pdserve_kv_auth_refused_total")
     wrong_key = SecretKey(b"not-the-shared-key-at-all-0123456789")
     with pytest.raises(KVTransferError) as caught:
-        asyncio.run(
-            pull(
-                "127.0.0.1",
-                int(params["remote_port"]),
-                str(params["remote_request_id"]),  # type: ignore[call-overload]
-                str(params["kv_checksum"]),
-                key=wrong_key,
-                retries=0,
-            )
-        )
+        pull_once(params, wrong_key)
     assert caught.value.cause == "auth"
     assert metric_value(dense.prefill.metrics(), "pdserve_kv_auth_refused_total") > refused_before
     # the KV stays held for the rightful decoder
@@ -164,14 +161,5 @@ def test_kv_is_freed_once_decode_acknowledges(dense: Deployment, kv_key_file: Pa
             break
         time.sleep(0.1)
     with pytest.raises(KVTransferError) as caught:
-        asyncio.run(
-            pull(
-                "127.0.0.1",
-                int(params["remote_port"]),
-                str(params["remote_request_id"]),  # type: ignore[call-overload]
-                str(params["kv_checksum"]),
-                key=SecretKey.from_file(kv_key_file),
-                retries=0,
-            )
-        )
+        pull_once(params, SecretKey.from_file(kv_key_file))
     assert caught.value.cause == "not_found"
