@@ -210,19 +210,17 @@ def beat_with(url: str, instance_id: str, headers: dict[str, str]) -> httpx.Resp
     return httpx.post(f"{url}/v1/instances/{instance_id}/heartbeat", json={"load": {"ready": True}}, headers=headers)
 
 
+def scheduler_command(folder: Path, admin_token_file: Path) -> list[str]:
+    """`python -m pdserve.scheduler` with its state in `folder`, without an identity key."""
+    return [sys.executable, "-m", "pdserve.scheduler", "--state-file", str(folder / "s.json"),
+            "--admin-token-file", str(admin_token_file)]  # fmt: skip
+
+
 def test_scheduler_refuses_to_start_without_a_usable_identity_key(tmp_path: Path) -> None:
     (tmp_path / "admin.token").write_text("same-token\n")
     (tmp_path / "same.key").write_text("same-token\n")
     (tmp_path / "empty.key").write_text("\n")
-    base = [
-        sys.executable,
-        "-m",
-        "pdserve.scheduler",
-        "--state-file",
-        str(tmp_path / "s.json"),
-        "--admin-token-file",
-        str(tmp_path / "admin.token"),
-    ]
+    base = scheduler_command(tmp_path, tmp_path / "admin.token")
     causes = (("missing.key", "missing.key"), ("empty.key", "is empty"), ("same.key", "holds the admin token"))
     for key, cause in causes:
         result = subprocess.run(
@@ -278,25 +276,9 @@ def test_advice_recommends_ratio_and_direction(scheduler: Scheduler) -> None:
 
 
 def test_bad_flag_value_exits_naming_the_flag(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.scheduler",
-            "--state-file",
-            str(tmp_path / "s.json"),
-            "--admin-token-file",
-            str(tmp_path / "t"),
-            "--identity-key-file",
-            str(tmp_path / "i"),
-            "--heartbeat-interval",
-            "soon",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    flags = ["--identity-key-file", str(tmp_path / "i"), "--heartbeat-interval", "soon"]
+    command = [*scheduler_command(tmp_path, tmp_path / "t"), *flags]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "--heartbeat-interval" in result.stderr
 
