@@ -233,12 +233,17 @@ def summarise(latency: dict[str, list[float]], throughput: dict[str, list[float]
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=400, help="requests per target and concurrency level")
+def arguments(description: str | None, requests: int, out: str) -> argparse.Namespace:
+    """A bench's command line: requests per target and level, rounds, where the JSON goes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=requests, help="requests per target and concurrency level")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds the requests are split into")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/gateway_overhead.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__, 400, "bench/results/gateway_overhead.json")
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         procs, server_url, gateway_url = start_stack(Path(tmp))
         try:

@@ -14,7 +14,6 @@ router's hop, so the added latency is measured between the routers, on the same 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from gateway_overhead import API_KEY, Send, completion, free_port, launch, run_round, target_stats, wait_ok
+from gateway_overhead import API_KEY, Send, arguments, completion, free_port, launch, run_round, target_stats, wait_ok
 
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
@@ -219,11 +218,7 @@ def summarise(latency: dict[str, list[float]], rates: dict[str, list[float]]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=480, help="requests per target and concurrency level")
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds the requests are split into")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/gateway_vs_vllm_router.json"))
-    args = parser.parse_args()
+    args = arguments(__doc__, 480, "bench/results/gateway_vs_vllm_router.json")
     load_at_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
         work = Path(tmp)
