@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +12,8 @@ import pytest
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.protocol import FrameType, encode_header
 
-from .kvtestlib import make_layers, meta_for, proxy_to, running_server
+from .kvtestlib import make_layers, meta_for, proxy_to, running_server, server_process
 
-HERE = Path(__file__).parent
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 
 
@@ -192,15 +189,7 @@ def test_fingerprint_and_announced_checksum_are_enforced(key: SecretKey, metrics
 
 
 def test_server_killed_mid_transfer_fails_fast_with_connection_error(kv_key_file: Path, key: SecretKey):
-    process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), "req-kill", "32"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=HERE,
-    )
-    try:
-        assert process.stdout is not None
-        port_text, checksum = process.stdout.readline().split()
+    with server_process(kv_key_file, "req-kill", 32) as (process, port, checksum):
 
         def kill_after_first_mebibyte(forwarded: int) -> None:
             if forwarded > 1 << 20 and process.poll() is None:
@@ -208,7 +197,7 @@ def test_server_killed_mid_transfer_fails_fast_with_connection_error(kv_key_file
 
         async def scenario() -> None:
             throttled = {"bytes_per_second": 8e6, "on_forward": kill_after_first_mebibyte}
-            async with proxy_to(int(port_text), **throttled) as proxy:
+            async with proxy_to(port, **throttled) as proxy:
                 with pytest.raises(KVTransferError) as raised:
                     async with asyncio.timeout(30):  # guards against a hang only; the read timeout is 5 s
                         await pull("127.0.0.1", proxy.port, "req-kill", checksum, key=key, streams=2, **FAST)
@@ -217,9 +206,6 @@ def test_server_killed_mid_transfer_fails_fast_with_connection_error(kv_key_file
 
         asyncio.run(scenario())
         assert process.poll() is not None
-    finally:
-        process.kill()
-        process.wait()
 
 
 @pytest.mark.slow  # waits out the read timeout
