@@ -147,7 +147,8 @@ def check_repo_paths(words: list[str], shown: Shown) -> None:
 
 def check(shown: Shown) -> None:
     words = shlex.split(shown.text) if not shown.synopsis else shown.text.split()
-    while re.match(r"[A-Z_][A-Z0-9_]*=", words[0]):  # the command's environment, as in `SSL_CERT_FILE=... pdstack`
+    # The command's own environment, as in `SSL_CERT_FILE=... pdstack bench`, is not the program.
+    while len(words) > 1 and re.match(r"[A-Z_][A-Z0-9_]*=", words[0]):
         words.pop(0)
     program, rest = Path(words[0]).name, words[1:]
     check_repo_paths(rest, shown)
