@@ -10,7 +10,6 @@ Files, one concern each:
   share.py      the chunks a pull's streams share
   server.py     prefill's listener: accept, authenticate, dispatch
   sender.py     serving one pull stream
-  waits.py      a connection thread's waits on lease-store watches
   client.py     decode's pull and ack
   connect.py    connecting: TLS, handshake, retries, the stall bound
   pool.py       authenticated connections and their pool

@@ -5,17 +5,17 @@ layout (so its manifest can be sent at once) and empty arrays; an engine thread 
 layer's K or V) as they are computed and seals it when the prompt is complete. Each layer's digest is computed off
 the adding thread as soon as the layer is whole; the blob checksum once it is sealed and every digest is in.
 
-Pulls run on an asyncio loop in another thread: they hold a `watch()`, look, and wait on it before looking again.
-Every change (a piece, the seal, the checksum, an abort) sets every watch through its loop's call_soon_threadsafe;
-a watch is registered before the look, so no change between the look and the wait is missed.
+Pulls run on the KV server's connection threads: they hold a `watch()`, look, and wait on it before looking again.
+Every change (a piece, the seal, the checksum, an abort) sets every watch (a threading.Event: a futex wake, where an
+event loop per waiting thread cost a self-pipe write, an epoll wake and a loop turn, on the core prefill's forward
+runs on); a watch is registered before the look, so no change between the look and the wait is missed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import contextlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -73,16 +73,14 @@ class Watchers:
         with self._lock:
             watches = list(self._watches)
         for watch in watches:
-            with contextlib.suppress(RuntimeError):  # that loop is closed; its pull is gone
-                watch.loop.call_soon_threadsafe(watch.event.set)
+            watch.event.set()
 
 
 class Watch:
-    """An asyncio.Event on the current loop, set on every change after it was made; use it as a context manager."""
+    """Set on every change after it was made, from any thread; use it as a context manager, and wait on it."""
 
     def __init__(self, watchers: Watchers) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.event = asyncio.Event()
+        self.event = threading.Event()
         self._watchers = watchers
 
     def __enter__(self) -> Watch:
@@ -92,19 +90,17 @@ class Watch:
     def __exit__(self, *_exc: object) -> None:
         self._watchers.discard(self)
 
-    async def wait(self, timeout: float) -> bool:
-        """True if something changed since the last wait (or since the watch began), False after `timeout`."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self.event.wait()
-        except TimeoutError:
+    def wait(self, timeout: float) -> bool:
+        """Block until something changed since the last wait (or since the watch began): True; False after
+        `timeout`. A change between the wake and the clear is not lost: the caller looks after this returns."""
+        if not self.event.wait(timeout):
             return False
         self.event.clear()
         return True
 
 
 class StoredKV:
-    """A blob held under a lease; thread-safe (the engine adds, the event loop reads)."""
+    """A blob held under a lease; thread-safe (the engine adds, the KV server's connection threads read)."""
 
     def __init__(
         self,
@@ -163,20 +159,30 @@ class StoredKV:
     def add(self, layer: int, part: int, offset: int, data: np.ndarray | bytes | memoryview) -> None:
         """Copy `data` into bytes [offset, offset + len) of layer `layer`'s K (part 0) or V (part 1)."""
         raw = as_bytes(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+
+        def copy(target: memoryview) -> None:
+            target[:] = raw
+
+        self.write(layer, part, offset, len(raw), copy)
+
+    def write(self, layer: int, part: int, offset: int, length: int, fill: Callable[[memoryview], None]) -> None:
+        """Let `fill` write bytes [offset, offset + length) of layer `layer`'s K (part 0) or V (part 1) in place, then
+        count them in: an engine gathers its KV blocks straight into the blob, with no buffer (and no page faults
+        on a fresh one, each request) between."""
         if not 0 <= layer < len(self.specs) or part not in (0, 1):
             raise ValueError(f"layer {layer}, part {part}: the blob has {len(self.specs)} layers of parts 0 (K), 1 (V)")
         array = 2 * layer + part
         view = self._views[array]
-        if offset < 0 or offset + len(raw) > len(view):
-            raise ValueError(f"offset {offset} + {len(raw)} bytes: layer {layer} part {part} holds {len(view)} bytes")
+        if offset < 0 or length < 0 or offset + length > len(view):
+            raise ValueError(f"offset {offset} + {length} bytes: layer {layer} part {part} holds {len(view)} bytes")
         with self._lock:
             if self.sealed or self.failure is not None:
                 raise ValueError(f"request {self.meta.request_id!r}: its KV is sealed or aborted, nothing may be added")
-            view[offset : offset + len(raw)] = raw
-            self._filled[array].add(offset, offset + len(raw))
+            fill(view[offset : offset + length])
+            self._filled[array].add(offset, offset + length)
             complete = [
                 unit
-                for unit in self.units.covering(array, offset, offset + len(raw))
+                for unit in self.units.covering(array, offset, offset + length)
                 if not self._hashing[unit] and self._filled[array].covers(*self.units.span(unit)[1:])
             ]
             for unit in complete:

@@ -22,7 +22,6 @@ from pdserve.kv.metrics import KVMetrics
 from pdserve.kv.protocol import DATA_HEADER, Chunk, Frame, FrameType, chunk_plan, json_payload
 from pdserve.kv.share import PullShares, SharedPlan
 from pdserve.kv.store import LeaseStore
-from pdserve.kv.waits import ThreadWaits
 from pdserve.kv.wire import FrameSocket
 
 MAX_STREAMS = 64
@@ -54,18 +53,16 @@ class PullSender:
     def shared_pulls(self) -> int:
         return len(self.shares)
 
-    def serve(self, frame: Frame, channel: FrameSocket, session: bytes, waits: ThreadWaits) -> None:
+    def serve(self, frame: Frame, channel: FrameSocket, session: bytes) -> None:
         request = _pull_request(frame)
         with _serve_span(frame, request) as span:
-            sent, chunks = self._serve_stream(request, channel, session, waits)
+            sent, chunks = self._serve_stream(request, channel, session)
             span.set_attributes({"pdserve.kv.bytes": sent, "pdserve.kv.chunks": chunks})
 
-    def _serve_stream(
-        self, request: dict[str, Any], channel: FrameSocket, session: bytes, waits: ThreadWaits
-    ) -> tuple[int, int]:
+    def _serve_stream(self, request: dict[str, Any], channel: FrameSocket, session: bytes) -> tuple[int, int]:
         request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
                                                   request["first_row"])  # fmt: skip
-        stored = self._wait_open(request_id, channel, waits)
+        stored = self._wait_open(request_id, channel)
         # Only streams that share chunks need to keep little unsent; one stream alone keeps the kernel's whole buffer
         # as slack for the moments its thread does not run (0: the system's default, no limit).
         _set_notsent_lowat(channel.sock, self.notsent_lowat_bytes if streams > 1 else 0)
@@ -74,11 +71,11 @@ class PullSender:
         channel.send(self.io_timeout_s, FrameType.MANIFEST, manifest)
         key = (request_id, request["pull"], streams, first_row)
         with self.shares.join(key, stream, stored, lambda: _plan(stored, first_row)) as shared:
-            chunks, sent = self._send_chunks(stored, shared, stream, channel, waits)
+            chunks, sent = self._send_chunks(stored, shared, stream, channel)
             if not stored.checksum:  # sealed and hashed
-                with waits.watch(stored) as changed:
+                with stored.watch() as changed:
                     while not stored.checksum:
-                        self._wait_change(stored, changed, channel, waits)
+                        self._wait_change(stored, changed, channel)
             if stream == 0:
                 channel.send(self.io_timeout_s, FrameType.DIGESTS, stored.digests)
         # Out of the shared plan before END: once the client has every END, the server holds nothing of the pull.
@@ -88,7 +85,7 @@ class PullSender:
         self.metrics.observe_transfer("sender", sent, time.perf_counter() - started)
         return sent, chunks
 
-    def _wait_open(self, request_id: str, channel: FrameSocket, waits: ThreadWaits) -> StoredKV:
+    def _wait_open(self, request_id: str, channel: FrameSocket) -> StoredKV:
         """The blob of `request_id`, waiting up to open_wait_s for prefill to open it (then `not_found`)."""
         try:
             return self.store.get(request_id)
@@ -96,17 +93,16 @@ class PullSender:
             if error.cause != "not_found" or self.open_wait_s <= 0:
                 raise
         deadline = time.monotonic() + self.open_wait_s
-        with waits.watch(self.store) as opened:
+        with self.store.watch() as opened:
             while True:
                 try:
                     return self.store.get(request_id)
                 except KVTransferError as error:
                     if error.cause != "not_found" or self.store.gone(request_id) or time.monotonic() >= deadline:
                         raise
-                self._idle(opened, channel, waits, deadline)
+                self._idle(opened, channel, deadline)
 
-    def _send_chunks(self, stored: StoredKV, shared: SharedPlan, stream: int, channel: FrameSocket,
-                     waits: ThreadWaits) -> tuple[int, int]:  # fmt: skip
+    def _send_chunks(self, stored: StoredKV, shared: SharedPlan, stream: int, channel: FrameSocket) -> tuple[int, int]:
         """Take the pull's next chunk prefill has added, send it, and so on until none is left; return the chunks and
         bytes this stream sent."""
         views = [as_bytes(array) for pair in stored.layers for array in pair]
@@ -125,28 +121,28 @@ class PullSender:
             elif not left:
                 return chunks, sent
             else:
-                with waits.watch(stored) as changed:  # then look again: no change after the look above is missed
+                with stored.watch() as changed:  # then look again: no change after the look above is missed
                     if not shared.any_ready(ready):
-                        self._wait_change(stored, changed, channel, waits)
+                        self._wait_change(stored, changed, channel)
 
-    def _wait_change(self, stored: StoredKV, changed: Watch, channel: FrameSocket, waits: ThreadWaits) -> None:
+    def _wait_change(self, stored: StoredKV, changed: Watch, channel: FrameSocket) -> None:
         """Wait for prefill to add to the blob, with a KEEPALIVE to the client each keepalive_s; raise if the blob
         failed (aborted, replaced) or its lease ran out before it was complete."""
         stored.check()
-        if not self._idle(changed, channel, waits) and stored.expires_at <= self.store.clock():
+        if not self._idle(changed, channel) and stored.expires_at <= self.store.clock():
             self.store.reap()  # free it now, not at the reaper's next round: the pull that noticed ends here
             raise KVTransferError(
                 "expired", f"the lease on KV for request {stored.meta.request_id!r} expired before prefill completed it"
             )
         stored.check()
 
-    def _idle(self, watch: Watch, channel: FrameSocket, waits: ThreadWaits, until: float | None = None) -> bool:
+    def _idle(self, watch: Watch, channel: FrameSocket, until: float | None = None) -> bool:
         """Wait for `watch` (True if it was set) until a KEEPALIVE is due, and send one when it is. Due counts from
         the last frame sent, not from the last wake: the watches wake on changes this pull may not need (other
         streams' chunks, other entries opening, digests), and under a steady stream of those a client waiting
         longer than its read timeout for its own next frame would give up."""
         due = channel.last_sent + self.keepalive_s
-        changed = waits.wait(watch, max(0.0, min(due, until if until is not None else due) - time.monotonic()))
+        changed = watch.wait(max(0.0, min(due, until if until is not None else due) - time.monotonic()))
         if time.monotonic() >= channel.last_sent + self.keepalive_s:
             channel.send(self.io_timeout_s, FrameType.KEEPALIVE)
         return changed

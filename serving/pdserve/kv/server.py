@@ -2,8 +2,8 @@
 
 A thread per connection (blocking sockets, pdserve.kv.wire) lets the streams of a pull run on different cores; the
 event loop that starts the server is not on the data path at all. This module accepts, authenticates and dispatches;
-a pull stream is served by pdserve.kv.sender, which waits for a streamed blob (prefill still adding to it) on the
-connection thread's own event loop (pdserve.kv.waits).
+a pull stream is served by pdserve.kv.sender, which waits on its connection thread for a streamed blob (prefill
+still adding to it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pdserve.kv.protocol import (
 )
 from pdserve.kv.sender import NOTSENT_LOWAT_BYTES, PullSender
 from pdserve.kv.store import LeaseStore
-from pdserve.kv.waits import ThreadWaits
 from pdserve.kv.wire import FrameSocket
 
 log = logging.getLogger(__name__)
@@ -174,19 +173,17 @@ class KVServer:
             thread.start()
 
     def _on_connection(self, link: _Link, peer: object) -> None:
-        waits = ThreadWaits()
         try:
-            self._serve_connection(link, peer, waits)
+            self._serve_connection(link, peer)
         except Exception:  # a bug must not end the thread silently
             log.exception("kv: connection from %s failed", peer)
         finally:
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
-            waits.close()
             with contextlib.suppress(OSError):
                 link.sock.close()
 
-    def _serve_connection(self, link: _Link, peer: object, waits: ThreadWaits) -> None:
+    def _serve_connection(self, link: _Link, peer: object) -> None:
         try:
             channel, session = self._bounded_handshake(link)
         except KVTransferError as error:
@@ -211,7 +208,7 @@ class KVServer:
                 return
             self._metrics.observe_connection("sender", "reused" if served else "new")
             try:
-                self._dispatch(frame, channel, session, waits)
+                self._dispatch(frame, channel, session)
             except KVTransferError as error:
                 self._metrics.observe_failure("sender", error.cause)
                 log.info("kv: request from %s failed: %s", peer, error)
@@ -267,9 +264,9 @@ class KVServer:
             raise KVTransferError("auth", f"expected {expected}, got {frame.type.name} ({len(frame.payload)} bytes)")
         return frame
 
-    def _dispatch(self, frame: Frame, channel: FrameSocket, session: bytes, waits: ThreadWaits) -> None:
+    def _dispatch(self, frame: Frame, channel: FrameSocket, session: bytes) -> None:
         if frame.type is FrameType.PULL:
-            self._sender.serve(frame, channel, session, waits)
+            self._sender.serve(frame, channel, session)
         elif frame.type is FrameType.ACK:
             request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
             released = self.store.ack(request_id)

@@ -131,6 +131,7 @@ class ConnectorWorker:
         self.settings = settings
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
+        self.block_bytes = {name: int(t[0].numel() * t.element_size()) for name, t in kv_caches.items()}
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fields = fingerprint.compute(vllm_config, kv_caches)
         self.fingerprint = fingerprint.digest(self.fields)
