@@ -23,6 +23,16 @@ def test_defaults_and_run_dir(kv_key_file: Path, tmp_path: Path) -> None:
     assert settings.kv_cpus is None
 
 
+def test_a_pull_opens_one_stream_per_bytes_per_stream_up_to_streams(kv_key_file: Path) -> None:
+    """A small pull stays on one connection (one congestion window); a large one spreads over up to `streams`."""
+    default = parse({"kv_key_file": str(kv_key_file)}, producer=False, engine_id="e1")
+    assert default.bytes_per_stream == 32 << 20
+    assert [default.streams_for(n) for n in (1, 2 << 20, 32 << 20, (32 << 20) + 1, 1 << 30)] == [1, 1, 1, 2, 4]
+    two = parse({"kv_key_file": str(kv_key_file), "streams": 2, "bytes_per_stream": 1 << 20}, producer=False,
+                engine_id="e1")  # fmt: skip
+    assert [two.streams_for(n) for n in (1 << 20, 3 << 20)] == [1, 2]
+
+
 def test_kv_cpus_takes_linux_cpu_lists(kv_key_file: Path) -> None:
     settings = parse({"kv_key_file": str(kv_key_file), "kv_cpus": "0,2-3"}, producer=False, engine_id="e1")
     assert settings.kv_cpus == {0, 2, 3}
@@ -55,6 +65,7 @@ def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> N
         ({"port": 14600}, True, "kv_key_file"),
         ({}, True, "port"),
         ({"port": 14600, "streams": 0}, True, "streams"),
+        ({"bytes_per_stream": 0}, False, "bytes_per_stream"),
         ({"open_wait_seconds": -1}, False, "open_wait_seconds"),
         ({"lease_seconds": "soon"}, False, "lease_seconds"),
         ({"tls_cert": "/c.pem"}, False, "tls_cert"),

@@ -66,11 +66,15 @@ class ConsumerWorker(ConnectorWorker):
                 self._rank_port(params),
                 str(params["remote_request_id"]),
                 None if streamed else self._rank_checksum(params),  # streamed: END's, token count checked
-                streams=self.settings.streams,
+                streams=self.settings.streams_for(self._pull_bytes(spec)),
                 expected_fingerprint=self.fingerprint,
                 first_row=spec.skip_blocks,  # decode's local prefix-cache hit does not cross the wire
                 **self._channel_options(params),
             )
+
+    def _pull_bytes(self, spec: LoadSpec) -> int:
+        """What the pull will move (known before it starts: prefill's layout is decode's, the fingerprints match)."""
+        return (math.ceil(spec.prompt_tokens / self.block_size) - spec.skip_blocks) * sum(self.block_bytes.values())
 
     def _rank_port(self, params: dict[str, Any]) -> int:
         """This rank's shard is on the prefill worker of the same TP rank: remote_port + rank (settings.kv_port_of)."""
@@ -177,9 +181,10 @@ class ConsumerWorker(ConnectorWorker):
             raise ValueError(f"decode allocated {len(spec.block_ids)} blocks, the prompt needs {num_blocks}")
         for name, (raw, _empty) in zip(self.layer_names, blob.layers, strict=True):
             kv_layer = self.kv_caches[name]
-            block_bytes = kv_layer[0].numel() * kv_layer.element_size()
-            if raw.size != num_blocks * block_bytes:
-                raise ValueError(f"layer {name}: {raw.size} bytes of KV, expected {num_blocks * block_bytes}")
+            if raw.size != num_blocks * self.block_bytes[name]:
+                raise ValueError(
+                    f"layer {name}: {raw.size} bytes of KV, expected {num_blocks * self.block_bytes[name]}"
+                )
             blocks = torch.from_numpy(raw).view(kv_layer.dtype).reshape(num_blocks, *kv_layer.shape[1:])
             ids = torch.tensor(targets, dtype=torch.long, device=kv_layer.device)
             kv_layer.index_copy_(0, ids, blocks[spec.skip_blocks :].to(kv_layer.device))
