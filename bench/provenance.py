@@ -25,6 +25,7 @@ def commit(*paths: str) -> str:
 
 def write_results(output_dir: Path, name: str, report: dict[str, Any], markdown: str) -> None:
     """<output_dir>/<name>-<date>.json and .md, and the markdown on stdout."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     stem = output_dir / f"{name}-{report['date'][:10]}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown)

@@ -15,7 +15,7 @@ Files, one concern each:
   pool.py       authenticated connections and their pool
   route.py      one request on a fresh or pooled connection
   assembly.py   what a pull receives, verified as it lands
-  recv.py       the destination arrays
+  arrays.py     blob arrays, reused already faulted in
   threads.py    the client's thread pools
   params.py     signed kv_transfer_params
   metrics.py    Prometheus metrics

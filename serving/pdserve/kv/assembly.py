@@ -10,10 +10,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pdserve.kv.arrays import kv_layers
 from pdserve.kv.blob import DIGEST_BYTES, Layer, Manifest, blob_checksum, flat_views, unit_digests
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.protocol import DATA_HEADER, MAX_CONTROL_PAYLOAD, Chunk, Frame, FrameType, chunk_plan
-from pdserve.kv.recv import destination_arrays
 from pdserve.kv.threads import verify_threads
 from pdserve.kv.wire import FrameSocket
 
@@ -26,8 +26,7 @@ class Assembly:
         self.manifest = manifest
         self.units = manifest.units
         self.plan = chunk_plan(manifest, first_row)
-        arrays = destination_arrays([(spec.shape, spec.dtype) for pair in manifest.layers for spec in pair])
-        self.layers: list[Layer] = [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
+        self.layers: list[Layer] = kv_layers(manifest.layers)
         self._views = flat_views(self.layers)
         self._lock = threading.Lock()
         self._expected = {(chunk.layer, chunk.part, chunk.offset): chunk for chunk in self.plan}

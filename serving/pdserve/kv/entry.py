@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kv.arrays import kv_layers
 from pdserve.kv.blob import ArraySpec, KVMeta, Layer, Manifest, Units, as_bytes, blob_checksum, flat_views, unit_digests
 from pdserve.kv.errors import Cause, KVTransferError
 
@@ -119,11 +120,7 @@ class StoredKV:
         self.unit_rows = unit_rows
         self.units = Units(specs, unit_rows)
         self.expires_at = expires_at
-        self.layers: list[Layer] = (
-            layers
-            if layers is not None
-            else [(np.empty(k.shape, np.dtype(k.dtype)), np.empty(v.shape, np.dtype(v.dtype))) for k, v in specs]
-        )
+        self.layers: list[Layer] = layers if layers is not None else kv_layers(specs)
         self._views = flat_views(self.layers)
         self._filled = [_Ranges(len(view)) for view in self._views]
         self._digests: list[bytes | None] = [None] * self.units.total
@@ -132,6 +129,7 @@ class StoredKV:
         self._lock = threading.Lock()
         self._watchers = Watchers()
         self.sealed = False
+        self.sent_unsealed = 0  # bytes the KV server sent before the seal (decode had them while prefill computed)
         self.checksum = ""  # known once sealed and every unit hashed
         self.failure: KVTransferError | None = None
         if layers is not None:  # a whole blob: everything is in
@@ -214,6 +212,12 @@ class StoredKV:
     def ready(self, layer: int, part: int, offset: int, length: int) -> bool:
         with self._lock:
             return self._filled[2 * layer + part].covers(offset, offset + length)
+
+    def count_sent(self, length: int) -> None:
+        """The KV server sent `length` bytes of this blob (counted in `sent_unsealed` if it is not sealed yet)."""
+        with self._lock:
+            if not self.sealed:
+                self.sent_unsealed += length
 
     def check(self) -> None:
         """Raise the failure that ended this blob, if any."""

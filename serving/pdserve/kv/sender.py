@@ -118,6 +118,7 @@ class PullSender:
                 channel.send(self.io_timeout_s, FrameType.DATA,
                              DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)  # fmt: skip
                 chunks, sent = chunks + 1, sent + chunk.length
+                stored.count_sent(chunk.length)
             elif not left:
                 return chunks, sent
             else:

@@ -32,24 +32,7 @@ class _Stream:
     request_id: str
     lease_id: str
     stored: StoredKV
-    served: list[int]  # bytes the KV server sent from the entry while it was open (see _count_served)
     steps: int = 0
-
-
-def _count_served(stored: StoredKV) -> list[int]:
-    """Count the bytes the KV server takes from `stored` before it is sealed: it asks `ready` for each chunk it is
-    about to send. The count is what the seal's log line reports (decode had them while prefill computed)."""
-    served = [0]
-    ready = stored.ready
-
-    def counting(layer: int, part: int, offset: int, length: int) -> bool:
-        found = ready(layer, part, offset, length)
-        if found and not stored.sealed:
-            served[0] += length
-        return found
-
-    stored.ready = counting  # type: ignore[method-assign]
-    return served
 
 
 class ProducerWorker(ConnectorWorker):
@@ -139,7 +122,7 @@ class ProducerWorker(ConnectorWorker):
         self._owners[spec.lease_id] = spec.request_id
         while len(self._owners) > OWNERS_KEPT:
             self._owners.popitem(last=False)
-        stream = _Stream(spec.request_id, spec.lease_id, stored, _count_served(stored))
+        stream = _Stream(spec.request_id, spec.lease_id, stored)
         self._streams[spec.request_id] = stream
         return stream
 
@@ -158,7 +141,8 @@ class ProducerWorker(ConnectorWorker):
             log.info(
                 "pdstack connector: lease %s step %d: blocks [%d, %d) of %d added, %d prompt tokens computed, %d "
                 "bytes served so far", spec.lease_id, stream.steps, spec.first_block,
-                spec.first_block + len(spec.block_ids), spec.total_blocks, spec.computed_tokens, stream.served[0],
+                spec.first_block + len(spec.block_ids), spec.total_blocks, spec.computed_tokens,
+                stream.stored.sent_unsealed,
             )  # fmt: skip
             if spec.seal:
                 self._seal(stream, spec)
@@ -182,7 +166,7 @@ class ProducerWorker(ConnectorWorker):
         )
         log.info(
             "pdstack connector: lease %s sealed after %d steps: %d of %d bytes were already served while prefill "
-            "computed", stream.lease_id, stream.steps, stream.served[0], stream.stored.nbytes,
+            "computed", stream.lease_id, stream.steps, stream.stored.sent_unsealed, stream.stored.nbytes,
         )  # fmt: skip
 
     def _drop(self, request_id: str, why: str) -> bool:

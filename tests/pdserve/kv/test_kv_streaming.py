@@ -8,14 +8,16 @@ and ends with a clear cause when the entry is never sealed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.kv import KVMetrics, KVTransferError, Layer, LeaseStore, SecretKey, ack, pull
+from pdserve.kv import KVBlob, KVMetrics, KVTransferError, Layer, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.blob import ArraySpec
 from pdserve.kv.entry import StoredKV
 
@@ -269,6 +271,40 @@ def test_write_fills_the_blob_in_place(metrics: KVMetrics) -> None:
     assert_same(layers, written.layers)
     with pytest.raises(ValueError, match="sealed"):
         written.write(0, 0, 0, 4, lambda target: None)
+
+
+def test_an_acknowledged_entry_is_freed_at_once_and_the_next_one_lands_in_its_memory(
+    key: SecretKey, metrics: KVMetrics
+) -> None:
+    """Prefill gathers each layer into its entry on the forward's thread, where a fresh page is a fault. Once decode
+    has pulled and acknowledged an entry, nothing of the store, the KV server or the pull's shared plan refers to it
+    any more (no reference cycle waits for the garbage collector, which vLLM runs rarely): the next entry of its size
+    lands in its memory, already faulted in. An entry something still refers to is never reused."""
+    layers = make_layers(4, (64, 2048), "float32", seed=5)  # 4 MiB: one reusable mapping
+    store = store_of(metrics)
+
+    def address(entry: StoredKV) -> int:
+        return int(entry.layers[0][0].__array_interface__["data"][0])
+
+    async def pulled_and_acknowledged(request_id: str) -> tuple[weakref.ref[StoredKV], int, KVBlob]:
+        async with running_server(store, key, metrics=metrics) as server:
+            entry = store.open(request_id, meta_for(request_id), specs_of(layers))
+            for layer, part, offset, data in layer_pieces(layers):
+                entry.add(layer, part, offset, data)
+            entry.seal()
+            blob = await pull("127.0.0.1", server.port, request_id, None, key=key, streams=2, metrics=metrics, **FAST)
+            assert await ack("127.0.0.1", server.port, request_id, key=key)
+            return weakref.ref(entry), address(entry), blob  # the blob keeps the pull's own mapping in use
+
+    gc.disable()
+    try:
+        entry, first_address, _blob = asyncio.run(pulled_and_acknowledged("a"))
+        assert entry() is None, gc.get_referrers(entry())
+        held = store.open("b", meta_for("b"), specs_of(layers))
+        assert address(held) == first_address
+        assert address(store.open("c", meta_for("c"), specs_of(layers))) != address(held)
+    finally:
+        gc.enable()
 
 
 class CountingMetrics(KVMetrics):

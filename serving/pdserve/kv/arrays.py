@@ -1,11 +1,13 @@
-"""Where a pull's bytes land: the destination arrays the stream threads receive DATA into (pdserve.kv.wire reads
-each payload straight into its slice, one copy from the kernel).
+"""Reusable arrays for KV blobs: where a pull's bytes land on decode (the stream threads receive DATA straight into
+them, one copy from the kernel) and where prefill's engine gathers a streamed lease entry (`StoredKV`) during its
+forward.
 
 A big blob's arrays share one anonymous mapping. Fresh memory is expensive here: the kernel zeroes and faults in
 every page on first touch (with transparent huge pages it may also compact memory first), which cost more CPU than
-receiving the bytes. So a mapping whose arrays are all gone (every view of them garbage) goes back to a bounded set
-of idle mappings, and a later pull of the same size, or smaller by up to half, reuses it, already faulted in (prompt
-lengths vary, so exact sizes rarely repeat). Mappings are made in whole huge pages for the same reason.
+receiving the bytes, and on prefill it lands on the forward's thread. So a mapping whose arrays are all gone (every
+view of them garbage) goes back to a bounded set of idle mappings, and a later blob of the same size, or smaller by
+up to half, reuses it, already faulted in (prompt lengths vary, so exact sizes rarely repeat). Mappings are made in
+whole huge pages for the same reason.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import contextlib
 import mmap
 import threading
 import weakref
+from collections.abc import Iterable
 
 import numpy as np
 
+from pdserve.kv.blob import ArraySpec, Layer
+
 HUGE_PAGE_BYTES = 2 << 20
 ALIGN = 64
-IDLE_REGION_BYTES = 1 << 30  # idle mappings kept for later pulls, over all sizes
-REUSE_SLACK = 2  # a pull may land in an idle mapping up to this many times its size (the rest stays idle)
+IDLE_REGION_BYTES = 1 << 30  # idle mappings kept for later blobs, over all sizes
+REUSE_SLACK = 2  # a blob may land in an idle mapping up to this many times its size (the rest stays idle)
 
 
 class _Regions:
@@ -63,11 +68,11 @@ class _Regions:
 REGIONS = _Regions(IDLE_REGION_BYTES)
 
 
-def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
-    """Arrays of these (shape, dtype), for a blob being received; their bytes are undefined until received (a reused
-    mapping holds an earlier pull's).
+def kv_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
+    """Arrays of these (shape, dtype), for a blob being received or gathered; their bytes are undefined until written
+    (a reused mapping holds an earlier blob's).
 
-    A big blob's arrays share one anonymous mapping, reused from an earlier pull of the same size or up to
+    A big blob's arrays share one anonymous mapping, reused from an earlier blob of the same size or up to
     REUSE_SLACK times larger when one is idle, else new and advised for transparent huge pages (the kernel then
     faults its memory in 2 MiB pages as bytes land instead of 4 KiB ones, which on this kind of machine costs less
     than a tenth)."""
@@ -79,7 +84,7 @@ def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndar
     if total < HUGE_PAGE_BYTES:
         return [np.empty(shape, np.dtype(dtype)) for shape, dtype in specs]
     region = REGIONS.take(total)
-    # numpy makes every view's base the array it was cut from: once `whole` is collected, no array of this pull (nor
+    # numpy makes every view's base the array it was cut from: once `whole` is collected, no array of this blob (nor
     # any view of one) is left, and the mapping is free again.
     whole = np.frombuffer(region, np.uint8)
     weakref.finalize(whole, REGIONS.give_back, region)
@@ -87,3 +92,9 @@ def destination_arrays(specs: list[tuple[tuple[int, ...], str]]) -> list[np.ndar
         whole[offset : offset + size].view(np.dtype(dtype)).reshape(shape)
         for (shape, dtype), offset, size in zip(specs, offsets, sizes, strict=True)
     ]
+
+
+def kv_layers(specs: Iterable[tuple[ArraySpec, ArraySpec]]) -> list[Layer]:
+    """Each layer's (K, V) arrays for these specs, as `kv_arrays` makes them."""
+    arrays = kv_arrays([(spec.shape, spec.dtype) for pair in specs for spec in pair])
+    return [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
