@@ -45,7 +45,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from pdserve.kv import KVConnectionPool, KVMeta, KVMetrics, KVServer, LeaseStore, SecretKey, pull
-from pdserve.kv.recv import destination_arrays
+from pdserve.kv.arrays import kv_arrays
 from pdserve.kv.store import DEFAULT_CHUNK_BYTES
 from pdstack.local.wan import TUN_MTU, LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace
 
@@ -82,7 +82,7 @@ async def serve(  # noqa: PLR0917
 
 def warm_destination(mib: int) -> None:
     """Fault in one destination mapping of the bench blob's layout and leave it idle for the first pull."""
-    arrays = destination_arrays([(array.shape, array.dtype.str) for pair in synthetic_layers(mib) for array in pair])
+    arrays = kv_arrays([(array.shape, array.dtype.str) for pair in synthetic_layers(mib) for array in pair])
     for array in arrays:
         array.fill(0)
 
