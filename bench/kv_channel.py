@@ -80,6 +80,12 @@ async def serve(  # noqa: PLR0917
     await asyncio.Event().wait()
 
 
+def _allowed(report: dict[str, Any]) -> str:
+    """Which CPUs the bench, its server and iperf3 ran on (a `taskset -c` run uses fewer than the host has)."""
+    allowed = report["machine"].get("cpus_allowed")
+    return "CPUs used: unrecorded" if allowed is None else f"run on CPUs {','.join(map(str, allowed))}"
+
+
 def warm_destination(mib: int) -> None:
     """Fault in one destination mapping of the bench blob's layout and leave it idle for the first pull."""
     arrays = kv_arrays([(array.shape, array.dtype.str) for pair in synthetic_layers(mib) for array in pair])
@@ -301,10 +307,11 @@ def write_results(folder: Path, report: dict[str, Any]) -> None:
     stem = folder / f"kv_channel-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}"
     folder.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    machine, load = report["machine"], report["load_average_1min"]
     lines = [f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"`{report['command']}`; {report['machine']['cpus']} CPUs, kernel {report['machine']['kernel']}, load "
-             f"average {report['load_average_1min']['before']:.1f} before, {report['load_average_1min']['after']:.1f} "
-             "after (other work on the machine lowers the KV figures more than iperf3's)."]  # fmt: skip
+             f"`{report['command']}`; {machine['cpus']} CPUs ({_allowed(report)}), kernel {machine['kernel']}, load "
+             f"average {load['before']:.1f} before, {load['after']:.1f} after (other work on the machine lowers the KV "
+             "figures more than iperf3's)."]  # fmt: skip
     if "loopback" in report:
         lines += ["", "## Loopback", "", *loopback_table(report["loopback"])]
     if "wan" in report:
@@ -396,7 +403,12 @@ def main() -> None:
         # Python moves the KV and the link, so other work on the machine lowers KV goodput more than iperf3's.
         report["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
         report["command"] = shlex.join([Path(sys.executable).name, *sys.argv])
-        report["machine"] = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
+        report["machine"] = {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "cpus_allowed": sorted(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+        }
         write_results(args.output, report)
 
 
