@@ -11,6 +11,10 @@ import pytest
 from pdserve.kv.arrays import kv_arrays
 
 
+def address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
 def test_big_destinations_are_separate_writable_arrays_of_the_asked_layout() -> None:
     specs = [((3, 1 << 18), "float16"), ((5, 7), "int8"), ((1 << 20,), "float32")]
     arrays = kv_arrays(specs)
@@ -23,9 +27,6 @@ def test_big_destinations_are_separate_writable_arrays_of_the_asked_layout() -> 
 @pytest.mark.slow  # maps and pulls a large block (about 1 s)
 def test_a_destination_mapping_is_reused_only_once_no_view_of_its_arrays_is_left() -> None:
     specs = [((1 << 20,), "float32"), ((1 << 20,), "float32")]  # 8 MiB: one shared mapping
-
-    def address(array: np.ndarray) -> int:
-        return int(array.__array_interface__["data"][0])
 
     first = kv_arrays(specs)
     first_address = address(first[0])
@@ -47,9 +48,6 @@ def test_a_destination_mapping_is_reused_only_once_no_view_of_its_arrays_is_left
 def test_a_smaller_pull_reuses_an_idle_bigger_mapping_up_to_twice_its_size() -> None:
     """Prompt lengths vary: a pull of 5 MiB after one of 8 MiB lands in the 8 MiB mapping, already faulted in; one of
     3 MiB (less than half) gets its own, so a small pull does not pin a big mapping."""
-
-    def address(array: np.ndarray) -> int:
-        return int(array.__array_interface__["data"][0])
 
     def pull_of(mib: int) -> list[np.ndarray]:
         return kv_arrays([((mib << 18,), "float32")])
