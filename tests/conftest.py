@@ -39,6 +39,7 @@ SLOW = {
     "infra/test_pool_records.py": "moto's EC2, Auto Scaling and Route53 for the reconciler (about 4 s to start)",
     "security": "hypothesis fuzzing of live gateway, server and scheduler processes; a slowloris",
     "bench/test_kv_channel_bench.py": "bench/kv_channel.py on loopback: a KV server, pull processes and iperf3",
+    "bench/test_bench_scripts.py": "each benchmark script started as a process (its imports: numpy, httpx, torch)",
     "pdstack/bench/test_bench_gateway.py": "pdstack bench against a live gateway cluster",
     "pdstack/bench/test_bench_pdserve.py": "pdstack bench against live pdserve servers",
     "pdstack/bench/test_vllm_router.py": "vllm-router in front of live pdserve prefill and decode servers",
