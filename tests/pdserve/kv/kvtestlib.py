@@ -30,6 +30,11 @@ def make_layers(count: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -
     return layers
 
 
+def address(array: np.ndarray) -> int:
+    """Where an array's bytes are: two arrays at one address share memory (a reused mapping)."""
+    return int(array.__array_interface__["data"][0])
+
+
 def meta_for(request_id: str, token_count: int = 7, fingerprint: str = "fp-test-1") -> KVMeta:
     return KVMeta(request_id=request_id, token_count=token_count, fingerprint=fingerprint)
 

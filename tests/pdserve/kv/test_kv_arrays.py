@@ -10,9 +10,7 @@ import pytest
 
 from pdserve.kv.arrays import kv_arrays
 
-
-def address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
+from .kvtestlib import address
 
 
 def test_big_destinations_are_separate_writable_arrays_of_the_asked_layout() -> None:

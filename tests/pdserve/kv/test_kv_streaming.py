@@ -21,7 +21,7 @@ from pdserve.kv import KVBlob, KVMetrics, KVTransferError, Layer, LeaseStore, Se
 from pdserve.kv.blob import ArraySpec
 from pdserve.kv.entry import StoredKV
 
-from .kvtestlib import make_layers, meta_for, proxy_to, running_server
+from .kvtestlib import address, make_layers, meta_for, proxy_to, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 STEP_WAIT_S = 10.0  # how long the adding thread waits for decode to have received a piece before failing
@@ -283,9 +283,6 @@ def test_an_acknowledged_entry_is_freed_at_once_and_the_next_one_lands_in_its_me
     layers = make_layers(4, (64, 2048), "float32", seed=5)  # 4 MiB: one reusable mapping
     store = store_of(metrics)
 
-    def address(entry: StoredKV) -> int:
-        return int(entry.layers[0][0].__array_interface__["data"][0])
-
     async def pulled_and_acknowledged(request_id: str) -> tuple[weakref.ref[StoredKV], int, KVBlob]:
         async with running_server(store, key, metrics=metrics) as server:
             entry = store.open(request_id, meta_for(request_id), specs_of(layers))
@@ -294,15 +291,15 @@ def test_an_acknowledged_entry_is_freed_at_once_and_the_next_one_lands_in_its_me
             entry.seal()
             blob = await pull("127.0.0.1", server.port, request_id, None, key=key, streams=2, metrics=metrics, **FAST)
             assert await ack("127.0.0.1", server.port, request_id, key=key)
-            return weakref.ref(entry), address(entry), blob  # the blob keeps the pull's own mapping in use
+            return weakref.ref(entry), address(entry.layers[0][0]), blob  # the blob keeps the pull's own mapping in use
 
     gc.disable()
     try:
         entry, first_address, _blob = asyncio.run(pulled_and_acknowledged("a"))
         assert entry() is None, gc.get_referrers(entry())
         held = store.open("b", meta_for("b"), specs_of(layers))
-        assert address(held) == first_address
-        assert address(store.open("c", meta_for("c"), specs_of(layers))) != address(held)
+        assert address(held.layers[0][0]) == first_address
+        assert address(store.open("c", meta_for("c"), specs_of(layers)).layers[0][0]) != address(held.layers[0][0])
     finally:
         gc.enable()
 
