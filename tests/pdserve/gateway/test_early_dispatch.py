@@ -217,8 +217,10 @@ def test_prefill_and_decode_go_out_together(setup: Setup, stream: bool) -> None:
 
 
 def test_each_request_gets_its_own_transfer(setup: Setup) -> None:
-    for _ in range(3):
+    for count in range(1, 4):
         assert setup.ask("early").status_code == 200
+        # decode's answer can reach the client before prefill's request reaches its upstream
+        wait_for(lambda n=count: len(setup.prefill.saw_decode_first) == n, what=f"prefill {count} answered")
         setup.decode.decode_arrived.clear()  # type: ignore[union-attr]
     ids = {body["kv_transfer_params"]["pdstack_transfer_id"] for body in setup.prefill.received}
     assert len(ids) == 3
