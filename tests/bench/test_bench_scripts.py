@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 SCRIPTS = sorted(
     path.name for path in (REPO / "bench").glob("*.py") if not path.name.startswith(("vllm_", "provenance", "_"))
 )

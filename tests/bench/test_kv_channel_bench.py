@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def test_the_loopback_bench_records_kv_and_iperf3_figures_for_each_stream_count(tmp_path: Path) -> None:
