@@ -80,9 +80,9 @@ async def serve(  # noqa: PLR0917
     await asyncio.Event().wait()
 
 
-def _allowed(report: dict[str, Any]) -> str:
+def _allowed(machine: dict[str, Any]) -> str:
     """Which CPUs the bench, its server and iperf3 ran on (a `taskset -c` run uses fewer than the host has)."""
-    allowed = report["machine"].get("cpus_allowed")
+    allowed = machine.get("cpus_allowed")
     return "CPUs used: unrecorded" if allowed is None else f"run on CPUs {','.join(map(str, allowed))}"
 
 
@@ -309,7 +309,7 @@ def write_results(folder: Path, report: dict[str, Any]) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     machine, load = report["machine"], report["load_average_1min"]
     lines = [f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"`{report['command']}`; {machine['cpus']} CPUs ({_allowed(report)}), kernel {machine['kernel']}, load "
+             f"`{report['command']}`; {machine['cpus']} CPUs ({_allowed(machine)}), kernel {machine['kernel']}, load "
              f"average {load['before']:.1f} before, {load['after']:.1f} after (other work on the machine lowers the KV "
              "figures more than iperf3's)."]  # fmt: skip
     if "loopback" in report:
