@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host lint typecheck python312 test test-unit test-vllm test-vllm-tp test-vllm-deploy up down clean
+.PHONY: venv host host-test lint typecheck python312 test test-unit test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -33,11 +33,11 @@ python312: venv
 	$(VENV)/bin/mypy --python-version 3.12 --cache-dir .mypy_cache/py312
 
 # The vLLM tests first, so that the run ends with the main suite's summary.
-test: lint typecheck python312 test-vllm
+test: host-test lint typecheck python312 test-vllm
 	$(VENV)/bin/pytest
 
 # The fast tier, under a minute: every test not marked slow (docs/testing.md).
-test-unit: venv
+test-unit: host-test venv
 	$(VENV)/bin/pytest -m "not slow"
 
 # vLLM pins its own numpy and more, so PdstackConnector's tests run in their own environment, with pdserve installed
@@ -71,6 +71,10 @@ test-vllm-deploy: venv $(VLLM_STAMP)
 
 host:
 	bash scripts/host-setup.sh
+
+# What the tests run for real (Prometheus, Alertmanager, Redis, podman, ...), installed unless present.
+host-test:
+	bash scripts/host-setup.sh --tests
 
 # `make up` serves with vLLM, the engine real fleets run; ENGINE=pdserve brings the numpy reference engine up instead
 # (minutes faster, what tests/local runs in CI), ENGINE= the local stack's own serving.engine (docs/local.md). vLLM's

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Install and configure what `make up` and the node-container tests need on a Debian 12 host: podman with Debian's runc,
-# debootstrap (to build the node base image without a public image registry), the losetup/mkfs tools, and for the
-# local environment the image registry, the network tools and git (images are tagged by a hash of their sources).
-# Idempotent: a second run installs nothing and rewrites nothing that is already right.
+# Install and configure what this machine needs, idempotently: a second run installs nothing and rewrites nothing.
+#   host-setup.sh          what `make up` needs on a Debian 12 host: podman with Debian's runc, debootstrap (to build
+#                          the node base image without a public image registry), the losetup/mkfs tools, the image
+#                          registry, the network tools of the emulated WAN and git (images are tagged by a hash of
+#                          their sources);
+#   host-setup.sh --tests  that and what the tests run for real (`make test`, `make test-unit`, CI): Prometheus and
+#                          promtool, Alertmanager and amtool with node_exporter (tests/alerting runs them on loopback),
+#                          iperf3, ping, openssl and redis-server (the gateways' shared rate-limit store; tests start
+#                          their own on loopback).
+# A package apt cannot install stops the run at once, naming it.
 set -euo pipefail
 
 PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs openssh-client
   docker-registry iproute2 iptables git)
+TEST_PACKAGES=(make python3-venv prometheus prometheus-alertmanager prometheus-node-exporter iperf3 iputils-ping
+  openssl redis-server)
+if [[ "${1:-}" == "--tests" ]]; then
+  PACKAGES+=("${TEST_PACKAGES[@]}")
+elif [[ $# -gt 0 ]]; then
+  echo "usage: host-setup.sh [--tests]" >&2
+  exit 2
+fi
 CONTAINERS_CONF=/etc/containers/containers.conf
 
 missing_packages() {
@@ -23,10 +37,20 @@ install_packages() {
     echo "host-setup: packages present"
     return
   fi
-  echo "host-setup: installing $missing"
+  if [[ $EUID -ne 0 ]]; then
+    echo "host-setup: missing packages:" $missing "- run as root (or install them) first" >&2
+    exit 1
+  fi
+  echo "host-setup: installing" $missing
   apt-get update -qq
   # shellcheck disable=SC2086
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null; then
+    local pkg
+    for pkg in $missing; do
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null 2>&1 ||
+        { echo "host-setup: cannot install the package $pkg" >&2; exit 1; }
+    done
+  fi
 }
 
 # crun refuses this host's hybrid cgroups and the default ulimits exceed the sandbox's; see DESIGN.md.
