@@ -2,12 +2,15 @@
 
 Exit codes: 0 pass, 1 fail (the report names the metric, both values and the threshold; for golden, also a canary
 that answers a golden prompt with an error), 2 bad input or an endpoint that cannot be used, 3 inconclusive (too few
-requests: wait and judge again).
+requests, past the retries allowed). `judge` judges one step: consecutive windows until one decides (judge.judge_step).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +26,7 @@ from pdstack.canary.golden import (
     generate,
     load_golden,
 )
-from pdstack.canary.judge import Outcome, judge
+from pdstack.canary.judge import Outcome, Verdict, judge, judge_step
 from pdstack.canary.prom import DEFAULT_POINTS, Prometheus, PrometheusError, observe
 from pdstack.model import Canary
 from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
@@ -58,26 +61,60 @@ def judge_command(  # typer builds one option per parameter
     window: Annotated[
         int | None, typer.Option(help="analysis window in seconds (default: the policy's interval)")
     ] = None,
-    end: Annotated[float | None, typer.Option(help="window end, Unix seconds (default: now)")] = None,
+    end: Annotated[float | None, typer.Option(help="first window's end, Unix seconds (default: now)")] = None,
     points: Annotated[int, typer.Option(help="latency samples per version across the window")] = DEFAULT_POINTS,
+    failure_limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="latency failures in a row before the step fails (default: the policy's)"),
+    ] = None,
+    inconclusive_limit: Annotated[
+        int, typer.Option(min=0, help="further windows judged after inconclusive ones before giving up")
+    ] = 0,
     as_json: JsonOption = False,
 ) -> None:
-    """Compare canary with baseline over the window; exit 0 pass, 1 fail, 3 inconclusive."""
+    """Judge canary against baseline over consecutive windows until one decides; exit 0 pass, 1 fail, 3
+    inconclusive. Each further window is judged once it has ended."""
     policy = canary_policy(stacks_dir(stacks, stack_dir, "--stack-dir"), env)
     window_s = window if window is not None else int(policy.interval_s)
+    windows = _Windows(Prometheus(prometheus), canary, baseline, policy, window_s, points)
     try:
-        seen_canary = observe(Prometheus(prometheus), canary, window_s, end, points)
-        seen_baseline = observe(Prometheus(prometheus), baseline, window_s, end, points)
+        step = judge_step(windows.verdicts(end), failure_limit or policy.failure_limit, inconclusive_limit)
     except (PrometheusError, ValueError) as exc:
         typer.echo(f"canary judge: {exc}", err=True)
         raise typer.Exit(2) from exc
-    verdict = judge(seen_canary, seen_baseline, policy.thresholds, policy.min_samples)
     if as_json:
-        typer.echo(json.dumps({**verdict.as_json(), "canary": canary, "baseline": baseline, "window_s": window_s}))
+        last = step.windows[-1].as_json()
+        windows_json = [{**w.as_json(), "end": e} for w, e in zip(step.windows, windows.ends, strict=True)]
+        summary = {"outcome": step.outcome, "reason": step.reason, "report": step.report(), "windows": windows_json}
+        typer.echo(json.dumps({**last, **summary, "canary": canary, "baseline": baseline, "window_s": window_s}))
     else:
-        typer.echo(f"{verdict.outcome.upper()}: canary {canary} vs baseline {baseline} over {window_s} s")
-        typer.echo(verdict.report())
-    raise typer.Exit(EXIT[verdict.outcome])
+        over = f"{len(step.windows)} window(s) of {window_s} s"
+        typer.echo(f"{step.outcome.upper()}: canary {canary} vs baseline {baseline} over {over}: {step.reason}")
+        typer.echo(step.report())
+    raise typer.Exit(EXIT[step.outcome])
+
+
+@dataclass
+class _Windows:
+    """Consecutive analysis windows of canary and baseline, each judged once it has ended."""
+
+    prom: Prometheus
+    canary: str
+    baseline: str
+    policy: Canary
+    window_s: int
+    points: int
+    ends: list[float] = field(default_factory=list)
+
+    def verdicts(self, first_end: float | None) -> Iterator[Verdict]:
+        window_end = time.time() if first_end is None else first_end
+        while True:
+            time.sleep(max(0.0, window_end - time.time()))
+            seen_canary = observe(self.prom, self.canary, self.window_s, window_end, self.points)
+            seen_baseline = observe(self.prom, self.baseline, self.window_s, window_end, self.points)
+            self.ends.append(window_end)
+            yield judge(seen_canary, seen_baseline, self.policy.thresholds, self.policy.min_samples)
+            window_end += self.window_s
 
 
 @canary_app.command("golden")

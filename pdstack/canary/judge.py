@@ -6,11 +6,16 @@ Mann-Whitney U test says the canary's values are larger at the configured confid
 the test alone fails on differences too small to matter. Counters (success rate, KV transfer failures) are judged
 against absolute thresholds. Too few requests make the verdict inconclusive, never a pass, unless the canary's
 failures already put its success rate beyond reach: that fails at once.
+
+A canary step judges consecutive windows until one decides (`judge_step`), as Flagger's `threshold` and Argo
+Rollouts' `failureLimit` do: a pass ends the step, a latency failure must repeat in `failure_limit` windows in a row
+before it fails the step (one slow window is noise, not a bad release), and a failed error check (success rate, KV
+transfer failures) fails it at once: errors are not noise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
@@ -53,16 +58,71 @@ class Observations:
     itl_p95_s: Sequence[float]
 
 
+ERROR_METRICS = frozenset({"success_rate_pct", "kv_transfer_failures"})
+"""Checks of errors, judged against absolute thresholds: one failing window fails its step."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     outcome: Outcome
     checks: list[Check] = field(default_factory=list)
+
+    @property
+    def fails_at_once(self) -> bool:
+        """A failed error check: no later window is waited for."""
+        return any(c.outcome is Outcome.FAIL and c.metric in ERROR_METRICS for c in self.checks)
 
     def report(self) -> str:
         return "\n".join(check.line() for check in self.checks)
 
     def as_json(self) -> dict[str, object]:
         return {"outcome": self.outcome, "checks": [asdict(c) for c in self.checks], "report": self.report()}
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """One canary step: the windows judged in turn, and why the last one decided."""
+
+    outcome: Outcome
+    reason: str
+    windows: list[Verdict]
+
+    def report(self) -> str:
+        """Each window's outcome, then its checks."""
+        lines: list[str] = []
+        for number, window in enumerate(self.windows, 1):
+            lines += [f"window {number}: {window.outcome}", window.report()]
+        return "\n".join(lines)
+
+
+def judge_step(windows: Iterable[Verdict], failure_limit: int, inconclusive_limit: int = 0) -> StepVerdict:
+    """Take verdicts of consecutive windows until one decides the step: a pass; a failed error check; the
+    `failure_limit`-th failure in a row; or an inconclusive window beyond the `inconclusive_limit` retries
+    (inconclusive windows neither count as failures nor break a run of them). `windows` is read lazily: a window
+    not needed is never judged."""
+    if failure_limit < 1 or inconclusive_limit < 0:
+        raise ValueError(
+            f"failure_limit must be >= 1 and inconclusive_limit >= 0, got {failure_limit}, {inconclusive_limit}"
+        )
+    seen: list[Verdict] = []
+    failed = inconclusive = 0
+    for verdict in windows:
+        seen.append(verdict)
+        if verdict.outcome is Outcome.PASS:
+            return StepVerdict(Outcome.PASS, "passed", seen)
+        if verdict.fails_at_once:
+            return StepVerdict(Outcome.FAIL, "an error check failed, which fails at once", seen)
+        if verdict.outcome is Outcome.FAIL:
+            failed += 1
+            if failed >= failure_limit:
+                reason = f"failed {failed} window(s) in a row (failure limit {failure_limit})"
+                return StepVerdict(Outcome.FAIL, reason, seen)
+        else:
+            inconclusive += 1
+            if inconclusive > inconclusive_limit:
+                reason = f"inconclusive in {inconclusive} window(s) (retry limit {inconclusive_limit})"
+                return StepVerdict(Outcome.INCONCLUSIVE, reason, seen)
+    return StepVerdict(Outcome.INCONCLUSIVE, "no window left to judge", seen)
 
 
 def judge(canary: Observations, baseline: Observations, thresholds: CanaryThresholds, min_samples: int) -> Verdict:

@@ -25,6 +25,15 @@ class Canary(Strict):
     steps_pct: list[Annotated[int, Field(gt=0, le=100)]] = Field(default_factory=lambda: [5, 25, 50, 100], min_length=1)
     interval_s: Seconds = 60.0
     min_samples: int = Field(default=50, ge=1)
+    warmup_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description="unjudged traffic at the first step's weight before the first judged interval (0: none)",
+    )
+    failure_limit: int = Field(
+        default=2, ge=1, description="failed judgements in a row at one step before a rollback (a pass ends the step)"
+    )
     thresholds: CanaryThresholds = CanaryThresholds()
 
     @model_validator(mode="after")

@@ -86,7 +86,9 @@ def test_a_bad_query_names_the_cause() -> None:
         Prometheus("http://127.0.0.1:9", timeout_s=1).scalar("up", END)
 
 
-def run_judge(prom: Prometheus, canary: str, *extra: str) -> tuple[int, str]:
+def run_judge(prom: Prometheus, canary: str, *extra: str, end: int = END) -> tuple[int, str]:
+    """`pdstack canary judge` with the local stack's policy (failure limit 2) over WINDOW-second windows, the first
+    ending at `end`."""
     stacks = STACKS
     result = CliRunner().invoke(
         app,
@@ -106,7 +108,7 @@ def run_judge(prom: Prometheus, canary: str, *extra: str) -> tuple[int, str]:
             "--window",
             str(WINDOW),
             "--end",
-            str(END),
+            str(end),
             *extra,
         ],
     )
@@ -125,12 +127,40 @@ def test_cli_failure_report_names_metric_values_and_threshold(prom: Prometheus) 
     assert "canary 90" in line and "baseline 100" in line and "threshold >= 99" in line
 
 
-def test_cli_json_verdict(prom: Prometheus) -> None:
-    code, output = run_judge(prom, "v3-slow", "--json")
+def test_cli_judges_a_slow_canary_over_failure_limit_windows_in_a_row(prom: Prometheus) -> None:
+    """The data holds two whole windows: the first ends at START + WINDOW, the second at END."""
+    code, output = run_judge(prom, "v3-slow", "--json", end=START + WINDOW)
     verdict = json.loads(output)
     assert code == 1 and verdict["outcome"] == "fail"
-    failed = {c["metric"] for c in verdict["checks"] if c["outcome"] == "fail"}
-    assert "ttft_p95_seconds" in failed
+    assert verdict["reason"] == "failed 2 window(s) in a row (failure limit 2)"
+    assert [w["end"] for w in verdict["windows"]] == [START + WINDOW, END]
+    for window in verdict["windows"]:
+        failed = {c["metric"] for c in window["checks"] if c["outcome"] == "fail"}
+        assert "ttft_p95_seconds" in failed
+    assert "ttft_p95_seconds" in {c["metric"] for c in verdict["checks"] if c["outcome"] == "fail"}
+
+
+def test_cli_a_slow_window_is_not_a_failure_until_the_next_one_is_judged(prom: Prometheus) -> None:
+    """After END there is no traffic: the slow canary's second window is inconclusive, not a second failure."""
+    code, output = run_judge(prom, "v3-slow", "--json")
+    verdict = json.loads(output)
+    assert (code, [w["outcome"] for w in verdict["windows"]]) == (3, ["fail", "inconclusive"])
+    assert run_judge(prom, "v3-slow", "--failure-limit", "1")[0] == 1
+
+
+def test_cli_errors_fail_on_the_first_window(prom: Prometheus) -> None:
+    code, output = run_judge(prom, "v4-errors")
+    assert code == 1
+    assert output.splitlines()[0] == (
+        "FAIL: canary v4-errors vs baseline v1 over 1 window(s) of 300 s: an error check failed, which fails at once"
+    )
+
+
+def test_cli_retries_inconclusive_windows_up_to_its_limit(prom: Prometheus) -> None:
+    code, output = run_judge(prom, "v6-idle", "--inconclusive-limit", "1", "--json", end=START + WINDOW)
+    verdict = json.loads(output)
+    assert (code, len(verdict["windows"])) == (3, 2)
+    assert verdict["reason"] == "inconclusive in 2 window(s) (retry limit 1)"
 
 
 def test_cli_unreachable_prometheus_is_a_clear_error() -> None:
