@@ -16,8 +16,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pdstack.contract import (
     DNS_DOMAIN,
     ca_certificate_parameter,
@@ -30,6 +28,7 @@ from pdstack.contract import (
 from pdstack.model import DatacenterRole, Link, LinkKind, PoolRole
 from pdstack.model import Environment as EnvName
 from pdstack.stacks import PROJECT_FILE, EnvironmentStacks, default_stacks_dir, environment_names, load_environment
+from pdstack.yamlfiles import dump_yaml
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
 # The path MTU across a link (kernel_tuning counts a link's BDP in segments of MTU - 52 bytes, so an MTU set too
@@ -147,19 +146,12 @@ def plugin_config(envs: list[EnvironmentStacks]) -> dict[str, Any]:
     }
 
 
-class _Dumper(yaml.SafeDumper):
-    """Lists indented under their key, as ansible-lint's yaml rule wants."""
-
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        super().increase_indent(flow, False)
-
-
 def render(stacks_dir: Path) -> dict[str, str]:
     """The files, by path relative to inventories/aws/."""
     envs = environments(stacks_dir)
 
     def dump(data: dict[str, Any]) -> str:
-        return HEADER + "---\n" + yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=150)
+        return HEADER + "---\n" + dump_yaml(data, width=150)
 
     return {"pdstack.aws_ec2.yml": dump(plugin_config(envs)), "group_vars/all/stacks.yml": dump(stack_vars(envs))}
 

@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
 from pdstack.contract import (
     PROMETHEUS_URL_PARAMETER_VAR,
@@ -29,6 +27,7 @@ from pdstack.contract import (
 )
 from pdstack.model import Alerting, Environment, Serving
 from pdstack.stackfile import load_stack_file
+from pdstack.yamlfiles import dump_yaml
 
 # -- Ansible ---------------------------------------------------------------------------------------------------------
 
@@ -85,7 +84,7 @@ def render_ansible_vars(env: str, serving: Serving, alerting: Alerting | None = 
     rendered = ansible_vars(contract(serving)) | alerting_vars(env, alerting)
     if env != Environment.LOCAL:  # only the cloud's Prometheus is behind a load balancer whose URL is in SSM
         rendered[PROMETHEUS_URL_PARAMETER_VAR] = prometheus_url_parameter(env)
-    return HEADER.format(env=env) + yaml.safe_dump(rendered, sort_keys=False)
+    return HEADER.format(env=env) + dump_yaml(rendered)
 
 
 def environment_serving(stacks_dir: Path, env: str) -> Serving:
@@ -154,6 +153,18 @@ def rendered_files(project: Path, env: str, serving: Serving, alerting: Alerting
     return files
 
 
+def all_rendered_files(project: Path) -> dict[Path, str]:
+    """Every file the contract renders, for every environment of project's stacks."""
+    stacks = project / "stacks"
+    return {
+        path: text
+        for env in environments(stacks)
+        for path, text in rendered_files(
+            project, env, environment_serving(stacks, env), environment_alerting(stacks, env)
+        ).items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pdstack.contract_files",
@@ -162,15 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project", type=Path, default=Path.cwd())
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)
-    stacks = args.project / "stacks"
-    stale = [
-        name
-        for env in environments(stacks)
-        for name in sync_files(
-            rendered_files(args.project, env, environment_serving(stacks, env), environment_alerting(stacks, env)),
-            args.check,
-        )
-    ]
+    stale = sync_files(all_rendered_files(args.project), args.check)
     for name in stale:
         print(("stale: " if args.check else "wrote: ") + name)
     return 1 if args.check and stale else 0

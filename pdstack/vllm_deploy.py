@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pdstack.contract import TLS_DIR, kv_port_range
 from pdstack.contract_files import environment_serving, environments, sync_files
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
@@ -38,6 +36,7 @@ from pdstack.vllm_command import (
     http_port,
     secret_files,
 )
+from pdstack.yamlfiles import dump_yaml
 
 VARS_DIR = Path("playbooks") / "vars" / "vllm"
 HEADER = ("# Rendered by `python -m pdstack.vllm_deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm_deploy.py); "
@@ -129,7 +128,7 @@ def ansible_vars(serving: Serving) -> dict[str, Any]:
 
 
 def render(env: str, serving: Serving) -> str:
-    return HEADER.format(env=env) + yaml.safe_dump(ansible_vars(serving), sort_keys=False, width=120)
+    return HEADER.format(env=env) + dump_yaml(ansible_vars(serving), width=120)
 
 
 def rendered_files(project: Path) -> dict[Path, str]:

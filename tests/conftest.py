@@ -22,7 +22,6 @@ SLOW = {
     "roles/test_converge.py": "the baseline converged on node containers, twice",
     "roles/test_grafana_dashboards.py": "ansible-playbook runs roles/grafana_dashboards",
     "roles/test_kernel_tuning_render.py": "ansible-playbook renders the role's files; a network namespace",
-    "roles/test_lint.py": "ansible-lint over the roles and playbooks",
     "roles/test_node_exporter_tls.py": "roles/node_exporter converged under TLS on a node container",
     "pdstack/local/wan/test_wanlink.py": "the WAN link between real network namespaces (root, /dev/net/tun, iperf3)",
     "pdstack/local/test_network.py": "the local networks built for real: namespaces, bridges, routes, iptables (root)",

@@ -1,5 +1,5 @@
 """ansible-playbook as the tests run it, and what a run says: its exit code, its output and each host's recap;
-ansible-lint's production profile."""
+the ansible-lint command the repository documents."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tests.support import REPO
 
 ANSIBLE_PLAYBOOK = str(REPO / ".venv" / "bin" / "ansible-playbook")
 ANSIBLE_LINT = str(REPO / ".venv" / "bin" / "ansible-lint")
+LINT_CONFIG = REPO / ".ansible-lint"
 # A host's line of the PLAY RECAP; `pdstack local` prefixes the playbooks' output it relays with "== ".
 RECAP = re.compile(
     r"^(?:== )?(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
@@ -39,11 +40,21 @@ class PlaybookRun:
         return sum(int(match["changed"]) for match in RECAP.finditer(self.output))
 
 
-def assert_lint_clean(targets: list[str], home: Path) -> None:
-    """ansible-lint's production profile, offline, finds nothing in `targets` (paths under the repository)."""
+def documented_lint_command() -> list[str]:
+    """The command .ansible-lint says to run (its comment: `run: ansible-lint ...`), with .venv's ansible-lint."""
+    match = re.search(r"\(run: ansible-lint ([^)]*)\)", LINT_CONFIG.read_text())
+    assert match, f"{LINT_CONFIG} names no `run: ansible-lint ...` command"
+    return [ANSIBLE_LINT, *match[1].split()]
+
+
+def assert_lint_clean(home: Path) -> None:
+    """The documented ansible-lint command, run where .ansible-lint configures it (production profile, offline),
+    finds nothing: no failure and no warning."""
     result = subprocess.run(
-        [ANSIBLE_LINT, "--offline", "--profile", "production", "--nocolor", *targets],
+        [*documented_lint_command(), "--nocolor"],
         capture_output=True, text=True, cwd=REPO, check=False,
         env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(home)},
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "0 failure(s), 0 warning(s)" in output, output
