@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import ssl
 import subprocess
 import sys
@@ -123,6 +124,16 @@ class Local:
     def servers(self) -> list[tuple[str, str]]:
         """(node, component) of every prefill and decode server."""
         return [(n.name, str(n.role)) for n in self.topology.nodes if str(n.role) in ("prefill", "decode")]
+
+    def versions(self) -> dict[str, str]:
+        """The release version each server's record says it runs, by node."""
+        return {node: self.record(node, component)["current"]["version"] for node, component in self.servers()}
+
+    def baseline(self) -> str:
+        """The one release every server runs: what a canary test starts from, whatever ran before it."""
+        running = set(self.versions().values())
+        assert len(running) == 1, f"servers run different releases: {self.versions()}"
+        return running.pop()
 
     def deploy(
         self, version: str, config_version: str, settings: dict[str, Any] | None = None, **release: Any
@@ -365,19 +376,28 @@ def assert_a_warm_up_changes_nothing(env: LocalEnv, topology: Topology, *up_args
 
 
 def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
-    assert_promoted_under_load(local, "good-2", "2", engine="pdserve")
+    assert_promoted_under_load(local, "good", "2", engine="pdserve")
 
 
-def assert_promoted_under_load(local: Local, version: str, build: str, engine: str) -> None:
-    """A release deployed under load passes its canary and takes every server and all traffic, no request failing."""
+def fresh_version(name: str) -> str:
+    """A release version no earlier deploy used (deploy.yml refuses a release its canary nodes already run)."""
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+def assert_promoted_under_load(local: Local, name: str, build: str, engine: str) -> None:
+    """A new release (`name` and a suffix of its own) deployed under load passes its canary and replaces the release
+    every server ran, on every server and for all traffic, no request failing."""
+    baseline, version = local.baseline(), fresh_version(name)
     with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
         deployed = local.deploy(version, build)
     assert deployed.returncode == 0, deployed.stdout[-6000:]
     assert f"release {version} promoted" in deployed.stdout
     assert load.completed() > 50 and not load.failures(), load.failures()
     for node, component in local.servers():
-        current = local.record(node, component)["current"]
+        record = local.record(node, component)
+        current = record["current"]
         assert (current["version"], current.get("stack", {}).get("engine", "pdserve")) == (version, engine), node
+        assert record["previous"]["version"] == baseline, node
     assert local.weights() == {version: 100}
 
 
@@ -393,15 +413,22 @@ def assert_promoted_under_load(local: Local, version: str, build: str, engine: s
 def test_a_bad_canary_is_rolled_back_and_the_report_names_the_check(
     local: Local, version: str, fault: dict[str, str], failing_check: str
 ) -> None:
+    baseline = local.baseline()
     with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
         deployed = local.deploy(version, version, env=fault)
     output = deployed.stdout + deployed.stderr
     assert deployed.returncode != 0
     assert f"canary {version} rolled back" in output and failing_check in output, output[-6000:]
     assert not load.failures(), load.failures()  # slowness and wrong text are what clients of the canary got
-    for node, component in local.servers():
-        assert local.record(node, component)["current"]["version"] == "good-2", node
-    assert local.weights().get(version, 0) == 0
+    assert_back_on(local, baseline, version)
+
+
+def assert_back_on(local: Local, baseline: str, canary: str) -> None:
+    """Every server runs `baseline` again, which takes all traffic; the rolled-back `canary` takes none."""
+    versions = local.versions()
+    assert set(versions.values()) == {baseline}, versions
+    weights = local.weights()
+    assert (weights.get(baseline), weights.get(canary, 0)) == (100, 0), weights
 
 
 def served_serial(namespace: str, address: str, port: int, ca: str) -> int:
