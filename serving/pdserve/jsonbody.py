@@ -12,13 +12,36 @@ import json
 import math
 from typing import Any
 
+from starlette.requests import Request
+
 MAX_DEPTH = 32  # OpenAI bodies nest a handful of levels (messages -> content parts -> fields)
 
 
 class BodyError(ValueError):
+    status = 400
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field, self.message = field, message
+
+
+class BodyTooLarge(BodyError):
+    status = 413
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (BodyTooLarge, field `body`) as soon as it is known to exceed `limit` bytes: by
+    its Content-Length before a byte is read, or while it streams in, so that no caller holds more than `limit`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge("body", f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge("body", f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def loads(raw: bytes) -> Any:

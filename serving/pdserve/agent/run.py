@@ -20,7 +20,7 @@ log = logging.getLogger("pdserve.agent")
 # ENGINE_OPTIONAL_PARAMS that vLLM's /v1/completions and /v1/chat/completions both honour and that only shape
 # sampling, so a P/D split serves them as a colocated vLLM would (tools and response_format need server flags and
 # a structured-output backend this agent cannot see).
-VLLM_SUPPORTED_PARAMS = ["logit_bias", "repetition_penalty"]
+VLLM_SUPPORTED_PARAMS = ["logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty"]
 
 
 class Agent:

@@ -9,6 +9,7 @@ parse string as a number (--heartbeat-interval)`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -18,6 +19,16 @@ from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "PDSERVE_"
 M = TypeVar("M", bound=BaseModel)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach a listener on `host` (plain HTTP there crosses no network)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def env_name(field: str) -> str:

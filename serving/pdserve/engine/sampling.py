@@ -5,7 +5,9 @@ Sampling order: temperature, then top-k, then top-p (nucleus), then one draw fro
 runs in the same batch. ``temperature == 0`` is greedy (argmax, lowest id on ties).
 
 Stop strings are matched on the detokenised text; the text returned excludes the stop string (OpenAI semantics),
-and while streaming, text that might be the start of a stop string is held back until it is not.
+and while streaming, text that might be the start of a stop string is held back until it is not. Matching is
+incremental (one Knuth-Morris-Pratt state per stop string, advanced by each new character), so its cost is linear in
+the generated text whatever the stop strings: this runs on the engine thread every request shares.
 """
 
 from __future__ import annotations
@@ -88,6 +90,53 @@ class Sampler:
         return int(order[min(index, len(order) - 1)])
 
 
+class StopMatcher:
+    """Where stop strings occur in a text fed to it piece by piece: for each stop string, the longest prefix of it
+    that ends the text so far (its KMP state), advanced in amortised O(1) per character."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._fail = [_failure(stop) for stop in self.stops]
+        self._state = [0] * len(self.stops)
+        self.fed = 0  # characters fed so far
+
+    def feed(self, text: str) -> int | None:
+        """Advance over `text`; the earliest start (an index into the whole text) of a stop string completed in it,
+        or None."""
+        earliest: int | None = None
+        for char in text:
+            self.fed += 1
+            for index, stop in enumerate(self.stops):
+                state, fail = self._state[index], self._fail[index]
+                while state and stop[state] != char:
+                    state = fail[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):
+                    start = self.fed - state
+                    earliest = start if earliest is None else min(earliest, start)
+                    state = fail[state - 1]
+                self._state[index] = state
+        return earliest
+
+    def held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP's failure function: for each prefix, the length of its longest proper prefix that is also its suffix."""
+    fail = [0] * len(pattern)
+    length = 0
+    for index in range(1, len(pattern)):
+        while length and pattern[index] != pattern[length]:
+            length = fail[length - 1]
+        if pattern[index] == pattern[length]:
+            length += 1
+        fail[index] = length
+    return fail
+
+
 @dataclass
 class TokenOutput:
     """What one generated token produced."""
@@ -120,6 +169,7 @@ class RequestState:
         self.sampler = Sampler(self.params)
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self._emitted = 0
+        self._stops = StopMatcher(self.params.stop)
         self._stop_ids = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             self._stop_ids.update(int(t) for t in self.eos_token_ids)
@@ -142,26 +192,29 @@ class RequestState:
         if may_stop and token_id in self._stop_ids:
             self.text += self._detok.flush()
             return self._finish(token_id, "stop")
-        search_from = max(0, len(self.text) - self._longest_stop() + 1)
-        self.text += self._detok.push(token_id)
-        if may_stop and self.params.stop:
-            hit = self._find_stop(search_from)
-            if hit is not None:
-                self.text = self.text[:hit]
-                return self._finish(token_id, "stop")
+        hit = self._extend(self._detok.push(token_id))
+        if may_stop and hit is not None:
+            return self._stop_at(token_id, hit)
         if len(self.token_ids) >= self.params.max_tokens or (
             self.max_total_tokens is not None and len(self.prompt_ids) + len(self.token_ids) >= self.max_total_tokens
         ):
-            self.text += self._detok.flush()
-            hit = self._find_stop(search_from) if self.params.stop else None
-            if hit is not None:
-                self.text = self.text[:hit]
-                return self._finish(token_id, "stop")
+            hit = self._extend(self._detok.flush())
+            if may_stop and hit is not None:
+                return self._stop_at(token_id, hit)
             return self._finish(token_id, "length")
-        safe = len(self.text) - self._held_back()
+        safe = len(self.text) - self._stops.held_back()
         delta = self.text[self._emitted : safe]
         self._emitted = max(self._emitted, safe)
         return TokenOutput(token_id, delta, False, None)
+
+    def _extend(self, piece: str) -> int | None:
+        """Append `piece` to the text; where a stop string completed in it starts, if one did."""
+        self.text += piece
+        return self._stops.feed(piece)
+
+    def _stop_at(self, token_id: int, hit: int) -> TokenOutput:
+        self.text = self.text[:hit]
+        return self._finish(token_id, "stop")
 
     def _finish(self, token_id: int, reason: FinishReason) -> TokenOutput:
         self.finished = True
@@ -169,20 +222,3 @@ class RequestState:
         delta = self.text[self._emitted :]
         self._emitted = len(self.text)
         return TokenOutput(token_id, delta, True, reason)
-
-    def _longest_stop(self) -> int:
-        return max((len(s) for s in self.params.stop), default=1)
-
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best

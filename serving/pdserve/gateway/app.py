@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve import jsonbody
 from pdserve.common.routes import probe_routes
 from pdserve.common.tls import client_context
 from pdserve.scheduler.client import bearer, read_token
@@ -26,7 +28,7 @@ from pdserve.scheduler.protocol import RoutingTable
 from .accounting import CLIENT_CLOSED, Accounting, Record, record_of
 from .auth import KeyStore, TenantLimits
 from .early import EarlyDispatch, read_params_key, streams_kv
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, field_label
 from .proxy import Context, PDProxy, Stream, UpstreamError
 from .ratelimit import RateLimiter
 from .routing import Plan, Router
@@ -75,6 +77,9 @@ class Gateway:
         )
         self.counter = PromptCounter(settings.tokenizer_file)
         self.router = Router()
+        self.background: set[asyncio.Task[None]] = set()
+        self.active: dict[str, int] = defaultdict(int)
+        """requests in progress per tenant (tenant_max_concurrent_requests)"""
         # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them from the server side;
         # at equal timeouts the gateway could send a request on a connection the server is just closing.
         limits = httpx.Limits(
@@ -109,7 +114,7 @@ class Gateway:
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         record = record_of(request.scope)
-        refusal = self.authenticate(request, record)
+        refusal = self.authenticate(request, record) or self._hold_slot(record) or await self._before_body(record)
         if refusal is not None:
             return refusal
         try:
@@ -117,7 +122,7 @@ class Gateway:
             valid = validate(endpoint, body, self.settings, self.counter)
             check_fleet(valid, self.router.table.instances)
         except RequestError as exc:
-            self.metrics.invalid.labels(exc.field).inc()
+            self.metrics.invalid.labels(field_label(exc.field)).inc()
             record.error = exc.field
             return openai_error(exc.status, str(exc), "invalid_request_error", record.request_id, param=exc.field)
         refusal = await self._rate_limit(record, valid.prompt_tokens + valid.max_tokens)
@@ -127,6 +132,34 @@ class Gateway:
         record.dispatched = True
         return await self._run(request, ctx, record)
 
+    def _hold_slot(self, record: Record) -> Response | None:
+        """One of the tenant's concurrent-request slots until the response is over, or 429 when all are taken."""
+        tenant = record.tenant
+        if self.active[tenant] >= self.settings.tenant_max_concurrent_requests:
+            return self._too_many(record, "concurrency", 1)
+        self.active[tenant] += 1
+
+        async def release() -> None:
+            self.active[tenant] -= 1
+
+        record.cleanups.append(release)
+        return None
+
+    async def _before_body(self, record: Record) -> Response | None:
+        decision = await self.limiter.spent(record.tenant)
+        return None if decision.allowed else self._too_many(record, decision.limit, decision.retry_after)
+
+    def _too_many(self, record: Record, limit: str, retry_after: int) -> Response:
+        self.metrics.rate_limited.labels(record.tenant, limit).inc()
+        record.error = f"rate_limit_{limit}"
+        return openai_error(
+            429,
+            f"rate limit exceeded ({limit}); retry after {retry_after}s",
+            "rate_limit_error",
+            record.request_id,
+            headers={"Retry-After": str(retry_after)},
+        )
+
     async def _rate_limit(self, record: Record, cost: int) -> Response | None:
         tenant = record.tenant
         budget = self.limiter.token_budget(tenant)
@@ -135,17 +168,7 @@ class Gateway:
             message = f"max_tokens: prompt plus max_tokens ({cost}) exceeds this tenant's tokens_per_minute ({budget})"
             return openai_error(400, message, "invalid_request_error", record.request_id, param="max_tokens")
         decision = await self.limiter.check(tenant, cost)
-        if decision.allowed:
-            return None
-        self.metrics.rate_limited.labels(tenant, decision.limit).inc()
-        record.error = f"rate_limit_{decision.limit}"
-        return openai_error(
-            429,
-            f"rate limit exceeded ({decision.limit}); retry after {decision.retry_after}s",
-            "rate_limit_error",
-            record.request_id,
-            headers={"Retry-After": str(decision.retry_after)},
-        )
+        return None if decision.allowed else self._too_many(record, decision.limit, decision.retry_after)
 
     async def _run(self, request: Request, ctx: Context, record: Record) -> Response:
         """Prefill and decode up to the first token, abandoning the upstream work if the client goes away."""
@@ -189,7 +212,18 @@ class Gateway:
         if self.early is not None and streams_kv(plan):
             return await self._start_early(ctx, plan)
         plan, kv_params = await self.proxy.prefill(ctx, plan)
-        return await self._decode(ctx, plan, kv_params)
+        try:
+            return await self._decode(ctx, plan, kv_params)
+        except BaseException:  # decode refused or failed, or the client left: nobody will pull this KV
+            if kv_params is not None and plan.prefill is not None:
+                self._spawn(self.proxy.release_kv(ctx, plan.prefill, kv_params))
+            raise
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` beside the request (which may be being cancelled), kept until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _start_early(self, ctx: Context, plan: Plan) -> Stream | httpx.Response:
         """Prefill and decode at once; prefill is abandoned if decode fails or the client leaves first."""
@@ -247,17 +281,10 @@ class Gateway:
         return prompt_text() if self.settings.log_prompts and prompt_text is not None else None
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise RequestError("body", f"request body of {declared} bytes exceeds {limit}", status=413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError("body", f"request body exceeds {limit} bytes", status=413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            return await jsonbody.read_body(request, self.settings.max_body_bytes)
+        except jsonbody.BodyError as exc:
+            raise RequestError(exc.field, exc.message, status=exc.status) from None
 
     async def poll_routing_table(self) -> None:
         url = self.settings.scheduler_url.rstrip("/") + "/v1/routing"
@@ -354,6 +381,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
             yield
         finally:
             poller.cancel()
+            for task in gateway.background:
+                task.cancel()
+            await asyncio.gather(*gateway.background, return_exceptions=True)
             await gateway.limiter.stop()
             await gateway.client.aclose()
 

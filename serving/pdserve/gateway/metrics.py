@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BYTES_BUCKETS = tuple(float(4**k) * 1024 for k in range(1, 12))
+REFUSED_FIELDS = frozenset(
+    {
+        "authorization", "body", "model", "prompt", "messages", "kv_transfer_params", "temperature", "top_p",
+        "top_k", "presence_penalty", "frequency_penalty", "n", "seed", "stop", "stop_token_ids", "stream",
+        "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos", "logprobs",
+        "top_logprobs", "echo", "suffix", "return_token_ids", *ENGINE_OPTIONAL_PARAMS,
+    }
+)  # fmt: skip
+"""The values of pdserve_gateway_invalid_requests' `field` label: a field named by a client's JSON key counts as
+`other`, so that no client can grow /metrics by sending new names."""
+
+
+def field_label(field: str) -> str:
+    """The request field a refusal names (`messages[2].role` -> `messages`), as a label from REFUSED_FIELDS."""
+    root = re.split(r"[.\[]", field, maxsplit=1)[0]
+    return root if root in REFUSED_FIELDS else "other"
 
 
 class GatewayMetrics:
@@ -52,7 +72,10 @@ class GatewayMetrics:
         )
         self.auth_failures = Counter("pdserve_gateway_auth_failures", "Requests without a valid API key", registry=r)
         self.invalid = Counter(
-            "pdserve_gateway_invalid_requests", "Requests refused by validation, by field", ["field"], registry=r
+            "pdserve_gateway_invalid_requests",
+            "Requests refused by validation, by top-level field (a fixed set; `other` for any other name)",
+            ["field"],
+            registry=r,
         )
         self.routing = Counter(
             "pdserve_gateway_routing_decisions",
@@ -97,6 +120,13 @@ class GatewayMetrics:
             "pdserve_gateway_early_dispatch_prefills",
             "Prefills sent alongside their decode (early dispatch), by outcome: ok, "
             "finished_early, cancelled, or the upstream error's cause",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_releases = Counter(
+            "pdserve_gateway_kv_releases",
+            "KV leases the gateway asked prefill to free because no decode will pull them (decode refused the "
+            "request, or the client left before decode started), by outcome: released, not_held, unsupported, failed",
             ["outcome"],
             registry=r,
         )

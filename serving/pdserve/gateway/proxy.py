@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+RELEASE_PATH = "/v1/kv/release"  # pdserve's prefill (pdserve.server.leases)
+RELEASE_TIMEOUT_S = 5.0
 REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 SUSPEND_SECONDS = 5.0
 # engine_abort: an engine that aborts requests is usually shutting down (given_up)
@@ -319,6 +321,23 @@ class PDProxy:
         self._observe_kv(response.text)
         given_up(response.text)
         return response
+
+    async def release_kv(self, ctx: Context, prefill: RoutedInstance, kv_params: dict[str, Any]) -> None:
+        """Ask prefill to free KV no decode will pull, counted by outcome: released, not_held (already freed),
+        unsupported (an engine without the endpoint, e.g. vLLM: its lease expires instead) or failed."""
+        url = prefill.info.url + RELEASE_PATH
+        timeout = httpx.Timeout(RELEASE_TIMEOUT_S, connect=self.settings.connect_timeout)
+        body = {"remote_request_id": kv_params.get("remote_request_id")}
+        try:
+            response = await self.client.post(url, json=body, headers=self._headers(ctx), timeout=timeout)
+            released = response.json().get("released") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            response, released = None, None
+        if released is not None:
+            outcome = "released" if released else "not_held"
+        else:
+            outcome = "unsupported" if response is not None and response.status_code in (404, 405) else "failed"
+        self.metrics.kv_releases.labels(outcome).inc()
 
     async def post(
         self, role: str, url: str, body: dict[str, Any], ctx: Context, timeout: httpx.Timeout

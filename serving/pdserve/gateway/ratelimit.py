@@ -96,6 +96,16 @@ class RateLimiter:
             self._fall_back(type(exc).__name__)
             return await _check(self._local, self._items(tenant), tenant, tokens)
 
+    async def spent(self, tenant: str) -> Decision:
+        """Whether the tenant's limits leave room for any request at all (taking nothing): asked before its body is
+        read, so that a tenant over its limit holds no memory with bodies it will be refused for anyway."""
+        limiter = self._store if self._use_store else self._local
+        try:
+            return await _test(limiter, self._items(tenant), tenant)
+        except STORE_ERRORS as exc:
+            self._fall_back(type(exc).__name__)
+            return await _test(self._local, self._items(tenant), tenant)
+
     async def _probe_while_down(self) -> None:
         while True:
             await asyncio.sleep(RETRY_SHARED_SECONDS)
@@ -177,6 +187,15 @@ async def _check(
         return await _refusal(limiter, "requests", requests, tenant)
     if not await limiter.hit(token_item, tenant, cost=tokens):  # another replica spent it since the test
         return await _refusal(limiter, "tokens", token_item, tenant)
+    return Decision(True)
+
+
+async def _test(
+    limiter: SlidingWindowCounterRateLimiter, items: tuple[RateLimitItem, RateLimitItem], tenant: str
+) -> Decision:
+    for name, item in zip(("requests", "tokens"), items, strict=True):
+        if not await limiter.test(item, tenant):
+            return await _refusal(limiter, name, item, tenant)
     return Decision(True)
 
 

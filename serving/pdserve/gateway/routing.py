@@ -6,6 +6,7 @@ in-flight counts to the load the instances last reported, so a burst does not pi
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import defaultdict
@@ -91,10 +92,10 @@ class Router:
         if not versions:
             raise NoRouteError("no ready decode instance")
         weights = self.table.weights
-        candidates = sorted(versions) if not weights else sorted(v for v in versions if weights.get(v, 0) > 0)
+        candidates = sorted(versions) if not weights else sorted(v for v in versions if _usable(weights.get(v, 0)))
         if not candidates:
             raise NoRouteError(f"no ready instance of a version with traffic weight (weights {weights})")
-        chosen: str = self.rng.choices(candidates, weights=[weights.get(v, 1.0) for v in candidates])[0]
+        chosen: str = self.rng.choices(candidates, weights=_finite_shares([weights.get(v, 1.0) for v in candidates]))[0]
         return chosen
 
     @staticmethod
@@ -132,6 +133,17 @@ class Router:
             return candidates[0]
         first, second = self.rng.sample(candidates, 2)
         return first if key(first) >= key(second) else second
+
+
+def _usable(weight: float) -> bool:
+    return math.isfinite(weight) and weight > 0
+
+
+def _finite_shares(weights: list[float]) -> list[float]:
+    """The same proportions with a finite sum: weights near the float maximum overflow when random.choices adds
+    them up, and whatever table the scheduler sends, routing must not fail on it."""
+    largest = max(weights)
+    return [w / largest for w in weights]
 
 
 def alternative_decode(router: Router, failed: RoutedInstance, exclude: frozenset[str]) -> RoutedInstance | None:

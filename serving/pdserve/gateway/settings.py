@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from pdserve.common.settings import is_loopback
 from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
 
@@ -38,6 +38,12 @@ class GatewaySettings(TracingSettings, TLSSettings):
     requests_per_second: float = Field(10.0, gt=0, description="default per-tenant request rate")
     request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
     tokens_per_minute: int = Field(200_000, ge=1, description="default per-tenant prompt+completion token budget")
+    tenant_max_concurrent_requests: int = Field(
+        64,
+        ge=1,
+        description="requests of one tenant this replica serves at once, counted from authentication (before the "
+        "body is read) to the response's last byte; more get 429",
+    )
     rate_limit_storage: str = Field(
         "memory://",
         pattern=r"^(memory|redis|rediss)://",
@@ -69,19 +75,9 @@ class GatewaySettings(TracingSettings, TLSSettings):
 
     @model_validator(mode="after")
     def _plaintext_allowed(self) -> GatewaySettings:
-        if self.tls_cert is None and not self.allow_plaintext and not _loopback(self.host):
+        if self.tls_cert is None and not self.allow_plaintext and not is_loopback(self.host):
             raise ValueError(
                 f"tls_cert: the gateway serves clients on {self.host}; give tls_cert and tls_key, or set "
                 "allow_plaintext to serve plain HTTP there"
             )
         return self
-
-
-def _loopback(host: str) -> bool:
-    """Only this machine can reach it (plain HTTP there crosses no network)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

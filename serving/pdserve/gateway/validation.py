@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdserve import jsonbody
+from pdserve.common.params import ParamError, check_generation_params
 from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS, RoutedInstance
 
 from .settings import GatewaySettings
 
 Endpoint = Literal["completions", "chat"]
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
-MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
 OPTIONAL_DEFAULTS: dict[str, Any] = {
     "best_of": 1,
@@ -23,6 +23,8 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "tool_choice": "none",
     "response_format": {"type": "text"},
     "parallel_tool_calls": True,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
 }
 """Values of ENGINE_OPTIONAL_PARAMS that ask for nothing, so any backend honours them (besides null and empty)."""
 
@@ -114,6 +116,10 @@ def validate(
         raise RequestError("stream_options", "allowed only with stream=true, and must be an object")
     name = "max_completion_tokens" if endpoint == "chat" and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _max_tokens(name, body, settings)
+    try:  # what decode would refuse, refused before prefill runs
+        check_generation_params(body, max_tokens)
+    except ParamError as exc:
+        raise RequestError(exc.field, exc.message) from None
     prompt_tokens = counter.count(endpoint, body)
     valid = ValidRequest(endpoint, body, prompt_tokens, max_tokens, stream, name)
     if prompt_tokens > settings.max_prompt_tokens:
@@ -214,13 +220,6 @@ def _check_sampling(body: dict[str, Any]) -> None:
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise RequestError("seed", f"must be an integer from 0 to {MAX_SEED}")
-    stop = body.get("stop")
-    if (
-        stop is not None
-        and not isinstance(stop, str)
-        and not (isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) for s in stop))
-    ):
-        raise RequestError("stop", f"must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
 
 
 def _is_int(value: Any) -> bool:

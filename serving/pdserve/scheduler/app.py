@@ -62,9 +62,10 @@ def validation_error(exc: ValidationError) -> JSONResponse:
 
 async def parse_body(request: Request, model: type[M]) -> M | JSONResponse:
     try:
-        payload = jsonbody.loads(await request.body() or b"{}")
+        raw = await jsonbody.read_body(request, state_of(request).settings.max_body_bytes)
+        payload = jsonbody.loads(raw or b"{}")
     except jsonbody.BodyError as exc:
-        return error(400, str(exc), exc.field)
+        return error(exc.status, str(exc), exc.field)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:

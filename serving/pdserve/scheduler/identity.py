@@ -15,17 +15,22 @@ import re
 
 PREFIX = "pds1."
 GATEWAY = "gateway"
+INSTANCE_PREFIX = "instance:"
 _DOMAIN = b"pdstack-scheduler-principal\0"
 _PRINCIPAL = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _MAC = re.compile(r"[0-9a-f]{64}")
 
 
 def instance_principal(instance_id: str) -> str:
-    return f"instance:{instance_id}"
+    return f"{INSTANCE_PREFIX}{instance_id}"
 
 
 def valid_principal(principal: str) -> bool:
-    return _PRINCIPAL.fullmatch(principal) is not None
+    """A name a token may be derived for: the gateway, or one instance. Anything else (`admin` above all) is
+    reserved, so that no derived token can stand for the admin token or a principal nobody was meant to hold."""
+    if _PRINCIPAL.fullmatch(principal) is None:
+        return False
+    return principal == GATEWAY or (principal.startswith(INSTANCE_PREFIX) and len(principal) > len(INSTANCE_PREFIX))
 
 
 def derive_token(key: str, principal: str) -> str:
@@ -33,7 +38,10 @@ def derive_token(key: str, principal: str) -> str:
     if not key:
         raise ValueError("identity key is empty")
     if not valid_principal(principal):
-        raise ValueError(f"principal {principal!r} must be 1..128 characters of [A-Za-z0-9._:-]")
+        raise ValueError(
+            f"principal {principal!r}: must be {GATEWAY!r} or {INSTANCE_PREFIX}<id>, "
+            "1..128 characters of [A-Za-z0-9._:-]"
+        )
     return PREFIX + principal + "." + _mac(key, principal)
 
 

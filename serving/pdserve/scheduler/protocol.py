@@ -39,6 +39,9 @@ ENGINE_OPTIONAL_PARAMS = (
     "functions",
     "function_call",
     "parallel_tool_calls",
+    "presence_penalty",
+    "frequency_penalty",
+    "suffix",
 )
 
 

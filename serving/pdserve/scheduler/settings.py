@@ -27,6 +27,9 @@ class SchedulerSettings(TracingSettings, TLSSettings):
     target_utilisation: float = Field(0.6, gt=0, le=1, description="utilisation the P:D advice sizes each role for")
     scale_up_utilisation: float = Field(0.8, gt=0, le=1, description="above this a role should scale up")
     scale_down_utilisation: float = Field(0.3, ge=0, lt=1, description="below this a role may scale down")
+    max_body_bytes: int = Field(
+        262_144, ge=1024, description="largest request body read (413 beyond it), after authentication"
+    )
     log_level: str = Field("info", description="debug | info | warning | error")
 
     @model_validator(mode="after")

@@ -19,7 +19,10 @@ def validate_weights(weights: dict[str, float]) -> dict[str, float]:
             raise WeightsError(f"weights: version name {version!r} must be 1-64 characters")
         if not math.isfinite(weight) or weight < 0:
             raise WeightsError(f"weights.{version}: weight must be a finite number >= 0, got {weight!r}")
-    if weights and sum(weights.values()) <= 0:
+    total = sum(weights.values())
+    if weights and not math.isfinite(total):
+        raise WeightsError(f"weights: the weights must add up to a finite number, got {total!r}")
+    if weights and total <= 0:
         raise WeightsError("weights: at least one version needs a weight above 0")
     return dict(weights)
 

@@ -63,6 +63,13 @@ class ServerMetrics:
         self.step_seconds = Histogram(
             "pdserve_step_duration_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS, registry=registry
         )
+        self.kv_unused = Counter(
+            "pdserve_kv_leases_unused",
+            "Release requests for KV no decode will pull (decode refused it, or the client left first), by "
+            "outcome: released, or not_held (already acknowledged or expired)",
+            ["outcome"],
+            registry=registry,
+        )
         self.kv_load_failures = Counter(
             "pdserve_kv_load_failures",
             "Remote KV that could not be used, by cause and the action taken",

@@ -52,9 +52,12 @@ def as_error_response(error: BaseException) -> JSONResponse:
 
 
 class OpenAIEndpoints:
-    def __init__(self, service_ref: Callable[[], GenerationService | None], model_name: str) -> None:
+    def __init__(
+        self, service_ref: Callable[[], GenerationService | None], model_name: str, max_body_bytes: int = 4_194_304
+    ) -> None:
         self._ref = service_ref  # None while the model loads
         self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
 
     @property
     def service(self) -> GenerationService:
@@ -107,7 +110,7 @@ class OpenAIEndpoints:
         self, request: Request, chat: bool, request_id: str
     ) -> tuple[ChatCompletionRequest | CompletionRequest, Generation]:
         """Parse, check and admit a request; nothing is reserved unless this returns."""
-        body = await _json_body(request)
+        body = await json_body(request, self.max_body_bytes)
         service = self.service
         await faults.before_request(service.settings)
         parsed: ChatCompletionRequest | CompletionRequest
@@ -151,11 +154,12 @@ async def _collect_unless_disconnected(request: Request, generation: Generation)
     return True
 
 
-async def _json_body(request: Request) -> Any:
+async def json_body(request: Request, limit: int) -> Any:
+    """The request's JSON body, read up to `limit` bytes (413 beyond)."""
     try:
-        return jsonbody.loads(await request.body())
+        return jsonbody.loads(await jsonbody.read_body(request, limit))
     except jsonbody.BodyError as error:
-        raise RequestError(f"{error.field}: {error.message}", param=error.field) from None
+        raise RequestError(f"{error.field}: {error.message}", param=error.field, status=error.status) from None
 
 
 class _GenerationStream(StreamingResponse):

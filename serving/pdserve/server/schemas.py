@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdserve.common.params import ParamError, check_generation_params
 from pdserve.engine import SamplingParams
 from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS
 
@@ -24,6 +25,8 @@ NEUTRAL_ENGINE_PARAM_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
 }
 
 
@@ -79,6 +82,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     min_tokens: int | None = Field(None, ge=0)
     logprobs: Any = None
+    top_logprobs: Any = None
     return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the choices
     kv_transfer_params: KVTransferParams | None = None
 
@@ -94,6 +98,13 @@ class _GenerationRequest(BaseModel):
     def _no_logprobs(cls, value: Any) -> Any:
         if value not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: Any) -> Any:
+        if value not in (None, 0) or isinstance(value, bool):
+            raise ValueError("top_logprobs are not supported (logprobs are not)")
         return value
 
     @field_validator("stop")
@@ -186,8 +197,12 @@ def refuse_unhonoured_params(body: dict[str, Any]) -> None:
 def parse_request(model: type[RequestT], body: Any) -> RequestT:
     """Validate a decoded JSON body, turning the first problem into a RequestError naming its field."""
     if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
+        raise RequestError("body: must be a JSON object", param="body")
     refuse_unhonoured_params(body)
+    try:
+        check_generation_params(body, None)  # min_tokens against max_tokens: GenerationService.max_tokens
+    except ParamError as error:
+        raise RequestError(str(error), param=error.field) from None
     try:
         return model.model_validate(body)
     except ValidationError as error:

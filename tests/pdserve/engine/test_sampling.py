@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pdserve.engine import Engine, RequestState, Sampler, SamplingParams
+from pdserve.engine.sampling import StopMatcher
 
 
 def logits_row(seed: int = 0, vocab: int = 50) -> np.ndarray:
@@ -187,3 +188,45 @@ def test_generate_is_reproducible_with_seed(kind: str, load_engine: Any) -> None
     assert a.token_ids != c.token_ids
     streamed = "".join(o.text for o in engine.generate_stream(ids, params))
     assert streamed == a.text
+
+
+def naive_hits(text: str, fed: int, stops: tuple[str, ...]) -> int | None:
+    """Earliest start of a stop string that ends in text[fed:], searched the obvious quadratic way."""
+    starts = [
+        end - len(stop)
+        for stop in stops
+        for end in range(fed + 1, len(text) + 1)
+        if end >= len(stop) and text[end - len(stop) : end] == stop
+    ]
+    return min(starts) if starts else None
+
+
+def naive_held_back(text: str, stops: tuple[str, ...]) -> int:
+    return max(
+        (n for stop in stops for n in range(1, len(stop)) if n <= len(text) and text.endswith(stop[:n])), default=0
+    )
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_matcher_agrees_with_the_quadratic_search(seed: int) -> None:
+    """Finding 3: the incremental matcher finds what slicing every prefix found, fed in pieces of any size."""
+    rng = np.random.default_rng(seed)
+    alphabet = "ab" if seed % 2 else "abc"
+    stops = tuple("".join(rng.choice(list(alphabet), int(rng.integers(1, 6)))) for _ in range(int(rng.integers(1, 5))))
+    matcher, text = StopMatcher(stops), ""
+    for _ in range(40):
+        piece = "".join(rng.choice(list(alphabet), int(rng.integers(0, 4))))
+        expected = naive_hits(text + piece, len(text), stops)
+        text += piece
+        assert matcher.feed(piece) == expected, (stops, text)
+        assert matcher.held_back() == naive_held_back(text, stops), (stops, text)
+
+
+def test_stop_strings_at_the_length_limit_that_the_text_keeps_almost_matching() -> None:
+    """The text is held back while it might still become a stop string, and the match is found when it does."""
+    stops = ("a" * 255 + "b",) * 4
+    matcher = StopMatcher(stops)
+    assert matcher.feed("a" * 3000) is None
+    assert matcher.held_back() == 255
+    assert matcher.feed("b") == 3001 - 256
+    assert matcher.held_back() == 0

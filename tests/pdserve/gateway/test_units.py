@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from pdserve.gateway.auth import KeysFileError, KeyStore, TenantLimits
 from pdserve.gateway.early import streams_kv
+from pdserve.gateway.metrics import field_label
 from pdserve.gateway.ratelimit import RateLimiter
 from pdserve.gateway.routing import NoRouteError, Plan, Router
 from pdserve.scheduler.protocol import InstanceInfo, InstanceLoad, RoutedInstance, RoutingTable
@@ -195,3 +197,63 @@ def test_early_dispatch_only_when_both_ends_stream_kv() -> None:
     assert not streams_kv(plan(True, True, kv_port=None)), "no registered KV endpoint to name"
     offload = plan(True, True)
     assert not streams_kv(Plan("v1", offload.decode, None, "offload"))
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"v1": 1e308, "v2": 1e308},
+        {"v1": float("inf"), "v2": 1.0},
+        {"v1": float("nan"), "v2": 1.0},
+        {"v1": 5e-324, "v2": 1e308},
+    ],
+)
+def test_routing_survives_any_weights_table(weights: dict[str, float]) -> None:
+    """Finding 6: weights whose sum overflows (or that are not finite) never fail routing; versions whose weight is
+    usable (finite, above 0) are chosen, in proportion."""
+    instances = (routed("d1", "decode", version="v1"), routed("d2", "decode", version="v2"))
+    r = router(*instances, weights=weights)
+    chosen = {r.plan(1, 10).version for _ in range(200)}
+    usable = {v for v, w in weights.items() if math.isfinite(w) and w > 0}
+    assert chosen <= usable and chosen
+    with pytest.raises(NoRouteError, match="traffic weight"):
+        router(*instances, weights={"v1": float("nan"), "v2": float("inf")}).plan(1, 10)
+
+
+def test_even_weights_near_the_float_maximum_split_traffic() -> None:
+    instances = (routed("d1", "decode", version="v1"), routed("d2", "decode", version="v2"))
+    r = router(*instances, weights={"v1": 1e308, "v2": 1e308})
+    assert {r.plan(1, 10).version for _ in range(60)} == {"v1", "v2"}
+
+
+def test_spent_limits_are_known_before_the_body_and_take_nothing() -> None:
+    """Finding 9: `spent` tells a tenant over its limit before its body is read, and takes nothing itself."""
+
+    async def scenario() -> None:
+        limiter = RateLimiter(TenantLimits(requests_per_second=0.01, request_burst=2, tokens_per_minute=600), {})
+        for _ in range(5):
+            assert (await limiter.spent("t")).allowed
+        assert (await limiter.check("t", 10)).allowed and (await limiter.check("t", 10)).allowed
+        spent = await limiter.spent("t")
+        assert not spent.allowed and spent.limit == "requests" and spent.retry_after >= 1
+        assert (await limiter.check("rich", 600)).allowed
+        assert (await limiter.spent("rich")).limit == "tokens"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("field", "label"),
+    [
+        ("stop", "stop"),
+        ("messages[3].content", "messages"),
+        ("stream_options.include_usage", "stream_options"),
+        ("x" * 30_000, "other"),
+        ("x" * 30_000 + ".stop", "other"),
+        ("presence_penalty", "presence_penalty"),
+        ("body", "body"),
+    ],
+)
+def test_refused_fields_become_labels_from_a_fixed_set(field: str, label: str) -> None:
+    """Finding 2: a field named by a client's JSON key never becomes a label value."""
+    assert field_label(field) == label

@@ -7,6 +7,8 @@ principal), changes nothing, and is counted by endpoint and reason.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.scheduler.client import bearer
 from pdserve.scheduler.identity import derive_token
-from tests.support.services import Service, principal_token, start_scheduler
+from tests.support.services import Service, identity_key_file, principal_token, start_scheduler
 
 VICTIM = "decode-victim"
 READS = ("routing", "list_instances", "advice", "get_weights")
@@ -155,3 +157,68 @@ def test_unknown_paths_and_methods_name_what_is_wrong(scheduler: tuple[Service, 
     assert missing.status_code == 404 and missing.json()["error"]["field"] == "path"
     wrong = httpx.patch(service.url + "/v1/routing")
     assert wrong.status_code == 405 and wrong.json()["error"]["field"] == "method"
+
+
+def minted(tmp: Path, principal: str) -> dict[str, str]:
+    """A token in the derived format for `principal`, MACed under the scheduler's own identity key: what anyone
+    holding the key (a deploy controller) could write, whether or not derive_token agrees to."""
+    key = identity_key_file(tmp).read_text().strip()
+    mac = hmac.new(key.encode(), b"pdstack-scheduler-principal\0" + principal.encode(), hashlib.sha256).hexdigest()
+    return bearer(f"pds1.{principal}.{mac}")
+
+
+@pytest.mark.parametrize("principal", ["admin", "ADMIN", "root", "scheduler", "instance:"])
+def test_a_derived_token_is_never_the_admin(scheduler: tuple[Service, str, Path], principal: str) -> None:
+    """Issue 33 finding 4: `pds1.admin.<mac>` was an admin (weights, verdicts, any instance id)."""
+    service, admin, tmp = scheduler
+    base, forged = service.url, minted(tmp, principal)
+    verdict = {"canary": "v2", "baseline": "v1", "step_percent": 10, "outcome": "pass"}
+    attempts = [
+        ("PUT", "/v1/admin/weights", {"weights": {"v9": 1}}),
+        ("POST", "/v1/admin/canary/verdicts", verdict),
+        ("POST", "/v1/instances", victim_info("http://10.66.0.1:8100")),
+        ("DELETE", f"/v1/instances/{VICTIM}", None),
+        ("GET", "/v1/routing", None),
+    ]
+    for method, path, body in attempts:
+        response = httpx.request(method, base + path, json=body, headers=forged, timeout=10)
+        assert response.status_code == 401, (method, path, response.text)
+        assert response.json()["error"]["field"] == "authorization"
+    assert httpx.get(base + "/v1/admin/weights", headers=bearer(admin)).json()["weights"] == {}
+    assert httpx.get(base + "/v1/instances", headers=bearer(admin)).json()["instances"] == []
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [{"v1": 1e308, "v2": 1e308}, {"v1": 1.7e308, "v2": 1e308, "v3": 1}],
+)
+def test_weights_whose_sum_overflows_are_refused(
+    scheduler: tuple[Service, str, Path], weights: dict[str, float]
+) -> None:
+    """Finding 6: such weights were stored, and every gateway request then failed in random.choices."""
+    service, admin, _ = scheduler
+    response = httpx.put(service.url + "/v1/admin/weights", json={"weights": weights}, headers=bearer(admin))
+    assert response.status_code == 400 and response.json()["error"]["field"] == "weights", response.text
+    assert httpx.get(service.url + "/v1/admin/weights", headers=bearer(admin)).json()["weights"] == {}
+    fine = httpx.put(
+        service.url + "/v1/admin/weights", json={"weights": {"v1": 1e307, "v2": 1e307}}, headers=bearer(admin)
+    )
+    assert fine.status_code == 200, fine.text
+
+
+def test_bodies_over_the_limit_get_413_before_they_are_read(scheduler: tuple[Service, str, Path]) -> None:
+    """Finding 8: a 64 MiB heartbeat was read whole (71 -> 256 MiB RSS) before its 400. Declared or streamed, a
+    body past max_body_bytes (256 KiB by default) is refused naming `body`, and the scheduler serves on."""
+    service, _, tmp = scheduler
+    own = bearer(principal_token(tmp, f"instance:{VICTIM}"))
+    url = f"{service.url}/v1/instances/{VICTIM}/heartbeat"
+    declared = httpx.post(url, content=b"x" * (8 << 20), headers=own, timeout=30)
+    assert declared.status_code == 413 and declared.json()["error"]["field"] == "body", declared.text
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(64):  # 4 MiB in all, no Content-Length: refused once past the limit
+            yield b" " * 65536
+
+    streamed = httpx.post(url, content=chunks(), headers=own, timeout=30)
+    assert streamed.status_code == 413 and streamed.json()["error"]["field"] == "body", streamed.text
+    assert httpx.post(service.url + "/v1/instances", json=victim_info(), headers=own).status_code == 201

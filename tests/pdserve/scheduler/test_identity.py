@@ -17,7 +17,9 @@ def test_token_format_matches_the_contract() -> None:
     assert derive_token(KEY, "instance:decode-a") == f"pds1.instance:decode-a.{mac}"
 
 
-@pytest.mark.parametrize("principal", ["gateway", "instance:prefill-0123456789abcdef01234567", "a", "x" * 128])
+@pytest.mark.parametrize(
+    "principal", ["gateway", "instance:prefill-0123456789abcdef01234567", "instance:a", "instance:" + "x" * 119]
+)
 def test_round_trip(principal: str) -> None:
     assert principal_of(KEY, derive_token(KEY, principal)) == principal
 
@@ -43,7 +45,9 @@ def test_refuses_tokens_not_derived_from_the_key(token: str) -> None:
     assert principal_of(KEY, token) is None
 
 
-@pytest.mark.parametrize("principal", ["", "x" * 129, "has space", "slash/no", "ünicode"])
+@pytest.mark.parametrize(
+    "principal", ["", "instance:" + "x" * 120, "instance:has space", "instance:slash/no", "instance:ünicode"]
+)
 def test_refuses_malformed_principals(principal: str) -> None:
     with pytest.raises(ValueError):
         derive_token(KEY, principal)
@@ -53,3 +57,13 @@ def test_empty_key_derives_nothing() -> None:
     with pytest.raises(ValueError):
         derive_token("", "gateway")
     assert principal_of("", "pds1.gateway." + "0" * 64) is None
+
+
+@pytest.mark.parametrize("principal", ["admin", "Admin", "gateway2", "instance:", "root", "scheduler", "a"])
+def test_reserved_and_unknown_principals_are_never_derived(principal: str) -> None:
+    """Finding 4: only the gateway and instance:<id> are derived principals; a token minted with the right MAC for
+    any other name (admin above all) is no principal's."""
+    with pytest.raises(ValueError):
+        derive_token(KEY, principal)
+    mac = hmac.new(KEY.encode(), b"pdstack-scheduler-principal\0" + principal.encode(), hashlib.sha256).hexdigest()
+    assert principal_of(KEY, f"pds1.{principal}.{mac}") is None

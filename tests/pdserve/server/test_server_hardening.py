@@ -178,6 +178,9 @@ UNHONOURED: dict[str, Any] = {
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "parallel_tool_calls": False,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1.0,
+    "suffix": "and so on",
 }
 
 
@@ -187,7 +190,23 @@ def test_every_unhonoured_param_is_refused_by_name(small: ServerProcess) -> None
         response = small.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, name: value})
         assert response.status_code == 400, (name, response.text)
         assert response.json()["error"]["param"] == name
-    neutral = {"best_of": 1, "repetition_penalty": 1.0, "tools": None, "logit_bias": {}, "tool_choice": "none"}
+    for name, value in (("top_logprobs", 3), ("logprobs", 2), ("echo", True)):  # vLLM honours them, pdserve refuses
+        response = small.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, name: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == name, (name, response.text)
+    for body in ("null", "[]", "123", '"text"'):
+        response = post_raw(small, body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "body", (body, response.text)
+    neutral = {
+        "best_of": 1,
+        "repetition_penalty": 1.0,
+        "tools": None,
+        "logit_bias": {},
+        "tool_choice": "none",
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "suffix": "",
+        "top_logprobs": 0,
+    }
     assert small.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **neutral}).status_code == 200
     assert_nothing_reserved(small)
 
