@@ -29,6 +29,7 @@ from pdserve.server.batching import Admission, BatchScheduler
 from pdserve.server.generation import GenerationService
 from pdserve.server.heartbeat import read_scheduler_token, start_heartbeats
 from pdserve.server.kvlink import DecodeImporter, PrefillExporter
+from pdserve.server.leases import RELEASE_PATH, release_kv
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import OpenAIEndpoints
 from pdserve.server.settings import Role, ServerSettings
@@ -104,7 +105,7 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
     metrics.build.labels(settings.version, settings.role.value).set(1)
     state = ServerState(settings, metrics)
     api_token = read_api_token(settings)
-    endpoints = OpenAIEndpoints(lambda: state.service, settings.model_name)
+    endpoints = OpenAIEndpoints(lambda: state.service, settings.model_name, settings.max_body_bytes)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"status": "live", "role": settings.role.value})
@@ -153,11 +154,18 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
         Route("/v1/models", endpoints.models),
         Route("/v1/completions", endpoints.completions, methods=["POST"]),
         Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+        Route(RELEASE_PATH, release_kv, methods=["POST"]),
     ]
     middleware = [Middleware(RequestIdMiddleware, metrics=metrics), Middleware(BearerTokenMiddleware, token=api_token)]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.server = state
     return app
+
+
+COUNTED_PATHS = frozenset(
+    {"/health", "/health/live", "/health/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    | {RELEASE_PATH}
+)
 
 
 class RequestIdMiddleware:
@@ -191,14 +199,14 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            endpoint = path if path.startswith(("/v1/", "/health", "/metrics")) else "other"
+            endpoint = path if path in COUNTED_PATHS else "other"  # a label from a fixed set, never the client's path
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if path.startswith("/v1/"):
                 log.info(
                     "http request",
                     extra={
                         "request_id": request_id,
-                        "path": path,
+                        "path": path[:256],
                         "status": status,
                         "seconds": round(time.perf_counter() - started, 4),
                     },

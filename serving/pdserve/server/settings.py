@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pdserve.common.settings import load_settings
+from pdserve.common.settings import is_loopback, load_settings
 from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
 
@@ -58,6 +58,9 @@ class ServerSettings(TracingSettings, TLSSettings):
     kv_read_timeout_seconds: float = Field(10.0, gt=0)
     kv_load_failure_policy: FailurePolicy = FailurePolicy.FAIL
     max_num_seqs: int = Field(64, ge=1, description="requests admitted at once; more get 429")
+    max_body_bytes: int = Field(
+        4_194_304, ge=1024, description="largest request body read (413 beyond it): the gateway's limit plus room"
+    )
     kv_memory_bytes: int = Field(1 << 30, gt=0, description="KV memory for running requests; beyond it 503")
     prefill_token_budget: int = Field(512, ge=16, description="prompt tokens per engine step (chunked prefill)")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
@@ -86,6 +89,11 @@ class ServerSettings(TracingSettings, TLSSettings):
             raise ValueError(
                 f"api_token_file: the {self.role.value} role serves only callers holding the API token "
                 "(the gateway); give its file"
+            )
+        if self.api_token_file is None and not is_loopback(self.host):
+            raise ValueError(
+                f"api_token_file: without an API token this server would serve anyone who reaches {self.host}; "
+                "give api_token_file, or listen on a loopback address (127.0.0.1, ::1, localhost)"
             )
         if self.scheduler_url is not None and self.scheduler_token_file is None:
             raise ValueError("scheduler_token_file: registering with a scheduler needs its instance token file")
