@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import socket
 import subprocess
@@ -36,6 +37,7 @@ from .serving_stack import AUTH, NORMAL, normal_completion, pd_stack
 from .test_fuzz_endpoints import assert_idle
 
 CONCURRENT_CAP = 8
+DECODE_DELAY_MS = 5000  # far longer than a client needs to see prefill served and leave
 FLOOD = 100  # requests per flood: bounded in count; each is refused at once
 LABEL_GROWTH_BYTES = 4096  # a handful of new series at most (a status, `other`), never one per request
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"  # >= 8 tokens: remote prefill
@@ -158,7 +160,8 @@ def refusing_decode(
     tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, dense_checkpoint: Path
 ) -> Iterator[Cluster]:
     """Prefill with a 300 s lease, and a decode that refuses bodies over 1 KiB: a request padded past that passes
-    the gateway and prefill, and then decode refuses it (413) with its KV leased on prefill."""
+    the gateway and prefill, and then decode refuses it (413) with its KV leased on prefill. Decode waits
+    DECODE_DELAY_MS before each request it accepts, so a client can leave after prefill and before decode starts."""
     cluster = Cluster(tmp_path_factory.mktemp("refusing-decode"), kv_key_file)
     try:
         cluster.start_scheduler()
@@ -167,6 +170,7 @@ def refusing_decode(
             cluster.launch_server("p", "prefill", dense_checkpoint)
             patch.delenv("PDSERVE_KV_LEASE_SECONDS")
             patch.setenv("PDSERVE_MAX_BODY_BYTES", "1024")
+            patch.setenv("PDSERVE_FAULT_DELAY_MS", str(DECODE_DELAY_MS))
             cluster.launch_server("d", "decode", dense_checkpoint)
         cluster.wait_servers()
         model = dense_checkpoint / "tokenizer.json"
@@ -191,6 +195,28 @@ def test_kv_that_decode_refused_is_released_at_once(refusing_decode: Cluster) ->
     assert metric(text, "pdserve_kv_leases") == 0, "the 300 s leases are gone: released, not expired"
     short = {**NORMAL, "prompt": LONG_PROMPT}
     checked(httpx.post(gateway + "/v1/completions", json=short, headers=AUTH, timeout=60), "normal", status=200)
+
+
+def test_kv_of_a_client_gone_before_decode_started_is_released(refusing_decode: Cluster) -> None:
+    cluster, gateway = refusing_decode, refusing_decode.gateways[0].url
+    released = releases(gateway)
+    served = cluster.served("p")
+    body = json.dumps({**NORMAL, "prompt": LONG_PROMPT}).encode()
+    host, port = gateway.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: {AUTH['Authorization']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        wait_for(lambda: cluster.served("p") > served, timeout=60, what="prefill's answer")
+    wait_for(lambda: releases(gateway) > released, timeout=30, what="the release of the abandoned KV")
+    wait_for(lambda: leases(cluster) == 0, timeout=30, what="no lease left (they last 300 s)")
+    assert metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_client_disconnects_total") >= 1
+
+
+def releases(gateway: str) -> float:
+    return metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_kv_releases_total", outcome="released")
 
 
 def test_the_release_endpoint_needs_the_server_token_and_a_lease_id(refusing_decode: Cluster) -> None:

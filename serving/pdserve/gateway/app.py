@@ -123,7 +123,7 @@ class Gateway:
             check_fleet(valid, self.router.table.instances)
         except RequestError as exc:
             self.metrics.invalid.labels(field_label(exc.field)).inc()
-            record.error = exc.field
+            record.error = exc.field[:128]  # a client may name a field with 30 KB
             return openai_error(exc.status, str(exc), "invalid_request_error", record.request_id, param=exc.field)
         refusal = await self._rate_limit(record, valid.prompt_tokens + valid.max_tokens)
         if refusal is not None:
