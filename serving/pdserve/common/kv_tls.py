@@ -26,7 +26,11 @@ class SocketWrapper(Protocol):
     """What the KV channel's threads make handshakes with: an ssl.SSLContext, or a RotatingContext."""
 
     def wrap_socket(
-        self, sock: socket.socket, server_side: bool = ..., server_hostname: str | None = ...
+        self,
+        sock: socket.socket,
+        server_side: bool = ...,
+        do_handshake_on_connect: bool = ...,
+        server_hostname: str | None = ...,
     ) -> ssl.SSLSocket: ...
 
 
@@ -55,9 +59,14 @@ class RotatingContext:
         return self._context
 
     def wrap_socket(
-        self, sock: socket.socket, server_side: bool = False, server_hostname: str | None = None
+        self,
+        sock: socket.socket,
+        server_side: bool = False,
+        do_handshake_on_connect: bool = True,
+        server_hostname: str | None = None,
     ) -> ssl.SSLSocket:
-        return self.current().wrap_socket(sock, server_side=server_side, server_hostname=server_hostname)
+        return self.current().wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
+                                          do_handshake_on_connect=do_handshake_on_connect)  # fmt: skip
 
     def _rebuild_if_changed(self) -> None:
         stamp = file_stamp(self._files)

@@ -22,7 +22,7 @@ from pdserve.common.kv_tls import SocketWrapper
 from pdserve.kv import auth
 from pdserve.kv.assembly import PullState
 from pdserve.kv.blob import KVBlob, Manifest
-from pdserve.kv.connect import Connector
+from pdserve.kv.connect import CAPACITY_WAIT_S, Connector
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.pool import KVConnection, KVConnectionPool
@@ -49,6 +49,7 @@ async def pull(
     pool: KVConnectionPool | None = None,
     first_row: int = 0,
     stall_timeout_s: float | None = None,
+    capacity_wait_s: float = CAPACITY_WAIT_S,
 ) -> KVBlob:
     """Pull the KV of `request_id`, verify every frame and the whole blob, and return it (the lease stays held).
 
@@ -65,14 +66,16 @@ async def pull(
     A stream fails `timeout` when no byte of a frame came for `read_timeout_s` and the server's TCP stack stopped
     answering too (a host or link gone), or when nothing came for `stall_timeout_s` (default STALL_READ_TIMEOUTS read
     timeouts) although it answers (a server process kept off the CPU that long): pdserve.kv.wire.
+
+    A server at its cap of connections (`capacity`) is tried again for up to `capacity_wait_s` (pdserve.kv.connect).
     """
     if streams < 1:
         raise ValueError(f"streams: must be at least 1, got {streams}")
     if first_row < 0:
         raise ValueError(f"first_row: must be at least 0, got {first_row}")
-    connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s,
-                          stall_timeout_s)  # fmt: skip
     recorder = metrics if metrics is not None else default_metrics()
+    connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s,
+                          stall_timeout_s, capacity_wait_s, recorder)  # fmt: skip
     state = PullState(request_id, expected_checksum, expected_fingerprint, streams, first_row, trace=_trace_context())
     started = time.perf_counter()
     try:
@@ -171,11 +174,14 @@ async def ack(
     metrics: KVMetrics | None = None,
     pool: KVConnectionPool | None = None,
     stall_timeout_s: float | None = None,
+    capacity_wait_s: float = CAPACITY_WAIT_S,
 ) -> bool:
     """Tell prefill the KV arrived so it frees the lease; True if the server still held it."""
+    recorder = metrics if metrics is not None else default_metrics()
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries,
-                          stall_timeout_s=stall_timeout_s)  # fmt: skip
-    route = Route(connector, host, port, pool, metrics if metrics is not None else default_metrics())
+                          stall_timeout_s=stall_timeout_s, capacity_wait_s=capacity_wait_s,
+                          metrics=recorder)  # fmt: skip
+    route = Route(connector, host, port, pool, recorder)
     return await route.exchange(_send_ack, request_id, read_timeout_s)
 
 

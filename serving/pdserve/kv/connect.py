@@ -1,17 +1,26 @@
 """How the decode side reaches a prefill server's KV port: connect, TLS, the HMAC handshake, with retries; and how
-long its reads outwait a server that is silent while its TCP stack still answers (pdserve.kv.wire)."""
+long its reads outwait a server that is silent while its TCP stack still answers (pdserve.kv.wire).
+
+A refused or timed-out connect is made again `retries` times. A server at its cap of authenticated connections
+answers `capacity` (pdserve.kv.admission): that connect is made again, with the same backoff doubling up to
+MAX_BACKOFF_S, for up to `capacity_wait_s`, since connections free up as pulls end; a pull's transfer deadline (the
+connector's transfer_timeout_seconds) bounds it too. Every connect made again is counted
+(pdserve_kv_connect_retries{cause})."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import ssl
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.common.kv_tls import SocketWrapper
 from pdserve.kv import auth
 from pdserve.kv.errors import KVTransferError
+from pdserve.kv.metrics import KVMetrics
 from pdserve.kv.protocol import NONCE_BYTES, PROOF_BYTES, FrameType, expect
 from pdserve.kv.threads import stream_threads
 from pdserve.kv.wire import FrameSocket
@@ -19,6 +28,8 @@ from pdserve.kv.wire import FrameSocket
 # A server silent while its TCP stack answers (kept off the CPU: measured 13 s at load 16 on 2 cores, a TP 2 pair's
 # prefill) is waited for this many read timeouts by default before the pull fails.
 STALL_READ_TIMEOUTS = 4
+CAPACITY_WAIT_S = 10.0  # how long a connect keeps trying a server that answers `capacity`
+MAX_BACKOFF_S = 1.0  # the longest pause between two connects
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,8 @@ class Connector:
     # How long a read outwaits a server that sends nothing while its TCP stack still answers (pdserve.kv.wire);
     # None: STALL_READ_TIMEOUTS read timeouts.
     stall_timeout_s: float | None = None
+    capacity_wait_s: float = CAPACITY_WAIT_S
+    metrics: KVMetrics | None = None  # counts connects made again
 
     @property
     def stall_bound_s(self) -> float:
@@ -47,18 +60,29 @@ class Connector:
 
     async def connect_session(self, host: str, port: int) -> tuple[FrameSocket, bytes]:
         """Open an authenticated connection (on a thread) and return it with its session key, retrying refused or
-        timed-out connects with exponential backoff."""
-        for attempt in range(self.retries + 1):
+        timed-out connects and a server at capacity with exponential backoff (see the module's docstring)."""
+        capacity_until = time.monotonic() + self.capacity_wait_s
+        failures = 0  # refused or timed-out connects so far
+        for attempt in itertools.count():
             future = stream_threads().submit(self.connect_blocking, host, port)
             try:
                 return await asyncio.wrap_future(future)
             except KVTransferError as error:
-                if error.cause not in ("connection", "timeout") or attempt == self.retries:
+                pause = min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
+                if error.cause == "capacity":
+                    pause = min(pause, capacity_until - time.monotonic())
+                    if pause <= 0:
+                        raise
+                elif error.cause not in ("connection", "timeout") or failures == self.retries:
                     raise
+                else:
+                    failures += 1
+                if self.metrics is not None:
+                    self.metrics.observe_connect_retry(error.cause)
             except asyncio.CancelledError:
                 future.add_done_callback(_close_unused)
                 raise
-            await asyncio.sleep(self.backoff_s * 2**attempt)
+            await asyncio.sleep(pause)
         raise AssertionError("unreachable")
 
     def connect_blocking(self, host: str, port: int) -> tuple[FrameSocket, bytes]:

@@ -53,6 +53,20 @@ class KVMetrics:
         self.auth_refused = Counter(
             "pdserve_kv_auth_refused", "Connections refused for missing or wrong authentication", registry=reg
         )
+        self.dropped = Counter(
+            "pdserve_kv_connections_dropped",
+            "Connections the KV listener closed before they authenticated, by reason: evicted (a newer "
+            "unauthenticated one took its slot), deadline (handshake, TLS included, too slow), handshake (bad HELLO "
+            "or AUTH: wrong key, bad frame), tls (TLS handshake failed), capacity (authenticated connections at cap)",
+            ["reason"],
+            registry=reg,
+        )
+        self.connect_retries = Counter(
+            "pdserve_kv_connect_retries",
+            "Connects to a KV server made again, by the cause of the failed one (connection, timeout, capacity)",
+            ["cause"],
+            registry=reg,
+        )
         self.lease_bytes = Gauge("pdserve_kv_lease_bytes", "KV bytes held under lease", registry=reg)
         self.leases = Gauge("pdserve_kv_leases", "KV blobs held under lease", registry=reg)
         self.lease_released = Counter(
@@ -80,6 +94,12 @@ class KVMetrics:
 
     def observe_auth_refused(self) -> None:
         self.auth_refused.inc()
+
+    def observe_dropped(self, reason: str) -> None:
+        self.dropped.labels(reason).inc()
+
+    def observe_connect_retry(self, cause: str) -> None:
+        self.connect_retries.labels(cause).inc()
 
     def observe_lease_released(self, reason: str) -> None:
         self.lease_released.labels(reason).inc()

@@ -20,6 +20,7 @@ import time
 
 from pdserve.common.kv_tls import SocketWrapper
 from pdserve.kv import auth
+from pdserve.kv.admission import DropLog, DropReason, KVListenerSettings, Slots, source_of
 from pdserve.kv.errors import KVTransferError
 from pdserve.kv.metrics import KVMetrics, default_metrics
 from pdserve.kv.protocol import (
@@ -45,14 +46,21 @@ JOIN_S = 5.0  # how long close() waits for the connection threads after aborting
 
 
 class _Link:
-    """One accepted connection: its socket (replaced by the TLS socket once wrapped), abortable from any thread."""
+    """One accepted connection: its socket (replaced by the TLS socket once wrapped), abortable from any thread, and
+    the source its slot counts against (pdserve.kv.admission)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, source: str) -> None:
         self.sock = sock
+        self.source = source
+        self.evicted = False  # its slot went to a newer connection: it ends without a word
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.abort()
 
 
 class KVServer:
@@ -68,16 +76,17 @@ class KVServer:
         ssl_context: SocketWrapper | None = None,
         io_timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
-        handshake_timeout_s: float = 10.0,
-        max_handshakes: int = 256,
+        limits: KVListenerSettings | None = None,
         metrics: KVMetrics | None = None,
         tcp_congestion: str | None = None,
         open_wait_s: float = 0.0,
         keepalive_s: float = 1.0,
         notsent_lowat_bytes: int = NOTSENT_LOWAT_BYTES,
     ) -> None:
-        """`handshake_timeout_s` bounds the whole handshake (TLS, then HELLO to AUTH); at most `max_handshakes`
-        connections may be authenticating at once (more are refused at once), so unauthenticated clients hold little.
+        """`limits` (default KVListenerSettings()) bound what connections hold before and after authenticating
+        (pdserve.kv.admission): the whole handshake (TLS, then HELLO to AUTH) ends within its
+        kv_handshake_timeout_seconds, unauthenticated connections hold capped slots the oldest of which a new one
+        takes, authenticated ones are capped too.
 
         A pull of an id not held yet waits up to `open_wait_s` for prefill to open it (early dispatch: decode may
         ask first), then fails `not_found`; while a pull waits it gets a KEEPALIVE every `keepalive_s`.
@@ -91,10 +100,11 @@ class KVServer:
         self._ssl = ssl_context
         self._io_timeout = io_timeout_s
         self._idle_timeout = idle_timeout_s
-        self._handshake_timeout = handshake_timeout_s
-        self._max_handshakes = max_handshakes
-        self._handshakes = 0
+        self._limits = limits if limits is not None else KVListenerSettings()
+        self._handshake_timeout = self._limits.kv_handshake_timeout_seconds
+        self._slots = Slots(self._limits)
         self._metrics = metrics if metrics is not None else default_metrics()
+        self._drops = DropLog(self._metrics, self._limits.kv_drop_log_seconds)
         self._tcp_congestion = tcp_congestion
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -108,6 +118,16 @@ class KVServer:
     def shared_pulls(self) -> int:
         """Multi-stream pulls whose shared chunk plan the server still holds (a stream of theirs has not ended)."""
         return self._sender.shared_pulls
+
+    @property
+    def connections(self) -> tuple[int, int]:
+        """Connections holding a slot: (not yet authenticated, authenticated)."""
+        return self._slots.pending, self._slots.authenticated
+
+    @property
+    def drop_log_lines(self) -> int:
+        """Lines logged about dropped connections so far (at most one per kv_drop_log_seconds)."""
+        return self._drops.lines
 
     @property
     def port(self) -> int:
@@ -162,7 +182,7 @@ class KVServer:
                 log.warning("kv: accept failed: %s", error)
                 time.sleep(0.05)  # out of descriptors, say: do not spin
                 continue
-            link = _Link(sock)
+            link = _Link(sock, source_of(peer))
             thread = threading.Thread(target=self._on_connection, args=(link, peer), name="pdstack-kv-conn",
                                       daemon=True)  # fmt: skip
             with self._lock:
@@ -170,6 +190,9 @@ class KVServer:
                     sock.close()
                     return
                 self._connections[thread] = link
+            for victim in self._slots.admit(link, link.source):
+                victim.evict()
+                self._drops.note("evicted", link.source, "a newer unauthenticated connection took its slot")
             thread.start()
 
     def _on_connection(self, link: _Link, peer: object) -> None:
@@ -178,21 +201,25 @@ class KVServer:
         except Exception:  # a bug must not end the thread silently
             log.exception("kv: connection from %s failed", peer)
         finally:
+            self._slots.leave(link, link.source)
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
             with contextlib.suppress(OSError):
                 link.sock.close()
 
     def _serve_connection(self, link: _Link, peer: object) -> None:
+        deadline = time.monotonic() + self._handshake_timeout
         try:
-            channel, session = self._bounded_handshake(link)
+            channel, session = self._bounded_handshake(link, deadline)
         except KVTransferError as error:
-            self._metrics.observe_auth_refused()
-            log.warning("kv: refused connection from %s: %s", peer, error.message)
-            self._send_error(FrameSocket(link.sock), error)
+            if not link.evicted:
+                self._metrics.observe_auth_refused()
+                self._drops.note(self._refusal_reason(error, deadline), link.source, error.message)
+                self._send_error(FrameSocket(link.sock), error)  # the slot stays held while the client reads it
             return
         except (ssl.SSLError, OSError) as error:
-            log.info("kv: TLS handshake with %s failed: %s", peer, error)
+            if not link.evicted:
+                self._drops.note("deadline" if time.monotonic() >= deadline else "tls", link.source, str(error))
             return
         # One authenticated connection serves any number of requests, one after another, until the client closes
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
@@ -215,29 +242,37 @@ class KVServer:
                 self._send_error(channel, error)
                 return
 
-    def _bounded_handshake(self, link: _Link) -> tuple[FrameSocket, bytes]:
-        """Authenticate the client (after TLS, if any); return the connection and the session key END frames are
-        MACed under."""
-        with self._lock:
-            if self._handshakes >= self._max_handshakes:
-                raise KVTransferError(
-                    "capacity",
-                    f"expected at most {self._max_handshakes} connections "
-                    "authenticating at once, got one more; retry later",
-                )
-            self._handshakes += 1
-        try:
-            deadline = time.monotonic() + self._handshake_timeout
-            if self._ssl is not None:
-                link.sock.settimeout(self._handshake_timeout)
-                link.sock = self._ssl.wrap_socket(link.sock, server_side=True)
-            return self._authenticate(FrameSocket(link.sock), deadline)
-        finally:
-            with self._lock:
-                self._handshakes -= 1
+    @staticmethod
+    def _refusal_reason(error: KVTransferError, deadline: float) -> DropReason:
+        if error.cause == "capacity":
+            return "capacity"
+        return "deadline" if time.monotonic() >= deadline else "handshake"
+
+    def _bounded_handshake(self, link: _Link, deadline: float) -> tuple[FrameSocket, bytes]:
+        """Authenticate the client (after TLS, if any) by `deadline`, then move it to an authenticated slot; return
+        the connection and the session key END frames are MACed under."""
+        if self._ssl is not None:
+            self._tls_handshake(link, deadline)
+        channel, session = self._authenticate(FrameSocket(link.sock), deadline)
+        self._slots.authenticate(link, link.source)
+        return channel, session
+
+    def _tls_handshake(self, link: _Link, deadline: float) -> None:
+        """TLS is part of the handshake: under the same slot, by the same deadline (CPython's do_handshake bounds all
+        of its reads together by the socket's timeout, not each one by it). The TLS socket replaces the plain one
+        (which wrapping detaches) before the handshake starts, so an eviction can abort it."""
+        assert self._ssl is not None
+        tls = self._ssl.wrap_socket(link.sock, server_side=True, do_handshake_on_connect=False)
+        link.sock = tls
+        if link.evicted:  # evicted while the plain socket was being detached: that abort reached nothing
+            raise KVTransferError("connection", "evicted before it authenticated")
+        tls.settimeout(max(0.001, deadline - time.monotonic()))
+        tls.do_handshake()
 
     def _authenticate(self, channel: FrameSocket, deadline: float) -> tuple[FrameSocket, bytes]:
         hello = self._handshake_frame(channel, deadline, FrameType.HELLO, NONCE_BYTES, "nonce")
+        if not self._slots.has_room_to_authenticate():  # said before CHALLENGE, so decode's connect retries it
+            raise KVTransferError("capacity", self._slots.full_message())
         server_nonce = auth.new_nonce()
         channel.send(self._io_timeout, FrameType.CHALLENGE,
                      server_nonce + auth.server_proof(self._key, hello.payload, server_nonce))  # fmt: skip

@@ -160,16 +160,39 @@ async def proxy_to(upstream_port: int, **options: object) -> AsyncIterator[ByteP
 @contextlib.contextmanager
 def server_process(kv_key_file: Path, request_id: str, mib: int) -> Iterator[tuple[subprocess.Popen[str], int, str]]:
     """A KV server in its own process holding one blob: (process, port, checksum)."""
+    with synthetic_server(kv_key_file, request_id, mib) as server:
+        yield server.process, server.port, server.checksum
+
+
+@dataclass
+class SyntheticServer:
+    """A running synthetic_server.py: its process, KV port, blob checksum and metrics port."""
+
+    process: subprocess.Popen[str]
+    port: int
+    checksum: str
+    metrics_port: int
+
+
+@contextlib.contextmanager
+def synthetic_server(
+    kv_key_file: Path, request_id: str, mib: int, *options: str, stderr: Path | None = None
+) -> Iterator[SyntheticServer]:
+    """synthetic_server.py in its own process; `options` are its own (--tls, ...), its log goes to `stderr` if given."""
+    log = None if stderr is None else stderr.open("w")
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), request_id, str(mib)],
+        [sys.executable, str(HERE / "synthetic_server.py"), str(kv_key_file), request_id, str(mib), *options],
         stdout=subprocess.PIPE,
+        stderr=log,
         text=True,
         cwd=HERE,
     )
     try:
         assert process.stdout is not None
-        port, checksum = process.stdout.readline().split()
-        yield process, int(port), checksum
+        port, checksum, metrics_port = process.stdout.readline().split()
+        yield SyntheticServer(process, int(port), checksum, int(metrics_port))
     finally:
         process.kill()
         process.wait()
+        if log is not None:
+            log.close()

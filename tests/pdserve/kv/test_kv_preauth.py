@@ -4,8 +4,13 @@ deadline, holds nothing for clients that hang up, and names what it expected; fu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import select
+import socket
+import ssl
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +21,7 @@ from hypothesis import strategies as st
 
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 from pdserve.kv import auth as kv_auth
+from pdserve.kv.admission import KVListenerSettings
 from pdserve.kv.connect import Connector
 from pdserve.kv.protocol import (
     HEADER,
@@ -30,8 +36,10 @@ from pdserve.kv.protocol import (
     read_frame,
 )
 from pdserve.kv.server import READ_BUFFER_BYTES
+from tests.support.cluster import wait_for
 
-from .kvtestlib import make_layers, meta_for, running_server, server_process
+from .flood import CLIENT_HELLO_START, Flood, Holding, counter
+from .kvtestlib import make_layers, meta_for, running_server, server_process, synthetic_server
 
 CLAIMED = 4 << 20  # what finding 4's clients claimed their opening frame held
 ANSWER_S = 20.0  # guards against a hang only
@@ -113,7 +121,8 @@ def test_a_client_that_never_finishes_the_handshake_is_dropped(
     store: LeaseStore, key: SecretKey, metrics: KVMetrics
 ) -> None:
     async def scenario() -> None:
-        async with running_server(store, key, metrics=metrics, io_timeout_s=600, handshake_timeout_s=0.5) as server:
+        limits = KVListenerSettings(kv_handshake_timeout_seconds=0.5)
+        async with running_server(store, key, metrics=metrics, io_timeout_s=600, limits=limits) as server:
             silent = await refusal(server.port, b"")
             assert "expected HELLO then AUTH within 0.5 s" in silent
             half = await refusal(server.port, frame_bytes(FrameType.HELLO, b"n" * 32)[:30])
@@ -130,21 +139,179 @@ def test_a_client_that_never_finishes_the_handshake_is_dropped(
     asyncio.run(scenario())
 
 
-def test_authenticating_connections_are_capped(store: LeaseStore, key: SecretKey, metrics: KVMetrics) -> None:
+def silent(port: int, source: str) -> socket.socket:
+    """A connection from `source` (a loopback address) that says nothing."""
+    return socket.create_connection(("127.0.0.1", port), timeout=ANSWER_S, source_address=(source, 0))
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (without waiting)."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_new_connection_takes_the_slot_of_the_oldest_unauthenticated_one(
+    store: LeaseStore, key: SecretKey, metrics: KVMetrics
+) -> None:
+    """Per source address, then listener-wide: a new connection is never refused for want of a slot; the oldest
+    unauthenticated connection of its address (or of the address holding most) gives up its own."""
+    limits = KVListenerSettings(kv_max_handshakes_per_address=3, kv_max_handshakes=5, kv_handshake_timeout_seconds=30)
+
     async def scenario() -> None:
-        async with running_server(store, key, metrics=metrics, max_handshakes=3) as server:
-            held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
-            await asyncio.sleep(0.2)  # let the server take them up (the cap counts connections it is serving)
-            assert "at most 3 connections authenticating" in await refusal(server.port, b"")
-            for _, writer in held:
-                writer.close()
-            await asyncio.sleep(0.2)
-            got = await pull(
-                "127.0.0.1", server.port, "req-1", store.get("req-1").checksum, key=key, retries=0, streams=3
-            )
+        async with running_server(store, key, metrics=metrics, limits=limits) as server:
+            first = [silent(server.port, "127.0.0.2") for _ in range(3)]
+            wait_for(lambda: server.connections == (3, 0), what="three unauthenticated connections")
+            fourth = silent(server.port, "127.0.0.2")
+            wait_for(lambda: closed_by_server(first[0]), what="the oldest of 127.0.0.2 evicted")
+            assert not any(closed_by_server(sock) for sock in [*first[1:], fourth])
+            others = [silent(server.port, "127.0.0.3") for _ in range(2)]  # the listener is full: 3 + 2
+            wait_for(lambda: server.connections == (5, 0), what="five unauthenticated connections")
+            sixth = silent(server.port, "127.0.0.4")  # takes the slot of the oldest of 127.0.0.2, which holds most
+            wait_for(lambda: closed_by_server(first[1]), what="the oldest of the fullest address evicted")
+            assert not any(closed_by_server(sock) for sock in [first[2], fourth, *others, sixth])
+            # A key holder's handshakes (from 127.0.0.1) get slots although the listener is full.
+            got = await pull("127.0.0.1", server.port, "req-1", store.get("req-1").checksum, key=key, retries=0,
+                             streams=2)  # fmt: skip
             assert got.meta.request_id == "req-1"
+            for sock in [*first, fourth, *others, sixth]:
+                sock.close()
+        # 127.0.0.2's two, then one per stream still unauthenticated when the next came (2 or 1)
+        assert metrics.dropped.labels("evicted")._value.get() in (3, 4)
 
     asyncio.run(scenario())
+
+
+def test_a_handshake_trickled_byte_by_byte_ends_at_the_deadline(
+    certificate: tuple[Path, Path], store: LeaseStore, key: SecretKey, metrics: KVMetrics
+) -> None:
+    """A TLS ClientHello, or a HELLO, sent a byte every 50 ms (each read answered well within any read timeout)
+    is cut off by the handshake deadline: TLS is part of the handshake."""
+    limits = KVListenerSettings(kv_handshake_timeout_seconds=0.5)
+    hello = frame_bytes(FrameType.HELLO, kv_auth.new_nonce())
+
+    async def scenario() -> None:
+        for tls, opening in ((None, hello), (tls_server_context(certificate), client_hello(certificate))):
+            async with running_server(store, key, metrics=metrics, io_timeout_s=600, ssl_context=tls,
+                                      limits=limits) as server:  # fmt: skip
+                with silent(server.port, "127.0.0.1") as sock:
+                    assert await asyncio.to_thread(trickle_until_closed, sock, opening), "never cut off"
+        assert metrics.dropped.labels("deadline")._value.get() == 2
+
+    asyncio.run(scenario())
+
+
+def trickle_until_closed(sock: socket.socket, data: bytes) -> bool:
+    """Send `data` a byte every 50 ms until the server closes (True) or every byte is sent (False)."""
+    for byte in data:
+        if closed_by_server(sock):
+            return True
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return closed_by_server(sock)
+
+
+def client_hello(certificate: tuple[Path, Path]) -> bytes:
+    """The first bytes a TLS client sends: its ClientHello records."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    context = ssl.create_default_context(cafile=str(certificate[0]))
+    tls = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def tls_server_context(certificate: tuple[Path, Path]) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+    return context
+
+
+def test_past_the_cap_of_authenticated_connections_a_connect_waits_for_one_to_end(
+    store: LeaseStore, key: SecretKey, metrics: KVMetrics
+) -> None:
+    """The server answers `capacity` in place of CHALLENGE while kv_max_connections are authenticated; decode's
+    connect tries again with backoff (counted) and succeeds once one ends, or gives up after capacity_wait_s."""
+    limits = KVListenerSettings(kv_max_connections=2)
+    checksum = store.get("req-1").checksum
+
+    async def scenario() -> None:
+        async with running_server(store, key, metrics=metrics, limits=limits) as server:
+            held = [await Connector(key, retries=0).connect("127.0.0.1", server.port) for _ in range(2)]
+            wait_for(lambda: server.connections == (0, 2), what="two authenticated connections")
+            with pytest.raises(KVTransferError) as refused:
+                await pull("127.0.0.1", server.port, "req-1", checksum, key=key, streams=1, metrics=metrics,
+                           capacity_wait_s=0)  # fmt: skip
+            assert refused.value.cause == "capacity"
+            waiting = asyncio.create_task(pull("127.0.0.1", server.port, "req-1", checksum, key=key, streams=1,
+                                               metrics=metrics, capacity_wait_s=ANSWER_S))  # fmt: skip
+            retried = metrics.connect_retries.labels("capacity")
+            while retried._value.get() < 2 and not waiting.done():  # bounded by the pull's capacity_wait_s
+                await asyncio.sleep(0.05)
+            assert not waiting.done()
+            held[0].close()
+            assert (await waiting).meta.request_id == "req-1"
+            held[1].close()
+        assert metrics.dropped.labels("capacity")._value.get() >= 3
+
+    asyncio.run(scenario())
+
+
+# -- a flood of silent sockets on a KV server process ------------------------------------------------------------------
+
+FLOOD_SOCKETS = 260  # issue #33's: more than the listener's 256 slots before authentication
+KEY_HOLDER_PULLS = 12
+DROP_LOG_SECONDS = 1.0
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["silent", "partial-client-hello"])
+def test_a_flood_without_the_key_leaves_key_holders_their_handshakes(
+    tls: bool, certificate: tuple[Path, Path], kv_key_file: Path, tmp_path: Path
+) -> None:
+    """260 sockets from one address, silent or holding the first bytes of a TLS ClientHello, each replaced as soon
+    as the server drops it: every fresh handshake of a key holder (another address) still succeeds, the server holds
+    about one address's slots (not a thread and descriptor per hostile socket), gives them all back afterwards, and
+    logs a line a second at most while its counter counts every drop. Before, 18/18 handshakes failed `capacity`."""
+    options = ["--drop-log-seconds", str(DROP_LOG_SECONDS), *(["--tls", *map(str, certificate)] if tls else [])]
+    log = tmp_path / "server.log"
+    client_tls = ssl.create_default_context(cafile=str(certificate[0])) if tls else None
+    with synthetic_server(kv_key_file, "req-flood", 1, *options, stderr=log) as server:
+        key = SecretKey.from_file(kv_key_file)
+
+        async def key_holder_pulls() -> list[str]:
+            outcomes = []
+            for _ in range(KEY_HOLDER_PULLS):  # each on a fresh connection: a full handshake
+                try:
+                    await pull("127.0.0.1", server.port, "req-flood", server.checksum, key=key, streams=1, retries=0,
+                               ssl_context=client_tls, server_hostname="localhost")  # fmt: skip
+                    outcomes.append("ok")
+                except KVTransferError as error:
+                    outcomes.append(error.cause)
+            return outcomes
+
+        asyncio.run(key_holder_pulls())
+        before = Holding.of(server.process.pid)
+        started = time.monotonic()
+        with Flood(server.port, FLOOD_SOCKETS, CLIENT_HELLO_START if tls else b"") as flood:
+            flood.wait_until_open()
+            outcomes = asyncio.run(key_holder_pulls())
+            during = Holding.of(server.process.pid)
+        flooded_s = time.monotonic() - started
+        assert outcomes == ["ok"] * KEY_HOLDER_PULLS
+        assert flood.dropped >= FLOOD_SOCKETS - KVListenerSettings().kv_max_handshakes_per_address
+        assert during.fds - before.fds < FLOOD_SOCKETS // 2, f"before: {before}; during the flood: {during}"
+        wait_for(lambda: Holding.of(server.process.pid).fds <= before.fds, what=f"descriptors back to {before}")
+        drops = sum(counter(server.metrics_port, "pdserve_kv_connections_dropped", f'reason="{reason}"')
+                    for reason in ("evicted", "deadline", "tls"))  # fmt: skip
+        assert drops >= flood.dropped
+    lines = [line for line in log.read_text().splitlines() if "kv: dropped" in line]
+    assert 1 <= len(lines) <= flooded_s / DROP_LOG_SECONDS + 2, lines
 
 
 # -- a KV server process: its memory, and fuzzing ----------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,6 @@ from prometheus_client import CollectorRegistry
 from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
 
 from .kvtestlib import make_layers, meta_for, running_server
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("tls")
-    cert, private_key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(private_key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, private_key
 
 
 def tls_contexts(certificate: tuple[Path, Path]) -> tuple[ssl.SSLContext, ssl.SSLContext]:
