@@ -3,6 +3,8 @@ tests.support.process's)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import secrets
 import subprocess
 import sys
@@ -77,7 +79,12 @@ class ServerProcess(ChildProcess):
         return self
 
     def ready_info(self) -> dict[str, object]:
-        return dict(httpx.get(f"{self.url}/health/ready").json())
+        """What the server logged once ready (role, model, fingerprint, kv_port, engine_id): its open /health/ready
+        says only whether it is ready."""
+        assert self.log_path is not None, "ready_info reads the server's log: give the server a log_path"
+        ready = [record for record in _json_lines(self.log_path) if record.get("message") == "ready"]
+        assert ready, f"the {self.role} server logged no ready line:\n{self.log_tail(20)}"
+        return ready[-1]  # a restarted server appends to its log
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
@@ -85,6 +92,16 @@ class ServerProcess(ChildProcess):
     def post(self, path: str, body: object, **options: object) -> httpx.Response:
         """POST a JSON body with the API token."""
         return httpx.post(self.url + path, json=body, headers=AUTH, timeout=options.pop("timeout", 60), **options)  # type: ignore[arg-type]
+
+
+def _json_lines(path: Path) -> list[dict[str, object]]:
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
 
 
 def start_all(servers: Sequence[ServerProcess]) -> list[ServerProcess]:

@@ -83,6 +83,7 @@ async def load_service(state: ServerState) -> None:
             "model": settings.model_name,
             "fingerprint": engine.fingerprint,
             "kv_port": exporter.server.port if exporter is not None else None,
+            "engine_id": settings.engine_id,
         },
     )
     heartbeat = start_heartbeats(settings, scheduler_token, state.service, exporter)
@@ -111,19 +112,12 @@ def create_app(settings: ServerSettings, registry: CollectorRegistry | None = No
         return JSONResponse({"status": "live", "role": settings.role.value})
 
     async def ready(request: Request) -> Response:
+        """Ready or not, and nothing more: the path is open, so no KV port, engine id, model or load error (the
+        scheduler registration carries what peers need; the "ready" and "model load failed" log lines the rest)."""
         if state.service is None:
-            reason = f"model load failed: {state.load_error}" if state.load_error else "model loading"
+            reason = "model load failed" if state.load_error else "model loading"
             return JSONResponse({"status": "not_ready", "reason": reason}, 503)
-        body: dict[str, object] = {
-            "status": "ready",
-            "role": settings.role.value,
-            "model": settings.model_name,
-            "fingerprint": state.service.engine.fingerprint,
-            "engine_id": settings.engine_id,
-        }
-        if state.exporter is not None:
-            body["kv_port"] = state.exporter.server.port
-        return JSONResponse(body)
+        return JSONResponse({"status": "ready"})
 
     async def health(request: Request) -> Response:
         """vLLM's probe: 200 once the model is loaded, 503 before (or when loading failed)."""

@@ -75,9 +75,10 @@ class PrefillExporter:
         self.server = KVServer(
             self.store,
             key,
-            host=settings.kv_host,
+            host=settings.kv_listen_host,
             port=settings.kv_port,
             ssl_context=server_tls(settings),
+            limits=settings,
             metrics=metrics.kv,
         )
 

@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pdserve.common.settings import is_loopback, load_settings
 from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
+from pdserve.kv.admission import KVListenerSettings
 
 
 class Role(StrEnum):
@@ -27,7 +28,7 @@ class FailurePolicy(StrEnum):
     FAIL = "fail"  # answer an error naming the cause
 
 
-class ServerSettings(TracingSettings, TLSSettings):
+class ServerSettings(TracingSettings, TLSSettings, KVListenerSettings):
     """Everything a prefill, decode or colocated server needs to start."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,7 +38,9 @@ class ServerSettings(TracingSettings, TLSSettings):
     served_model_name: str | None = Field(None, description="name in /v1/models (default: the directory name)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    kv_host: str = Field("0.0.0.0", description="address the KV channel listens on (prefill)")  # noqa: S104
+    kv_host: str | None = Field(
+        None, description="address the KV channel listens on (prefill; default: the advertised host, not all)"
+    )
     kv_port: int = Field(14579, ge=0, le=65535, description="KV channel port (prefill); 0 picks a free one")
     advertise_host: str | None = Field(None, description="host decode should pull KV from (default: --host)")
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="this instance's remote_engine_id")
@@ -108,6 +111,11 @@ class ServerSettings(TracingSettings, TLSSettings):
     @property
     def advertised_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def kv_listen_host(self) -> str:
+        """Where the KV channel listens: kv_host, else the address decode is told to pull from (not every one)."""
+        return self.kv_host or self.advertised_host
 
 
 def settings_from_args(role: str, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServerSettings:

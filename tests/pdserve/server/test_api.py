@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -260,6 +261,25 @@ def test_ready_only_once_the_model_is_loaded(tmp_path: Path, spawn: Callable[...
     ready = httpx.get(server.url + "/health/ready")
     assert ready.status_code == 503
     assert post(server.url, {"prompt": PROMPT}).status_code == 503
+
+
+def test_the_open_readiness_probe_says_ready_and_nothing_more(dense: Deployment) -> None:
+    """/health/ready answers without a token, so it names no KV port, engine id or model (issue #33): the scheduler
+    registration carries what peers need, and the server's "ready" log line the rest."""
+    for server in (dense.prefill, dense.decode, dense.colocated):
+        ready = httpx.get(server.url + "/health/ready")
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    logged = dense.prefill.ready_info()
+    assert logged["kv_port"] and logged["engine_id"]
+
+
+def test_prefill_listens_for_kv_only_on_the_address_it_tells_decode_to_pull_from(dense: Deployment) -> None:
+    """The KV listener binds the advertised host (here 127.0.0.1), not every address of the machine."""
+    port = int(str(dense.prefill.ready_info()["kv_port"]))
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5)
 
 
 def test_models_endpoint(dense: Deployment) -> None:
