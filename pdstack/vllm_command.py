@@ -126,8 +126,9 @@ def connector_extra_config(
     timeouts = serving.timeouts
     extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR}
     if side is PoolRole.PREFILL:
-        extra |= {"advertise_host": advertise_host, "bind_host": LISTEN_HOST, "port": kv_port(serving),
-                  "lease_seconds": timeouts.kv_lease_s}  # fmt: skip
+        # No bind_host: the KV listener binds advertise_host (the connector's default), where decode pulls from,
+        # not every address of the node.
+        extra |= {"advertise_host": advertise_host, "port": kv_port(serving), "lease_seconds": timeouts.kv_lease_s}
     else:
         extra |= {"streams": serving.kv_streams, "connect_timeout_seconds": timeouts.connect_s,
                   "read_timeout_seconds": timeouts.kv_transfer_s}  # fmt: skip

@@ -109,7 +109,7 @@ def test_the_connector_accepts_the_rendered_extra_config(
     assert settings.key.material == b"k" * 32
     assert settings.run_dir.parent == Path(RUN_DIR)
     if side is PoolRole.PREFILL:
-        assert (settings.advertise_host, settings.bind_host) == (HOST, LISTEN_HOST)
+        assert (settings.advertise_host, settings.bind_host) == (HOST, HOST)  # the node's address, not every one
         assert settings.port == contract(serving)["prefill"].kv_port == serving.ports.kv
         assert settings.lease_seconds == serving.timeouts.kv_lease_s
     else:
