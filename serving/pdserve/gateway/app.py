@@ -66,6 +66,7 @@ class Gateway:
             requests_per_second=settings.requests_per_second,
             request_burst=settings.request_burst,
             tokens_per_minute=settings.tokens_per_minute,
+            max_concurrent_requests=settings.tenant_max_concurrent_requests,
         )
         self.limiter = RateLimiter(
             defaults,
@@ -135,7 +136,7 @@ class Gateway:
     def _hold_slot(self, record: Record) -> Response | None:
         """One of the tenant's concurrent-request slots until the response is over, or 429 when all are taken."""
         tenant = record.tenant
-        if self.active[tenant] >= self.settings.tenant_max_concurrent_requests:
+        if self.active[tenant] >= self.limiter.concurrency_cap(tenant):
             return self._too_many(record, "concurrency", 1)
         self.active[tenant] += 1
 

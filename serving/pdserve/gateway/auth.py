@@ -3,7 +3,8 @@
 Keys file (JSON, or YAML when it ends in .yaml/.yml), tenant -> keys, or tenant -> keys plus limits:
 
     {"acme": ["sha256:9f86d08...", "a-plaintext-key"],
-     "beta": {"keys": ["sha256:..."], "requests_per_second": 5, "request_burst": 10, "tokens_per_minute": 60000}}
+     "beta": {"keys": ["sha256:..."], "requests_per_second": 5, "request_burst": 10, "tokens_per_minute": 60000,
+              "max_concurrent_requests": 16}}
 
 An entry `sha256:<64 hex>` is a key's digest; any other entry is a plaintext key, hashed at load and then forgotten.
 Prefer digests: `printf %s "$KEY" | sha256sum`.
@@ -32,6 +33,7 @@ class TenantLimits(BaseModel):
     requests_per_second: float | None = Field(None, gt=0)
     request_burst: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent_requests: int | None = Field(None, ge=1)
 
 
 class TenantEntry(TenantLimits):

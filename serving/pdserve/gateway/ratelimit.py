@@ -73,6 +73,9 @@ class RateLimiter:
     def token_budget(self, tenant: str) -> int:
         return int(self._limit(tenant, "tokens_per_minute"))
 
+    def concurrency_cap(self, tenant: str) -> int:
+        return int(self._limit(tenant, "max_concurrent_requests"))
+
     async def start(self) -> None:
         """Check the shared store once, so that a store down at start is reported at start, and start probing it."""
         if not self.shared:

@@ -39,10 +39,11 @@ class GatewaySettings(TracingSettings, TLSSettings):
     request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
     tokens_per_minute: int = Field(200_000, ge=1, description="default per-tenant prompt+completion token budget")
     tenant_max_concurrent_requests: int = Field(
-        64,
+        128,
         ge=1,
-        description="requests of one tenant this replica serves at once, counted from authentication (before the "
-        "body is read) to the response's last byte; more get 429",
+        description="default requests of one tenant this replica serves at once (a tenant's max_concurrent_requests "
+        "in the keys file overrides it), counted from authentication (before the body is read) to the response's "
+        "last byte; more get 429",
     )
     rate_limit_storage: str = Field(
         "memory://",

@@ -257,3 +257,15 @@ def test_spent_limits_are_known_before_the_body_and_take_nothing() -> None:
 def test_refused_fields_become_labels_from_a_fixed_set(field: str, label: str) -> None:
     """Finding 2: a field named by a client's JSON key never becomes a label value."""
     assert field_label(field) == label
+
+
+def test_a_tenants_concurrency_cap_comes_from_its_keys_entry_or_the_default(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"a": ["key-a"], "b": {"keys": ["key-b"], "max_concurrent_requests": 3}}))
+    keys = KeyStore.from_file(path)
+    defaults = TenantLimits(requests_per_second=1, request_burst=1, tokens_per_minute=1, max_concurrent_requests=128)
+    limiter = RateLimiter(defaults, keys.limits)
+    assert (limiter.concurrency_cap("a"), limiter.concurrency_cap("b")) == (128, 3)
+    path.write_text(json.dumps({"c": {"keys": ["key-c"], "max_concurrent_requests": 0}}))
+    with pytest.raises(KeysFileError, match="max_concurrent_requests"):
+        KeyStore.from_file(path)
