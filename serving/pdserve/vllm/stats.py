@@ -5,7 +5,8 @@ Metrics registered in vLLM's worker process are never scraped. So the worker rec
 server process, where PdstackPromMetrics records it under pdserve's names (pdserve_kv_transfer_bytes,
 pdserve_kv_transfer_seconds, pdserve_kv_transfer_goodput_bytes_per_second, pdserve_kv_transfer_failures,
 pdserve_kv_connections,
-pdserve_kv_auth_refused, pdserve_kv_leases_released, pdserve_kv_lease_bytes, pdserve_kv_leases) with vLLM's
+pdserve_kv_auth_refused, pdserve_kv_connections_dropped, pdserve_kv_connect_retries, pdserve_kv_leases_released,
+pdserve_kv_lease_bytes, pdserve_kv_leases) with vLLM's
 engine labels. vLLM forwards stats at engine steps only: an idle prefill's numbers advance at its next step.
 
 Like a pdserve server, a decode engine counts the requests whose remote KV it could not use as
@@ -32,7 +33,14 @@ from pdserve.vllm.settings import release_version
 
 def _empty() -> dict[str, Any]:
     return {"transfers": [], "failures": [], "load_failures": [], "connections": [], "auth_refused": 0,
-            "released": {}, "gauges": {}}  # fmt: skip
+            "released": {}, "dropped": {}, "connect_retries": {}, "gauges": {}}  # fmt: skip
+
+
+COUNTED_BY_LABEL = ("released", "dropped", "connect_retries")  # news kept as {label value: count}
+
+
+def _add_count(counts: dict[str, int], label: str, count: int = 1) -> None:
+    counts[label] = counts.get(label, 0) + count
 
 
 class RecordingKVMetrics(KVMetrics):
@@ -69,11 +77,20 @@ class RecordingKVMetrics(KVMetrics):
         with self._lock:
             self._news["auth_refused"] += 1
 
+    def observe_dropped(self, reason: str) -> None:
+        super().observe_dropped(reason)
+        with self._lock:
+            _add_count(self._news["dropped"], reason)
+
+    def observe_connect_retry(self, cause: str) -> None:
+        super().observe_connect_retry(cause)
+        with self._lock:
+            _add_count(self._news["connect_retries"], cause)
+
     def observe_lease_released(self, reason: str) -> None:
         super().observe_lease_released(reason)
         with self._lock:
-            released = self._news["released"]
-            released[reason] = released.get(reason, 0) + 1
+            _add_count(self._news["released"], reason)
 
     def observe_leases(self, nbytes: int, count: int) -> None:
         super().observe_leases(nbytes, count)
@@ -103,8 +120,9 @@ class PdstackStats(KVConnectorStats):
         self.data["load_failures"] = [*self.data["load_failures"], *theirs.get("load_failures", [])]
         self.data["connections"] = [*self.data["connections"], *theirs.get("connections", [])]
         self.data["auth_refused"] += theirs.get("auth_refused", 0)
-        for reason, count in theirs.get("released", {}).items():
-            self.data["released"][reason] = self.data["released"].get(reason, 0) + count
+        for news in COUNTED_BY_LABEL:
+            for label, count in theirs.get(news, {}).items():
+                _add_count(self.data.setdefault(news, {}), label, count)
         self.data["gauges"].update(theirs.get("gauges", {}))
         return self
 
@@ -123,7 +141,8 @@ class PdstackStats(KVConnectorStats):
     def is_empty(self) -> bool:
         data = self.data
         return not (data["transfers"] or data["failures"] or data["load_failures"] or data["connections"]
-                    or data["auth_refused"] or data["released"] or data["gauges"])  # fmt: skip
+                    or data["auth_refused"] or data["gauges"]
+                    or any(data.get(news) for news in COUNTED_BY_LABEL))  # fmt: skip
 
 
 class PdstackPromMetrics(KVConnectorPromMetrics):
@@ -177,6 +196,17 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             documentation="KV leases released, by reason (ack, expired, aborted, replaced)",
             labelnames=[*labelnames, "reason"],
         )  # fmt: skip
+        self.dropped = self._counter_cls(
+            name="pdserve_kv_connections_dropped",
+            documentation="Connections the KV listener closed before they authenticated, by reason (evicted, "
+            "deadline, handshake, tls, capacity)",
+            labelnames=[*labelnames, "reason"],
+        )  # fmt: skip
+        self.connect_retries = self._counter_cls(
+            name="pdserve_kv_connect_retries",
+            documentation="Connects to a KV server made again, by the cause of the failed one",
+            labelnames=[*labelnames, "cause"],
+        )  # fmt: skip
         lease_bytes = self._gauge_cls(
             name="pdserve_kv_lease_bytes", documentation="KV bytes held under lease", labelnames=labelnames,
             multiprocess_mode="mostrecent",
@@ -217,8 +247,10 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             self.connections.labels(*engine, role, outcome).inc()
         if transfer_stats_data.get("auth_refused"):
             self.auth_refused[engine_idx].inc(transfer_stats_data["auth_refused"])
-        for reason, count in transfer_stats_data.get("released", {}).items():
-            self.released.labels(*engine, reason).inc(count)
+        for news, counter in (("released", self.released), ("dropped", self.dropped),
+                              ("connect_retries", self.connect_retries)):  # fmt: skip
+            for label, count in transfer_stats_data.get(news, {}).items():
+                counter.labels(*engine, label).inc(count)
         for name, value in transfer_stats_data.get("gauges", {}).items():
             if name in self.gauges:
                 self.gauges[name][engine_idx].set(value)
