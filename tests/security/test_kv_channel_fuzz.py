@@ -1,9 +1,10 @@
-"""Hypothesis-driven fuzzing of a real prefill server's KV port before authentication.
+"""Hypothesis-driven fuzzing of a real prefill server's KV port before authentication, and a flood of it.
 
 Whatever an unauthenticated peer sends — junk, a frame header claiming a large payload, a frame of the wrong type,
 a HELLO followed by a junk proof — the server closes the connection (an ERROR frame first is fine) long before its
 30 s I/O timeout, never waits for a large pre-auth payload, and goes on serving: afterwards a completion through the
-gateway, whose KV travels over that port, succeeds.
+gateway, whose KV travels over that port, succeeds. However many silent sockets a peer without the key keeps open
+there, completions whose KV crosses it go on succeeding.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv.protocol import HEADER, MAGIC, NONCE_BYTES, VERSION, FrameType
-from tests.support.cluster import Cluster
+from tests.pdserve.kv.flood import Flood
+from tests.support.cluster import Cluster, metric
 
 from .fuzzing import FUZZ
 from .serving_stack import normal_completion, pd_stack
@@ -91,3 +96,33 @@ def test_unauthenticated_frames_are_refused_promptly(cluster: Cluster, kv_port: 
 
     attack()
     assert normal_completion(cluster.gateways[0].url).status_code == 200
+
+
+FLOOD_SOCKETS = 260  # issue #33's
+COMPLETIONS, AT_ONCE = 24, 8  # at once: more KV streams than decode's pool keeps idle, so new handshakes too
+DROP_LOG_SECONDS = 10.0  # the server's kv_drop_log_seconds (default)
+
+
+def test_a_flood_of_silent_sockets_on_the_kv_port_fails_no_completion(cluster: Cluster, kv_port: int) -> None:
+    """Issue #33: 260 silent sockets on prefill's KV port, each replaced when dropped, made every new KV handshake
+    fail `capacity`, and 72/72 completions 502 under decode's kv_load_failure_policy `fail` (this stack's). Now
+    every completion succeeds, decode opening new KV connections during the flood, and prefill logs about the flood
+    at most once per kv_drop_log_seconds while counting each connection it dropped."""
+    decode, prefill = cluster.servers["d"], cluster.servers["p"]
+
+    def new_kv_connections() -> float:
+        return metric(httpx.get(f"{decode.url}/metrics").text, "pdserve_kv_connections_total", role="receiver",
+                      outcome="new")  # fmt: skip
+
+    opened_before, started = new_kv_connections(), time.monotonic()
+    with Flood(kv_port, FLOOD_SOCKETS) as flood, ThreadPoolExecutor(AT_ONCE) as requests:
+        flood.wait_until_open()
+        statuses = [response.status_code for response in requests.map(
+            lambda _: normal_completion(cluster.gateways[0].url), range(COMPLETIONS))]  # fmt: skip
+    flooded_s = time.monotonic() - started
+    assert statuses == [200] * COMPLETIONS
+    assert new_kv_connections() > opened_before
+    dropped = metric(httpx.get(f"{prefill.url}/metrics").text, "pdserve_kv_connections_dropped_total")
+    assert dropped >= flood.dropped > 0
+    lines = [line for line in (cluster.tmp / "p.log").read_text().splitlines() if "kv: dropped" in line]
+    assert 1 <= len(lines) <= flooded_s / DROP_LOG_SECONDS + 2
