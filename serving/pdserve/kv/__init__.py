@@ -8,10 +8,12 @@ Files, one concern each:
   entry.py      one leased blob, whole or being filled
   store.py      the lease store: memory bound, leases, watches
   share.py      the chunks a pull's streams share
+  admission.py  the listener's slots before and after authentication (per address, oldest evicted), its limits
+                (KVListenerSettings), and what it dropped: counted, logged at a bounded rate
   server.py     prefill's listener: accept, authenticate, dispatch
   sender.py     serving one pull stream
   client.py     decode's pull and ack
-  connect.py    connecting: TLS, handshake, retries, the stall bound
+  connect.py    connecting: TLS, handshake, retries (`capacity` too, within capacity_wait_s), the stall bound
   pool.py       authenticated connections and their pool
   route.py      one request on a fresh or pooled connection
   assembly.py   what a pull receives, verified as it lands
