@@ -68,15 +68,10 @@ class Connector:
             try:
                 return await asyncio.wrap_future(future)
             except KVTransferError as error:
-                pause = min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
-                if error.cause == "capacity":
-                    pause = min(pause, capacity_until - time.monotonic())
-                    if pause <= 0:
-                        raise
-                elif error.cause not in ("connection", "timeout") or failures == self.retries:
+                pause = self._pause_before_retry(error, attempt, failures, capacity_until)
+                if pause is None:
                     raise
-                else:
-                    failures += 1
+                failures += error.cause != "capacity"
                 if self.metrics is not None:
                     self.metrics.observe_connect_retry(error.cause)
             except asyncio.CancelledError:
@@ -84,6 +79,18 @@ class Connector:
                 raise
             await asyncio.sleep(pause)
         raise AssertionError("unreachable")
+
+    def _pause_before_retry(
+        self, error: KVTransferError, attempt: int, failures: int, capacity_until: float
+    ) -> float | None:
+        """How long to wait before connecting again after `error`, or None to give up."""
+        pause: float = min(MAX_BACKOFF_S, self.backoff_s * 2.0**attempt)
+        if error.cause == "capacity":
+            left = capacity_until - time.monotonic()
+            return min(pause, left) if left > 0 else None
+        if error.cause in ("connection", "timeout") and failures < self.retries:
+            return pause
+        return None
 
     def connect_blocking(self, host: str, port: int) -> tuple[FrameSocket, bytes]:
         """One connect, TLS and HMAC handshake, on the calling thread."""

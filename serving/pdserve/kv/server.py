@@ -208,19 +208,27 @@ class KVServer:
                 link.sock.close()
 
     def _serve_connection(self, link: _Link, peer: object) -> None:
+        authenticated = self._handshake_or_drop(link)
+        if authenticated is not None:
+            self._serve_requests(*authenticated, peer)
+
+    def _handshake_or_drop(self, link: _Link) -> tuple[FrameSocket, bytes] | None:
+        """The authenticated connection and its session key, or None once a failed handshake was counted, logged
+        (at a bounded rate) and answered; an evicted connection ends without a word (its eviction was counted)."""
         deadline = time.monotonic() + self._handshake_timeout
         try:
-            channel, session = self._bounded_handshake(link, deadline)
+            return self._bounded_handshake(link, deadline)
         except KVTransferError as error:
             if not link.evicted:
                 self._metrics.observe_auth_refused()
                 self._drops.note(self._refusal_reason(error, deadline), link.source, error.message)
                 self._send_error(FrameSocket(link.sock), error)  # the slot stays held while the client reads it
-            return
         except (ssl.SSLError, OSError) as error:
             if not link.evicted:
                 self._drops.note("deadline" if time.monotonic() >= deadline else "tls", link.source, str(error))
-            return
+        return None
+
+    def _serve_requests(self, channel: FrameSocket, session: bytes, peer: object) -> None:
         # One authenticated connection serves any number of requests, one after another, until the client closes
         # it, it idles out, or a request fails (the connection is then in no known state, so it is closed).
         for served in itertools.count():
