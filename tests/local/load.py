@@ -17,8 +17,9 @@ import httpx
 from pdstack.bench.client import EMPTY_ANSWER, RequestResult, request_body, send_request
 from pdstack.bench.endpoint import Endpoint
 
-# Past the local stack's offload threshold (32 tokens), so these take the prefill -> KV over the WAN -> decode path.
-LONG_PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cache crosses the link; " * 3
+# Past the local stack's offload threshold (32 tokens), so these take the prefill -> KV over the WAN -> decode path:
+# about 150 tokens of the local checkpoints' word-level vocabulary, as many as their earlier BPE made of 3 repeats.
+LONG_PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cache crosses the link; " * 8
 SHORT_PROMPT = "Hello"
 
 
@@ -66,8 +67,8 @@ class ClientLoad:
             await asyncio.gather(*tasks)
 
     def failures(self) -> Counter[str]:
-        """Requests that failed. Not answers without text: the vLLM checkpoint's greedy answer to a few of these
-        prompts (3 of the first 3000) is tokens that render as nothing, from the engine directly as well."""
+        """Requests that failed. Not answers without text: a greedy answer of only <unk>, <s> or </s> tokens renders
+        as nothing, from the engine directly as well."""
         return Counter(f"{r.error}: {r.detail}" for r in self.results if r.error not in (None, EMPTY_ANSWER))
 
     def completed(self) -> int:

@@ -40,9 +40,9 @@ from tests.local.test_local_env import (
     brought_up,
 )
 
-# About 1.5K tokens of the checkpoint's tokenizer: well past the offload threshold (remote prefill), and past the
-# 512-token context of the pdserve model, within vLLM's 4K.
-PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cache crosses the link. " * 40
+# About 1.9K tokens of the checkpoint's word-level tokenizer: well past the offload threshold (remote prefill), and
+# past the 512-token context of the pdserve model, within vLLM's 4K.
+PROMPT = "Prefill runs in one datacenter and the decode in the other, the KV cache crosses the link. " * 100
 MAX_TOKENS = 16
 
 pytestmark = pytest.mark.timeout(3600)

@@ -11,6 +11,10 @@ an index), generation_config.json, tokenizer.json and tokenizer_config.json (wit
                   ``layer_types`` alternating sliding_attention / full_attention (Qwen2Model honours both in
                   transformers 5), a byte-level BPE tokenizer and a ChatML template.
 
+``tokenizer="words"`` gives a dense or moe checkpoint a word-level vocabulary instead (whole lowercase English words
+and ``. , ! ?``; anything else encodes as ``<unk>``): every token decodes to a readable word, so random weights still
+say ordinary words (the local environment's models, pdstack/local/model.py).
+
 Weights are drawn from ``numpy.random.default_rng(seed)`` with scales that give well-separated logits (so greedy
 decoding is not decided by float rounding). The tokenizers are trained on a text generated here, deterministically.
 
@@ -32,6 +36,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 KINDS = ("dense", "moe", "hybrid")
+TOKENIZERS = ("bpe", "byte-level", "words")  # the default: byte-level for hybrid, bpe (sentencepiece-style) otherwise
 DTYPES = ("float32", "float16", "bfloat16")
 
 _WORDS_TEXT = """
@@ -44,6 +49,40 @@ because and but or so quickly slowly quietly loudly today tomorrow yesterday her
 often sometimes café naïve résumé façade jalapeño über
 """
 _WORDS = tuple(_WORDS_TEXT.split())
+
+# The word-level tokenizer's vocabulary, in id order after its specials and punctuation; a vocab_size takes a prefix.
+_VOCABULARY_TEXT = """
+the a an in of to at on for by as be hello world how what who why which one two three four five some many every each
+all both few more most other another this that these those
+prefill decode datacenter cache link server request token model layer stream network packet gateway scheduler engine
+batch queue region node cluster route key value memory disk signal answer question message reply record cat dog bird
+fish horse cow sheep goat mouse bear wolf fox deer rabbit duck owl bee ant frog snake tree river mountain city road
+house garden window door book letter story song machine field forest lake sea island valley hill bridge tower castle
+village town street market school library museum church farm harbor beach desert cloud rain snow wind storm sun moon
+star sky light shadow fire water stone sand bread cheese apple orange lemon honey milk tea coffee soup cake salt
+sugar rice corn bean table chair bed lamp clock mirror cup plate knife spoon bottle basket box bag coat hat shoe
+boot king queen child friend teacher doctor farmer sailor soldier painter writer singer driver baker guard traveler
+mother father sister brother family neighbor stranger crowd people person voice face hand eye heart mind small large
+quick slow bright dark red green blue yellow white black old new warm cold soft hard long short tall wide narrow
+deep quiet loud happy sad calm busy early late near far high low clean empty full heavy young strong weak rich poor
+simple strange gentle brave clever kind runs jumps reads writes sings sends builds moves waits opens closes finds
+keeps ships loads serves answers walks talks sleeps dreams grows falls rises turns stops starts carries holds brings
+takes gives makes sees hears feels knows thinks learns teaches calls asks tells shows follows leads watches helps
+plays paints draws cooks eats drinks buys sells pays counts measures checks fixes breaks mends wakes rests over
+under beside through across into from with without before after while during between behind above below around along
+toward against beyond inside outside upon within because and but or so if when where then than though until unless
+since quickly slowly quietly loudly gently softly carefully happily sadly easily freely often rarely today tomorrow
+yesterday here there always never sometimes soon later now again once twice morning evening night noon day week
+month year season spring summer autumn winter hour minute moment is was are were has had will can may might must
+should would could he she it we they you me him her us them his its our their my your yes no not only just also even
+still already almost perhaps very too quite first second third last next half whole north south east west left right
+up down top bottom middle edge corner center side color shape size weight number line circle square point path
+journey dream idea plan game gold silver iron glass wood paper cloth wool leather music dance picture poem word name
+sound note page chapter time place country land earth ocean air space kitchen room hall floor wall roof stair
+gate fence yard train ship boat plane car truck bicycle wagon café naïve über
+"""
+_VOCABULARY = tuple(_VOCABULARY_TEXT.split())
+_PUNCTUATION = (".", ",", "!", "?")
 
 _FIXED_LINES = (
     "Hello, world! How are you today?",
@@ -154,6 +193,46 @@ def _byte_level_bpe(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
         "chat_template": CHATML_TEMPLATE,
     }
     return tok, config
+
+
+def _word_level(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
+    """Whole words, Llama's specials and chat template: <unk> for any word or symbol outside the vocabulary."""
+    specials = ["<unk>", "<s>", "</s>"]
+    fixed = len(specials) + len(_PUNCTUATION)
+    if not fixed < vocab_size <= fixed + len(_VOCABULARY):
+        raise ValueError(f"a word-level vocab_size is {fixed + 1} to {fixed + len(_VOCABULARY)}, got {vocab_size}")
+    words = vocab_size - fixed
+    vocab = {token: i for i, token in enumerate([*specials, *_PUNCTUATION, *_VOCABULARY[:words]])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))  # noqa: S106
+    tok.add_special_tokens(specials)
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and runs of punctuation
+    # WordPiece's decoder puts a space between words and, with cleanup, none before . , ! ? (no "##" pieces here).
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "chat_template": LLAMA_CHAT_TEMPLATE,
+    }
+    return tok, config
+
+
+def _tokenizer(kind: str, name: str | None, vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
+    name = name or ("byte-level" if kind == "hybrid" else "bpe")
+    if (name == "byte-level") != (kind == "hybrid"):
+        raise ValueError(f"a {kind} checkpoint takes no {name} tokenizer: its config names that family's specials")
+    if name == "words":
+        return _word_level(vocab_size)
+    if name == "bpe":
+        return _sentencepiece_bpe(vocab_size)
+    if name == "byte-level":
+        return _byte_level_bpe(vocab_size)
+    raise ValueError(f"unknown tokenizer {name!r}; expected one of {', '.join(TOKENIZERS)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -338,23 +417,25 @@ def make_test_checkpoint(
     overrides: Mapping[str, Any] | None = None,
     shards: int = 1,
     vocab_size: int = 500,
+    tokenizer: str | None = None,
 ) -> Path:
     """Write a tiny HF checkpoint of ``kind`` ("dense", "moe", "hybrid") into ``out_dir`` and return its path.
 
     ``overrides`` are merged into config.json (e.g. another ``rope_scaling``, or bigger sizes for benchmarks; a
     ``vocab_size`` override larger than the tokenizer pads the embedding). ``shards`` > 1 splits the weights over
-    several files with a ``model.safetensors.index.json``. Same arguments, same bytes.
+    several files with a ``model.safetensors.index.json``. ``tokenizer`` is one of TOKENIZERS ("words": dense and
+    moe only), by default the kind's own. Same arguments, same bytes.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _base_config(kind)
-    tokenizer, tok_config = _byte_level_bpe(vocab_size) if kind == "hybrid" else _sentencepiece_bpe(vocab_size)
-    tok_vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    tok, tok_config = _tokenizer(kind, tokenizer, vocab_size)
+    tok_vocab = tok.get_vocab_size(with_added_tokens=True)
     cfg["vocab_size"] = tok_vocab
     if kind == "hybrid":
-        eot = tokenizer.token_to_id("<|endoftext|>")
+        eot = tok.token_to_id("<|endoftext|>")
         cfg["bos_token_id"] = eot
         cfg["eos_token_id"] = eot
     cfg.update(dict(overrides or {}))
@@ -383,7 +464,7 @@ def make_test_checkpoint(
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     eos_ids: list[int] = [int(cfg["eos_token_id"])]
     if kind == "hybrid":
-        im_end = tokenizer.token_to_id("<|im_end|>")
+        im_end = tok.token_to_id("<|im_end|>")
         assert im_end is not None
         eos_ids.append(int(im_end))
     generation = {
@@ -393,7 +474,7 @@ def make_test_checkpoint(
         "transformers_version": "5.24.0",
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tokenizer.save(str(out / "tokenizer.json"))
+    tok.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": cfg["max_position_embeddings"],

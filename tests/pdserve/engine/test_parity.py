@@ -123,19 +123,20 @@ def test_parity_decode_steps_after_chunked_prefill(kind: str, make_checkpoint: A
         assert np.abs(ours - hf_logits(model, seq)[-1]).max() < TOL
 
 
-def test_chat_template_matches_transformers(kind: str, make_checkpoint: Any, load_engine: Any) -> None:
-    engine = load_engine(kind)
-    tok = transformers.AutoTokenizer.from_pretrained(str(make_checkpoint(kind)))
-    conversations = [
-        [{"role": "user", "content": "hi there"}],
-        [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": "what is a cache?"},
-            {"role": "assistant", "content": "a store."},
-            {"role": "user", "content": "café 日本 🙂?"},
-        ],
-    ]
-    for messages in conversations:
+CONVERSATIONS = (
+    [{"role": "user", "content": "hi there"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is a cache?"},
+        {"role": "assistant", "content": "a store."},
+        {"role": "user", "content": "café 日本 🙂?"},
+    ],
+)
+TEXTS = ("Hello, world!", "  spaced   out  ", "héllo 日本語 🙂 über", "the cache\nwindow")
+
+
+def assert_same_chat_template(engine: Engine, tok: Any) -> None:
+    for messages in CONVERSATIONS:
         for add_generation_prompt in (True, False):
             expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
             assert (
@@ -147,10 +148,27 @@ def test_chat_template_matches_transformers(kind: str, make_checkpoint: Any, loa
             assert engine.chat_prompt(messages, add_generation_prompt=add_generation_prompt) == list(expected_ids)
 
 
-def test_tokenizer_matches_transformers(kind: str, make_checkpoint: Any, load_engine: Any) -> None:
-    engine = load_engine(kind)
-    tok = transformers.AutoTokenizer.from_pretrained(str(make_checkpoint(kind)))
-    for text in ("Hello, world!", "  spaced   out  ", "héllo 日本語 🙂 über", "the cache\nwindow"):
+def assert_same_tokens(engine: Engine, tok: Any, texts: tuple[str, ...] = TEXTS) -> None:
+    for text in texts:
         ids = engine.tokenizer.encode(text)
         assert ids == tok(text)["input_ids"]
         assert engine.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template_matches_transformers(kind: str, make_checkpoint: Any, load_engine: Any) -> None:
+    assert_same_chat_template(load_engine(kind), transformers.AutoTokenizer.from_pretrained(str(make_checkpoint(kind))))
+
+
+def test_tokenizer_matches_transformers(kind: str, make_checkpoint: Any, load_engine: Any) -> None:
+    assert_same_tokens(load_engine(kind), transformers.AutoTokenizer.from_pretrained(str(make_checkpoint(kind))))
+
+
+def test_word_level_tokenizer_matches_transformers(make_checkpoint: Any, load_engine: Any) -> None:
+    """The local environment's vocabulary (pdstack/local/model.py): the same ids, text and chats both ways, words
+    outside it included, and any ids decode to the same words."""
+    engine = load_engine("dense", tokenizer="words")
+    tok = transformers.AutoTokenizer.from_pretrained(str(make_checkpoint("dense", tokenizer="words")))
+    assert_same_tokens(engine, tok, (*TEXTS, *PROMPTS, "Prefill in one datacenter, decode in the other: KV!"))
+    assert_same_chat_template(engine, tok)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, engine.tokenizer.vocab_size, 200)]
+    assert engine.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True)

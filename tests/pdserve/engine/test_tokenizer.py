@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve.engine import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tests.pdserve.engine.conftest import KINDS
 
 SAMPLES = (
     "Hello, world! café naïve",
@@ -24,9 +25,16 @@ def stream(tok: Tokenizer, prompt: list[int], ids: list[int]) -> list[str]:
     return deltas
 
 
+@pytest.fixture(params=[*KINDS, "dense+words"])
+def any_tokenizer(request: pytest.FixtureRequest, load_engine: Any) -> Tokenizer:
+    """Each kind's own tokenizer, and the word-level one of the local environment's models."""
+    kind, _, name = str(request.param).partition("+")
+    return load_engine(kind, **({"tokenizer": name} if name else {})).tokenizer
+
+
 @pytest.mark.parametrize("text", SAMPLES)
-def test_incremental_detokenisation_matches_full_decode(kind: str, text: str, load_engine: Any) -> None:
-    tok = load_engine(kind).tokenizer
+def test_incremental_detokenisation_matches_full_decode(any_tokenizer: Tokenizer, text: str) -> None:
+    tok = any_tokenizer
     prompt = tok.encode("prompt text:")
     ids = tok.encode(" " + text, add_special_tokens=False)
     deltas = stream(tok, prompt, ids)
@@ -46,8 +54,8 @@ def test_byte_fallback_pieces_are_held_until_complete(load_engine: Any) -> None:
     assert "".join(deltas) == " 日"
 
 
-def test_random_texts_stream_exactly(kind: str, load_engine: Any) -> None:
-    tok = load_engine(kind).tokenizer
+def test_random_texts_stream_exactly(any_tokenizer: Tokenizer) -> None:
+    tok = any_tokenizer
     pieces = ["the", "cache", " ", "  ", "é", "日本", "🙂", "\n", "server", "über", ",", "!", "x", "—", "ß"]
     rnd = random.Random(0)
     prompt = tok.encode("ok")
