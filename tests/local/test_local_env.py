@@ -41,6 +41,7 @@ from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.local.operator import operator_context
+from tests.pdstack.local.test_model import WORDS
 from tests.support import REPO
 from tests.support.ansible import RECAP
 from tests.support.dashboardcheck import query_problems
@@ -214,6 +215,8 @@ def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> Non
     assert f"API key:    in {local.status['api_key_file']}" in local.up_output
     assert f"Prometheus: {local.status['prometheus_url']}" in local.up_output
     assert local.api_key() not in local.up_output  # where the key lives, never the key
+    assert f"completion: {local.status['smoke']!r}" in local.up_output
+    assert WORDS.fullmatch(local.status["smoke"].lstrip(".,!? ")), local.status["smoke"]  # the model's words
     by_dc = {dc: sorted(n["role"] for n in members) for dc, members in local.status["nodes"].items()}
     assert by_dc == {"control": ["control"], "dc1": ["prefill", "prefill"], "dc2": ["decode", "decode"]}
     assert all(n["running"] for members in local.status["nodes"].values() for n in members)

@@ -17,8 +17,8 @@ from pdserve.engine.testmodels import make_test_checkpoint
 from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model, write_manifest
 from tests.local.load import LONG_PROMPT
 
-# Lowercase words, each maybe followed by . , ! or ?, separated by single spaces.
-WORDS = re.compile(r"[^\W\d_]+[.,!?]?(?: [^\W\d_]+[.,!?]?)*")
+# Lowercase words, each maybe followed by . , ! or ? marks, separated by single spaces.
+WORDS = re.compile(r"[^\W\d_]+[.,!?]*(?: [^\W\d_]+[.,!?]*)*")
 MODELS = {"pdserve": ensure_model, "vllm": ensure_vllm_model}
 
 
