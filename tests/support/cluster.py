@@ -106,6 +106,23 @@ class Cluster:
             write_secret(path)
         return path
 
+    @property
+    def metrics_token_file(self) -> Path:
+        """The token a gateway's /metrics requires once it is given as --metrics-token-file (deployed gateways always
+        are; one on loopback without it serves /metrics openly)."""
+        path = self.tmp / "metrics-scrape.token"
+        if not path.exists():
+            write_secret(path)
+        return path
+
+    def metrics_flags(self) -> tuple[str, ...]:
+        """Gateway flags: /metrics requires metrics_token_file."""
+        return ("--metrics-token-file", str(self.metrics_token_file))
+
+    def metrics_auth(self) -> dict[str, str]:
+        """What Prometheus presents to such a gateway's /metrics."""
+        return bearer(self.metrics_token_file.read_text().strip())
+
     def launch_server(self, name: str, role: str, model: Path, version: str = "v1") -> Service:
         assert self.scheduler is not None
         engine_id = hashlib.sha256(f"{self.tmp}/{name}".encode()).hexdigest()[:32]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 from collections import defaultdict
@@ -61,6 +62,11 @@ class Gateway:
         password = None
         if settings.rate_limit_password_file is not None:
             password = read_token(settings.rate_limit_password_file, "rate_limit_password_file")
+        self.metrics_auth: bytes | None = None
+        """What /metrics requires as its Authorization header (None: open, on a loopback listener only)"""
+        if settings.metrics_token_file is not None:
+            token = read_token(settings.metrics_token_file, "metrics_token_file")
+            self.metrics_auth = bearer(token)["Authorization"].encode()
         self.metrics = GatewayMetrics()
         defaults = TenantLimits(
             requests_per_second=settings.requests_per_second,
@@ -368,7 +374,21 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(gateway_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """The gateway's series (tenants, versions, instances) for the holder of the metrics token only: Prometheus."""
+    gateway = gateway_of(request)
+    if gateway.metrics_auth is not None:
+        presented = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(presented, gateway.metrics_auth):
+            problem = "missing" if not presented else "wrong"
+            return openai_error(
+                401,
+                f"authorization: {problem} metrics token: /metrics takes 'Authorization: Bearer <metrics token>'",
+                "authentication_error",
+                uuid.uuid4().hex,
+                param="authorization",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(settings: GatewaySettings) -> Starlette:

@@ -54,6 +54,12 @@ class GatewaySettings(TracingSettings, TLSSettings):
         "limits fall back to this process until it answers again",
     )
     rate_limit_password_file: Path | None = Field(None, description="file holding the rate-limit store's password")
+    metrics_token_file: Path | None = Field(
+        None,
+        description="file holding the token /metrics requires (Authorization: Bearer; Prometheus' scrape "
+        "credential): the series name tenants, versions and instances; without it /metrics is open, which only a "
+        "gateway listening on a loopback address may do",
+    )
     connect_timeout: float = Field(2.0, gt=0, description="seconds to connect to an upstream")
     prefill_timeout: float = Field(60.0, gt=0, description="seconds a prefill call may take")
     first_token_timeout: float = Field(60.0, gt=0, description="seconds until decode's first event")
@@ -80,5 +86,15 @@ class GatewaySettings(TracingSettings, TLSSettings):
             raise ValueError(
                 f"tls_cert: the gateway serves clients on {self.host}; give tls_cert and tls_key, or set "
                 "allow_plaintext to serve plain HTTP there"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_guarded(self) -> GatewaySettings:
+        if self.metrics_token_file is None and not is_loopback(self.host):
+            raise ValueError(
+                f"metrics_token_file: without a metrics token the gateway's /metrics (tenants, versions, instances) "
+                f"would be open to anyone who reaches {self.host}; give metrics_token_file, or listen on a loopback "
+                "address (127.0.0.1, ::1, localhost)"
             )
         return self

@@ -1,8 +1,9 @@
 """Every dashboard query against the real components: their metric names, and a real Prometheus that scraped them.
 
 A scheduler, a prefill and a decode server (pdserve engine), a gateway and node_exporter run on loopback; a real
-Prometheus scrapes them with the labels the deployed scrape configs set (job per component, datacenter, role); the
-test sends traffic through the gateway, then runs every panel's queries over the scraped data.
+Prometheus scrapes them with the labels the deployed scrape configs set (job per component, datacenter, role) and,
+as deployed, presents the gateway's metrics token; the test sends traffic through the gateway, then runs every
+panel's queries over the scraped data.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_
             "0",
             "--requests-per-second",
             "1000",
+            *cluster.metrics_flags(),  # as deployed: Prometheus presents the gateway's metrics token
         )
         assert cluster.scheduler is not None
         weights = httpx.put(
@@ -113,10 +115,14 @@ def observed(tmp_path_factory: pytest.TempPathFactory, kv_key_file: Path, model_
             ),
             NODE_JOB: (node_exporter.url, {}),
         }
-        with scraping(tmp, targets) as url:
+        gateway_job = Component.GATEWAY.job
+        with scraping(tmp, targets, {gateway_job: cluster.metrics_token_file}) as url:
             send_traffic(gateway.url)
             time.sleep(5)  # a few scrapes after the traffic, so rates over the last minute have two points
-            scrapes = {job: httpx.get(target + "/metrics").text for job, (target, _) in targets.items()}
+            scrapes = {
+                job: httpx.get(target + "/metrics", headers=cluster.metrics_auth() if job == gateway_job else {}).text
+                for job, (target, _) in targets.items()
+            }
             yield Observed(url, scrapes)
     finally:
         node_exporter.stop()
