@@ -17,6 +17,7 @@ from ansible.errors import AnsibleFilterError
 
 _DOMAIN = b"pdstack-scheduler-principal\0"
 _PRINCIPAL = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_INSTANCE = "instance:"
 
 
 def pdserve_principal_token(key: str, principal: str) -> str:
@@ -25,9 +26,12 @@ def pdserve_principal_token(key: str, principal: str) -> str:
     principal = str(principal)
     if not key:
         raise AnsibleFilterError("pdserve_principal_token: the identity key is empty")
-    if _PRINCIPAL.fullmatch(principal) is None:
+    # Only the gateway and instances are derived principals: `admin` and any other name are reserved.
+    derivable = principal == "gateway" or (principal.startswith(_INSTANCE) and len(principal) > len(_INSTANCE))
+    if _PRINCIPAL.fullmatch(principal) is None or not derivable:
         raise AnsibleFilterError(
-            f"pdserve_principal_token: principal {principal!r} must be 1..128 characters of [A-Za-z0-9._:-]"
+            f"pdserve_principal_token: principal {principal!r}: must be 'gateway' or {_INSTANCE}<id>, "
+            "1..128 characters of [A-Za-z0-9._:-]"
         )
     mac = hmac.new(key.encode(), _DOMAIN + principal.encode(), hashlib.sha256).hexdigest()
     return f"pds1.{principal}.{mac}"
