@@ -5,7 +5,8 @@ Job names, ports and paths are the deployment contract's (pdstack/contract.py), 
 (roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for node_exporter,
 `prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it loads, selects
 the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads/monitoring.py), configured as
-the local one is (pdstack/alerting.py).
+the local one is (pdstack/alerting.py). A job whose targets require a token (the gateway's /metrics) presents the
+contract's credentials file, which the Prometheus pod mounts from the environment's Secret.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def _ec2_job(job: str, sd_configs: list[dict[str, Any]], zone: str, metrics_path
             "relabel_configs": [*EC2_RELABEL, instance_address(zone, port)]}  # fmt: skip
 
 
+def authorization(contract: Contract, job: str) -> dict[str, str] | None:
+    """The contract's `authorization` block of a job whose targets require a token (the gateway's /metrics), which
+    Prometheus reads from the file its pod mounts at the same path (infra/workloads/monitoring.py)."""
+    return next((g.authorization() for g in contract.scrape_groups if g.job == job), None)
+
+
 def tls_client(server_name: str | None = None) -> dict[str, Any]:
     """How Prometheus scrapes a TLS listener: the environment's CA, the name the target's certificate carries where
     it is dialled by another (a pod by address), and its own certificate, which a listener under mutual TLS asks
@@ -147,6 +154,10 @@ def scrape_config(
     node_job = contract.node_exporter.job
     assert node_job is not None
     jobs.append(_ec2_job(node_job, [_ec2_sd(env, dc, contract.node_exporter.port, None) for dc in datacenters], zone))
+    for job in jobs:  # the contract's credential where its targets require one (the gateway's /metrics)
+        credential = authorization(contract, job["job_name"])
+        if credential is not None:
+            job["authorization"] = credential
     return {
         "global": {
             "scrape_interval": SCRAPE_INTERVAL,

@@ -193,6 +193,9 @@ class SecretFile:
 KV_KEY = SecretFile("kv_key_file", "kv-channel-key", "kv.key")
 SERVER_TOKEN = SecretFile("api_token_file", "server-api-token", "server.token")
 INSTANCE_TOKEN = SecretFile("scheduler_token_file", "scheduler-identity-key", "scheduler.token", principal="instance")
+# What the gateway's /metrics requires (its series name tenants, versions and instances; the gateway is the one
+# listener clients reach). Prometheus holds the same file at the same path: the gateway job's credentials_file.
+METRICS_TOKEN = SecretFile("metrics_token_file", "metrics-scrape-token", "metrics.token")
 SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
     Component.GATEWAY: (
         SecretFile("api_keys_file", "gateway-api-keys", "api-keys.json"),
@@ -200,6 +203,7 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
         SecretFile("server_token_file", "server-api-token", "server.token"),
         SecretFile("rate_limit_password_file", "ratelimit-store-password", "ratelimit.password",
                    only_with_shared_store=True),
+        METRICS_TOKEN,
     ),
     Component.SCHEDULER: (
         SecretFile("admin_token_file", "scheduler-admin-token", "admin.token"),
@@ -305,6 +309,14 @@ class ScrapeGroup:
     job: str
     group: str  # inventory group = pdstack:role tag value
     port: int
+    # the bearer token its targets' /metrics require, a file Prometheus holds at credentials.path (the gateway's)
+    credentials: SecretFile | None = None
+
+    def authorization(self) -> dict[str, str] | None:
+        """Its Prometheus `authorization` block, None for a job whose targets take no token."""
+        if self.credentials is None:
+            return None
+        return {"type": "Bearer", "credentials_file": self.credentials.path}
 
 
 @dataclass(frozen=True)
@@ -365,7 +377,8 @@ def contract(serving: Serving) -> Contract:
         Component.COLOCATED: make(Component.COLOCATED, ports.decode, server),
     }  # fmt: skip
     scrape = tuple(ScrapeGroup(c.job, "control" if c in (Component.GATEWAY, Component.SCHEDULER) else str(c),
-                               components[c].port) for c in SCRAPED)  # fmt: skip
+                               components[c].port, METRICS_TOKEN if METRICS_TOKEN in SECRET_FILES[c] else None)
+                   for c in SCRAPED)  # fmt: skip
     return Contract(
         components=components,
         prometheus=Listener(ports.prometheus, PROMETHEUS_JOB, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),

@@ -16,6 +16,7 @@ from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receiv
 from pdstack.contract import (
     PROMETHEUS_URL_PARAMETER_VAR,
     RATELIMIT_STORE_DB,
+    SECRETS_DIR,
     TLS_CA_FILE,
     TLS_CERT_FILE,
     TLS_DIR,
@@ -62,7 +63,15 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         "pdserve_tls": {"dir": TLS_DIR, "cert": TLS_CERT_FILE, "key": TLS_KEY_FILE, "ca": TLS_CA_FILE,
                         "mutual_tls": c.mutual_tls},
         "prometheus_port": c.prometheus.port,
-        "prometheus_scrape_groups": [{"job": g.job, "group": g.group, "port": g.port} for g in c.scrape_groups],
+        # a job whose targets require a token: Prometheus' `authorization` block, and the stack secret roles/prometheus
+        # puts at its credentials_file (its file under prometheus_secrets_dir, mounted there in the container)
+        "prometheus_scrape_groups": [
+            {"job": g.job, "group": g.group, "port": g.port,
+             **({"authorization": g.authorization(), "secret": g.credentials.secret, "secret_file": g.credentials.file}
+                if g.credentials is not None else {})}
+            for g in c.scrape_groups
+        ],
+        "prometheus_secrets_dir": SECRETS_DIR,
         "prometheus_job": c.prometheus.job,
         "prometheus_node_job": c.node_exporter.job,
         "alertmanager_port": c.alertmanager.port,

@@ -21,13 +21,14 @@ from infra.workloads.access import internal_load_balancer
 from infra.workloads.common import (
     RESTRICTED_CONTAINER,
     SECRET_FILE_MODE,
+    SECRET_NAME,
     TLS_VOLUME,
     ControlWorkloadsArgs,
     single_pod,
     storage_class,
     tls_volume,
 )
-from pdstack.contract import TLS_DIR
+from pdstack.contract import SECRETS_DIR, TLS_DIR, Contract
 
 PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
 ALERTMANAGER_IMAGE = "quay.io/prometheus/alertmanager:v0.28.1"
@@ -53,6 +54,16 @@ def web_probes(port: str, live: str | None, ready: str | None, *, client_auth: b
         "liveness_probe": {**check(live), "period_seconds": 15, "failure_threshold": 6},
         "readiness_probe": {**check(ready), "period_seconds": 5, "failure_threshold": 3},
     }
+
+
+SCRAPE_CREDENTIALS = "scrape-credentials"
+
+
+def scrape_credentials(contract: Contract) -> list[dict[str, str]]:
+    """The environment Secret's keys Prometheus presents to its targets (the gateway's metrics token), as the files
+    the contract's scrape groups name under SECRETS_DIR."""
+    return [{"key": g.credentials.key, "path": g.credentials.file} for g in contract.scrape_groups
+            if g.credentials is not None]  # fmt: skip
 
 
 def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptions) -> k8s.core.v1.Service:
@@ -124,6 +135,7 @@ def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptio
                                 {"name": "config", "mount_path": "/etc/prometheus", "read_only": True},
                                 {"name": "data", "mount_path": "/prometheus"},
                                 {"name": TLS_VOLUME, "mount_path": TLS_DIR, "read_only": True},
+                                {"name": SCRAPE_CREDENTIALS, "mount_path": SECRETS_DIR, "read_only": True},
                             ],
                             "security_context": RESTRICTED_CONTAINER,
                         }
@@ -131,6 +143,15 @@ def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptio
                     "volumes": [
                         {"name": "config", "config_map": {"name": "prometheus"}},
                         tls_volume("prometheus"),
+                        {
+                            "name": SCRAPE_CREDENTIALS,
+                            "secret": {
+                                "secret_name": SECRET_NAME,
+                                "optional": False,
+                                "default_mode": SECRET_FILE_MODE,
+                                "items": scrape_credentials(a.contract),
+                            },
+                        },
                     ],
                 },
             },

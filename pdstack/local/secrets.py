@@ -54,11 +54,16 @@ class LocalSecrets:
         """The `requirepass` of the control node's Redis, where the gateway replicas keep their rate limits."""
         return self.folder / "ratelimit-store.password"
 
+    @property
+    def metrics_scrape_token(self) -> Path:
+        """What the gateway's /metrics requires; Prometheus presents it (its gateway job's credentials_file)."""
+        return self.folder / "metrics-scrape.token"
+
     def generated(self) -> tuple[Path, ...]:
         """Every random secret, one per stack secret of pdstack.model.REQUIRED_SECRETS (the API keys file is
         derived from `api_key`)."""
         return (self.api_key, self.kv_channel_key, self.scheduler_admin_token, self.scheduler_identity_key,
-                self.server_api_token, self.ratelimit_store_password)  # fmt: skip
+                self.server_api_token, self.ratelimit_store_password, self.metrics_scrape_token)  # fmt: skip
 
     def ensure(self) -> None:
         """Create whatever is missing; keep what exists, so a second `up` rotates nothing."""

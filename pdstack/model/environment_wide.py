@@ -56,11 +56,13 @@ REQUIRED_SECRETS = (
     "scheduler-identity-key",
     "server-api-token",
     "ratelimit-store-password",
+    "metrics-scrape-token",
 )
 """What the serving runtime reads: gateway API keys, the KV channel's HMAC key, the scheduler's admin token
 (weights), its identity key (each server and the gateway get a token derived from it for their own principal, so
-one node cannot act as another), the token prefill and decode require of every caller (the gateway presents it), and
-the password of the rate-limit store the gateway replicas share."""
+one node cannot act as another), the token prefill and decode require of every caller (the gateway presents it),
+the password of the rate-limit store the gateway replicas share, and the token the gateway's /metrics requires
+(Prometheus presents it)."""
 
 RETIRED_SECRETS = {
     "scheduler-instance-token": "the scheduler derives each server's own token from scheduler-identity-key; one "

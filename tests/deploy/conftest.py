@@ -100,6 +100,13 @@ class Serving:
     def gateway(self) -> str:
         return f"https://{self.address[NODE_A]}:{CONTRACT[Component.GATEWAY].port}"
 
+    def gateway_metrics(self) -> str:
+        """The gateway's /metrics, presenting its metrics token as Prometheus does (without it: 401)."""
+        token = self.secrets.metrics_scrape_token.read_text().strip()
+        response = httpx.get(f"{self.gateway()}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
+
     def scheduler(self) -> str:
         return f"https://{self.address[NODE_A]}:{CONTRACT[Component.SCHEDULER].port}"
 

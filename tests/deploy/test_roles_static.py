@@ -113,6 +113,7 @@ SECRET_FILES = {
     "pdserve_server_token_file": "/s/server",
     "pdserve_api_keys_file": "/s/keys",
     "pdserve_rate_limit_password_file": "/s/redis",
+    "pdserve_metrics_token_file": "/s/metrics",
     "pdserve_rate_limit_storage": "redis://10.210.0.10:6379/0",
 }
 SERVER_ENV = {
@@ -168,10 +169,11 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
                  "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
                  "PDSERVE_SERVER_TOKEN_FILE": "/run/secrets/server.token",
                  "PDSERVE_RATE_LIMIT_STORAGE": "redis://10.210.0.10:6379/0",
-                 "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password"},
+                 "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password",
+                 "PDSERVE_METRICS_TOKEN_FILE": "/run/secrets/metrics.token"},
      {("gateway-api-keys", "api-keys.json", None), ("scheduler-identity-key", "scheduler.token", "gateway"),
       ("server-api-token", "server.token", None),
-      ("ratelimit-store-password", "ratelimit.password", None)}),
+      ("ratelimit-store-password", "ratelimit.password", None), ("metrics-scrape-token", "metrics.token", None)}),
 ])  # fmt: skip
 def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials(
     tmp_path: Path, component: str, env: dict[str, str], secrets: set[tuple[str, str, str | None]]
@@ -188,6 +190,14 @@ def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials
 def test_prometheus_needs_an_image_by_digest(tmp_path: Path) -> None:
     code, output = play(tmp_path, include("prometheus"), {"prometheus_image": "localhost/prometheus:latest"})
     assert code != 0 and "prometheus_image must be an image by digest" in output
+
+
+def test_prometheus_needs_the_file_of_the_gateways_metrics_token(tmp_path: Path) -> None:
+    """The contract's gateway job presents metrics-scrape-token: without its file the role stops before it writes
+    a thing (else Prometheus would scrape the gateway into 401s)."""
+    code, output = play(tmp_path, include("prometheus"), {"prometheus_image": DIGEST_IMAGE})
+    assert code != 0
+    assert "the pdserve-gateway job presents the metrics-scrape-token secret; give its file" in output, output[-3000:]
 
 
 @pytest.fixture

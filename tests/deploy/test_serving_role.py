@@ -69,7 +69,8 @@ def test_install_serves_requests_through_gateway_prefill_and_decode(installed: S
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"]
     assert serve(installed, ("prefill", "r1"), ("decode", "r1")), versions_ready(installed)
-    routed = httpx.get(f"{installed.gateway()}/metrics", timeout=10).text
+    assert httpx.get(f"{installed.gateway()}/metrics", timeout=10).status_code == 401  # the metrics token only
+    routed = installed.gateway_metrics()
     assert 'reason="remote_prefill"' in routed  # the KV crossed from node A's prefill to node B's decode
 
 
@@ -183,7 +184,7 @@ def test_redis_holds_the_gateways_rate_limits_behind_its_password(installed: Ser
 
 
 def gateway_gauge(installed: Serving) -> str:
-    metrics = httpx.get(f"{installed.gateway()}/metrics", timeout=10).text
+    metrics = installed.gateway_metrics()
     return next((line for line in metrics.splitlines() if line.startswith("pdserve_gateway_rate_limit_shared ")), "")
 
 

@@ -5,6 +5,7 @@ selector matches a scrape job of both the local and the cloud Prometheus, and pr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from starlette.testclient import TestClient
 
 from infra.network import plan_subnets
 from infra.workloads.common import SECRET_NAME, TLS_VOLUME
@@ -324,6 +326,7 @@ def local_prometheus_config(tmp_path: Path) -> Path:
     assert result.returncode == 0, result.stdout + result.stderr
     (out.parent / "rules").mkdir()
     shutil.copy(ALERTS, out.parent / "rules" / "alerts.yml")
+    out.write_text(with_scrape_credentials(out.read_text(), out.parent / "secrets"))
     return out
 
 
@@ -333,8 +336,77 @@ def cloud_prometheus_config(graph: Synthesis, tmp_path: Path) -> Path:
     folder.mkdir()
     tls = write_tls_dir(folder / "tls", ["prometheus.test"])  # promtool loads the files the config names
     for name, text in config_map["data"].items():
-        (folder / name).write_text(relocated(text, tls))
+        (folder / name).write_text(with_scrape_credentials(relocated(text, tls), folder / "secrets"))
     return folder / "prometheus.yml"
+
+
+def with_scrape_credentials(text: str, folder: Path) -> str:
+    """`text` with the container's SECRETS_DIR replaced by `folder`, which holds a stand-in for every file a job's
+    authorization names (promtool checks that they exist: Prometheus reads them at every scrape)."""
+    folder.mkdir(exist_ok=True)
+    for path in re.findall(rf"{re.escape(SECRETS_DIR)}/([\w.-]+)", text):
+        (folder / path).write_text("stand-in token\n")
+    return text.replace(f"{SECRETS_DIR}/", f"{folder}/")
+
+
+def authorizations(config: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """job -> its authorization block, for the jobs that have one."""
+    return {j["job_name"]: j["authorization"] for j in config["scrape_configs"] if "authorization" in j}
+
+
+def local_prometheus_vars(tmp_path: Path) -> dict[str, Any]:
+    """What playbooks/vars/serving.yml gives roles/prometheus for its scrape credentials, the volumes the role mounts,
+    and the controller file the pdserve role reads each stack secret from, for the local inventory."""
+    play_dir = tmp_path / "vars-play"
+    play_dir.mkdir()
+    (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
+    out = tmp_path / "prometheus-vars.json"
+    (play_dir / "vars.j2").write_text(
+        "{% set files = {} %}{% for secret, variable in pdserve__controller_file_variable.items() %}"
+        "{% set _ = files.update({secret: lookup('ansible.builtin.vars', variable)}) %}{% endfor %}"
+        "{{ {'pdserve_files': files, 'secret_files': prometheus_secret_files, 'secrets_dir': prometheus_secrets_dir,"
+        " 'groups': prometheus_scrape_groups, 'volumes': prometheus__volumes, 'config_dir': prometheus_config_dir}"
+        " | to_json }}"
+    )
+    (play_dir / "render.yml").write_text(yaml.safe_dump([{
+        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
+        "vars_files": [str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"),
+                       str(REPO / "roles" / "prometheus" / "vars" / "main.yml"),
+                       str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"),
+                       str(REPO / "roles" / "pdserve" / "vars" / "main.yml"), "vars/serving.yml"],
+        "tasks": [{"name": "render", "ansible.builtin.template": {"src": str(play_dir / "vars.j2"), "dest": str(out),
+                                                                   "mode": "0644"}}],
+    }]))  # fmt: skip
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
+         "-e", "ansible_python_interpreter=/usr/bin/python3"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    loaded: dict[str, Any] = json.loads(out.read_text())
+    return loaded
+
+
+def test_the_local_prometheus_presents_the_file_the_gateway_reads_its_metrics_token_from(tmp_path: Path) -> None:
+    """Only the gateway's job carries a credential; its credentials_file is where roles/prometheus mounts the copy
+    of the stack secret that the pdserve role hands the gateway as PDSERVE_METRICS_TOKEN_FILE (the same controller
+    file), so the value Prometheus presents is the one the gateway requires."""
+    gateway = contract_of("local")[Component.GATEWAY]
+    (token,) = [s for s in gateway.secrets if s.setting == "metrics_token_file"]
+    (tmp_path / "config").mkdir()
+    config = yaml.safe_load(local_prometheus_config(tmp_path / "config").read_text())
+    stand_in = tmp_path / "config" / "local" / "secrets"
+    rendered = local_prometheus_vars(tmp_path)
+    assert rendered["secrets_dir"] == SECRETS_DIR
+    assert authorizations(config) == {
+        gateway.job: {"type": "Bearer", "credentials_file": f"{stand_in}/{token.file}"}  # SECRETS_DIR, relocated
+    }
+    (group,) = [g for g in rendered["groups"] if "secret" in g]
+    assert (group["job"], group["secret"]) == (gateway.job, token.secret)
+    assert group["authorization"]["credentials_file"] == f"{rendered['secrets_dir']}/{group['secret_file']}"
+    assert f"{rendered['config_dir']}/secrets:{SECRETS_DIR}:ro" in rendered["volumes"]
+    assert rendered["secret_files"][token.secret] == rendered["pdserve_files"][token.secret] != ""
 
 
 def job_selectors() -> list[tuple[str, str, str]]:
@@ -368,6 +440,40 @@ def test_every_alert_job_selector_matches_a_scrape_job_of_the_local_and_the_clou
         for alert, op, value in selectors:
             assert op in ("=", "=~"), f"{alert}: a negative job matcher selects nothing the contract names"
             assert any(_matches(op, value, job) for job in jobs), f"{alert}: job{op}{value!r} matches no job in {path}"
+
+
+@pytest.mark.parametrize("env", CLOUD)
+def test_the_cloud_prometheus_presents_the_token_the_gateways_metrics_require(
+    graphs: dict[str, Synthesis], env: str, tmp_path: Path
+) -> None:
+    """The gateway job's credentials_file is a file the Prometheus pod mounts from the environment's Secret, holding
+    the key the gateway pod's metrics_token_file holds; the gateway built on those files answers /metrics to that
+    token and 401 without it."""
+    graph = graphs[f"{env}-control"]
+    secret = _objects(graph, "kubernetes:core/v1:Secret")[SECRET_NAME]
+    config = yaml.safe_load(_objects(graph, "kubernetes:core/v1:ConfigMap")["prometheus"]["data"]["prometheus.yml"])
+    gateway_job = contract_of(env)[Component.GATEWAY].job
+    (credential,) = authorizations(config).values()
+    assert authorizations(config) == {
+        gateway_job: {"type": "Bearer", "credentials_file": credential["credentials_file"]}
+    }
+    prometheus = _objects(graph, "kubernetes:apps/v1:StatefulSet")["prometheus"]["spec"]["template"]["spec"]
+    presented = _mounted_files(prometheus, prometheus["containers"][0], secret)
+    assert set(presented) == {credential["credentials_file"]}
+
+    gateway = _objects(graph, "kubernetes:apps/v1:Deployment")["gateway"]["spec"]["template"]["spec"]
+    _, rest, environ = _started(gateway["containers"][0])
+    environ = _with_tls_files(graph, gateway, gateway["containers"][0], environ, tmp_path / "tls")
+    required = _mounted_files(gateway, gateway["containers"][0], secret)
+    settings = load_settings(GatewaySettings, rest, prog="pdserve gateway", env=environ)
+    assert settings.metrics_token_file is not None
+    assert required[str(settings.metrics_token_file)] == presented[credential["credentials_file"]]
+
+    files = _materialise(environ, required, secret, tmp_path)
+    client = TestClient(gateway_app(load_settings(GatewaySettings, rest, prog="pdserve gateway", env=files)))
+    token = secret["stringData"][presented[credential["credentials_file"]]]
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert client.get("/metrics").status_code == 401
 
 
 def test_the_cloud_prometheus_sends_alerts_to_the_alertmanager_beside_it(graphs: dict[str, Synthesis]) -> None:

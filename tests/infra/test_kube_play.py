@@ -54,6 +54,7 @@ import yaml
 from infra.workloads.common import SECRET_NAME, TLS_VOLUME
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
+from pdstack.contract import METRICS_TOKEN
 from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
 from pdstack.synth import Synthesis
@@ -437,7 +438,9 @@ def test_gateway_and_scheduler_become_ready_on_their_probes_and_serve_a_completi
                         timeout=120)  # fmt: skip
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"]
-    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    # /metrics requires the token the Secret holds for it (Prometheus' scrape credential), and nothing less
+    assert httpx.get(f"{base}/metrics", timeout=5).status_code == 401
+    metrics = httpx.get(f"{base}/metrics", headers=bearer(run.secret["stringData"][METRICS_TOKEN.key]), timeout=5).text
     assert "pdserve_gateway_rate_limit_shared 1.0" in metrics, "the gateway is not on the shared store"
     assert httpx.post(f"{base}/v1/completions", json={"model": "dense", "prompt": "x"}, timeout=10).status_code == 401
 

@@ -174,7 +174,7 @@ def _generated_values(graph: Synthesis) -> set[str]:
 def test_generated_secrets_stay_secret(graphs: dict[str, Synthesis], name: str) -> None:
     graph = graphs[name]
     values = _generated_values(graph)
-    assert len(values) == 6
+    assert len(values) == len(REQUIRED_SECRETS)
     assert outputs.SECRET_VALUES in graph.secret_outputs
     stored = [s.inputs["name"] for s in graph.of_type("aws:secretsmanager/secret:Secret")]
     assert {s.rsplit("/", 1)[1] for s in stored if "/tls/" not in s} == set(REQUIRED_SECRETS)
@@ -216,6 +216,7 @@ def test_control_workloads_read_the_hardened_credentials_as_files(graphs: dict[s
         "scheduler-gateway-token": "scheduler.token",
         "server-api-token": "server.token",
         "ratelimit-store-password": "ratelimit.password",
+        "metrics-scrape-token": "metrics.token",
     }
     assert mounted("ratelimit") == {"ratelimit-store-redis.conf": "redis.conf"}  # requirepass: a file, not an arg
 

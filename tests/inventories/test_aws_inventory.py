@@ -45,6 +45,7 @@ from pdstack.contract import (
     tls_secret_name,
 )
 from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
+from pdstack.model import REQUIRED_SECRETS
 from pdstack.stacks import load_environment
 from tests.inventories.scheduler_calls import scheduler_calls
 from tests.support import REPO
@@ -272,7 +273,7 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
     names = [
         r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET and "/tls/" not in r["inputs"]["name"]
     ]
-    assert len(names) == 6
+    assert len(names) == len(REQUIRED_SECRETS)
     manager = boto3.client(
         "secretsmanager",
         region_name=control["outputs"]["region"],

@@ -76,7 +76,13 @@ class Local:
         return Endpoint(self.status["gateway_url"], "completions", self.status["model"], self.api_key())
 
     def gateway_metrics(self) -> str:
-        return httpx.get(f"https://{self.control}:{self.contract[Component.GATEWAY].port}/metrics", timeout=10).text
+        """The gateway's /metrics, as Prometheus reads it: presenting the metrics token (without it: 401)."""
+        token = self.env.secrets.metrics_scrape_token.read_text().strip()
+        url = f"https://{self.control}:{self.contract[Component.GATEWAY].port}/metrics"
+        assert httpx.get(url, timeout=10).status_code == 401, "the gateway's /metrics answers without its token"
+        response = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
 
     @property
     def contract(self) -> Contract:

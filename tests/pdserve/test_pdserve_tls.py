@@ -473,7 +473,7 @@ def test_bad_tls_files_stop_the_start_naming_the_setting(tmp_path: Path, dense_c
 
 def test_a_gateway_on_a_network_address_needs_tls_or_allow_plaintext():
     required = {"scheduler_url": "http://127.0.0.1:1", "scheduler_token_file": "t", "server_token_file": "t",
-                "api_keys_file": "k"}  # fmt: skip
+                "api_keys_file": "k", "metrics_token_file": "m"}  # fmt: skip
     anywhere = "0.0.0.0"
     with pytest.raises(ValueError, match=r"tls_cert: the gateway serves clients on 0\.0\.0\.0"):
         GatewaySettings.model_validate({**required, "host": anywhere})

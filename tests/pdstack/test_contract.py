@@ -18,6 +18,7 @@ from pdstack.contract import (
     JOBS,
     NODE_EXPORTER_PORT,
     PDSERVE_BIN,
+    SECRETS_DIR,
     Component,
     contract,
 )
@@ -68,6 +69,33 @@ def test_the_credentials_are_the_stack_secrets_and_only_the_scheduler_holds_the_
         assert len(files) == len(set(files)), c  # one file, one credential
 
 
+@pytest.mark.parametrize("env", ["local", "dev", "staging", "prod"])
+def test_prometheus_presents_the_token_the_gateways_metrics_require_and_only_there(env: str) -> None:
+    """The rendered gateway job's credentials_file is the file of the stack secret the gateway reads as its
+    metrics_token_file, under the folder roles/prometheus mounts its copy in; no other job carries one. The gateway
+    started from the rendered settings on every address (0.0.0.0) has the token, so its /metrics is guarded."""
+    rendered = yaml.safe_load(render_ansible_vars(env, environment_serving(STACKS, env)).split("\n", 1)[1])
+    gateway = rendered["pdserve_components"]["gateway"]
+    (token,) = [s for s in gateway["secrets"] if s["setting"] == "PDSERVE_METRICS_TOKEN_FILE"]
+    (guarded,) = [g for g in rendered["prometheus_scrape_groups"] if "authorization" in g]
+    assert guarded["job"] == Component.GATEWAY.job
+    assert guarded["secret"] == token["secret"] == "metrics-scrape-token"
+    path = f"{rendered['prometheus_secrets_dir']}/{guarded['secret_file']}"
+    assert guarded["authorization"] == {"type": "Bearer", "credentials_file": path}
+    assert path == gateway["env"]["PDSERVE_METRICS_TOKEN_FILE"] == f"{SECRETS_DIR}/{token['target']}"
+    settings = load_settings(GatewaySettings, [], "pdserve gateway", {**gateway["env"], **gateway["tls_env"],
+                             "PDSERVE_SCHEDULER_URL": "https://scheduler.control.local.pdstack:8100"})  # fmt: skip
+    assert settings.host == "0.0.0.0" and str(settings.metrics_token_file) == path
+
+
+def test_a_gateway_on_every_address_without_the_metrics_token_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    env = DEFAULT[Component.GATEWAY].env() | DEFAULT[Component.GATEWAY].tls_env()
+    env.pop("PDSERVE_METRICS_TOKEN_FILE")
+    with pytest.raises(SystemExit):
+        load_settings(GatewaySettings, [], "pdserve gateway", env | {"PDSERVE_SCHEDULER_URL": "https://s:1"})
+    assert "metrics_token_file: without a metrics token" in capsys.readouterr().err
+
+
 def test_ports_follow_the_stack_model() -> None:
     ports = Ports(gateway=9000, scheduler=9001, prefill=9002, decode=9003, kv=9004, prometheus=9005)
     moved = contract(Serving(model=Model(name="m", path="/m"), ports=ports))
@@ -102,6 +130,7 @@ def test_role_defaults_outside_the_serving_plays_equal_the_contract() -> None:
         DEFAULT.prometheus.job,
         DEFAULT.node_exporter.job,
     )
+    assert prometheus["prometheus_secrets_dir"] == SECRETS_DIR
     pdserve = (REPO / "roles" / "pdserve" / "defaults" / "main.yml").read_text()
     assert not re.search(r"\b(8[0-9]{3}|14579)\b", pdserve), "the pdserve role types a port of its own"
 
