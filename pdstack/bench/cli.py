@@ -46,6 +46,10 @@ def bench_command(  # typer builds one option per parameter
     metrics_url: Annotated[
         str | None, typer.Option(help="the server's Prometheus /metrics, to compare percentiles with its histograms")
     ] = None,
+    metrics_token_file: Annotated[
+        Path | None,
+        typer.Option(help="file holding the token --metrics-url requires (Bearer; the gateway's metrics token)"),
+    ] = None,
     ttft_metric: Annotated[str | None, typer.Option(help="TTFT histogram name (default: found by name)")] = None,
     e2e_metric: Annotated[str | None, typer.Option(help="end-to-end histogram name (default: found by name)")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the full results as JSON here")] = None,
@@ -84,6 +88,7 @@ def bench_command(  # typer builds one option per parameter
         probe_max_concurrency=probe_max_concurrency,
         warmup=warmup,
         metrics_url=metrics_url,
+        metrics_token_file=metrics_token_file,
         ttft_metric=ttft_metric,
         e2e_metric=e2e_metric,
     )

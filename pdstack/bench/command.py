@@ -54,6 +54,7 @@ class BenchOptions:
     metrics_url: str | None
     ttft_metric: str | None
     e2e_metric: str | None
+    metrics_token_file: Path | None = None  # the token metrics_url requires (the gateway's metrics token)
 
     def check(self) -> None:
         problems = []
@@ -85,6 +86,8 @@ class BenchOptions:
                 problems.append(f"{name}: must be positive, got {seconds:g}")
         if self.warmup < 0:
             problems.append(f"warmup: must be 0 or more, got {self.warmup}")
+        if self.metrics_token_file is not None and self.metrics_url is None:
+            problems.append("metrics-token-file: is the token of --metrics-url; give that too")
         if problems:
             raise BenchError("; ".join(problems))
 
@@ -107,8 +110,12 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def _scrape(options: BenchOptions, url: str) -> dict[str, Histogram]:
+    return scrape(url, token=read_api_key(options.metrics_token_file, "metrics-token-file"))
+
+
 def _server_snapshot(options: BenchOptions) -> dict[str, Histogram] | None:
-    return scrape(options.metrics_url) if options.metrics_url else None
+    return _scrape(options, options.metrics_url) if options.metrics_url else None
 
 
 def _server_checks(options: BenchOptions, before: dict[str, Histogram] | None, run: RunRecord) -> None:
@@ -119,7 +126,7 @@ def _server_checks(options: BenchOptions, before: dict[str, Histogram] | None, r
     step_s = run.summary.tpot.p[50] if run.summary.tpot.count else 0.0
     step_s += run.client_lag.p[99] if run.client_lag.count else 0.0
     run.server_checks, notes = check_run(
-        scrape(options.metrics_url), before, run.results, (options.ttft_metric, options.e2e_metric), step_s
+        _scrape(options, options.metrics_url), before, run.results, (options.ttft_metric, options.e2e_metric), step_s
     )
     run.server_note = "; ".join(notes) or None
 
@@ -151,6 +158,7 @@ def planned_rates(options: BenchOptions, peak: Peak | None) -> list[tuple[str, f
 
 def run_bench(options: BenchOptions, argv: Sequence[str], console: Console) -> BenchReport:
     options.check()
+    read_api_key(options.metrics_token_file, "metrics-token-file")  # a missing or empty file stops the bench first
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     load_at_start = os.getloadavg()[0]
     endpoint, models = connect(options)

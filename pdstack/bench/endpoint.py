@@ -47,16 +47,17 @@ def normalise_base_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def read_api_key(path: Path | None) -> str | None:
-    """The key from the first non-empty line of the file; the key itself never appears in messages."""
+def read_api_key(path: Path | None, option: str = "api-key-file") -> str | None:
+    """The key (or token: `option` names the flag) from the first non-empty line of the file; the key itself never
+    appears in messages."""
     if path is None:
         return None
     try:
         lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except OSError as exc:
-        raise EndpointError(f"api-key-file: cannot read {path}: {exc.strerror}") from exc
+        raise EndpointError(f"{option}: cannot read {path}: {exc.strerror}") from exc
     if not lines:
-        raise EndpointError(f"api-key-file: {path} is empty")
+        raise EndpointError(f"{option}: {path} is empty")
     return lines[0]
 
 

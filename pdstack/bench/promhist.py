@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from pdstack.bench.client import RequestResult
+from pdstack.bench.endpoint import EndpointError
 from pdstack.bench.stats import QUANTILES, nearest_rank
 
 _BUCKET = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
@@ -80,8 +81,16 @@ def parse_histograms(text: str) -> dict[str, Histogram]:
     return {name: Histogram(name, tuple(sorted(b.items())), totals.get(name, 0.0)) for name, b in sums.items()}
 
 
-def scrape(url: str, timeout_s: float = 10.0) -> dict[str, Histogram]:
-    response = httpx.get(url, timeout=timeout_s)
+def scrape(url: str, timeout_s: float = 10.0, token: str | None = None) -> dict[str, Histogram]:
+    """The histograms of a /metrics page, presenting `token` as a Bearer token when given (the gateway's /metrics
+    requires its metrics token)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.get(url, timeout=timeout_s, headers=headers)
+    if response.status_code == httpx.codes.UNAUTHORIZED:
+        raise EndpointError(
+            f"metrics-url: {url} answered 401: give the token it requires with --metrics-token-file"
+            + (" (this one was refused)" if token else "")
+        )
     response.raise_for_status()
     return parse_histograms(response.text)
 

@@ -1,5 +1,6 @@
 """`pdstack bench` through the pdstack gateway (scheduler, prefill and decode behind it, real processes on loopback):
-an API key from a file, and percentiles that agree with the gateway's own Prometheus histograms."""
+an API key from a file, and percentiles that agree with the gateway's own Prometheus histograms, read with the
+gateway's metrics token as deployed gateways require."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Gateway:
     url: str
     api_key: str
     api_key_file: Path
+    metrics_token_file: Path
 
     @property
     def metrics_url(self) -> str:
@@ -51,6 +53,7 @@ def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     (work / "kv.key").write_text(secrets.token_hex(32))
     api_key = f"sk-bench-{secrets.token_hex(12)}"
     (work / "api.key").write_text(api_key + "\n")
+    (work / "metrics.token").write_text(secrets.token_urlsafe(24) + "\n")
     (work / "keys.json").write_text(
         json.dumps(
             {
@@ -96,12 +99,14 @@ def gateway(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 str(api_token_file()),
                 "--api-keys-file",
                 str(work / "keys.json"),
+                "--metrics-token-file",
+                str(work / "metrics.token"),
             ],
             work / "gateway.log",
         )
         started.append(front.start())
         _wait_for_both_roles(front)
-        yield Gateway(front.url, api_key, work / "api.key")
+        yield Gateway(front.url, api_key, work / "api.key", work / "metrics.token")
     finally:
         for process in reversed(started):
             process.stop()
@@ -118,6 +123,8 @@ def completions_run(gateway: Gateway, run_bench: BenchRunner) -> dict[str, Any]:
         str(gateway.api_key_file),
         "--metrics-url",
         gateway.metrics_url,
+        "--metrics-token-file",
+        str(gateway.metrics_token_file),
     )
 
 
@@ -143,6 +150,20 @@ def test_a_wrong_key_is_named(gateway: Gateway, run_bench: BenchRunner, tmp_path
     assert "sk-not-a-key" not in done.stdout + done.stderr
 
 
+def test_the_gateways_metrics_without_their_token_are_named(gateway: Gateway, tmp_path: Path) -> None:
+    args = [*LOW_RATE, "--api-key-file", str(gateway.api_key_file), "--metrics-url", gateway.metrics_url]
+    done = bench_process(gateway.url, *args)
+    assert done.returncode == 2
+    assert f"metrics-url: {gateway.metrics_url} answered 401: give the token it requires with --metrics-token-file" in (
+        done.stderr
+    )
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("not-the-metrics-token\n")
+    done = bench_process(gateway.url, *args, "--metrics-token-file", str(wrong))
+    assert done.returncode == 2 and "(this one was refused)" in done.stderr
+    assert "not-the-metrics-token" not in done.stdout + done.stderr
+
+
 @pytest.mark.parametrize(("metric", "measure"), [(GATEWAY_TTFT, "ttft"), (GATEWAY_E2E, "e2e")])
 def test_percentiles_fall_in_the_gateways_histogram_buckets(
     completions_run: dict[str, Any], metric: str, measure: str
@@ -165,6 +186,8 @@ def test_chat_ttft_falls_in_the_gateways_ttft_buckets(gateway: Gateway, run_benc
         str(gateway.api_key_file),
         "--metrics-url",
         gateway.metrics_url,
+        "--metrics-token-file",
+        str(gateway.metrics_token_file),
     )
     checks = checks_of(results, GATEWAY_TTFT, "ttft")
     assert checks and all(c["agrees"] for c in checks if c["q"] in (50, 90)), checks
