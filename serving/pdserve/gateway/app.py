@@ -65,7 +65,10 @@ class Gateway:
         self.metrics_auth: bytes | None = None
         """What /metrics requires as its Authorization header (None: open, on a loopback listener only)"""
         if settings.metrics_token_file is not None:
-            token = read_token(settings.metrics_token_file, "metrics_token_file")
+            try:
+                token = read_token(settings.metrics_token_file, "metrics_token_file")
+            except ValueError as error:  # a missing or empty file stops the start, naming the setting
+                raise SystemExit(f"pdserve gateway: invalid configuration: {error}") from None
             self.metrics_auth = bearer(token)["Authorization"].encode()
         self.metrics = GatewayMetrics()
         defaults = TenantLimits(
@@ -377,7 +380,7 @@ async def metrics(request: Request) -> Response:
     """The gateway's series (tenants, versions, instances) for the holder of the metrics token only: Prometheus."""
     gateway = gateway_of(request)
     if gateway.metrics_auth is not None:
-        presented = request.headers.get("authorization", "").encode()
+        presented = next((value for name, value in request.scope["headers"] if name == b"authorization"), b"")
         if not hmac.compare_digest(presented, gateway.metrics_auth):
             problem = "missing" if not presented else "wrong"
             return openai_error(
