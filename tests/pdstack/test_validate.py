@@ -190,8 +190,8 @@ def test_json_report_names_file_path_and_reason(stacks_dir: Path) -> None:
             "Pulumi.prod-control.yaml",
             lambda c: c["pdstack:secrets"].pop(),
             "pdstack:secrets lacks metrics-scrape-token: the serving runtime reads gateway-api-keys, "
-            "kv-channel-key, scheduler-admin-token, scheduler-identity-key, server-api-token, ratelimit-store-password, "
-            "metrics-scrape-token",
+            "kv-channel-key, scheduler-admin-token, scheduler-identity-key, server-api-token, "
+            "ratelimit-store-password, metrics-scrape-token",
         ),
         (
             "Pulumi.prod-control.yaml",
