@@ -157,8 +157,13 @@ def _sentencepiece_bpe(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
+    return _with_llama_specials(tok, vocab["<s>"])
+
+
+def _with_llama_specials(tok: Tokenizer, bos_id: int) -> tuple[Tokenizer, dict[str, Any]]:
+    """Llama's BOS before every sequence, and its special tokens and chat template in the tokenizer config."""
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
     config = {
         "bos_token": "<s>",
@@ -209,17 +214,7 @@ def _word_level(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and runs of punctuation
     # WordPiece's decoder puts a space between words and, with cleanup, none before . , ! ? (no "##" pieces here).
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    config = {
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": None,
-        "chat_template": LLAMA_CHAT_TEMPLATE,
-    }
-    return tok, config
+    return _with_llama_specials(tok, vocab["<s>"])
 
 
 def _tokenizer(kind: str, name: str | None, vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
