@@ -303,6 +303,17 @@ def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dic
 # -- monitoring: one job scheme, local and cloud ----------------------------------------------------------------------
 
 
+def run_render_play(play_dir: Path, home: Path) -> None:
+    """ansible-playbook runs `play_dir`/render.yml on the controller, with the local inventory's variables."""
+    result = subprocess.run(
+        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
+         "-e", "ansible_python_interpreter=/usr/bin/python3"],
+        capture_output=True, text=True, cwd=REPO, check=False,
+        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(home)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def local_prometheus_config(tmp_path: Path) -> Path:
     """roles/prometheus's template rendered by Ansible for the local inventory with playbooks/vars/serving.yml."""
     play_dir = tmp_path / "play"
@@ -317,13 +328,7 @@ def local_prometheus_config(tmp_path: Path) -> Path:
             "src": str(REPO / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"), "dest": str(out),
             "mode": "0644"}}],
     }]))  # fmt: skip
-    result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_render_play(play_dir, tmp_path)
     (out.parent / "rules").mkdir()
     shutil.copy(ALERTS, out.parent / "rules" / "alerts.yml")
     out.write_text(with_scrape_credentials(out.read_text(), out.parent / "secrets"))
@@ -377,13 +382,7 @@ def local_prometheus_vars(tmp_path: Path) -> dict[str, Any]:
         "tasks": [{"name": "render", "ansible.builtin.template": {"src": str(play_dir / "vars.j2"), "dest": str(out),
                                                                    "mode": "0644"}}],
     }]))  # fmt: skip
-    result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_render_play(play_dir, tmp_path)
     loaded: dict[str, Any] = json.loads(out.read_text())
     return loaded
 
