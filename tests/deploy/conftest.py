@@ -28,7 +28,7 @@ import yaml
 from pdstack.contract import Component, contract
 from pdstack.contract_files import environment_serving
 from pdstack.local import nodes
-from pdstack.local.images import build_prometheus_image
+from pdstack.local.images import build_prometheus_image, build_runtime_image
 from pdstack.local.inventory import NESTED_NODE_VARS
 from pdstack.local.model import MODEL_NAME, ensure_model
 from pdstack.local.registry import Registry
@@ -41,7 +41,9 @@ from tests.support.ports import free_port
 
 # The ports the playbooks deploy with: the local environment's contract (playbooks/vars/contract/local.yml).
 CONTRACT = contract(environment_serving(REPO / "stacks", "local"))
-RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE", "localhost/pdserve:latest")
+# The runtime image of this checkout's serving/ (tagged by its sources' hash, built unless present): a `latest`
+# left by an earlier run of other sources would deploy old code.
+RUNTIME_IMAGE = os.environ.get("PDSTACK_TEST_RUNTIME_IMAGE")
 NODE_A, NODE_B = f"pdstack-serve-a-{os.getpid()}", f"pdstack-serve-b-{os.getpid()}"  # unique per test process
 LONG_PROMPT = "Prefill runs in one datacenter and decode in another; " * 4  # past the offload threshold
 
@@ -168,8 +170,7 @@ def write_inventory(workdir: Path, registry: str, address: dict[str, str], key: 
 def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
     workdir = tmp_path_factory.mktemp("serving")
     nodes.build_node_image()
-    if not nodes.image_exists(RUNTIME_IMAGE):
-        subprocess.run(["bash", str(REPO / "serving" / "build-image.sh"), RUNTIME_IMAGE], check=True)
+    runtime_image = RUNTIME_IMAGE or build_runtime_image(REPO)
     registry = Registry(workdir / "registry", address=bridge_gateway(), port=free_port())
     registry.state_dir.mkdir()
     key = nodes.ensure_ssh_key(workdir / "ssh" / "id_ed25519")
@@ -179,7 +180,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
         for name in both.map(lambda name: nodes.create_node(nodes.NodeSpec(name)), (NODE_A, NODE_B)):
             nodes.authorize_ssh_key(name, key.with_suffix(".pub").read_text())
         registry.start()
-        image = registry.push(RUNTIME_IMAGE, "pdstack/pdserve", "test")
+        image = registry.push(runtime_image, "pdstack/pdserve", "test")
         prometheus = registry.push(build_prometheus_image(REPO), "pdstack/prometheus", "test")
         address = {name: nodes.node_address(name) for name in (NODE_A, NODE_B)}
         inventory = write_inventory(workdir, registry.endpoint, address, key)

@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdstack.local.images import build_runtime_image
 from tests.support import REPO
 from tests.support.ports import free_port
-
-IMAGE = "localhost/pdserve:latest"
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -26,9 +25,7 @@ def image() -> str:
     """The image, built unless present (serving/build-image.sh; podman installed as scripts/host-setup.sh does)."""
     if shutil.which("podman") is None:
         subprocess.run(["bash", str(REPO / "scripts" / "host-setup.sh")], check=True)
-    if podman("image", "exists", IMAGE, check=False).returncode != 0:
-        subprocess.run([str(REPO / "serving" / "build-image.sh"), IMAGE], check=True)
-    return IMAGE
+    return build_runtime_image(REPO)  # tagged by serving/'s hash: never an image of older sources
 
 
 @pytest.fixture
