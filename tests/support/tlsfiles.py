@@ -4,6 +4,7 @@ stand-ins (pdstack.synth), which neither pdserve nor promtool can load, so these
 from __future__ import annotations
 
 import datetime
+import subprocess
 from pathlib import Path
 
 from cryptography import x509
@@ -51,3 +52,15 @@ def write_tls_dir(folder: Path, names: list[str]) -> Path:
 def relocated(value: str, folder: Path) -> str:
     """`value` with the container's TLS_DIR replaced by `folder`."""
     return value.replace(f"{TLS_DIR}/", f"{folder}/")
+
+
+def self_signed_localhost(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1 (openssl's), and its key, written in `folder`."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
