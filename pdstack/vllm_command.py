@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.vllm.release import MIDDLEWARE as RELEASE_MIDDLEWARE
 from pdstack.contract import (
     INSTANCE_TOKEN,
     KV_KEY,
@@ -191,6 +192,8 @@ def engine_args(
         args += ["--otlp-traces-endpoint", serving.tracing.otlp_endpoint]
     config = kv_transfer_config(serving, side, advertise_host, tls, version)
     args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    if side is PoolRole.PREFILL and v.kv_connector is KvConnector.PDSTACK:  # the gateway frees unused KV through it
+        args += ["--middleware", RELEASE_MIDDLEWARE]
     if isinstance(tls, NodeTls):
         args += tls.server_flags()
     return tuple(args)

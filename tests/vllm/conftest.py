@@ -31,6 +31,7 @@ from pdserve.gateway.proxy import prefill_kv_transfer_params
 from pdserve.kv import params as signed_params
 from pdserve.kv.auth import SecretKey
 from pdserve.vllm.consumer import VLLM_ADDED_FIELDS
+from pdserve.vllm.release import MIDDLEWARE as RELEASE_MIDDLEWARE
 from pdstack.local.wan import LinkProcess, LinkShape, create_namespace, default_endpoints, delete_namespace, run_ip
 from tests.support.ports import free_port
 
@@ -139,6 +140,7 @@ class VLLMServer:
             "--model", str(self.model), "--host", self.site.http_host, "--port", str(self.port), "--enforce-eager",
             "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
             *(("--kv-transfer-config", json.dumps(config)) if self.connector else ()), "--enable-log-requests",
+            *(("--middleware", RELEASE_MIDDLEWARE) if self.connector and self.role == "kv_producer" else ()),
             *self.args,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:

@@ -6,6 +6,7 @@ sequential proxy flow and with early dispatch (prefill and decode sent at once).
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,10 @@ import httpx
 import openai
 import pytest
 
+from pdserve.gateway.proxy import prefill_kv_transfer_params
 from pdserve.kv.auth import SecretKey
 from pdserve.kv.params import derive_params_key
+from pdserve.kv.release import RELEASE_PATH
 from tests.support.cluster import metric, wait_for
 from tests.support.services import Service
 from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of, start_fleet
@@ -124,6 +127,44 @@ def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.O
         finally:
             fleet.remove_fake("prefill-other-layout")
     fleet.wait_routable(fleet.gateways[0], instances=2)
+
+
+def test_x_request_id_reused_by_clients_names_no_shared_lease(fleet: Fleet, client: openai.OpenAI) -> None:
+    """The gateway passes a client's X-Request-Id on to vLLM, which builds its request ids from it: two requests
+    sent at once under one id still get a lease each (vLLM appends its own random part; the connector leases under
+    that id, or the gateway's transfer id) and each its own colocated answer."""
+    prompts = [prompt_of(LENGTHS["three_blocks"], seed=seed) for seed in (31, 32)]
+    expected = [fleet.colocated(prompt, MAX_TOKENS) for prompt in prompts]
+    loads = fleet.loads()
+    same = {"X-Request-Id": "reused-by-two-clients"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda prompt: complete(client.with_options(default_headers=same), prompt), prompts))
+    assert got == expected
+    assert fleet.loads() == loads + 2
+
+
+def test_the_gateways_release_frees_a_vllm_prefills_lease_at_once(fleet: Fleet) -> None:
+    """What the gateway sends when decode refused a request or its client left before decode started (POST
+    /v1/kv/release with the server token, pdserve.kv.release): a vLLM prefill frees that KV at once, through
+    PdstackConnector's middleware, not LEASE_SECONDS later; the endpoint takes only the token and a lease id."""
+    prefill, auth = fleet.prefill, fleet.engine_auth()
+    body = {"model": MODEL_NAME, "prompt": prompt_of(LENGTHS["three_blocks"], seed=41), "max_tokens": 1,
+            "kv_transfer_params": prefill_kv_transfer_params()}  # fmt: skip
+    answer = httpx.post(prefill.url + "/v1/completions", json=body, headers=auth, timeout=120)
+    assert answer.status_code == 200, answer.text
+    lease = answer.json()["kv_transfer_params"]["remote_request_id"]
+    acked = prefill.metric("pdserve_kv_leases_released_total", 'reason="ack"')
+    release = prefill.url + RELEASE_PATH
+    for bad, param in (({}, "remote_request_id"), ({"remote_request_id": "x" * 300}, "remote_request_id"),
+                       ([], "body")):  # fmt: skip
+        refused = httpx.post(release, json=bad, headers=auth, timeout=30)
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, param), refused.text
+    assert httpx.post(release, json={"remote_request_id": lease}, timeout=30).status_code == 401
+    freed = httpx.post(release, json={"remote_request_id": lease}, headers=auth, timeout=30)
+    assert freed.json() == {"remote_request_id": lease, "released": True}, freed.text
+    prefill.wait_metric("pdserve_kv_leases_released_total", lambda count: count == acked + 1, 'reason="ack"')
+    again = httpx.post(release, json={"remote_request_id": lease}, headers=auth, timeout=30)
+    assert again.json() == {"remote_request_id": lease, "released": False}, again.text
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
+from pdserve.kv.release import RELEASE_PATH
 from pdserve.scheduler.protocol import RoutedInstance
 
 from .metrics import GatewayMetrics
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-RELEASE_PATH = "/v1/kv/release"  # pdserve's prefill (pdserve.server.leases)
 RELEASE_TIMEOUT_S = 5.0
 REQUIRED_KV_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 SUSPEND_SECONDS = 5.0
@@ -324,7 +324,8 @@ class PDProxy:
 
     async def release_kv(self, ctx: Context, prefill: RoutedInstance, kv_params: dict[str, Any]) -> None:
         """Ask prefill to free KV no decode will pull, counted by outcome: released, not_held (already freed),
-        unsupported (an engine without the endpoint, e.g. vLLM: its lease expires instead) or failed."""
+        unsupported (a prefill without the endpoint, e.g. vLLM with NixlConnector: its KV is held until it expires)
+        or failed. The contract: pdserve.kv.release."""
         url = prefill.info.url + RELEASE_PATH
         timeout = httpx.Timeout(RELEASE_TIMEOUT_S, connect=self.settings.connect_timeout)
         body = {"remote_request_id": kv_params.get("remote_request_id")}

@@ -135,6 +135,7 @@ class PullState:
     expected_fingerprint: str | None
     streams: int
     first_row: int = 0
+    max_bytes: int | None = None  # the most KV this pull may allocate (what the caller's request can hold)
     pull_id: str = field(default_factory=lambda: secrets.token_hex(16))  # the server shares chunks by it
     trace: dict[str, str] = field(default_factory=dict)  # the caller's traceparent, outside the END MAC
     assembly: Assembly | None = None
@@ -192,5 +193,10 @@ class PullState:
                 f"{self.expected_fingerprint!r}",
             )
         # A blob still being computed has no checksum yet (its END carries it).
+        if self.max_bytes is not None and manifest.nbytes > self.max_bytes:
+            raise KVTransferError(
+                "protocol",
+                f"the manifest announces {manifest.nbytes} bytes of KV, more than this request's {self.max_bytes}",
+            )
         if manifest.checksum and self.expected_checksum is not None and manifest.checksum != self.expected_checksum:
             raise KVTransferError("checksum", "the prefill server's manifest announces a different checksum")

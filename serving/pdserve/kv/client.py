@@ -48,6 +48,7 @@ async def pull(
     metrics: KVMetrics | None = None,
     pool: KVConnectionPool | None = None,
     first_row: int = 0,
+    max_bytes: int | None = None,
     stall_timeout_s: float | None = None,
     capacity_wait_s: float = CAPACITY_WAIT_S,
 ) -> KVBlob:
@@ -59,6 +60,9 @@ async def pull(
 
     With `first_row` > 0 only leading rows (blocks) from that one on are sent (decode has the others); every unit
     sent is verified against the digests that make up the blob checksum.
+
+    With `max_bytes`, a manifest announcing more KV than that is refused (`protocol`) before anything is allocated
+    for it: the server authenticated, but its bytes are verified only as they arrive.
 
     With a `pool`, each stream borrows a connection from it (the pool's metrics count those connections) and gives
     it back after a clean END; without one, each stream opens and closes its own.
@@ -76,7 +80,8 @@ async def pull(
     recorder = metrics if metrics is not None else default_metrics()
     connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s,
                           stall_timeout_s, capacity_wait_s, recorder)  # fmt: skip
-    state = PullState(request_id, expected_checksum, expected_fingerprint, streams, first_row, trace=_trace_context())
+    state = PullState(request_id, expected_checksum, expected_fingerprint, streams, first_row, max_bytes,
+                      trace=_trace_context())  # fmt: skip
     started = time.perf_counter()
     try:
         await _run_streams(Route(connector, host, port, pool, recorder), state)

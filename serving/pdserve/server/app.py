@@ -23,13 +23,14 @@ from pdserve.common.logs import bind_request_id, reset_request_id
 from pdserve.common.routes import probe_routes
 from pdserve.engine import Engine
 from pdserve.kv import SecretKey
+from pdserve.kv.release import RELEASE_PATH
 from pdserve.scheduler.client import read_token
 from pdserve.server.auth import BearerTokenMiddleware
 from pdserve.server.batching import Admission, BatchScheduler
 from pdserve.server.generation import GenerationService
 from pdserve.server.heartbeat import read_scheduler_token, start_heartbeats
 from pdserve.server.kvlink import DecodeImporter, PrefillExporter
-from pdserve.server.leases import RELEASE_PATH, release_kv
+from pdserve.server.leases import release_kv
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.openai_api import OpenAIEndpoints
 from pdserve.server.settings import Role, ServerSettings

@@ -69,12 +69,17 @@ class ConsumerWorker(ConnectorWorker):
                 streams=self.settings.streams_for(self._pull_bytes(spec)),
                 expected_fingerprint=self.fingerprint,
                 first_row=spec.skip_blocks,  # decode's local prefix-cache hit does not cross the wire
+                max_bytes=self._prompt_bytes(spec),
                 **self._channel_options(params),
             )
 
     def _pull_bytes(self, spec: LoadSpec) -> int:
         """What the pull will move (known before it starts: prefill's layout is decode's, the fingerprints match)."""
-        return (math.ceil(spec.prompt_tokens / self.block_size) - spec.skip_blocks) * sum(self.block_bytes.values())
+        return self._prompt_bytes(spec) - spec.skip_blocks * sum(self.block_bytes.values())
+
+    def _prompt_bytes(self, spec: LoadSpec) -> int:
+        """The KV of the request's whole prompt: the most a manifest for it may announce."""
+        return math.ceil(spec.prompt_tokens / self.block_size) * sum(self.block_bytes.values())
 
     def _rank_port(self, params: dict[str, Any]) -> int:
         """This rank's shard is on the prefill worker of the same TP rank: remote_port + rank (settings.kv_port_of)."""

@@ -188,6 +188,24 @@ def test_fingerprint_and_announced_checksum_are_enforced(key: SecretKey, metrics
     asyncio.run(scenario())
 
 
+def test_a_manifest_larger_than_the_request_can_hold_is_refused(key: SecretKey, metrics: KVMetrics):
+    """max_bytes (decode: its own request's KV) bounds what an authenticated server's manifest makes a pull allocate:
+    announced before the bytes, refused before the destination arrays exist."""
+    store = small_store(metrics)
+    stored = store.put("req-10", make_layers(2, (8, 8), "float32"), meta_for("req-10"))
+
+    async def scenario() -> None:
+        async with running_server(store, key, metrics=metrics) as server:
+            with pytest.raises(KVTransferError) as too_big:
+                await pull("127.0.0.1", server.port, "req-10", None, key=key, max_bytes=stored.nbytes - 1, **FAST)
+            assert too_big.value.cause == "protocol"
+            assert f"announces {stored.nbytes} bytes" in too_big.value.message
+            blob = await pull("127.0.0.1", server.port, "req-10", None, key=key, max_bytes=stored.nbytes, **FAST)
+            assert blob.meta.request_id == "req-10"
+
+    asyncio.run(scenario())
+
+
 def test_server_killed_mid_transfer_fails_fast_with_connection_error(kv_key_file: Path, key: SecretKey):
     with server_process(kv_key_file, "req-kill", 32) as (process, port, checksum):
 
