@@ -30,7 +30,7 @@ import pytest
 
 from pdserve.scheduler.client import bearer
 from tests.support.cluster import KEYS, Cluster, metric, wait_for
-from tests.support.services import Service, identity_key_file, start_scheduler
+from tests.support.services import Service, identity_key_file, principal_token, start_scheduler
 
 from .fuzzing import check_answer
 from .serving_stack import AUTH, NORMAL, normal_completion, pd_stack
@@ -39,6 +39,7 @@ from .test_fuzz_endpoints import assert_idle
 CONCURRENT_CAP = 8
 DECODE_DELAY_MS = 5000  # far longer than a client needs to see prefill served and leave
 FLOOD = 100  # requests per flood: bounded in count; each is refused at once
+FLOOD_RSS_MIB = 24  # what reading (and refusing) 64-150 MiB of bodies may add to a process: a fraction of them
 LABEL_GROWTH_BYTES = 4096  # a handful of new series at most (a status, `other`), never one per request
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank at dawn"  # >= 8 tokens: remote prefill
 TALLY: Counter[str] = Counter()
@@ -63,6 +64,17 @@ def checked(response: httpx.Response, what: str, status: int | None = None, para
 
 def metrics_size(url: str, headers: dict[str, str] | None = None) -> int:
     return len(httpx.get(f"{url}/metrics", headers=headers or {}, timeout=30).content)
+
+
+def rss_mib(service: Service) -> float:
+    assert service.process is not None
+    status = Path(f"/proc/{service.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def open_fds(service: Service) -> int:
+    assert service.process is not None
+    return len(list(Path(f"/proc/{service.process.pid}/fd").iterdir()))
 
 
 def leases(cluster: Cluster, name: str = "p") -> float:
@@ -266,15 +278,22 @@ def test_a_token_derived_for_admin_is_no_admin(scheduler: tuple[Service, str, Pa
 
 
 def test_overflowing_weights_and_huge_bodies_are_refused(scheduler: tuple[Service, str, Path]) -> None:
-    service, admin, _ = scheduler
+    service, admin, tmp = scheduler
     url = service.url + "/v1/admin/weights"
     for weights in ({"v1": 1e308, "v2": 1e308}, {"v1": 1e308, "v2": 1e308, "v3": 1e308}):
         answer = httpx.put(url, json={"weights": weights}, headers=bearer(admin), timeout=30)
         checked(answer, f"weights {weights}", status=400)
         assert answer.json()["error"]["field"] == "weights"
-    huge = httpx.put(url, content=b" " * (64 << 20), headers=bearer(admin), timeout=60)
-    checked(huge, "64 MiB weights body", status=413)
-    assert huge.json()["error"]["field"] == "body"
+    before = rss_mib(service)
+    beat = service.url + "/v1/instances/flooder/heartbeat"
+    for target, method, auth in ((url, "PUT", bearer(admin)),
+                                 (beat, "POST", bearer(principal_token(tmp, "instance:flooder")))):  # fmt: skip
+        huge = httpx.request(method, target, content=b" " * (64 << 20), headers=auth, timeout=60)
+        checked(huge, f"64 MiB body to {target}", status=413)
+        assert huge.json()["error"]["field"] == "body"
+    grown = rss_mib(service) - before
+    print(f"\nscheduler RSS across two 64 MiB bodies: {before:.1f} -> {before + grown:.1f} MiB")
+    assert grown < FLOOD_RSS_MIB, f"the scheduler's RSS grew {grown:.1f} MiB reading bodies it refuses"
     assert httpx.get(url, headers=bearer(admin)).json()["weights"] == {}
 
 
@@ -318,17 +337,26 @@ def status_of(sock: socket.socket) -> int:
 
 
 def test_a_tenant_over_its_limit_is_refused_before_its_body(cluster: Cluster) -> None:
-    """The scarce tenant spent its burst above: each partial 1 MiB body is answered 429 at once, unread."""
-    gateway = cluster.gateways[0].url
-    held = [open_partial(gateway, KEYS["scarce"]) for _ in range(20)]
+    """The scarce tenant spent its burst above: each of 150 partial 1 MiB bodies is answered 429 at once, unread;
+    the gateway holds no body for them (its RSS barely moves while they stay open) and no descriptor after."""
+    service = cluster.gateways[0]
+    rss, fds = rss_mib(service), open_fds(service)
+    held = [open_partial(service.url, KEYS["scarce"]) for _ in range(150)]
     try:
         for sock in held:
             status = status_of(sock)
             TALLY[f"{status // 100}xx"] += 1
             assert status == 429
+        grown = rss_mib(service) - rss
+        print(
+            f"\ngateway with 150 refused 1 MiB bodies open: RSS {rss:.1f} -> {rss + grown:.1f} MiB, "
+            f"descriptors {fds} -> {open_fds(service)}"
+        )
+        assert grown < FLOOD_RSS_MIB, f"the gateway's RSS grew {grown:.1f} MiB for bodies it refused"
     finally:
         for sock in held:
             sock.close()
+    wait_for(lambda: open_fds(service) <= fds + 2, timeout=30, what="the gateway's descriptors given back")
 
 
 def test_a_tenants_concurrent_requests_are_capped(cluster: Cluster) -> None:
