@@ -350,7 +350,7 @@ def main() -> None:
         "--connector-extra",
         type=json.loads,
         default={},
-        help="JSON merged into both instances' kv_connector_extra_config, e.g. '{\"streams\": 1}'",
+        help="JSON merged into both instances' kv_connector_extra_config, e.g. '{\"kv_streams\": 1}'",
     )
     parser.add_argument(
         "--no-idle-restart",

@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pdserve.common.settings import env_name
 from pdserve.vllm.settings import kv_ports_used
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
 from pdstack.serving_env import gateway_settings, server_settings, tracing_settings
 
 # -- what pdserve itself fixes (serving/pdserve/*/settings.py, serving/Containerfile) --------------------------
-SETTING_PREFIX = "PDSERVE_"
 PDSERVE_BIN = "/opt/pdserve/bin/pdserve"  # the image's venv (serving/Containerfile); its base image has no PATH
 LISTEN_HOST = "0.0.0.0"  # noqa: S104 (containers listen on every address of their pod or host network)
 SECRETS_DIR = "/run/secrets"
@@ -159,9 +159,9 @@ JOBS = (PROMETHEUS_JOB, *(c.job for c in SCRAPED), NODE_JOB)
 
 
 def setting(name: str) -> str:
-    """The PDSERVE_* variable of a pdserve settings field (pdserve.common.settings.env_name, which every role's
-    loader reads)."""
-    return SETTING_PREFIX + name.upper()
+    """The PDSERVE_* variable of a pdserve settings field: pdserve's own naming (pdserve.common.settings.env_name),
+    which every component's loader reads."""
+    return str(env_name(name))
 
 
 @dataclass(frozen=True)
@@ -353,15 +353,13 @@ def kv_port_range(serving: Serving) -> range:
 def contract(serving: Serving) -> Contract:
     ports = serving.ports
     common = {setting("host"): LISTEN_HOST}
-    server = server_settings(serving)
+    server = server_settings(serving, kv=True)
 
     def make(
         component: Component, port: int, extra: Mapping[str, str], kv_ports: range = range(0)
     ) -> ComponentContract:
         values = {**common, setting("port"): str(port), **extra}
         kv_port = kv_ports.start if kv_ports else None
-        if kv_port is not None:
-            values[setting("kv_port")] = str(kv_port)
         # the gateway is the clients' door: server-only TLS and API keys, never client certificates
         client_auth = "required" if serving.mutual_tls and component is not Component.GATEWAY else "none"
         return ComponentContract(component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports,
@@ -374,7 +372,7 @@ def contract(serving: Serving) -> Contract:
         Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_ports=kv_port_range(serving)),
         Component.DECODE: make(Component.DECODE, ports.decode, server),
         # colocated stands where decode stands (a mixed node serves both without the KV channel)
-        Component.COLOCATED: make(Component.COLOCATED, ports.decode, server),
+        Component.COLOCATED: make(Component.COLOCATED, ports.decode, server_settings(serving, kv=False)),
     }  # fmt: skip
     scrape = tuple(ScrapeGroup(c.job, "control" if c in (Component.GATEWAY, Component.SCHEDULER) else str(c),
                                components[c].port, METRICS_TOKEN if METRICS_TOKEN in SECRET_FILES[c] else None)

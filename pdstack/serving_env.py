@@ -1,16 +1,28 @@
-"""The stack's serving settings (limits, timeouts, routing) as the PDSERVE_* variables each pdserve component reads.
+"""The stack's serving settings (limits, timeouts, routing, the KV channel, tracing) as the PDSERVE_* variables each
+pdserve component reads: values by field name of the component's own pdserve settings model, rendered by pdserve's
+own naming function (pdserve.common.settings.as_env, which refuses a name the model lacks).
 
-pdstack.contract folds these into each component's settings next to its ports and secret files; every name is a
-field of the component's pdserve settings model (tests/pdstack/test_contract.py parses them with pdserve's loaders).
+pdstack.contract folds these into each component's settings next to its ports and secret files.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel
+
+from pdserve.common import settings as pdserve_settings
+from pdserve.common.tracing import TracingSettings
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.kv.settings import KVChannelSettings
+from pdserve.server.settings import ServerSettings
 from pdstack.model import Serving
 
 
-def _as_env(settings: dict[str, object]) -> dict[str, str]:
-    return {f"PDSERVE_{name}": str(value) for name, value in settings.items()}
+def as_env(model: type[BaseModel], values: dict[str, Any]) -> dict[str, str]:
+    """pdserve's own rendering of settings as PDSERVE_* variables (pdserve.common.settings.as_env)."""
+    env: dict[str, str] = pdserve_settings.as_env(model, values)
+    return env
 
 
 def tracing_settings(serving: Serving) -> dict[str, str]:
@@ -18,42 +30,47 @@ def tracing_settings(serving: Serving) -> dict[str, str]:
     tracing = serving.tracing
     if tracing is None:
         return {}
-    return _as_env(
-        {
-            "OTLP_TRACES_ENDPOINT": tracing.otlp_endpoint,
-            "TRACE_SAMPLE_RATIO": tracing.sample_ratio,
-            "TRACE_PROMPTS": str(tracing.include_prompts).lower(),
-        }
-    )
+    return as_env(TracingSettings, {"otlp_traces_endpoint": tracing.otlp_endpoint,
+                                    "trace_sample_ratio": tracing.sample_ratio,
+                                    "trace_prompts": tracing.include_prompts})  # fmt: skip
 
 
 def gateway_settings(serving: Serving) -> dict[str, str]:
     limits, timeouts = serving.limits, serving.timeouts
-    plaintext = _as_env({"ALLOW_PLAINTEXT": "true"}) if serving.allow_plaintext else {}
-    return tracing_settings(serving) | plaintext | _as_env({
-        "OFFLOAD_THRESHOLD_TOKENS": serving.offload_threshold_tokens,
-        "MAX_PROMPT_TOKENS": limits.max_prompt_tokens,
-        "MAX_TOKENS_LIMIT": limits.max_output_tokens,
-        "CONNECT_TIMEOUT": timeouts.connect_s,
-        "PREFILL_TIMEOUT": timeouts.prefill_s,
-        "FIRST_TOKEN_TIMEOUT": timeouts.first_token_s,
-        "DECODE_TIMEOUT": timeouts.request_s,
+    plaintext = {"allow_plaintext": True} if serving.allow_plaintext else {}
+    return tracing_settings(serving) | as_env(GatewaySettings, {
+        **plaintext,
+        "offload_threshold_tokens": serving.offload_threshold_tokens,
+        "max_prompt_tokens": limits.max_prompt_tokens,
+        "max_tokens_limit": limits.max_output_tokens,
+        "connect_timeout": timeouts.connect_s,
+        "prefill_timeout": timeouts.prefill_s,
+        "first_token_timeout": timeouts.first_token_s,
+        "decode_timeout": timeouts.request_s,
     })  # fmt: skip
 
 
-def server_settings(serving: Serving) -> dict[str, str]:
-    """Prefill, decode and colocated servers."""
-    limits, timeouts = serving.limits, serving.timeouts
-    return tracing_settings(serving) | _as_env({
-        "MAX_NUM_SEQS": limits.max_concurrency,
-        "PREFILL_TOKEN_BUDGET": limits.prefill_token_budget,
-        "KV_STREAMS": serving.kv_streams,
-        "KV_LEASE_SECONDS": timeouts.kv_lease_s,
-        "KV_READ_TIMEOUT_SECONDS": timeouts.kv_transfer_s,
-        "KV_LOAD_FAILURE_POLICY": serving.kv_load_failure_policy,
+def kv_channel(serving: Serving) -> KVChannelSettings:
+    """The stack's KV channel knobs, under pdserve's names: what both engines get, on both sides (pdserve's servers
+    as PDSERVE_* variables, vLLM's PdstackConnector as kv_connector_extra_config, pdstack.vllm_command)."""
+    timeouts = serving.timeouts
+    return KVChannelSettings(
+        kv_port=serving.ports.kv,
+        kv_streams=serving.kv_streams,
+        kv_lease_seconds=timeouts.kv_lease_s,
+        kv_connect_timeout_seconds=timeouts.connect_s,
+        kv_read_timeout_seconds=timeouts.kv_read_s,
+        kv_transfer_timeout_seconds=timeouts.kv_transfer_s,
+    )
+
+
+def server_settings(serving: Serving, *, kv: bool) -> dict[str, str]:
+    """Prefill and decode servers (`kv`: with the KV channel's settings), and colocated ones (without)."""
+    limits = serving.limits
+    channel = kv_channel(serving).model_dump(exclude_unset=True) if kv else {}
+    return tracing_settings(serving) | as_env(ServerSettings, {
+        "max_num_seqs": limits.max_concurrency,
+        "prefill_token_budget": limits.prefill_token_budget,
+        "kv_load_failure_policy": serving.kv_load_failure_policy,
+        **channel,
     })  # fmt: skip
-
-
-def pdserve_env(serving: Serving) -> dict[str, str]:
-    """Every component's settings in one map (each component reads only the variables of its own settings)."""
-    return gateway_settings(serving) | server_settings(serving)

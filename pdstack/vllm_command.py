@@ -33,6 +33,7 @@ from pdstack.contract import (
     contract,
 )
 from pdstack.model import Engine, KvConnector, PoolRole, Serving, Vllm
+from pdstack.serving_env import kv_channel
 
 VLLM_PYTHON = "/opt/vllm/bin/python"  # both vLLM images' interpreter (Containerfile.vllm-cpu's venv; a link on GPU)
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the images' entry point; it takes `vllm serve`'s arguments
@@ -120,21 +121,17 @@ def kv_transfer_config(
 def connector_extra_config(
     serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None, version: str | None = None
 ) -> dict[str, Any]:
-    """PdstackConnector's kv_connector_extra_config (pdserve/vllm/settings.py), with the side's keys only: prefill
-    listens for pulls and holds KV under leases; decode pulls with N streams under the stack's timeouts. With
-    `version`, the engine's /metrics carries pdserve_build_info{version} as a pdserve server's does, so the canary
-    judge attributes its KV load failures to its release."""
-    timeouts = serving.timeouts
-    extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR}
+    """PdstackConnector's kv_connector_extra_config (pdserve.vllm.settings.ConnectorConfig): the stack's KV channel
+    settings under the names and with the values pdserve's servers get (pdstack.serving_env.kv_channel), on both
+    sides; prefill also advertises where decode pulls from (its listener binds there, not every address of the
+    node). With `version`, the engine's /metrics carries pdserve_build_info{version} as a pdserve server's does, so
+    the canary judge attributes its KV load failures to its release."""
+    extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR,
+                             **kv_channel(serving).model_dump(mode="json", exclude_unset=True)}  # fmt: skip
     if side is PoolRole.PREFILL:
-        # No bind_host: the KV listener binds advertise_host (the connector's default), where decode pulls from,
-        # not every address of the node.
-        extra |= {"advertise_host": advertise_host, "port": kv_port(serving), "lease_seconds": timeouts.kv_lease_s}
-    else:
-        extra |= {"streams": serving.kv_streams, "connect_timeout_seconds": timeouts.connect_s,
-                  "read_timeout_seconds": timeouts.kv_transfer_s}  # fmt: skip
+        extra["advertise_host"] = advertise_host
     if tls is not None:
-        files = {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
+        files = {"kv_tls_cert": tls.cert, "kv_tls_key": tls.key, "kv_tls_ca": tls.ca}
         extra |= {name: path for name, path in files.items() if path is not None}
     if version is not None:
         extra["release_version"] = version

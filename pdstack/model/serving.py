@@ -7,9 +7,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pdserve.kv.settings import KV_PORT, KVChannelSettings
 from pdstack.model.base import Port, Seconds, Strict
 from pdstack.model.engine import Engine, Vllm
 from pdstack.model.environment_wide import webhook_url_problem
+
+_KV = KVChannelSettings.model_fields  # the KV channel's knobs: their defaults are pdserve's
 
 
 class Ports(Strict):
@@ -17,7 +20,7 @@ class Ports(Strict):
     scheduler: Port = 8100
     prefill: Port = 8200
     decode: Port = 8300
-    kv: Port = 8400
+    kv: Port = KV_PORT
     prometheus: Port = 9090
 
     @model_validator(mode="after")
@@ -39,12 +42,25 @@ class Limits(Strict):
 
 
 class Timeouts(Strict):
-    connect_s: Seconds = 2.0
+    """The gateway's and the KV channel's timeouts; the KV ones reach both engines on both sides (pdstack.contract)
+    under pdserve's KV channel names, with pdserve's defaults (pdserve.kv.settings)."""
+
+    connect_s: Seconds = Field(default=2.0, description="to connect to an upstream: the gateway's calls, KV pulls")
     prefill_s: Seconds = 30.0
     first_token_s: Seconds = 30.0
     request_s: Seconds = 300.0
-    kv_transfer_s: Seconds = 10.0
-    kv_lease_s: Seconds = 30.0
+    kv_read_s: Seconds = Field(
+        default=_KV["kv_read_timeout_seconds"].default,
+        description="longest wait for a KV frame on either side (kv_read_timeout_seconds)",
+    )
+    kv_transfer_s: Seconds = Field(
+        default=_KV["kv_transfer_timeout_seconds"].default,
+        description="longest a whole KV pull may take (kv_transfer_timeout_seconds)",
+    )
+    kv_lease_s: Seconds = Field(
+        default=_KV["kv_lease_seconds"].default,
+        description="how long prefill holds KV no decode pulled (kv_lease_seconds)",
+    )
 
 
 class Model(Strict):
@@ -80,7 +96,9 @@ class Serving(Strict):
     offload_threshold_tokens: int = Field(
         default=256, ge=0, description="prompts shorter than this are prefilled on decode (selective offload)"
     )
-    kv_streams: int = Field(default=4, ge=1, le=64, description="parallel TCP connections per KV pull")
+    kv_streams: int = Field(
+        default=_KV["kv_streams"].default, ge=1, le=64, description="parallel TCP connections per KV pull (kv_streams)"
+    )
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     tracing: Tracing | None = None
     allow_plaintext: bool = Field(

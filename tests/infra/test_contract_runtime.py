@@ -101,7 +101,7 @@ def vllm_kv_ports(env: str) -> set[int]:
     serving = environment_serving(STACKS, env)
     assert serving.vllm is not None
     role = serving.vllm.role(PoolRole.PREFILL)
-    base = connector_extra_config(serving, PoolRole.PREFILL, "10.1.0.10")["port"]
+    base = connector_extra_config(serving, PoolRole.PREFILL, "10.1.0.10")["kv_port"]
     return {kv_port_of(base, dp_index=d, tp_size=role.tensor_parallel_size, tp_rank=r)
             for d in range(role.data_parallel_size) for r in range(role.tensor_parallel_size)}  # fmt: skip
 

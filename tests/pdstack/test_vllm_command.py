@@ -14,7 +14,9 @@ import pytest
 from pdserve import cli
 from pdserve.agent.settings import AgentSettings
 from pdserve.common.settings import load_settings
-from pdserve.vllm.settings import ConnectorSettings, SettingsError, parse, release_version
+from pdserve.kv.settings import KVChannelSettings
+from pdserve.server.settings import settings_from_args
+from pdserve.vllm.settings import ConnectorSettings, SettingsError, release_version
 from pdstack.contract import (
     INSTANCE_TOKEN,
     KV_KEY,
@@ -31,6 +33,7 @@ from pdstack.contract_files import environment_serving
 from pdstack.model import Engine, KvConnector, Model, PoolRole, Serving, Vllm
 from pdstack.vllm_command import (
     API_SERVER,
+    PDSTACK_CONNECTOR,
     RUN_DIR,
     VLLM_PYTHON,
     KvTls,
@@ -83,7 +86,7 @@ def connector_settings(serving: Serving, side: PoolRole, key_file: Path) -> Conn
     extra = dict(config["kv_connector_extra_config"])
     assert extra["kv_key_file"] == KV_KEY.path
     extra["kv_key_file"] = str(key_file)
-    return parse(extra, producer=side is PoolRole.PREFILL, engine_id="engine")
+    return ConnectorSettings.of(extra, producer=side is PoolRole.PREFILL, engine_id="engine")
 
 
 @pytest.fixture
@@ -95,27 +98,42 @@ def key_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("name", "serving"), servings(), ids=[name for name, _ in servings()])
+# Every KV channel knob of the stack, each away from its default, so that a value left at a default shows.
+KV_KNOBS = CPU.model_copy(update={
+    "ports": CPU.ports.model_copy(update={"kv": 9400}),
+    "kv_streams": 7,
+    "timeouts": CPU.timeouts.model_copy(update={"connect_s": 3.5, "kv_read_s": 11.5, "kv_transfer_s": 99.0,
+                                                "kv_lease_s": 44.0}),
+})  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "serving"), [*servings(), ("knobs", KV_KNOBS)], ids=[*CLOUD, "cpu", "knobs"])
 @pytest.mark.parametrize("side", SIDES)
-def test_the_connector_accepts_the_rendered_extra_config(
+def test_both_engines_get_the_stacks_kv_channel_settings_alike(
     name: str, serving: Serving, side: PoolRole, key_file: Path
 ) -> None:
+    """The connector (from the rendered --kv-transfer-config) and a pdserve server of the same side (from the
+    contract's PDSERVE_* variables) hold the same value for every KV channel setting: the stack's where it sets one,
+    pdserve's default otherwise."""
     config = kv_config(serving, side)
-    assert config["kv_connector"] == "PdstackConnector"
-    assert config["kv_connector_module_path"] == "pdserve.vllm.connector"
+    assert (config["kv_connector"], config["kv_connector_module_path"]) == PDSTACK_CONNECTOR
     assert config["kv_role"] == ("kv_producer" if side is PoolRole.PREFILL else "kv_consumer")
     assert config["kv_load_failure_policy"] == serving.kv_load_failure_policy
-    settings = connector_settings(serving, side, key_file)
-    assert settings.key.material == b"k" * 32
-    assert settings.run_dir.parent == Path(RUN_DIR)
+    connector = connector_settings(serving, side, key_file)
+    assert connector.key.material == b"k" * 32
+    assert connector.worker_dir.parent == Path(RUN_DIR)
+    node = {"PDSERVE_MODEL": "/model", "PDSERVE_ADVERTISE_HOST": HOST}
+    server = settings_from_args(str(side), [], environ={**contract(serving)[str(side)].env(), **node})
+    for field in set(KVChannelSettings.model_fields) - {"kv_key_file"}:
+        assert getattr(connector, field) == getattr(server, field), field
+    timeouts = serving.timeouts
+    stack = (serving.ports.kv, serving.kv_streams, timeouts.kv_lease_s, timeouts.connect_s, timeouts.kv_read_s,
+             timeouts.kv_transfer_s)  # fmt: skip
+    assert (connector.kv_port, connector.kv_streams, connector.kv_lease_seconds, connector.kv_connect_timeout_seconds,
+            connector.kv_read_timeout_seconds, connector.kv_transfer_timeout_seconds) == stack  # fmt: skip
     if side is PoolRole.PREFILL:
-        assert (settings.advertise_host, settings.bind_host) == (HOST, HOST)  # the node's address, not every one
-        assert settings.port == contract(serving)["prefill"].kv_port == serving.ports.kv
-        assert settings.lease_seconds == serving.timeouts.kv_lease_s
-    else:
-        assert settings.streams == serving.kv_streams
-        assert settings.connect_timeout_seconds == serving.timeouts.connect_s
-        assert settings.read_timeout_seconds == serving.timeouts.kv_transfer_s
+        assert (connector.advertise_host, connector.bind_host) == (HOST, HOST)  # the node's address, not every one
+        assert connector.port == contract(serving)["prefill"].kv_port == serving.ports.kv
 
 
 @pytest.mark.parametrize("side", [PoolRole.PREFILL, PoolRole.DECODE])
@@ -131,11 +149,13 @@ def test_tls_files_reach_the_connector_and_a_half_pair_is_refused_by_it(key_file
     tls = KvTls(cert="/run/secrets/kv-tls.crt", key="/run/secrets/kv-tls.key", ca="/run/secrets/kv-ca.crt")
     config = kv_config(CPU, PoolRole.PREFILL, tls)
     extra = config["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
-    settings = parse(extra, producer=True, engine_id="e")
-    assert (settings.tls_cert, settings.tls_key, settings.tls_ca) == (tls.cert, tls.key, tls.ca)
-    half = kv_config(CPU, PoolRole.PREFILL, KvTls(cert=tls.cert))
-    with pytest.raises(SettingsError, match="tls_cert"):
-        parse(half["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}, producer=True, engine_id="e")
+    settings = ConnectorSettings.of(extra, producer=True, engine_id="e")
+    assert (settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca) == tuple(
+        map(Path, (tls.cert, tls.key, tls.ca))
+    )
+    half = kv_config(CPU, PoolRole.PREFILL, KvTls(cert=tls.cert))["kv_connector_extra_config"]
+    with pytest.raises(SettingsError, match="kv_tls_cert"):
+        ConnectorSettings.of(half | {"kv_key_file": str(key_file)}, producer=True, engine_id="e")
 
 
 @pytest.mark.parametrize(("name", "serving"), servings(), ids=[name for name, _ in servings()])
@@ -194,7 +214,7 @@ def test_the_agent_argv_parses_and_agrees_with_the_engine(
     assert settings.engine_url == f"http://127.0.0.1:{engine['--port']}"
     assert settings.advertise_url == f"http://{HOST}:{engine['--port']}"
     assert str(settings.max_num_seqs) == engine["--max-num-seqs"]
-    assert settings.connector_run_dir == connector_settings(serving, side, key_file).run_dir.parent
+    assert settings.connector_run_dir == connector_settings(serving, side, key_file).run_dir
     assert str(settings.scheduler_token_file) == INSTANCE_TOKEN.path
     assert str(settings.engine_token_file) == SERVER_TOKEN.path
     assert (settings.version, settings.registered_id()) == ("r7", "decode-a")
@@ -211,8 +231,9 @@ def test_over_tls_the_engine_serves_the_nodes_pair_and_the_agent_calls_it_by_nam
     assert (got["--ssl-certfile"], got["--ssl-keyfile"], got["--ssl-ca-certs"]) == (tls.cert, tls.key, tls.ca)
     assert "--enable-ssl-refresh" in got and got.get("--ssl-cert-reqs") == ("2" if mutual else None)
     extra = json.loads(got["--kv-transfer-config"] or "")["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
-    connector = parse(extra, producer=True, engine_id="e")
-    assert (connector.tls_cert, connector.tls_key, connector.tls_ca) == (tls.cert, tls.key, tls.ca)
+    connector = ConnectorSettings.of(extra, producer=True, engine_id="e")
+    files = (connector.kv_tls_cert, connector.kv_tls_key, connector.kv_tls_ca)
+    assert files == (Path(tls.cert), Path(tls.key), Path(tls.ca))
     argv = agent_command(CPU, PoolRole.PREFILL, advertise_host="i-0abc.prefill.dc1.prod.pdstack.internal",
                          scheduler_url="https://scheduler.control.prod.pdstack.internal:8100", version="r7",
                          instance_id="prefill-a", tls=tls)  # fmt: skip
@@ -260,16 +281,18 @@ def test_every_prefill_worker_listens_on_its_own_port_inside_the_rendered_kv_ran
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
     extra = kv_config(serving, PoolRole.PREFILL)["kv_connector_extra_config"] | {"kv_key_file": str(key_file)}
     workers = [
-        parse(extra, producer=True, engine_id=f"engine_dp{d}", tp_size=tp, dp_index=d, data_parallel=dp > 1).for_rank(r)
+        ConnectorSettings.of(
+            extra, producer=True, engine_id=f"engine_dp{d}", tp_size=tp, dp_index=d, data_parallel=dp > 1
+        ).for_rank(r)
         for d in range(dp)
         for r in range(tp)
     ]
     assert sorted(w.port for w in workers) == list(kv_port_range(serving))
-    assert len({w.run_dir for w in workers}) == tp * dp
+    assert len({w.worker_dir for w in workers}) == tp * dp
     assert {w.port for w in workers if w.tp_rank == 0} == {serving.ports.kv + d * tp for d in range(dp)}
 
 
 def test_a_kv_port_range_past_65535_is_refused_by_the_connector(key_file: Path) -> None:
-    extra = {"kv_key_file": str(key_file), "port": 65530}
-    with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\.port: 65530: DP engine 0's 8 TP ranks "):
-        parse(extra, producer=True, engine_id="e", tp_size=8)
+    extra = {"kv_key_file": str(key_file), "kv_port": 65530}
+    with pytest.raises(SettingsError, match=r"^kv_connector_extra_config\.kv_port: 65530: DP engine 0's 8 TP ranks "):
+        ConnectorSettings.of(extra, producer=True, engine_id="e", tp_size=8)

@@ -205,13 +205,13 @@ def start_fleet(model_dir: Path, kv_key_file: Path, tmp: Path) -> Iterator[Fleet
     scheduler, admin_token = start_scheduler(tmp, heartbeat_interval=0.5, missed=20)
     engine_token_file = tmp / "vllm-api.key"
     write_secret(engine_token_file)
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
-              "connect_timeout_seconds": 3, "read_timeout_seconds": 5}  # fmt: skip
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": LEASE_SECONDS,
+              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5}  # fmt: skip
     # One argument: a token may start with "-" (token_urlsafe), which argparse would take for an option.
     args = ("--served-model-name", MODEL_NAME, f"--api-key={engine_token_file.read_text().strip()}")
     run_dirs = {role: tmp / f"run-{role}" for role in ROLES}
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0,
-                         {**common, "port": free_port(), "run_dir": str(run_dirs["prefill"])}, tmp / "prefill.log",
+                         {**common, "kv_port": free_port(), "run_dir": str(run_dirs["prefill"])}, tmp / "prefill.log",
                          args=(*args, "--max-num-batched-tokens", "256"))  # fmt: skip
     decode = VLLMServer("decode", model_dir, "kv_consumer", 1, {**common, "run_dir": str(run_dirs["decode"])},
                         tmp / "decode.log", args=args)  # fmt: skip

@@ -276,11 +276,11 @@ def start_pair(
     `sites` places them (by default both on this namespace's loopback)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": sites[0].kv_host, "lease_seconds": LEASE_SECONDS,
-              "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run"),
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": sites[0].kv_host, "kv_lease_seconds": LEASE_SECONDS,
+              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5, "run_dir": str(logs / "run"),
               "release_version": RELEASE}  # fmt: skip
     # Prefill computes at most `batched_tokens` tokens a step, so long prompts take several steps (chunked prefill).
-    prefill_config = {**common, "port": kv_port, **(prefill_extra or {})}
+    prefill_config = {**common, "kv_port": kv_port, **(prefill_extra or {})}
     prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, prefill_config, logs / "prefill.log",
                          args=("--max-num-batched-tokens", str(batched_tokens)), max_model_len=max_model_len,
                          site=sites[0])  # fmt: skip

@@ -91,7 +91,7 @@ def test_registration_carries_the_connectors_instance(fleet: Fleet) -> None:
         assert (info["url"], info["model"], info["role"], info["version"]) == (server.url, MODEL_NAME, role, "v1")
         assert info["max_model_len"] == 2048
     prefill = instances[fleet.agents["prefill"].instance_id]["info"]
-    assert (prefill["kv_host"], prefill["kv_port"]) == ("127.0.0.1", fleet.prefill.extra["port"])
+    assert (prefill["kv_host"], prefill["kv_port"]) == ("127.0.0.1", fleet.prefill.extra["kv_port"])
     decode = instances[fleet.agents["decode"].instance_id]["info"]
     assert prefill["kv_fingerprint"] == decode["kv_fingerprint"]
 

@@ -50,9 +50,9 @@ def pair(
     """As conftest.start_pair, with a decode of DECODE_BLOCKS KV blocks."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": LEASE_SECONDS,
-              "connect_timeout_seconds": 3, "read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "port": kv_port}, logs / "prefill.log",
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": LEASE_SECONDS,
+              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
+    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "kv_port": kv_port}, logs / "prefill.log",
                          args=("--max-num-batched-tokens", "256"))  # fmt: skip
     decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log",
                         args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)))  # fmt: skip

@@ -8,34 +8,36 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.kv.settings import KVChannelSettings
 from pdserve.vllm import fingerprint
-from pdserve.vllm.settings import SettingsError, parse
+from pdserve.vllm.settings import ConnectorSettings, SettingsError
 
 
-def test_defaults_and_run_dir(kv_key_file: Path, tmp_path: Path) -> None:
-    settings = parse({"kv_key_file": str(kv_key_file), "port": 14600, "run_dir": str(tmp_path)}, producer=True,
-                     engine_id="e1")  # fmt: skip
-    assert (settings.streams, settings.lease_seconds, settings.advertise_host) == (4, 30.0, "127.0.0.1")
-    assert settings.open_wait_seconds == 10.0
-    assert settings.bind_host == "127.0.0.1"
-    assert settings.run_dir == tmp_path / "e1-14600"
+def test_defaults_and_worker_dir(kv_key_file: Path, tmp_path: Path) -> None:
+    extra = {"kv_key_file": str(kv_key_file), "kv_port": 14600, "run_dir": str(tmp_path)}
+    settings = ConnectorSettings.of(extra, producer=True, engine_id="e1")
+    defaults = KVChannelSettings()  # the KV channel's knobs default as pdserve's servers' do
+    assert (settings.kv_streams, settings.kv_lease_seconds) == (defaults.kv_streams, defaults.kv_lease_seconds)
+    assert settings.kv_transfer_timeout_seconds == defaults.kv_transfer_timeout_seconds
+    assert (settings.advertise_host, settings.bind_host, settings.kv_open_wait_seconds) == ("127.0.0.1",) * 2 + (10.0,)
+    assert settings.worker_dir == tmp_path / "e1-14600"
     assert settings.server_tls() is None and settings.client_tls() is None
     assert settings.kv_cpus is None
 
 
 def test_a_pull_opens_one_stream_per_bytes_per_stream_up_to_streams(kv_key_file: Path) -> None:
-    """A small pull stays on one connection (one congestion window); a large one spreads over up to `streams`."""
-    default = parse({"kv_key_file": str(kv_key_file)}, producer=False, engine_id="e1")
-    assert default.bytes_per_stream == 32 << 20
+    """A small pull stays on one connection (one congestion window); a large one spreads over up to `kv_streams`."""
+    default = ConnectorSettings.of({"kv_key_file": str(kv_key_file)}, producer=False, engine_id="e1")
+    assert default.kv_bytes_per_stream == 32 << 20
     assert [default.streams_for(n) for n in (1, 2 << 20, 32 << 20, (32 << 20) + 1, 1 << 30)] == [1, 1, 1, 2, 4]
-    two = parse({"kv_key_file": str(kv_key_file), "streams": 2, "bytes_per_stream": 1 << 20}, producer=False,
-                engine_id="e1")  # fmt: skip
+    extra = {"kv_key_file": str(kv_key_file), "kv_streams": 2, "kv_bytes_per_stream": 1 << 20}
+    two = ConnectorSettings.of(extra, producer=False, engine_id="e1")
     assert [two.streams_for(n) for n in (1 << 20, 3 << 20)] == [1, 2]
 
 
 def test_kv_cpus_takes_linux_cpu_lists(kv_key_file: Path) -> None:
-    settings = parse({"kv_key_file": str(kv_key_file), "kv_cpus": "0,2-3"}, producer=False, engine_id="e1")
-    assert settings.kv_cpus == {0, 2, 3}
+    extra = {"kv_key_file": str(kv_key_file), "kv_cpus": "0,2-3"}
+    assert ConnectorSettings.of(extra, producer=False, engine_id="e1").kv_cpus == {0, 2, 3}
 
 
 def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> None:
@@ -61,14 +63,16 @@ def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> N
 @pytest.mark.parametrize(
     ("extra", "producer", "named"),
     [
-        ({"port": 14600, "kv_key_flie": "x"}, True, "kv_key_flie"),
-        ({"port": 14600}, True, "kv_key_file"),
-        ({}, True, "port"),
-        ({"port": 14600, "streams": 0}, True, "streams"),
-        ({"bytes_per_stream": 0}, False, "bytes_per_stream"),
-        ({"open_wait_seconds": -1}, False, "open_wait_seconds"),
-        ({"lease_seconds": "soon"}, False, "lease_seconds"),
-        ({"tls_cert": "/c.pem"}, False, "tls_cert"),
+        ({"kv_port": 14600, "kv_key_flie": "x"}, True, "kv_key_flie"),
+        ({"kv_port": 14600}, True, "kv_key_file"),
+        ({"kv_port": 0}, True, "kv_port"),
+        ({"port": 14600}, True, "port"),  # the names before pdserve's: refused, not ignored
+        ({"kv_port": 14600, "kv_streams": 0}, True, "kv_streams"),
+        ({"kv_bytes_per_stream": 0}, False, "kv_bytes_per_stream"),
+        ({"kv_open_wait_seconds": -1}, False, "kv_open_wait_seconds"),
+        ({"kv_lease_seconds": "soon"}, False, "kv_lease_seconds"),
+        ({"kv_transfer_timeout_seconds": 0}, False, "kv_transfer_timeout_seconds"),
+        ({"kv_tls_cert": "/c.pem"}, False, "kv_tls_cert"),
         ({"kv_cpus": "1,x"}, False, "kv_cpus"),
         ({"kv_cpus": "-1"}, False, "kv_cpus"),
         ({"release_version": "r 1"}, False, "release_version"),
@@ -80,14 +84,14 @@ def test_bad_extra_config_is_refused_naming_the_key(
 ) -> None:
     config = {"kv_key_file": str(kv_key_file), **extra} if named != "kv_key_file" else extra
     with pytest.raises(SettingsError, match=rf"^kv_connector_extra_config\.{named}:"):
-        parse(config, producer=producer, engine_id="e1")
+        ConnectorSettings.of(config, producer=producer, engine_id="e1")
 
 
 def test_short_key_file_is_refused(tmp_path: Path) -> None:
     short = tmp_path / "key"
     short.write_text("short")
     with pytest.raises(SettingsError, match="kv_key_file"):
-        parse({"kv_key_file": str(short)}, producer=False, engine_id="e1")
+        ConnectorSettings.of({"kv_key_file": str(short)}, producer=False, engine_id="e1")
 
 
 def test_fingerprint_compare_names_the_first_differing_field() -> None:

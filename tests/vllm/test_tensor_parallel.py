@@ -81,10 +81,11 @@ def tp_pair(
     taken = {kv_port, kv_port + 1}
     # Four workers, two EngineCores and two API servers on two cores beside other tests: handshakes here took over
     # 10 s under load (the KV channel's stall, see the module docstring), so the timeouts and lease are generous.
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "lease_seconds": 60, "streams": 2,
-              "connect_timeout_seconds": 10, "read_timeout_seconds": 20, "run_dir": str(logs / "run")}  # fmt: skip
+    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": 60,
+              "kv_streams": 2, "kv_connect_timeout_seconds": 10, "kv_read_timeout_seconds": 20,
+              "run_dir": str(logs / "run")}  # fmt: skip
     parallel = ("--tensor-parallel-size", str(TP))
-    prefill = VLLMServer("prefill-tp2", model_dir, "kv_producer", INSTANCE_CORES, {**common, "port": kv_port},  # type: ignore[arg-type]
+    prefill = VLLMServer("prefill-tp2", model_dir, "kv_producer", INSTANCE_CORES, {**common, "kv_port": kv_port},  # type: ignore[arg-type]
                          logs / "prefill.log", args=(*parallel, "--max-num-batched-tokens", "256"),
                          port=free_port_besides(taken), site=BothCores())  # fmt: skip
     decode = VLLMServer("decode-tp2", model_dir, "kv_consumer", INSTANCE_CORES, common, logs / "decode.log",  # type: ignore[arg-type]

@@ -47,8 +47,8 @@ def pair(
     tmp_path_factory: pytest.TempPathFactory,
     certificates: dict[str, Path],
 ) -> Iterator[Pair]:
-    prefill_tls = {"tls_cert": str(certificates["server"]), "tls_key": str(certificates["server-key"])}
-    decode_tls = {"tls_ca": str(certificates["ca"])}
+    prefill_tls = {"kv_tls_cert": str(certificates["server"]), "kv_tls_key": str(certificates["server-key"])}
+    decode_tls = {"kv_tls_ca": str(certificates["ca"])}
     yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "fail", prefill_extra=prefill_tls,
                           decode_extra=decode_tls)  # fmt: skip
 
@@ -71,6 +71,6 @@ def test_tls_port_serves_no_plain_tcp_and_no_unknown_ca(pair: Pair, tmp_path: Pa
         asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key, retries=0,
                          ssl_context=ssl.create_default_context(cafile=str(stranger["ca"]))))  # fmt: skip
     assert refused.value.cause == "auth"
-    trusted = ssl.create_default_context(cafile=str(pair.decode.extra["tls_ca"]))
+    trusted = ssl.create_default_context(cafile=str(pair.decode.extra["kv_tls_ca"]))
     blob = asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key, ssl_context=trusted))
     assert blob.meta.token_count == 40

@@ -85,9 +85,7 @@ class RotatingContext:
         log.info("TLS certificate reloaded", extra={"fields": fields})
 
 
-def kv_server_context(
-    cert: Path, key: Path, ca: Path | None, check_seconds: float, setting_prefix: str = "kv_tls_"
-) -> RotatingContext:
+def kv_server_context(cert: Path, key: Path, ca: Path | None, check_seconds: float) -> RotatingContext:
     """Prefill's KV listener (TLS 1.2+), rebuilt when its files change; with `ca`, a puller must present a
     certificate it signed (the channel's HMAC stays the caller's proof of identity either way)."""
 
@@ -95,26 +93,24 @@ def kv_server_context(
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if ca is not None:
-            load_ca(context, ca, f"{setting_prefix}ca")
+            load_ca(context, ca, "kv_tls_ca")
             context.verify_mode = ssl.CERT_REQUIRED
-        load_pair(context, cert, key, f"{setting_prefix}cert", f"{setting_prefix}key")
+        load_pair(context, cert, key, "kv_tls_cert", "kv_tls_key")
         return context
 
     return RotatingContext("kv-server", build, [p for p in (cert, key, ca) if p is not None], check_seconds)
 
 
-def kv_client_context(
-    ca: Path, cert: Path | None, key: Path | None, check_seconds: float, setting_prefix: str = "kv_tls_"
-) -> RotatingContext:
+def kv_client_context(ca: Path, cert: Path | None, key: Path | None, check_seconds: float) -> RotatingContext:
     """Decode's KV pulls: prefill's certificate must chain to `ca` and name the host pulled from (or the configured
     server name); presents `cert` when given. Rebuilt when its files change."""
 
     def build() -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        load_ca(context, ca, f"{setting_prefix}ca")
+        load_ca(context, ca, "kv_tls_ca")
         if cert is not None and key is not None:
-            load_pair(context, cert, key, f"{setting_prefix}cert", f"{setting_prefix}key")
+            load_pair(context, cert, key, "kv_tls_cert", "kv_tls_key")
         return context
 
     return RotatingContext("kv-client", build, [p for p in (ca, cert, key) if p is not None], check_seconds)

@@ -36,6 +36,17 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def as_env(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, str]:
+    """`values`, by field name of `model`, as the PDSERVE_* variables load_settings reads them from (booleans as
+    true/false); ValueError naming any name that is not a field of `model`. Deployments render with this
+    (pdstack.contract), so a renamed field fails there, not in a container that ignores a variable."""
+    unknown = sorted(set(values) - set(model.model_fields))
+    if unknown:
+        raise ValueError(f"{model.__name__} has no field {', '.join(unknown)}")
+    return {env_name(name): str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in values.items()}  # fmt: skip
+
+
 def load_settings(
     model: type[M],
     argv: Sequence[str],

@@ -20,6 +20,7 @@ from pdserve.common.kv_tls import RotatingContext, kv_client_context, kv_server_
 from pdserve.common.tracing import tracer
 from pdserve.engine import Engine, EngineError, KVCache
 from pdserve.kv import (
+    KVBlob,
     KVConnectionPool,
     KVMeta,
     KVServer,
@@ -78,6 +79,7 @@ class PrefillExporter:
             host=settings.kv_listen_host,
             port=settings.kv_port,
             ssl_context=server_tls(settings),
+            io_timeout_s=settings.kv_read_timeout_seconds,
             limits=settings,
             metrics=metrics.kv,
         )
@@ -213,15 +215,7 @@ class DecodeImporter:
         ) as span:
             started = time.perf_counter()
             try:
-                blob = await pull(
-                    params.remote_host,
-                    params.remote_port,
-                    params.remote_request_id,
-                    params.kv_checksum,
-                    streams=self.settings.kv_streams,
-                    expected_fingerprint=self.engine.fingerprint,
-                    **self._channel_options(),
-                )
+                blob = await self._pull(params)
             except KVTransferError as error:
                 span.set_status(Status(StatusCode.ERROR, error.message))
                 span.set_attribute("pdserve.kv.cause", str(error.cause))
@@ -243,6 +237,18 @@ class DecodeImporter:
             raise KVLoadFailure("protocol", f"the KV does not fit this model: {error}") from error
         self._acknowledge(params.remote_host, params.remote_port, params.remote_request_id)
         return cache
+
+    async def _pull(self, params: KVTransferParams) -> KVBlob:
+        """The pull, within kv_transfer_timeout_seconds (each frame within kv_read_timeout_seconds)."""
+        deadline = self.settings.kv_transfer_timeout_seconds
+        try:
+            async with asyncio.timeout(deadline):
+                return await pull(params.remote_host, params.remote_port, params.remote_request_id,
+                                  params.kv_checksum, streams=self.settings.kv_streams,
+                                  expected_fingerprint=self.engine.fingerprint, **self._channel_options())  # fmt: skip
+        except TimeoutError:
+            message = f"the pull took longer than kv_transfer_timeout_seconds ({deadline:g} s)"
+            raise KVTransferError("timeout", message) from None
 
     def _channel_options(self) -> dict[str, Any]:
         """What every call to a prefill's KV channel (pull, ack) is made with."""

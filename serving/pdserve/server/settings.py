@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pdserve.common.settings import is_loopback, load_settings
 from pdserve.common.tls import TLSSettings
 from pdserve.common.tracing import TracingSettings
-from pdserve.kv.admission import KVListenerSettings
+from pdserve.kv.settings import KVChannelSettings
 
 
 class Role(StrEnum):
@@ -28,7 +28,7 @@ class FailurePolicy(StrEnum):
     FAIL = "fail"  # answer an error naming the cause
 
 
-class ServerSettings(TracingSettings, TLSSettings, KVListenerSettings):
+class ServerSettings(TracingSettings, TLSSettings, KVChannelSettings):
     """Everything a prefill, decode or colocated server needs to start."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,27 +38,13 @@ class ServerSettings(TracingSettings, TLSSettings, KVListenerSettings):
     served_model_name: str | None = Field(None, description="name in /v1/models (default: the directory name)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    kv_host: str | None = Field(
-        None, description="address the KV channel listens on (prefill; default: the advertised host, not all)"
-    )
-    kv_port: int = Field(14579, ge=0, le=65535, description="KV channel port (prefill); 0 picks a free one")
     advertise_host: str | None = Field(None, description="host decode should pull KV from (default: --host)")
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description="this instance's remote_engine_id")
-    kv_key_file: Path | None = Field(None, description="shared KV-channel key (prefill and decode)")
     api_token_file: Path | None = Field(
         None,
         description="bearer token every caller must present (all paths but "
         "/health*, /metrics); required for prefill and decode",
     )
-    kv_tls_cert: Path | None = None
-    kv_tls_key: Path | None = None
-    kv_tls_ca: Path | None = Field(None, description="CA bundle decode trusts for the KV channel")
-    kv_tls_server_name: str | None = None
-    kv_lease_seconds: float = Field(30.0, gt=0)
-    kv_store_bytes: int = Field(1 << 30, gt=0, description="KV held under lease at most (prefill)")
-    kv_streams: int = Field(4, ge=1, le=64)
-    kv_connect_timeout_seconds: float = Field(5.0, gt=0)
-    kv_read_timeout_seconds: float = Field(10.0, gt=0)
     kv_load_failure_policy: FailurePolicy = FailurePolicy.FAIL
     max_num_seqs: int = Field(64, ge=1, description="requests admitted at once; more get 429")
     max_body_bytes: int = Field(
@@ -100,8 +86,6 @@ class ServerSettings(TracingSettings, TLSSettings, KVListenerSettings):
             )
         if self.scheduler_url is not None and self.scheduler_token_file is None:
             raise ValueError("scheduler_token_file: registering with a scheduler needs its instance token file")
-        if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
-            raise ValueError("kv_tls_cert and kv_tls_key: give both or neither")
         return self
 
     @property

@@ -6,7 +6,7 @@ Load it with vLLM's own flag:
 
     --kv-transfer-config '{"kv_connector": "PdstackConnector", "kv_connector_module_path": "pdserve.vllm.connector",
                            "kv_role": "kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute" | "fail",
-                           "kv_connector_extra_config": {"kv_key_file": "...", "port": 14600, ...}}'
+                           "kv_connector_extra_config": {"kv_key_file": "...", "kv_port": 14600, ...}}'
 
 (keys in pdserve.vllm.settings). The flow is vLLM's disaggregated-prefill proxy flow, with vLLM's field names:
 
@@ -45,7 +45,7 @@ per layer, which a GPU does at tens of GB/s (far above the network), and host RA
 
 The scheduler process and the worker process are separate: the scheduler-side request_finished must return the
 blob checksum the worker computed in the same step. The worker leaves it in a small file under
-`run_dir/<engine_id>-<port>/` (written before the step's output returns, so before request_finished runs);
+`<run_dir>/<engine_id>-<port>/` (written before the step's output returns, so before request_finished runs);
 request_finished reads and removes it. vLLM's worker-to-scheduler metadata arrives only after request_finished in
 the same step, too late.
 
@@ -93,9 +93,9 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.request import RequestStatus
 
 from pdserve.kv import params as signed_params
-from pdserve.vllm import settings as connector_settings
 from pdserve.vllm.consumer import ConsumerWorker
 from pdserve.vllm.producer import ProducerWorker
+from pdserve.vllm.settings import ConnectorSettings
 from pdserve.vllm.stats import PdstackPromMetrics, PdstackStats
 from pdserve.vllm.worker import LoadSpec, SaveSpec, result_path
 
@@ -179,7 +179,7 @@ class PdstackConnector(KVConnectorBase_V1):
         _refuse_unsupported_parallelism(parallel)
         self.producer = transfer.kv_role == "kv_producer"
         self.engine_id = str(transfer.engine_id)  # vLLM appends _dp<index> per DP engine
-        self.settings = connector_settings.parse(
+        self.settings = ConnectorSettings.of(
             dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id,
             tp_size=int(parallel.tensor_parallel_size), dp_index=int(parallel.data_parallel_index),
             data_parallel=_one_of_several_dp_engines(parallel, self.engine_id),
@@ -367,7 +367,7 @@ class PdstackConnector(KVConnectorBase_V1):
         return False, signed_params.sign(self.settings.params_key, returned)
 
     def _rank_dirs(self) -> list[Path]:
-        return [self.settings.for_rank(rank).run_dir for rank in range(self.settings.tp_size)]
+        return [self.settings.for_rank(rank).worker_dir for rank in range(self.settings.tp_size)]
 
     def _take_result(self, request_id: str) -> list[dict[str, Any]] | None:
         """Each TP rank's checksum and token count (vLLM aggregates every rank's step output before the scheduler
@@ -392,17 +392,17 @@ class PdstackConnector(KVConnectorBase_V1):
         now = time.time()
         if now < self._next_sweep:
             return
-        self._next_sweep = now + self.settings.lease_seconds
+        self._next_sweep = now + self.settings.kv_lease_seconds
         for path in (path for run_dir in self._rank_dirs() for path in run_dir.glob("*.json")):
             with contextlib.suppress(OSError):
-                if path.name not in KEPT_FILES and path.stat().st_mtime < now - 2 * self.settings.lease_seconds:
+                if path.name not in KEPT_FILES and path.stat().st_mtime < now - 2 * self.settings.kv_lease_seconds:
                     path.unlink()
 
     def _own_fingerprint(self) -> dict[str, Any] | None:
         """The worker's fingerprint (it knows the attention backend and the KV tensors; this process does not)."""
         if self._fingerprint is None:
             try:
-                self._fingerprint = json.loads((self.settings.run_dir / "fingerprint.json").read_text())
+                self._fingerprint = json.loads((self.settings.worker_dir / "fingerprint.json").read_text())
             except (OSError, ValueError) as error:
                 log.error("pdstack connector: the worker's fingerprint is unreadable (%s); no KV offered", error)
         return self._fingerprint

@@ -47,7 +47,7 @@ class ConsumerWorker(ConnectorWorker):
         log.info("pdstack connector: decode worker ready, fingerprint %s", self.fingerprint)
 
     async def _make_pool(self) -> KVConnectionPool:
-        return KVConnectionPool(max_idle_per_peer=4 * self.settings.streams, metrics=self.metrics)
+        return KVConnectionPool(max_idle_per_peer=4 * self.settings.kv_streams, metrics=self.metrics)
 
     def start_loads(self, loads: list[LoadSpec]) -> None:
         for spec in loads:
@@ -60,7 +60,7 @@ class ConsumerWorker(ConnectorWorker):
     async def _fetch(self, spec: LoadSpec) -> Any:
         params = self._check(spec)
         streamed = bool(params.get("pdstack_streamed"))
-        async with asyncio.timeout(self.settings.transfer_timeout_seconds):
+        async with asyncio.timeout(self.settings.kv_transfer_timeout_seconds):
             return await pull(
                 str(params["remote_host"]),
                 self._rank_port(params),
@@ -99,9 +99,9 @@ class ConsumerWorker(ConnectorWorker):
         return {
             "key": self.settings.key,
             "ssl_context": self._tls,
-            "server_hostname": self.settings.tls_server_name or str(params["remote_host"]),
-            "connect_timeout_s": self.settings.connect_timeout_seconds,
-            "read_timeout_s": self.settings.read_timeout_seconds,
+            "server_hostname": self.settings.kv_tls_server_name or str(params["remote_host"]),
+            "connect_timeout_s": self.settings.kv_connect_timeout_seconds,
+            "read_timeout_s": self.settings.kv_read_timeout_seconds,
             "metrics": self.metrics,
             "pool": self.pool,
         }

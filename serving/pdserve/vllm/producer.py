@@ -41,23 +41,24 @@ class ProducerWorker(ConnectorWorker):
 
     def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> None:
         super().__init__(settings, vllm_config, kv_caches)
-        shutil.rmtree(settings.run_dir, ignore_errors=True)
-        settings.run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(settings.worker_dir, ignore_errors=True)
+        settings.worker_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomically(
-            settings.run_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
+            settings.worker_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
         )
         # The store digests each added block on its own threads (BLAKE3), never on vLLM's forward thread.
-        self.store = LeaseStore(settings.store_bytes, default_lease_s=settings.lease_seconds, metrics=self.metrics,
-                                thread_initializer=run_on(self.cpus))  # fmt: skip
+        self.store = LeaseStore(settings.kv_store_bytes, default_lease_s=settings.kv_lease_seconds,
+                                metrics=self.metrics, thread_initializer=run_on(self.cpus))  # fmt: skip
         self.server = KVServer(
             self.store,
             settings.key,
             host=settings.bind_host,
             port=settings.port,
             ssl_context=settings.server_tls(),
-            io_timeout_s=settings.read_timeout_seconds,
+            io_timeout_s=settings.kv_read_timeout_seconds,
+            limits=settings,  # the listener's admission limits: the KV channel's settings include them
             metrics=self.metrics,
-            open_wait_s=settings.open_wait_seconds,  # early dispatch: decode may ask before prefill opened it
+            open_wait_s=settings.kv_open_wait_seconds,  # early dispatch: decode may ask before prefill opened it
         )
         self.loop.run(self._start())
         self.write_instance("kv_producer", settings.advertise_host, settings.port)
@@ -154,16 +155,15 @@ class ProducerWorker(ConnectorWorker):
             if not stream.stored.sealed:  # a layer the forward did not save (save_layer seals once all are in)
                 stream.stored.seal()
             # Only the last step's blocks are still being hashed: the checksum follows within that time.
-            checksum = _checksum_of(stream.stored, self.settings.read_timeout_seconds)
+            checksum = _checksum_of(stream.stored, self.settings.kv_read_timeout_seconds)
         except (ValueError, KVTransferError, TimeoutError) as error:
             why = str(error) or f"its checksum was not ready within read_timeout_seconds ({type(error).__name__})"
             self._drop(spec.request_id, f"cannot seal its KV: {why}")
             log.error("pdstack connector: request %s: cannot seal its KV: %s", spec.request_id, why)
             return
         del self._streams[spec.request_id]
-        write_json_atomically(
-            result_path(self.settings.run_dir, spec.request_id), {"checksum": checksum, "num_tokens": spec.num_tokens}
-        )
+        result = {"checksum": checksum, "num_tokens": spec.num_tokens}
+        write_json_atomically(result_path(self.settings.worker_dir, spec.request_id), result)
         log.info(
             "pdstack connector: lease %s sealed after %d steps: %d of %d bytes were already served while prefill "
             "computed", stream.lease_id, stream.steps, stream.stored.sent_unsealed, stream.stored.nbytes,

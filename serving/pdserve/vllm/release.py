@@ -29,7 +29,7 @@ from pdserve import jsonbody
 from pdserve.common.kv_tls import RotatingContext
 from pdserve.kv import KVTransferError, ack
 from pdserve.kv.release import MAX_BODY_BYTES, RELEASE_PATH, answer, lease_to_release
-from pdserve.vllm.settings import ConnectorSettings, kv_ports_used, parse
+from pdserve.vllm.settings import ConnectorSettings, kv_ports_used
 
 log = logging.getLogger(__name__)
 MIDDLEWARE = f"{__name__}.KVReleaseMiddleware"  # what `--middleware` names
@@ -48,9 +48,9 @@ class _OwnKV:
         s = self.settings
         try:
             return await ack(WILDCARD_HOSTS.get(s.bind_host, s.bind_host), port, request_id, key=s.key,
-                             ssl_context=self.tls, server_hostname=s.tls_server_name or s.advertise_host,
-                             connect_timeout_s=s.connect_timeout_seconds, read_timeout_s=s.read_timeout_seconds,
-                             retries=0)  # fmt: skip
+                             ssl_context=self.tls, server_hostname=s.kv_tls_server_name or s.advertise_host,
+                             connect_timeout_s=s.kv_connect_timeout_seconds,
+                             read_timeout_s=s.kv_read_timeout_seconds, retries=0)  # fmt: skip
         except KVTransferError as error:
             raise KVTransferError(error.cause, f"port {port}: {error.message}") from None
 
@@ -102,10 +102,10 @@ class KVReleaseMiddleware:
             if transfer is None or transfer.kv_connector != "PdstackConnector" or transfer.kv_role != "kv_producer":
                 raise LookupError("this engine holds no PdstackConnector KV leases (only a prefill does)")
             parallel = config.parallel_config
-            settings = parse(dict(transfer.kv_connector_extra_config or {}), producer=True,
-                             engine_id=str(transfer.engine_id))  # fmt: skip
+            settings = ConnectorSettings.of(dict(transfer.kv_connector_extra_config or {}), producer=True,
+                                            engine_id=str(transfer.engine_id))  # fmt: skip
             used = kv_ports_used(int(parallel.tensor_parallel_size), int(parallel.data_parallel_size))
-            self._own = _OwnKV(settings, range(settings.base_port, settings.base_port + used), settings.client_tls())
+            self._own = _OwnKV(settings, range(settings.kv_port, settings.kv_port + used), settings.client_tls())
         return self._own
 
 

@@ -149,8 +149,8 @@ class ConnectorWorker:
         s = self.settings
         if s.tp_rank != 0:
             return
-        s.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(s.run_dir / "instance.json", {
+        s.worker_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(s.worker_dir / "instance.json", {
             "role": role, "fingerprint": self.fingerprint, "fingerprint_fields": self.fields,
             "connector_version": fingerprint.CONNECTOR_VERSION, "kv_host": kv_host, "kv_port": kv_port,
             "kv_streaming": role == "kv_consumer" or not s.data_parallel,

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.kv.settings import KV_PORT
 from pdstack.local.images import build_runtime_image
 from tests.support import REPO
 from tests.support.ports import free_port
@@ -91,5 +92,5 @@ def test_image_declares_healthcheck_ports_and_user(image: str) -> None:
     ).stdout
     user, ports, healthcheck = inspected.strip().split("|")
     assert user == "pdserve"
-    assert "8000" in ports and "14579" in ports
+    assert "8000" in ports and str(KV_PORT) in ports
     assert "/health/ready" in healthcheck
