@@ -46,12 +46,9 @@ header, unread) within one handshake deadline; afterwards request frames of at m
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
 import json
 import struct
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,12 +143,6 @@ def encode_header(frame_type: FrameType, *payload_parts: bytes | memoryview) -> 
     return _header(frame_type, length, crc)
 
 
-def write_frame(writer: asyncio.StreamWriter, frame_type: FrameType, *payload_parts: bytes | memoryview) -> None:
-    writer.write(encode_header(frame_type, *payload_parts))
-    for part in payload_parts:
-        writer.write(part)
-
-
 def json_payload(body: dict[str, Any]) -> bytes:
     """A control frame's payload: canonical JSON."""
     return json.dumps(body, sort_keys=True).encode()
@@ -159,14 +150,6 @@ def json_payload(body: dict[str, Any]) -> bytes:
 
 def error_body(cause: Cause, message: str) -> bytes:
     return json_payload({"cause": cause, "message": message})
-
-
-def write_json(writer: asyncio.StreamWriter, frame_type: FrameType, body: dict[str, Any]) -> None:
-    write_frame(writer, frame_type, json_payload(body))
-
-
-def write_error(writer: asyncio.StreamWriter, cause: Cause, message: str) -> None:
-    write_frame(writer, FrameType.ERROR, error_body(cause, message))
 
 
 @dataclass(frozen=True)
@@ -184,43 +167,6 @@ class Header:
             crc = crc32c(part, crc)
         if crc != self.crc:
             raise KVTransferError("checksum", f"frame crc32c mismatch in a {self.type.name} frame")
-
-
-@contextlib.asynccontextmanager
-async def frame_errors(timeout: float) -> AsyncIterator[None]:
-    """Bound a frame read by `timeout`, and report timeouts and lost connections as KVTransferError."""
-    try:
-        async with asyncio.timeout(timeout):
-            yield
-    except TimeoutError as error:
-        raise KVTransferError("timeout", f"no complete frame within {timeout:g} s") from error
-    except (asyncio.IncompleteReadError, ConnectionError, OSError) as error:
-        raise KVTransferError("connection", f"connection lost while reading a frame: {error!r}") from error
-
-
-async def read_header(reader: asyncio.StreamReader, max_payload: int) -> Header:
-    """The next frame's header (inside `frame_errors`)."""
-    raw = await reader.readexactly(HEADER.size)
-    magic, version, raw_type, _flags, length, crc = HEADER.unpack(raw)
-    check_header(magic, version, raw_type, length, max_payload)
-    return Header(FrameType(raw_type), length, crc, raw)
-
-
-async def read_frame(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
-    """Read one frame and verify its checksum; raise KVTransferError with the cause on any failure."""
-    async with frame_errors(timeout):
-        header = await read_header(reader, max_payload)
-        payload = await reader.readexactly(header.length)
-    header.check_crc(payload)
-    return Frame(header.type, payload)
-
-
-async def read_reply(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
-    """The next frame that is not a KEEPALIVE (each KEEPALIVE restarts the `timeout` of the wait)."""
-    while True:
-        frame = await read_frame(reader, timeout, max_payload)
-        if frame.type is not FrameType.KEEPALIVE:
-            return frame
 
 
 def check_header(magic: bytes, version: int, raw_type: int, length: int, max_payload: int) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.kv import KVMeta, KVServer, Layer, LeaseStore, SecretKey
+from pdserve.kv import KVMeta, KVServer, KVTransferError, Layer, LeaseStore, SecretKey
+from pdserve.kv.protocol import HEADER, MAX_CONTROL_PAYLOAD, Frame, FrameType, Header, check_header
 
 HERE = Path(__file__).parent
 
@@ -196,3 +197,20 @@ def synthetic_server(
         process.wait()
         if log is not None:
             log.close()
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float, max_payload: int = MAX_CONTROL_PAYLOAD) -> Frame:
+    """One frame from an asyncio stream, checked as the KV channel checks it (pdserve.kv.wire reads sockets)."""
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await reader.readexactly(HEADER.size)
+            magic, version, raw_type, _flags, length, crc = HEADER.unpack(raw)
+            check_header(magic, version, raw_type, length, max_payload)
+            payload = await reader.readexactly(length)
+    except TimeoutError:
+        raise KVTransferError("timeout", f"no complete frame within {timeout:g} s") from None
+    except (asyncio.IncompleteReadError, ConnectionError) as error:
+        raise KVTransferError("connection", f"connection lost while reading a frame: {error!r}") from None
+    header = Header(FrameType(raw_type), length, crc, raw)
+    header.check_crc(payload)
+    return Frame(header.type, payload)

@@ -13,13 +13,13 @@ from prometheus_client import CollectorRegistry
 from pdserve.kv import KVConnectionPool, KVMetrics, KVTransferError, LeaseStore, SecretKey, ack, pull
 from pdserve.kv.connect import Connector
 from pdserve.kv.pool import KVConnection
-from pdserve.kv.protocol import FrameType, encode_header, read_frame
+from pdserve.kv.protocol import FrameType, encode_header
 from pdserve.server.kvlink import DecodeImporter
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.schemas import KVTransferParams
 from pdserve.server.settings import Role, ServerSettings
 
-from .kvtestlib import make_layers, meta_for, proxy_to, running_server
+from .kvtestlib import make_layers, meta_for, proxy_to, read_frame, running_server
 
 FAST = {"connect_timeout_s": 2.0, "read_timeout_s": 5.0, "retries": 1, "backoff_s": 0.05}
 

@@ -33,13 +33,12 @@ from pdserve.kv.protocol import (
     FrameType,
     crc32c,
     encode_header,
-    read_frame,
 )
 from pdserve.kv.server import READ_BUFFER_BYTES
 from tests.support.cluster import wait_for
 
 from .flood import CLIENT_HELLO_START, Flood, Holding, counter
-from .kvtestlib import make_layers, meta_for, running_server, server_process, synthetic_server
+from .kvtestlib import make_layers, meta_for, read_frame, running_server, server_process, synthetic_server
 
 CLAIMED = 4 << 20  # what finding 4's clients claimed their opening frame held
 ANSWER_S = 20.0  # guards against a hang only
