@@ -73,8 +73,9 @@ async def serve(  # noqa: PLR0917
     options = {} if notsent_lowat is None else {"notsent_lowat_bytes": notsent_lowat}
     store = LeaseStore(capacity_bytes=(mib + 1) << 20, default_lease_s=3600, chunk_bytes=chunk_bytes)
     stored = store.put(REQUEST_ID, synthetic_layers(mib), KVMeta(REQUEST_ID, 4096, "bench"))
-    server = KVServer(store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion,
-                      **options)  # fmt: skip
+    server = KVServer(
+        store, SecretKey.from_file(key_file), host=host, port=KV_PORT, tcp_congestion=tcp_congestion, **options
+    )
     await server.start()
     print(stored.checksum, flush=True)
     await asyncio.Event().wait()
@@ -108,15 +109,18 @@ async def pull_repeatedly(  # noqa: PLR0917
         if attempt:
             await asyncio.sleep(gap_s)
         started, cpu_started = time.perf_counter(), time.process_time()
-        blob = await pull(host, KV_PORT, REQUEST_ID, checksum, key=key, streams=streams, read_timeout_s=30,
-                          metrics=metrics, pool=pool)  # fmt: skip
+        blob = await pull(
+            host, KV_PORT, REQUEST_ID, checksum, key=key, streams=streams, read_timeout_s=30, metrics=metrics, pool=pool
+        )
         seconds.append(time.perf_counter() - started)
         cpu.append(time.process_time() - cpu_started)
         nbytes = blob.nbytes
         del blob
     await pool.close()
-    counts = {outcome: int(metrics.connections.labels("receiver", outcome)._value.get())
-              for outcome in ("new", "reused", "stale")}  # fmt: skip
+    counts = {
+        outcome: int(metrics.connections.labels("receiver", outcome)._value.get())
+        for outcome in ("new", "reused", "stale")
+    }
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "bytes": nbytes, "connections": counts}), flush=True)
 
 
@@ -157,27 +161,61 @@ def kv_pulls(
 ) -> dict[str, Any]:
     load = os.getloadavg()[0]
     server_cpu = process_cpu_seconds(server_pid)
-    argv = [sys.executable, __file__, "pull", "--key-file", key_file, "--host", server_ip, "--checksum", checksum,
-            "--streams", str(streams), "--repeats", str(repeats), "--gap-seconds", str(gap_s),
-            "--mib", str(0 if cold_memory else mib)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "pull",
+        "--key-file",
+        key_file,
+        "--host",
+        server_ip,
+        "--checksum",
+        checksum,
+        "--streams",
+        str(streams),
+        "--repeats",
+        str(repeats),
+        "--gap-seconds",
+        str(gap_s),
+        "--mib",
+        str(0 if cold_memory else mib),
+    ]
     result = json.loads(subprocess.run(in_ns(ns_client, argv), capture_output=True, text=True, check=True).stdout)
     server_cpu = process_cpu_seconds(server_pid) - server_cpu
     cold, *warm = result["seconds"]
     warm_mbit = [result["bytes"] * 8 / s / 1e6 for s in warm]
     gib = result["bytes"] / (1 << 30) * len(result["seconds"])
-    return {"bytes": result["bytes"], "cold_seconds": cold, "warm_seconds": warm,
-            "cold_mbit": result["bytes"] * 8 / cold / 1e6, "warm_mbit_median": statistics.median(warm_mbit),
-            "warm_mbit_best": max(warm_mbit), "connections": result["connections"],
-            # CPU seconds per GiB moved (all pulls of the row): what the channel costs, much less noisy than goodput
-            # on a shared machine
-            "client_cpu_s_per_gib": sum(result["cpu_seconds"]) / gib, "server_cpu_s_per_gib": server_cpu / gib,
-            "load_average_1min": load}  # fmt: skip
+    return {
+        "bytes": result["bytes"],
+        "cold_seconds": cold,
+        "warm_seconds": warm,
+        "cold_mbit": result["bytes"] * 8 / cold / 1e6,
+        "warm_mbit_median": statistics.median(warm_mbit),
+        "warm_mbit_best": max(warm_mbit),
+        "connections": result["connections"],
+        # CPU seconds per GiB moved (all pulls of the row): what the channel costs, much less noisy than goodput
+        # on a shared machine
+        "client_cpu_s_per_gib": sum(result["cpu_seconds"]) / gib,
+        "server_cpu_s_per_gib": server_cpu / gib,
+        "load_average_1min": load,
+    }
 
 
 def start_server(namespace: str | None, key_file: str, host: str, args: argparse.Namespace) -> tuple[Any, str]:
     """A KV server process holding the bench blob; returns it and the blob's checksum."""
-    argv = [sys.executable, __file__, "serve", "--key-file", key_file, "--host", host, "--mib", str(args.mib),
-            "--chunk-bytes", str(args.chunk_bytes)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "serve",
+        "--key-file",
+        key_file,
+        "--host",
+        host,
+        "--mib",
+        str(args.mib),
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+    ]
     if args.notsent_lowat is not None:
         argv += ["--notsent-lowat", str(args.notsent_lowat)]
     if args.tcp_congestion:
@@ -194,18 +232,39 @@ def run_loopback(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
     try:
         for streams in args.stream_counts:
             iperf = iperf3_mbit(None, None, LOOPBACK, streams, args.iperf_seconds)
-            kv = kv_pulls(None, key_file, LOOPBACK, checksum, streams=streams, repeats=args.repeats,
-                          gap_s=args.gap_seconds, server_pid=server.pid, mib=args.mib,
-                          cold_memory=args.cold_memory)  # fmt: skip
-            rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
-                         "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
-                         "cold_share_of_iperf3": kv["cold_mbit"] / iperf})  # fmt: skip
+            kv = kv_pulls(
+                None,
+                key_file,
+                LOOPBACK,
+                checksum,
+                streams=streams,
+                repeats=args.repeats,
+                gap_s=args.gap_seconds,
+                server_pid=server.pid,
+                mib=args.mib,
+                cold_memory=args.cold_memory,
+            )
+            rows.append(
+                {
+                    "streams": streams,
+                    "iperf3_mbit": iperf,
+                    **kv,
+                    "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
+                    "cold_share_of_iperf3": kv["cold_mbit"] / iperf,
+                }
+            )
     finally:
         server.kill()
         server.wait()
-    return {"kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes, "warm_repeats": args.repeats,
-            "kv_notsent_lowat": args.notsent_lowat,
-            "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
+    return {
+        "kv_mib": args.mib,
+        "layers": LAYERS,
+        "kv_chunk_bytes": args.chunk_bytes,
+        "warm_repeats": args.repeats,
+        "kv_notsent_lowat": args.notsent_lowat,
+        "iperf3_seconds": args.iperf_seconds,
+        "rows": rows,
+    }
 
 
 def initial_window_segments(args: argparse.Namespace, spec: LinkShape) -> int:
@@ -221,8 +280,24 @@ def initial_window_segments(args: argparse.Namespace, spec: LinkShape) -> int:
 def set_peer_route(namespace: str, peer: str, device: str, segments: int) -> None:
     """A host route to the peer whose new connections start with a `segments` congestion and receive window (what a
     node's route to a peer datacenter would carry)."""
-    subprocess.run(in_ns(namespace, ["ip", "route", "replace", f"{peer}/32", "dev", device, "initcwnd", str(segments),
-                                     "initrwnd", str(segments)]), check=True)  # fmt: skip
+    subprocess.run(
+        in_ns(
+            namespace,
+            [
+                "ip",
+                "route",
+                "replace",
+                f"{peer}/32",
+                "dev",
+                device,
+                "initcwnd",
+                str(segments),
+                "initrwnd",
+                str(segments),
+            ],
+        ),
+        check=True,
+    )
 
 
 def set_sysctl(namespace: str, name: str, value: str) -> None:
@@ -250,56 +325,89 @@ def run_benchmark(args: argparse.Namespace, key_file: str) -> dict[str, Any]:
             server, checksum = start_server(ns_prefill, key_file, str(prefill.address.ip), args)
             for streams in args.stream_counts:
                 iperf = iperf3_mbit(ns_prefill, ns_decode, str(prefill.address.ip), streams, args.iperf_seconds)
-                kv = kv_pulls(ns_decode, key_file, str(prefill.address.ip), checksum, streams=streams,
-                              repeats=args.repeats, gap_s=args.gap_seconds, server_pid=server.pid, mib=args.mib,
-                          cold_memory=args.cold_memory)  # fmt: skip
-                rows.append({"streams": streams, "iperf3_mbit": iperf, **kv,
-                             "kv_share_of_link": kv["warm_mbit_median"] / args.rate_mbit,
-                             "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
-                             "cold_share_of_link": kv["cold_mbit"] / args.rate_mbit,
-                             "cold_share_of_iperf3": kv["cold_mbit"] / iperf})  # fmt: skip
+                kv = kv_pulls(
+                    ns_decode,
+                    key_file,
+                    str(prefill.address.ip),
+                    checksum,
+                    streams=streams,
+                    repeats=args.repeats,
+                    gap_s=args.gap_seconds,
+                    server_pid=server.pid,
+                    mib=args.mib,
+                    cold_memory=args.cold_memory,
+                )
+                rows.append(
+                    {
+                        "streams": streams,
+                        "iperf3_mbit": iperf,
+                        **kv,
+                        "kv_share_of_link": kv["warm_mbit_median"] / args.rate_mbit,
+                        "kv_share_of_iperf3": kv["warm_mbit_median"] / iperf,
+                        "cold_share_of_link": kv["cold_mbit"] / args.rate_mbit,
+                        "cold_share_of_iperf3": kv["cold_mbit"] / iperf,
+                    }
+                )
     finally:
         if server is not None:
             server.kill()
             server.wait()
         delete_namespace(ns_prefill)
         delete_namespace(ns_decode)
-    return {"link": {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "queue_bytes": spec.queue_limit_bytes},
-            "kv_tcp_congestion": args.tcp_congestion or "system default",
-            "kv_mib": args.mib, "layers": LAYERS, "kv_chunk_bytes": args.chunk_bytes,
-            "namespace_sysctls": dict(args.sysctl), "warm_repeats": args.repeats, "cold_memory": args.cold_memory,
-            "route_initcwnd_segments": initial_window_segments(args, spec),
-            "gap_seconds": args.gap_seconds,
-            "iperf3_seconds": args.iperf_seconds, "rows": rows}  # fmt: skip
+    return {
+        "link": {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "queue_bytes": spec.queue_limit_bytes},
+        "kv_tcp_congestion": args.tcp_congestion or "system default",
+        "kv_mib": args.mib,
+        "layers": LAYERS,
+        "kv_chunk_bytes": args.chunk_bytes,
+        "namespace_sysctls": dict(args.sysctl),
+        "warm_repeats": args.repeats,
+        "cold_memory": args.cold_memory,
+        "route_initcwnd_segments": initial_window_segments(args, spec),
+        "gap_seconds": args.gap_seconds,
+        "iperf3_seconds": args.iperf_seconds,
+        "rows": rows,
+    }
 
 
 def loopback_table(report: dict[str, Any]) -> list[str]:
-    lines = [f"KV {report['kv_mib']} MiB on loopback (one server process, one pull process), against iperf3 -P N on "
-             f"loopback in the same run; warm = median of {report['warm_repeats']} pulls on reused connections",
-             "", "| streams | iperf3 Gbit/s | warm Gbit/s | warm/iperf3 | cold Gbit/s | cold/iperf3 | "
-             "CPU s/GiB client | CPU s/GiB server | load |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"KV {report['kv_mib']} MiB on loopback (one server process, one pull process), against iperf3 -P N on "
+        f"loopback in the same run; warm = median of {report['warm_repeats']} pulls on reused connections",
+        "",
+        "| streams | iperf3 Gbit/s | warm Gbit/s | warm/iperf3 | cold Gbit/s | cold/iperf3 | "
+        "CPU s/GiB client | CPU s/GiB server | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
-        lines.append(f"| {row['streams']} | {row['iperf3_mbit'] / 1e3:.1f} | {row['warm_mbit_median'] / 1e3:.2f} | "
-                     f"{row['kv_share_of_iperf3']:.1%} | {row['cold_mbit'] / 1e3:.2f} | "
-                     f"{row['cold_share_of_iperf3']:.1%} | {row['client_cpu_s_per_gib']:.2f} | "
-                     f"{row['server_cpu_s_per_gib']:.2f} | {row['load_average_1min']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {row['streams']} | {row['iperf3_mbit'] / 1e3:.1f} | {row['warm_mbit_median'] / 1e3:.2f} | "
+            f"{row['kv_share_of_iperf3']:.1%} | {row['cold_mbit'] / 1e3:.2f} | "
+            f"{row['cold_share_of_iperf3']:.1%} | {row['client_cpu_s_per_gib']:.2f} | "
+            f"{row['server_cpu_s_per_gib']:.2f} | {row['load_average_1min']:.1f} |"
+        )
     return lines
 
 
 def wan_table(report: dict[str, Any]) -> list[str]:
     link = report["link"]
-    lines = [f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT (emulated, "
-             f"pdstack.local.wan); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
-             f"first pull; namespace sysctls: {report['namespace_sysctls'] or 'kernel defaults'}; route "
-             f"initcwnd/initrwnd: {report['route_initcwnd_segments'] or 'kernel default'}", "",
-             "| streams | iperf3 Mbit/s | warm Mbit/s | warm/link | warm/iperf3 | cold Mbit/s | cold/link | "
-             "cold/iperf3 | load |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"KV {report['kv_mib']} MiB over {link['rate_mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT (emulated, "
+        f"pdstack.local.wan); warm = median of {report['warm_repeats']} pulls on reused connections, cold = the "
+        f"first pull; namespace sysctls: {report['namespace_sysctls'] or 'kernel defaults'}; route "
+        f"initcwnd/initrwnd: {report['route_initcwnd_segments'] or 'kernel default'}",
+        "",
+        "| streams | iperf3 Mbit/s | warm Mbit/s | warm/link | warm/iperf3 | cold Mbit/s | cold/link | "
+        "cold/iperf3 | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
-        lines.append(f"| {row['streams']} | {row['iperf3_mbit']:.0f} | {row['warm_mbit_median']:.0f} | "
-                     f"{row['kv_share_of_link']:.1%} | {row['kv_share_of_iperf3']:.1%} | {row['cold_mbit']:.0f} | "
-                     f"{row['cold_share_of_link']:.1%} | {row['cold_share_of_iperf3']:.1%} | "
-                     f"{row['load_average_1min']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {row['streams']} | {row['iperf3_mbit']:.0f} | {row['warm_mbit_median']:.0f} | "
+            f"{row['kv_share_of_link']:.1%} | {row['kv_share_of_iperf3']:.1%} | {row['cold_mbit']:.0f} | "
+            f"{row['cold_share_of_link']:.1%} | {row['cold_share_of_iperf3']:.1%} | "
+            f"{row['load_average_1min']:.1f} |"
+        )
     return lines
 
 
@@ -308,10 +416,13 @@ def write_results(folder: Path, report: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     machine, load = report["machine"], report["load_average_1min"]
-    lines = [f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"`{report['command']}`; {machine['cpus']} CPUs ({_allowed(machine)}), kernel {machine['kernel']}, load "
-             f"average {load['before']:.1f} before, {load['after']:.1f} after (other work on the machine lowers the KV "
-             "figures more than iperf3's)."]  # fmt: skip
+    lines = [
+        f"# KV channel goodput ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"`{report['command']}`; {machine['cpus']} CPUs ({_allowed(machine)}), kernel {machine['kernel']}, load "
+        f"average {load['before']:.1f} before, {load['after']:.1f} after (other work on the machine lowers the KV "
+        "figures more than iperf3's).",
+    ]
     if "loopback" in report:
         lines += ["", "## Loopback", "", *loopback_table(report["loopback"])]
     if "wan" in report:

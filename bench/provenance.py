@@ -14,12 +14,18 @@ def commit(*paths: str) -> str:
     """The last commit (of `paths`, else of the whole checkout), with a mark when they hold uncommitted changes;
     'unknown' in a snapshot without .git (the benches take --commit there)."""
     scope = ["--", *paths] if paths else []
-    head = subprocess.run(["git", "log", "-1", "--format=%h %s", *scope], capture_output=True, text=True,
-                          check=False, cwd=ROOT)  # fmt: skip
+    head = subprocess.run(
+        ["git", "log", "-1", "--format=%h %s", *scope], capture_output=True, text=True, check=False, cwd=ROOT
+    )
     if head.returncode != 0 or not head.stdout.strip():
         return "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *scope], capture_output=True,
-                           text=True, check=False, cwd=ROOT)  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", *scope],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
     return head.stdout.strip()[:120] + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
 
 

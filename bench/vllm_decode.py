@@ -86,8 +86,10 @@ class Target:
         """(sum, count) of the engine's vllm:inter_token_latency_seconds so far ((0, 0) without an engine)."""
         if self.engine is None:
             return 0.0, 0.0
-        return (self.engine.metric("vllm:inter_token_latency_seconds_sum"),
-                self.engine.metric("vllm:inter_token_latency_seconds_count"))  # fmt: skip
+        return (
+            self.engine.metric("vllm:inter_token_latency_seconds_sum"),
+            self.engine.metric("vllm:inter_token_latency_seconds_count"),
+        )
 
 
 @dataclass
@@ -118,8 +120,15 @@ class Trace:
 
 
 async def stream_one(client: httpx.AsyncClient, target: Target, prompt: list[int], max_tokens: int) -> Trace:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
     trace = Trace(time.perf_counter())
     async with client.stream("POST", target.url + "/v1/completions", json=body, headers=target.headers) as response:
         if response.status_code != 200:
@@ -145,8 +154,9 @@ async def _round(target: Target, prompts: list[list[int]], max_tokens: int) -> l
         return await asyncio.wait_for(asyncio.gather(*requests), ROUND_TIMEOUT_S)
 
 
-def measure_round(target: Target, clients: int, max_tokens: int, prompt_tokens: int, rng: random.Random
-                  ) -> dict[str, Any]:  # fmt: skip
+def measure_round(
+    target: Target, clients: int, max_tokens: int, prompt_tokens: int, rng: random.Random
+) -> dict[str, Any]:
     """`clients` concurrent streamed requests on fresh prompts: the round's figures and its raw gaps."""
     prompts = [random_prompt(prompt_tokens, rng) for _ in range(clients)]
     itl_before = target.engine_itl()
@@ -157,15 +167,18 @@ def measure_round(target: Target, clients: int, max_tokens: int, prompt_tokens: 
     last = max(trace.chunks[-1][0] for trace in traces)
     steady_tokens = sum(trace.tokens - trace.chunks[0][1] for trace in traces)
     span = union_length([trace.window() for trace in traces])
-    return {"decode_tokens_per_s": steady_tokens / span if span > 0 else 0.0,
-            "sum_of_client_rates": sum(trace.steady_rate() for trace in traces),
-            "e2e_tokens_per_s": sum(trace.tokens for trace in traces) / (last - started),
-            "chunks_per_request": statistics.median(len(trace.chunks) for trace in traces),
-            "engine_itl_sum_s": itl_sum, "engine_itl_count": itl_count,
-            "max_tokens_per_chunk": max(count for trace in traces for _, count in trace.chunks),
-            "ttft_s": statistics.median(trace.chunks[0][0] - trace.sent for trace in traces),
-            "tokens": [trace.tokens for trace in traces],
-            "gaps": [gap for trace in traces for gap in trace.gaps()]}  # fmt: skip
+    return {
+        "decode_tokens_per_s": steady_tokens / span if span > 0 else 0.0,
+        "sum_of_client_rates": sum(trace.steady_rate() for trace in traces),
+        "e2e_tokens_per_s": sum(trace.tokens for trace in traces) / (last - started),
+        "chunks_per_request": statistics.median(len(trace.chunks) for trace in traces),
+        "engine_itl_sum_s": itl_sum,
+        "engine_itl_count": itl_count,
+        "max_tokens_per_chunk": max(count for trace in traces for _, count in trace.chunks),
+        "ttft_s": statistics.median(trace.chunks[0][0] - trace.sent for trace in traces),
+        "tokens": [trace.tokens for trace in traces],
+        "gaps": [gap for trace in traces for gap in trace.gaps()],
+    }
 
 
 def _settled_itl(target: Target, before: tuple[float, float], expected: int) -> tuple[float, float]:
@@ -191,21 +204,27 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the rounds that worked and the inter-token latency percentiles over all their tokens."""
     good = [r for r in rounds if "error" not in r]
     if not good:
-        return {"error": rounds[-1]["error"] if rounds else "no rounds", "failed_rounds": len(rounds),
-                "per_round": rounds}  # fmt: skip
+        return {
+            "error": rounds[-1]["error"] if rounds else "no rounds",
+            "failed_rounds": len(rounds),
+            "per_round": rounds,
+        }
     gaps = sorted(gap for r in good for gap in r["gaps"])
-    return {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in good),
-            "sum_of_client_rates": statistics.median(r["sum_of_client_rates"] for r in good),
-            "e2e_tokens_per_s": statistics.median(r["e2e_tokens_per_s"] for r in good),
-            "chunks_per_request": statistics.median(r["chunks_per_request"] for r in good),
-            "engine_itl_mean_s": _mean_itl(good),
-            "max_tokens_per_chunk": max(r["max_tokens_per_chunk"] for r in good),
-            "ttft_s": statistics.median(r["ttft_s"] for r in good),
-            "itl_p50_s": percentile(gaps, 0.50), "itl_p95_s": percentile(gaps, 0.95),
-            "tokens_per_request": sorted({n for r in good for n in r["tokens"]}),
-            "rounds": len(good), "failed_rounds": len(rounds) - len(good),
-            "per_round": [{name: value for name, value in r.items() if name not in ("gaps", "tokens")}
-                          for r in rounds]}  # fmt: skip
+    return {
+        "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in good),
+        "sum_of_client_rates": statistics.median(r["sum_of_client_rates"] for r in good),
+        "e2e_tokens_per_s": statistics.median(r["e2e_tokens_per_s"] for r in good),
+        "chunks_per_request": statistics.median(r["chunks_per_request"] for r in good),
+        "engine_itl_mean_s": _mean_itl(good),
+        "max_tokens_per_chunk": max(r["max_tokens_per_chunk"] for r in good),
+        "ttft_s": statistics.median(r["ttft_s"] for r in good),
+        "itl_p50_s": percentile(gaps, 0.50),
+        "itl_p95_s": percentile(gaps, 0.95),
+        "tokens_per_request": sorted({n for r in good for n in r["tokens"]}),
+        "rounds": len(good),
+        "failed_rounds": len(rounds) - len(good),
+        "per_round": [{name: value for name, value in r.items() if name not in ("gaps", "tokens")} for r in rounds],
+    }
 
 
 def _mean_itl(rounds: list[dict[str, Any]]) -> float:
@@ -220,8 +239,9 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def measure(targets: list[Target], clients: int, *, rounds: int, max_tokens: int, prompt_tokens: int, seed: int = 0
-            ) -> dict[str, dict[str, Any]]:  # fmt: skip
+def measure(
+    targets: list[Target], clients: int, *, rounds: int, max_tokens: int, prompt_tokens: int, seed: int = 0
+) -> dict[str, dict[str, Any]]:
     """One concurrency level: a warm-up round per target, then `rounds` rounds each, the first target going first
     in even rounds and last in odd ones; a summary per target."""
     rng = random.Random(seed * 1_000_003 + clients)
@@ -246,20 +266,37 @@ def measure(targets: list[Target], clients: int, *, rounds: int, max_tokens: int
 def ratios(gateway: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
     if "error" in gateway or "error" in direct:
         return {}
-    names = ("decode_tokens_per_s", "sum_of_client_rates", "e2e_tokens_per_s", "ttft_s", "itl_p50_s", "itl_p95_s",
-             "engine_itl_mean_s")  # fmt: skip
+    names = (
+        "decode_tokens_per_s",
+        "sum_of_client_rates",
+        "e2e_tokens_per_s",
+        "ttft_s",
+        "itl_p50_s",
+        "itl_p95_s",
+        "engine_itl_mean_s",
+    )
     return {name: gateway[name] / direct[name] for name in names if direct[name] > 0}
 
 
 def direct_server(fleet: Fleet) -> VLLMServer:
     """vLLM with decode's flags (its served name and API key) on decode's core, without the connector."""
     decode = fleet.decode
-    return VLLMServer("direct", decode.model, decode.role, decode.core, {}, fleet.tmp / "direct.log",
-                      args=decode.args, max_model_len=decode.max_model_len, connector=False)  # fmt: skip
+    return VLLMServer(
+        "direct",
+        decode.model,
+        decode.role,
+        decode.core,
+        {},
+        fleet.tmp / "direct.log",
+        args=decode.args,
+        max_model_len=decode.max_model_len,
+        connector=False,
+    )
 
 
-def targets_of(work: Path, *, decode_local: bool = False, gateway_flags: tuple[str, ...] = ()
-               ) -> Iterator[tuple[list[Target], Fleet]]:  # fmt: skip
+def targets_of(
+    work: Path, *, decode_local: bool = False, gateway_flags: tuple[str, ...] = ()
+) -> Iterator[tuple[list[Target], Fleet]]:
     """The fleet with its gateway, and the direct vLLM (started after the pair: at most two start at once);
     with `decode_local`, also the decode vLLM itself sent requests without KV params (its connector loaded but
     idle: what the connector costs a decode step, apart from the transfer)."""
@@ -274,8 +311,10 @@ def targets_of(work: Path, *, decode_local: bool = False, gateway_flags: tuple[s
         fleet.wait_routable(gateway)
         direct.start()
         direct.wait_ready()
-        targets = [Target("gateway", gateway.url, bearer(API_KEY), fleet.decode),
-                   Target("direct", direct.url, fleet.engine_auth(), direct)]  # fmt: skip
+        targets = [
+            Target("gateway", gateway.url, bearer(API_KEY), fleet.decode),
+            Target("direct", direct.url, fleet.engine_auth(), direct),
+        ]
         if decode_local:
             targets.append(Target("decode_local", fleet.decode.url, fleet.engine_auth(), fleet.decode))
         yield targets, fleet
@@ -295,22 +334,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for clients in args.clients:
                 load = os.getloadavg()[0]
                 loads_before = fleet.loads()
-                paths = measure(targets, clients, rounds=args.rounds, max_tokens=args.max_tokens,
-                                prompt_tokens=args.prompt_tokens)  # fmt: skip
-                levels.append({"clients": clients, "load_average_1min": load, "paths": paths,
-                               "decode_kv_loads": fleet.loads() - loads_before,
-                               "gateway_requests": clients * (args.rounds + 1),
-                               "gateway_over_direct": ratios(paths["gateway"], paths["direct"])})  # fmt: skip
+                paths = measure(
+                    targets, clients, rounds=args.rounds, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens
+                )
+                levels.append(
+                    {
+                        "clients": clients,
+                        "load_average_1min": load,
+                        "paths": paths,
+                        "decode_kv_loads": fleet.loads() - loads_before,
+                        "gateway_requests": clients * (args.rounds + 1),
+                        "gateway_over_direct": ratios(paths["gateway"], paths["direct"]),
+                    }
+                )
                 if "decode_local" in paths:
                     levels[-1]["decode_local_over_direct"] = ratios(paths["decode_local"], paths["direct"])
         finally:
             started.close()
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "model": {"kind": "llama", **MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
-            "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
-            "gateway_flags": args.gateway_flags, "commit": args.commit or provenance.commit(), "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "load_average": {"before": load_before, "after": os.getloadavg()}, "levels": levels}  # fmt: skip
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": {"kind": "llama", **MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
+        "gateway_flags": args.gateway_flags,
+        "commit": args.commit or provenance.commit(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "levels": levels,
+    }
 
 
 @contextlib.contextmanager
@@ -342,28 +395,36 @@ def markdown(report: dict[str, Any]) -> str:
     for level in report["levels"]:
         for name, result in level["paths"].items():
             lines.append(_row(level, name, result))
-        for key, label in (("gateway_over_direct", "gateway / direct"),
-                           ("decode_local_over_direct", "decode_local / direct")):  # fmt: skip
+        for key, label in (
+            ("gateway_over_direct", "gateway / direct"),
+            ("decode_local_over_direct", "decode_local / direct"),
+        ):
             if ratio := level.get(key):
                 lines.append(_ratio_row(level["clients"], label, ratio))
-    lines += ["", "decode tok/s: the tokens after each request's first, summed, over the time covered by at least "
-              "one request's steady window (first token to last); sum of client rates: each request's own "
-              "steady rate, summed. e2e tok/s: all tokens over the round's wall time. ITL: gaps between chunks, "
-              "per token, over every request of the level (p50 0 means chunks arrived in bursts, several read "
-              "at once); engine ITL mean: vLLM's own vllm:inter_token_latency_seconds (engine timestamps, "
-              "blind to the API server, the gateway and the client) of the decoding instance over the level's "
-              "rounds. Medians over rounds (per round in the json). Gateway: sequential proxy "
-              "flow (prefill, KV through PdstackConnector, decode); direct: one vLLM without the connector, "
-              "decode's flags and core.",
-              f"Load average (1, 5, 15 min) {_loads(load['before'])} before, {_loads(load['after'])} after, on "
-              f"{report['cpus']} CPUs.", ""]  # fmt: skip
+    lines += [
+        "",
+        "decode tok/s: the tokens after each request's first, summed, over the time covered by at least "
+        "one request's steady window (first token to last); sum of client rates: each request's own "
+        "steady rate, summed. e2e tok/s: all tokens over the round's wall time. ITL: gaps between chunks, "
+        "per token, over every request of the level (p50 0 means chunks arrived in bursts, several read "
+        "at once); engine ITL mean: vLLM's own vllm:inter_token_latency_seconds (engine timestamps, "
+        "blind to the API server, the gateway and the client) of the decoding instance over the level's "
+        "rounds. Medians over rounds (per round in the json). Gateway: sequential proxy "
+        "flow (prefill, KV through PdstackConnector, decode); direct: one vLLM without the connector, "
+        "decode's flags and core.",
+        f"Load average (1, 5, 15 min) {_loads(load['before'])} before, {_loads(load['after'])} after, on "
+        f"{report['cpus']} CPUs.",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _ratio_row(clients: int, label: str, ratio: dict[str, float]) -> str:
-    return (f"| {clients} | {label} | {ratio['decode_tokens_per_s']:.2f}x | {ratio['sum_of_client_rates']:.2f}x "
-            f"| {ratio['e2e_tokens_per_s']:.2f}x | {ratio.get('itl_p50_s', 0):.2f}x | {ratio.get('itl_p95_s', 0):.2f}x "
-            f"| {ratio.get('engine_itl_mean_s', 0):.2f}x | {ratio['ttft_s']:.2f}x | | | |")  # fmt: skip
+    return (
+        f"| {clients} | {label} | {ratio['decode_tokens_per_s']:.2f}x | {ratio['sum_of_client_rates']:.2f}x "
+        f"| {ratio['e2e_tokens_per_s']:.2f}x | {ratio.get('itl_p50_s', 0):.2f}x | {ratio.get('itl_p95_s', 0):.2f}x "
+        f"| {ratio.get('engine_itl_mean_s', 0):.2f}x | {ratio['ttft_s']:.2f}x | | | |"
+    )
 
 
 def _loads(values: list[float] | tuple[float, ...]) -> str:
@@ -374,13 +435,15 @@ def _row(level: dict[str, Any], name: str, result: dict[str, Any]) -> str:
     head = f"| {level['clients']} | {name} "
     if "error" in result:
         return head + f"| failed: {result['error'][:160]} | | | | | | | | {result['failed_rounds']} | |"
-    return (head + f"| {result['decode_tokens_per_s']:.0f} | {result['sum_of_client_rates']:.0f} "
-            f"| {result['e2e_tokens_per_s']:.0f} "
-            f"| {result['itl_p50_s'] * 1e3:.1f} ms | {result['itl_p95_s'] * 1e3:.1f} ms "
-            f"| {result['engine_itl_mean_s'] * 1e3:.1f} ms | {result['ttft_s'] * 1e3:.0f} ms "
-            f"| {result['chunks_per_request']:g} "
-            f"| {result['failed_rounds']}{' + warm-up' if 'warmup_error' in result else ''} "
-            f"| {level['load_average_1min']:.1f} |")  # fmt: skip
+    return (
+        head + f"| {result['decode_tokens_per_s']:.0f} | {result['sum_of_client_rates']:.0f} "
+        f"| {result['e2e_tokens_per_s']:.0f} "
+        f"| {result['itl_p50_s'] * 1e3:.1f} ms | {result['itl_p95_s'] * 1e3:.1f} ms "
+        f"| {result['engine_itl_mean_s'] * 1e3:.1f} ms | {result['ttft_s'] * 1e3:.0f} ms "
+        f"| {result['chunks_per_request']:g} "
+        f"| {result['failed_rounds']}{' + warm-up' if 'warmup_error' in result else ''} "
+        f"| {level['load_average_1min']:.1f} |"
+    )
 
 
 def positive(text: str) -> int:

@@ -74,8 +74,15 @@ class Clients:
 
 def first_token_seconds(clients: Clients, server: VLLMServer, prompt: list[int], started: float, **extra: Any) -> float:
     """Stream a completion from `server` and return the seconds from `started` to its first token."""
-    body = {"model": str(server.model), "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
-            "stream": True, **extra}  # fmt: skip
+    body = {
+        "model": str(server.model),
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
     first = None
     with clients.of(server).stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -90,8 +97,14 @@ def first_token_seconds(clients: Clients, server: VLLMServer, prompt: list[int],
 
 def prefill_only(clients: Clients, pair: Pair, prompt: list[int], kv_transfer_params: dict[str, Any]) -> Any:
     """The prefill request of either PD flow (max_tokens 1); its kv_transfer_params."""
-    body = {"model": str(pair.prefill.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "ignore_eos": True, "kv_transfer_params": kv_transfer_params}  # fmt: skip
+    body = {
+        "model": str(pair.prefill.model),
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "kv_transfer_params": kv_transfer_params,
+    }
     response = clients.of(pair.prefill).post("/v1/completions", json=body)
     if response.status_code != 200:
         raise RuntimeError(f"prefill: {response.status_code} {response.text[:300]}")
@@ -112,8 +125,7 @@ def disaggregated_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: li
         raise RuntimeError(f"prefill answered no kv_transfer_params: {params!r}")
     prefill_s = time.perf_counter() - started
     ttft = first_token_seconds(clients, pair.decode, prompt, started, kv_transfer_params=params)
-    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
-            **_moved(pair, sites, before)}  # fmt: skip
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s, **_moved(pair, sites, before)}
 
 
 def early_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: list[int], fingerprint: str) -> dict[str, float]:
@@ -121,11 +133,19 @@ def early_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: list[int],
     params naming a transfer id and signed with the params key, so decode pulls while prefill computes."""
     before = _counters(pair, sites)
     transfer_id = secrets.token_hex(16)
-    decode_params = signed_params.sign(signed_params.derive_params_key(pair.key.material), {
-        "do_remote_prefill": True, "remote_request_id": transfer_id, "remote_engine_id": "bench-prefill",
-        "remote_host": pair.prefill.extra["advertise_host"], "remote_port": pair.kv_port, "remote_block_ids": None,
-        "kv_fingerprint": fingerprint, "pdstack_streamed": True,
-    })  # fmt: skip
+    decode_params = signed_params.sign(
+        signed_params.derive_params_key(pair.key.material),
+        {
+            "do_remote_prefill": True,
+            "remote_request_id": transfer_id,
+            "remote_engine_id": "bench-prefill",
+            "remote_host": pair.prefill.extra["advertise_host"],
+            "remote_port": pair.kv_port,
+            "remote_block_ids": None,
+            "kv_fingerprint": fingerprint,
+            "pdstack_streamed": True,
+        },
+    )
     prefill_params = {**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer_id}
 
     def prefill() -> float:
@@ -137,21 +157,26 @@ def early_ttft(clients: Clients, pair: Pair, sites: WanSites, prompt: list[int],
         prefill_done = pool.submit(prefill)
         ttft = first_token_seconds(clients, pair.decode, prompt, started, kv_transfer_params=decode_params)
         prefill_s = prefill_done.result()
-    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s,
-            **_moved(pair, sites, before)}  # fmt: skip
+    return {"ttft_s": ttft, "prefill_leg_s": prefill_s, "decode_leg_s": ttft - prefill_s, **_moved(pair, sites, before)}
 
 
 def _counters(pair: Pair, sites: WanSites) -> tuple[float, float, float]:
-    return (pair.decode.metric(*RECEIVED), pair.decode.metric(*TRANSFER_SECONDS),
-            sites.link_bytes()["prefill_to_decode"])  # fmt: skip
+    return (
+        pair.decode.metric(*RECEIVED),
+        pair.decode.metric(*TRANSFER_SECONDS),
+        sites.link_bytes()["prefill_to_decode"],
+    )
 
 
 def _moved(pair: Pair, sites: WanSites, before: tuple[float, float, float]) -> dict[str, float]:
     """KV bytes decode received (once its stats arrived), its transfer seconds and the bytes the link carried."""
     received, seconds, link = before
     kv_bytes = pair.decode.wait_metric(RECEIVED[0], lambda v: v > received, RECEIVED[1]) - received
-    return {"kv_bytes": kv_bytes, "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds,
-            "link_bytes": sites.link_bytes()["prefill_to_decode"] - link}  # fmt: skip
+    return {
+        "kv_bytes": kv_bytes,
+        "transfer_s": pair.decode.metric(*TRANSFER_SECONDS) - seconds,
+        "link_bytes": sites.link_bytes()["prefill_to_decode"] - link,
+    }
 
 
 def random_prompt(length: int, rng: random.Random) -> list[int]:
@@ -179,8 +204,10 @@ def measure_point(
     rng = random.Random(seed * 1_000_003 + length)
     http = clients
     fingerprint = prefill_only(http, pair, random_prompt(length, rng), DO_REMOTE_DECODE)["kv_fingerprint"]
-    runners = {"proxy": lambda prompt: disaggregated_ttft(http, pair, sites, prompt),
-               "early": lambda prompt: early_ttft(http, pair, sites, prompt, fingerprint)}  # fmt: skip
+    runners = {
+        "proxy": lambda prompt: disaggregated_ttft(http, pair, sites, prompt),
+        "early": lambda prompt: early_ttft(http, pair, sites, prompt, fingerprint),
+    }
     colocated_ttft(http, pair, random_prompt(length, rng))
     errors: dict[str, str] = {}
     for flow in flows:
@@ -209,10 +236,15 @@ def measure_point(
         median = {name: statistics.median(m[name] for m in measured) for name in measured[0]}
         ideal_transfer_s = median["kv_bytes"] * 8 / (spec.rate_mbit * 1e6)
         bound = max(colocated, ideal_transfer_s) + spec.rtt_ms / 1000
-        results[flow] = {"median": median, "ideal_transfer_s": ideal_transfer_s, "bound_s": bound,
-                         "pd_over_colocated": median["ttft_s"] / colocated, "pd_over_bound": median["ttft_s"] / bound,
-                         "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"],
-                         "failed_rounds": len(rounds) - len(measured)}  # fmt: skip
+        results[flow] = {
+            "median": median,
+            "ideal_transfer_s": ideal_transfer_s,
+            "bound_s": bound,
+            "pd_over_colocated": median["ttft_s"] / colocated,
+            "pd_over_bound": median["ttft_s"] / bound,
+            "link_over_kv_bytes": median["link_bytes"] / median["kv_bytes"],
+            "failed_rounds": len(rounds) - len(measured),
+        }
     return {"prompt_tokens": length, "colocated_ttft_s": colocated, "flows": results, "rounds": rounds}
 
 
@@ -235,10 +267,18 @@ def wan_pair(work: Path, sites: WanSites, args: argparse.Namespace) -> Iterator[
     key_file = work / "kv-channel-key"
     key_file.write_text(os.urandom(32).hex())
     factory: Any = _Factory(work)
-    yield from start_pair(model, key_file, SecretKey.from_file(key_file), factory, "fail",
-                          max_model_len=max(args.lengths) + 64, batched_tokens=args.batched_tokens,
-                          sites=sites.sites, prefill_extra=args.connector_extra,
-                          decode_extra=args.connector_extra)  # fmt: skip
+    yield from start_pair(
+        model,
+        key_file,
+        SecretKey.from_file(key_file),
+        factory,
+        "fail",
+        max_model_len=max(args.lengths) + 64,
+        batched_tokens=args.batched_tokens,
+        sites=sites.sites,
+        prefill_extra=args.connector_extra,
+        decode_extra=args.connector_extra,
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,20 +292,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pair = next(pairs)
         clients = Clients(pair)
         try:
-            points = [measure_point(pair, sites, length, args.repeats, flows=args.flows, clients=clients)
-                      for length in args.lengths]  # fmt: skip
+            points = [
+                measure_point(pair, sites, length, args.repeats, flows=args.flows, clients=clients)
+                for length in args.lengths
+            ]
         finally:
             clients.close()
             pairs.close()
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
-            "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
-            "max_num_batched_tokens": args.batched_tokens, "repeats": args.repeats,
-            "connector_extra": args.connector_extra,
-            "tcp_slow_start_after_idle": int(args.idle_restart),
-            "connector_commit": provenance.commit(*CONNECTOR_PATHS), "host": platform.node(), "cpus": os.cpu_count(),
-            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-            "points": points}  # fmt: skip
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "link": {"rate_mbit": spec.rate_mbit, "rtt_ms": spec.rtt_ms},
+        "model": {"kind": "llama", **LONG_MODEL_CONFIG, "dtype": "float32", "vocab_size": 512},
+        "max_num_batched_tokens": args.batched_tokens,
+        "repeats": args.repeats,
+        "connector_extra": args.connector_extra,
+        "tcp_slow_start_after_idle": int(args.idle_restart),
+        "connector_commit": provenance.commit(*CONNECTOR_PATHS),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "points": points,
+    }
 
 
 def keep_window_when_idle(sites: WanSites) -> None:
@@ -273,8 +320,9 @@ def keep_window_when_idle(sites: WanSites) -> None:
     keeps its congestion window (the kernel's default restarts it from the initial window, which a 2 MiB pull at
     512 tokens then takes 3-4 RTTs to grow out of). A host setting of KV nodes, measured with --no-idle-restart."""
     for namespace in sites.namespaces:
-        subprocess.run(["ip", "netns", "exec", namespace, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            ["ip", "netns", "exec", namespace, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], check=True
+        )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -298,12 +346,15 @@ def markdown(report: dict[str, Any]) -> str:
         for flow, result in point["flows"].items():
             lines.append(_row(point, flow, result))
     load = report["load_average_1min"]
-    lines += ["", "Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Prefill leg: the prefill request "
-              "(max_tokens 1) as the client saw it; decode leg: from its answer to decode's first token (early "
-              "dispatch: negative when decode's first token came first); connector transfer: decode's "
-              "pdserve_kv_transfer_seconds for the pull.",
-              f"Load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.",
-              ""]  # fmt: skip
+    lines += [
+        "",
+        "Bound = max(colocated TTFT, KV bytes at the link rate) + RTT. Prefill leg: the prefill request "
+        "(max_tokens 1) as the client saw it; decode leg: from its answer to decode's first token (early "
+        "dispatch: negative when decode's first token came first); connector transfer: decode's "
+        "pdserve_kv_transfer_seconds for the pull.",
+        f"Load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {report['cpus']} CPUs.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -320,11 +371,13 @@ def _row(point: dict[str, Any], flow: str, result: dict[str, Any]) -> str:
     if "error" in result:
         return head + f"| failed: {result['error'][:160]} |" + " |" * 10
     m = result["median"]
-    return (head + f"| {m['ttft_s'] * 1e3:.0f} ms | {m['prefill_leg_s'] * 1e3:.0f} ms "
-            f"| {m['decode_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
-            f"| {result['ideal_transfer_s'] * 1e3:.0f} ms "
-            f"| {result['bound_s'] * 1e3:.0f} ms | {result['pd_over_colocated']:.2f}x | {result['pd_over_bound']:.2f}x "
-            f"| {result['link_over_kv_bytes']:.3f} | {result['failed_rounds']} |")  # fmt: skip
+    return (
+        head + f"| {m['ttft_s'] * 1e3:.0f} ms | {m['prefill_leg_s'] * 1e3:.0f} ms "
+        f"| {m['decode_leg_s'] * 1e3:.0f} ms | {m['kv_bytes'] / 2**20:.1f} | {m['transfer_s'] * 1e3:.0f} ms "
+        f"| {result['ideal_transfer_s'] * 1e3:.0f} ms "
+        f"| {result['bound_s'] * 1e3:.0f} ms | {result['pd_over_colocated']:.2f}x | {result['pd_over_bound']:.2f}x "
+        f"| {result['link_over_kv_bytes']:.3f} | {result['failed_rounds']} |"
+    )
 
 
 def lengths(text: str) -> list[int]:

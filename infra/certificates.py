@@ -92,12 +92,16 @@ class EnvironmentCertificates(pulumi.ComponentResource):
         self.issued = {spec.name: self._issue(name, spec) for spec in args.components}
         self.pool_secret_arns = {
             dc: {
-                pool: self._stored(f"{name}-{dc}-{pool}", tls_secret_name(args.env, dc, pool),
-                                   f"{dc}'s pool {pool}", self._issue(name, spec))
+                pool: self._stored(
+                    f"{name}-{dc}-{pool}",
+                    tls_secret_name(args.env, dc, pool),
+                    f"{dc}'s pool {pool}",
+                    self._issue(name, spec),
+                )
                 for pool, spec in pools.items()
             }
             for dc, pools in args.pools.items()
-        }  # fmt: skip
+        }
         if args.operator is not None:
             files = self._issue(name, args.operator)
             self._stored(f"{name}-operator", operator_tls_secret_name(args.env), "the operator (the controller)", files)

@@ -70,8 +70,9 @@ class PoolRecords(pulumi.ComponentResource):
         super().__init__("pdstack:dns:PoolRecords", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         tags = dict(args.tags)
-        role = aws.iam.Role(f"{name}-records", assume_role_policy=assume_policy("lambda.amazonaws.com"), tags=tags,
-                            opts=child)  # fmt: skip
+        role = aws.iam.Role(
+            f"{name}-records", assume_role_policy=assume_policy("lambda.amazonaws.com"), tags=tags, opts=child
+        )
         aws.iam.RolePolicyAttachment(
             f"{name}-records-logs",
             role=role.name,

@@ -70,15 +70,25 @@ def _ec2_sd(env: str, dc: DatacenterTarget, port: int, role: PoolRole | None) ->
 def instance_address(zone: str, port: int) -> dict[str, Any]:
     """Scrape an instance by its own name, <instance id>.<pool>.<datacenter>.<zone> (pdstack.contract
     Names.instance, the record infra/lambdas/pool_records.py keeps), which its pool's certificate carries."""
-    return {"source_labels": ["__meta_ec2_instance_id", _tag_label(POOL), _tag_label(DC)], "separator": ".",
-            "regex": "(.+)", "target_label": "__address__", "replacement": f"${{1}}.{zone}:{port}"}  # fmt: skip
+    return {
+        "source_labels": ["__meta_ec2_instance_id", _tag_label(POOL), _tag_label(DC)],
+        "separator": ".",
+        "regex": "(.+)",
+        "target_label": "__address__",
+        "replacement": f"${{1}}.{zone}:{port}",
+    }
 
 
 def _ec2_job(job: str, sd_configs: list[dict[str, Any]], zone: str, metrics_path: str | None = None) -> dict[str, Any]:
     port = sd_configs[0]["port"]
-    return {"job_name": job, **({"metrics_path": metrics_path} if metrics_path else {}),
-            "scheme": "https", "tls_config": tls_client(), "ec2_sd_configs": sd_configs,
-            "relabel_configs": [*EC2_RELABEL, instance_address(zone, port)]}  # fmt: skip
+    return {
+        "job_name": job,
+        **({"metrics_path": metrics_path} if metrics_path else {}),
+        "scheme": "https",
+        "tls_config": tls_client(),
+        "ec2_sd_configs": sd_configs,
+        "relabel_configs": [*EC2_RELABEL, instance_address(zone, port)],
+    }
 
 
 def authorization(contract: Contract, job: str) -> dict[str, str] | None:
@@ -91,8 +101,12 @@ def tls_client(server_name: str | None = None) -> dict[str, Any]:
     """How Prometheus scrapes a TLS listener: the environment's CA, the name the target's certificate carries where
     it is dialled by another (a pod by address), and its own certificate, which a listener under mutual TLS asks
     for."""
-    return {"ca_file": f"{TLS_DIR}/{TLS_CA_FILE}", **({"server_name": server_name} if server_name else {}),
-            "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}", "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}"}  # fmt: skip
+    return {
+        "ca_file": f"{TLS_DIR}/{TLS_CA_FILE}",
+        **({"server_name": server_name} if server_name else {}),
+        "cert_file": f"{TLS_DIR}/{TLS_CERT_FILE}",
+        "key_file": f"{TLS_DIR}/{TLS_KEY_FILE}",
+    }
 
 
 def web_config(client_auth: bool = False) -> dict[str, Any]:
@@ -121,10 +135,11 @@ def _service_job(job: str, service: str, namespace: str, port: int, metrics_path
         "metrics_path": metrics_path,
         "scheme": "https",
         "tls_config": tls_client(cluster_service_name(service, namespace)),
-        "dns_sd_configs": [{"names": [cluster_service_name(pods_service(service), namespace)], "type": "A",
-                            "port": port}],
+        "dns_sd_configs": [
+            {"names": [cluster_service_name(pods_service(service), namespace)], "type": "A", "port": port}
+        ],
         "relabel_configs": [{"target_label": "role", "replacement": "control"}],
-    }  # fmt: skip
+    }
 
 
 def alertmanager_address(namespace: str, contract: Contract) -> str:

@@ -70,9 +70,15 @@ def stack_vars(envs: list[EnvironmentStacks]) -> dict[str, Any]:
             entry: dict[str, Any] = {"region": dc.region}
             if widest is not None:
                 entry |= {"link_bandwidth_gbps": widest.bandwidth_gbps, "link_rtt_ms": widest.rtt_ms}
-                entry["peer_links"] = [{"cidr": cidrs[peer], "bandwidth_gbps": link.bandwidth_gbps,
-                                        "rtt_ms": link.rtt_ms, "mtu": PATH_MTU[link.kind]}
-                                       for peer, link in sorted(peers.items())]  # fmt: skip
+                entry["peer_links"] = [
+                    {
+                        "cidr": cidrs[peer],
+                        "bandwidth_gbps": link.bandwidth_gbps,
+                        "rtt_ms": link.rtt_ms,
+                        "mtu": PATH_MTU[link.kind],
+                    }
+                    for peer, link in sorted(peers.items())
+                ]
             datacenters[dc.name] = entry
         control = env.control.config
         cloud[env.name] = {

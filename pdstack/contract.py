@@ -102,8 +102,13 @@ def tls_settings() -> dict[str, str]:
     for its listener and, towards the components it calls, as its client certificate (mutual TLS); the
     environment's CA to verify them."""
     cert, key, ca = (f"{TLS_DIR}/{f}" for f in (TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE))
-    return {setting("tls_cert"): cert, setting("tls_key"): key, setting("tls_ca"): ca,
-            setting("tls_client_cert"): cert, setting("tls_client_key"): key}  # fmt: skip
+    return {
+        setting("tls_cert"): cert,
+        setting("tls_key"): key,
+        setting("tls_ca"): ca,
+        setting("tls_client_cert"): cert,
+        setting("tls_client_key"): key,
+    }
 
 
 def tls_probe_command(port: int, path: str) -> list[str]:
@@ -201,8 +206,9 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
         SecretFile("api_keys_file", "gateway-api-keys", "api-keys.json"),
         SecretFile("scheduler_token_file", "scheduler-identity-key", "scheduler.token", principal="gateway"),
         SecretFile("server_token_file", "server-api-token", "server.token"),
-        SecretFile("rate_limit_password_file", "ratelimit-store-password", "ratelimit.password",
-                   only_with_shared_store=True),
+        SecretFile(
+            "rate_limit_password_file", "ratelimit-store-password", "ratelimit.password", only_with_shared_store=True
+        ),
         METRICS_TOKEN,
     ),
     Component.SCHEDULER: (
@@ -212,7 +218,7 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
     Component.PREFILL: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
     Component.DECODE: (KV_KEY, SERVER_TOKEN, INSTANCE_TOKEN),
     Component.COLOCATED: (SERVER_TOKEN, INSTANCE_TOKEN),
-}  # fmt: skip
+}
 
 
 def scheduler_url_parameter(env: str) -> str:
@@ -362,21 +368,31 @@ def contract(serving: Serving) -> Contract:
         kv_port = kv_ports.start if kv_ports else None
         # the gateway is the clients' door: server-only TLS and API keys, never client certificates
         client_auth = "required" if serving.mutual_tls and component is not Component.GATEWAY else "none"
-        return ComponentContract(component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports,
-                                 tls_client_auth=client_auth)  # fmt: skip
+        return ComponentContract(
+            component, port, kv_port, values, SECRET_FILES[component], kv_ports=kv_ports, tls_client_auth=client_auth
+        )
 
     components = {
         Component.GATEWAY: make(Component.GATEWAY, ports.gateway, gateway_settings(serving)),
-        Component.SCHEDULER: make(Component.SCHEDULER, ports.scheduler,
-                                  {setting("state_file"): f"{STATE_DIR}/weights.json", **tracing_settings(serving)}),
+        Component.SCHEDULER: make(
+            Component.SCHEDULER,
+            ports.scheduler,
+            {setting("state_file"): f"{STATE_DIR}/weights.json", **tracing_settings(serving)},
+        ),
         Component.PREFILL: make(Component.PREFILL, ports.prefill, server, kv_ports=kv_port_range(serving)),
         Component.DECODE: make(Component.DECODE, ports.decode, server),
         # colocated stands where decode stands (a mixed node serves both without the KV channel)
         Component.COLOCATED: make(Component.COLOCATED, ports.decode, server_settings(serving, kv=False)),
-    }  # fmt: skip
-    scrape = tuple(ScrapeGroup(c.job, "control" if c in (Component.GATEWAY, Component.SCHEDULER) else str(c),
-                               components[c].port, METRICS_TOKEN if METRICS_TOKEN in SECRET_FILES[c] else None)
-                   for c in SCRAPED)  # fmt: skip
+    }
+    scrape = tuple(
+        ScrapeGroup(
+            c.job,
+            "control" if c in (Component.GATEWAY, Component.SCHEDULER) else str(c),
+            components[c].port,
+            METRICS_TOKEN if METRICS_TOKEN in SECRET_FILES[c] else None,
+        )
+        for c in SCRAPED
+    )
     return Contract(
         components=components,
         prometheus=Listener(ports.prometheus, PROMETHEUS_JOB, PROMETHEUS_HEALTH_LIVE, PROMETHEUS_HEALTH_READY),

@@ -33,8 +33,10 @@ from pdstack.yamlfiles import dump_yaml
 # -- Ansible ---------------------------------------------------------------------------------------------------------
 
 CONTRACT_VARS_DIR = Path("playbooks") / "vars" / "contract"
-HEADER = ("# Rendered by `python -m pdstack.contract_files` from stacks/Pulumi.{env}-*.yaml (pdstack/contract.py); "
-          "do not edit by hand.\n")  # fmt: skip
+HEADER = (
+    "# Rendered by `python -m pdstack.contract_files` from stacks/Pulumi.{env}-*.yaml (pdstack/contract.py); "
+    "do not edit by hand.\n"
+)
 
 
 def ansible_vars(c: Contract) -> dict[str, Any]:
@@ -50,9 +52,14 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
                 "env": comp.env(shared_store=True),
                 "tls_env": comp.tls_env(),
                 "secrets": [
-                    {"secret": s.secret, "name": f"pdstack-{s.key}", "target": s.file, "setting": s.variable,
-                     **({"principal": s.principal} if s.principal else {}),
-                     **({"only_with_shared_store": True} if s.only_with_shared_store else {})}
+                    {
+                        "secret": s.secret,
+                        "name": f"pdstack-{s.key}",
+                        "target": s.file,
+                        "setting": s.variable,
+                        **({"principal": s.principal} if s.principal else {}),
+                        **({"only_with_shared_store": True} if s.only_with_shared_store else {}),
+                    }
                     for s in comp.secrets
                 ],
             }
@@ -60,15 +67,31 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         },
         # TLS (#17): where the pdserve role mounts a node's certificate, key and CA, and the settings naming them,
         # used wherever the inventory hands the role TLS files (docs/tls.md)
-        "pdserve_tls": {"dir": TLS_DIR, "cert": TLS_CERT_FILE, "key": TLS_KEY_FILE, "ca": TLS_CA_FILE,
-                        "mutual_tls": c.mutual_tls},
+        "pdserve_tls": {
+            "dir": TLS_DIR,
+            "cert": TLS_CERT_FILE,
+            "key": TLS_KEY_FILE,
+            "ca": TLS_CA_FILE,
+            "mutual_tls": c.mutual_tls,
+        },
         "prometheus_port": c.prometheus.port,
         # a job whose targets require a token: Prometheus' `authorization` block, and the stack secret roles/prometheus
         # puts at its credentials_file (its file under prometheus_secrets_dir, mounted there in the container)
         "prometheus_scrape_groups": [
-            {"job": g.job, "group": g.group, "port": g.port,
-             **({"authorization": g.authorization(), "secret": g.credentials.secret, "secret_file": g.credentials.file}
-                if g.credentials is not None else {})}
+            {
+                "job": g.job,
+                "group": g.group,
+                "port": g.port,
+                **(
+                    {
+                        "authorization": g.authorization(),
+                        "secret": g.credentials.secret,
+                        "secret_file": g.credentials.file,
+                    }
+                    if g.credentials is not None
+                    else {}
+                ),
+            }
             for g in c.scrape_groups
         ],
         "prometheus_secrets_dir": SECRETS_DIR,
@@ -78,15 +101,19 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
         "node_exporter_port": c.node_exporter.port,
         "redis_port": c.ratelimit_store.port,
         "pdstack_ratelimit_store_db": RATELIMIT_STORE_DB,
-    }  # fmt: skip
+    }
 
 
 def alerting_vars(env: str, alerting: Alerting | None) -> dict[str, Any]:
     """roles/alertmanager's routing (pdstack/alerting.py) and the stack's webhook: its URL when the stack gives it in
     plain text, else empty (a secret URL reaches Ansible from a vault as pdstack_alert_webhook_url)."""
     url = alerting.webhook_url if alerting is not None and isinstance(alerting.webhook_url, str) else ""
-    return {"alertmanager_config": alertmanager_config(env), "alertmanager_webhook_receivers": webhook_receivers(env),
-            "alertmanager_webhook_config": dict(WEBHOOK_CONFIG), "alertmanager_webhook_url": url}  # fmt: skip
+    return {
+        "alertmanager_config": alertmanager_config(env),
+        "alertmanager_webhook_receivers": webhook_receivers(env),
+        "alertmanager_webhook_config": dict(WEBHOOK_CONFIG),
+        "alertmanager_webhook_url": url,
+    }
 
 
 def render_ansible_vars(env: str, serving: Serving, alerting: Alerting | None = None) -> str:

@@ -30,24 +30,32 @@ def tracing_settings(serving: Serving) -> dict[str, str]:
     tracing = serving.tracing
     if tracing is None:
         return {}
-    return as_env(TracingSettings, {"otlp_traces_endpoint": tracing.otlp_endpoint,
-                                    "trace_sample_ratio": tracing.sample_ratio,
-                                    "trace_prompts": tracing.include_prompts})  # fmt: skip
+    return as_env(
+        TracingSettings,
+        {
+            "otlp_traces_endpoint": tracing.otlp_endpoint,
+            "trace_sample_ratio": tracing.sample_ratio,
+            "trace_prompts": tracing.include_prompts,
+        },
+    )
 
 
 def gateway_settings(serving: Serving) -> dict[str, str]:
     limits, timeouts = serving.limits, serving.timeouts
     plaintext = {"allow_plaintext": True} if serving.allow_plaintext else {}
-    return tracing_settings(serving) | as_env(GatewaySettings, {
-        **plaintext,
-        "offload_threshold_tokens": serving.offload_threshold_tokens,
-        "max_prompt_tokens": limits.max_prompt_tokens,
-        "max_tokens_limit": limits.max_output_tokens,
-        "connect_timeout": timeouts.connect_s,
-        "prefill_timeout": timeouts.prefill_s,
-        "first_token_timeout": timeouts.first_token_s,
-        "decode_timeout": timeouts.request_s,
-    })  # fmt: skip
+    return tracing_settings(serving) | as_env(
+        GatewaySettings,
+        {
+            **plaintext,
+            "offload_threshold_tokens": serving.offload_threshold_tokens,
+            "max_prompt_tokens": limits.max_prompt_tokens,
+            "max_tokens_limit": limits.max_output_tokens,
+            "connect_timeout": timeouts.connect_s,
+            "prefill_timeout": timeouts.prefill_s,
+            "first_token_timeout": timeouts.first_token_s,
+            "decode_timeout": timeouts.request_s,
+        },
+    )
 
 
 def kv_channel(serving: Serving) -> KVChannelSettings:
@@ -68,9 +76,12 @@ def server_settings(serving: Serving, *, kv: bool) -> dict[str, str]:
     """Prefill and decode servers (`kv`: with the KV channel's settings), and colocated ones (without)."""
     limits = serving.limits
     channel = kv_channel(serving).model_dump(exclude_unset=True) if kv else {}
-    return tracing_settings(serving) | as_env(ServerSettings, {
-        "max_num_seqs": limits.max_concurrency,
-        "prefill_token_budget": limits.prefill_token_budget,
-        "kv_load_failure_policy": serving.kv_load_failure_policy,
-        **channel,
-    })  # fmt: skip
+    return tracing_settings(serving) | as_env(
+        ServerSettings,
+        {
+            "max_num_seqs": limits.max_concurrency,
+            "prefill_token_budget": limits.prefill_token_budget,
+            "kv_load_failure_policy": serving.kv_load_failure_policy,
+            **channel,
+        },
+    )

@@ -71,8 +71,15 @@ class NodeTls(KvTls):
 
     def server_flags(self) -> list[str]:
         """vLLM's API server (uvicorn): ssl_cert_reqs 2 is ssl.CERT_REQUIRED."""
-        flags = ["--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key), "--ssl-ca-certs", str(self.ca),
-                 "--enable-ssl-refresh"]  # fmt: skip
+        flags = [
+            "--ssl-certfile",
+            str(self.cert),
+            "--ssl-keyfile",
+            str(self.key),
+            "--ssl-ca-certs",
+            str(self.ca),
+            "--enable-ssl-refresh",
+        ]
         return [*flags, "--ssl-cert-reqs", "2"] if self.mutual else flags
 
     def client_flags(self) -> list[str]:
@@ -126,8 +133,11 @@ def connector_extra_config(
     sides; prefill also advertises where decode pulls from (its listener binds there, not every address of the
     node). With `version`, the engine's /metrics carries pdserve_build_info{version} as a pdserve server's does, so
     the canary judge attributes its KV load failures to its release."""
-    extra: dict[str, Any] = {"kv_key_file": KV_KEY.path, "run_dir": RUN_DIR,
-                             **kv_channel(serving).model_dump(mode="json", exclude_unset=True)}  # fmt: skip
+    extra: dict[str, Any] = {
+        "kv_key_file": KV_KEY.path,
+        "run_dir": RUN_DIR,
+        **kv_channel(serving).model_dump(mode="json", exclude_unset=True),
+    }
     if side is PoolRole.PREFILL:
         extra["advertise_host"] = advertise_host
     if tls is not None:
@@ -147,8 +157,10 @@ def max_num_seqs(serving: Serving) -> int:
 
 def _extra_flags(serving: Serving) -> list[str]:
     v, limits = _vllm(serving), serving.limits
-    defaults: dict[str, bool | int | str] = {"max-num-seqs": limits.max_batch_size,
-                                             "max-num-batched-tokens": limits.prefill_token_budget}  # fmt: skip
+    defaults: dict[str, bool | int | str] = {
+        "max-num-seqs": limits.max_batch_size,
+        "max-num-batched-tokens": limits.prefill_token_budget,
+    }
     out: list[str] = []
     for flag, value in (defaults | v.extra_args).items():
         if isinstance(value, bool):  # vLLM's boolean flags are BooleanOptionalAction: --x / --no-x
@@ -166,18 +178,29 @@ def engine_args(
     v = _vllm_of(serving, side)
     role = v.role(side)
     args = [
-        "--model", serving.model.path,
-        "--served-model-name", serving.model.name,
-        "--host", LISTEN_HOST,
-        "--port", str(http_port(serving, side)),
-        "--dtype", str(v.setting(side, "dtype")[0]),
-        "--kv-cache-dtype", v.kv_cache_dtype,
-        "--max-model-len", str(v.max_model_len),
-        "--block-size", str(v.setting(side, "block_size")[0]),
-        "--gpu-memory-utilization", str(v.setting(side, "gpu_memory_utilization")[0]),
-        "--tensor-parallel-size", str(role.tensor_parallel_size),
-        "--data-parallel-size", str(role.data_parallel_size),
-    ]  # fmt: skip
+        "--model",
+        serving.model.path,
+        "--served-model-name",
+        serving.model.name,
+        "--host",
+        LISTEN_HOST,
+        "--port",
+        str(http_port(serving, side)),
+        "--dtype",
+        str(v.setting(side, "dtype")[0]),
+        "--kv-cache-dtype",
+        v.kv_cache_dtype,
+        "--max-model-len",
+        str(v.max_model_len),
+        "--block-size",
+        str(v.setting(side, "block_size")[0]),
+        "--gpu-memory-utilization",
+        str(v.setting(side, "gpu_memory_utilization")[0]),
+        "--tensor-parallel-size",
+        str(role.tensor_parallel_size),
+        "--data-parallel-size",
+        str(role.data_parallel_size),
+    ]
     if role.enable_expert_parallel:
         args.append("--enable-expert-parallel")
     if role.enable_eplb:
@@ -210,9 +233,12 @@ def engine_env(serving: Serving, side: PoolRole, advertise_host: str) -> dict[st
     if v.kv_connector is KvConnector.NIXL:
         env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": advertise_host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(kv_port(serving))}
     if serving.tracing is not None:
-        env |= {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{side}",
-                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                "OTEL_TRACES_SAMPLER_ARG": str(serving.tracing.sample_ratio)}  # fmt: skip
+        env |= {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_SERVICE_NAME": f"vllm-{side}",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": str(serving.tracing.sample_ratio),
+        }
     return env
 
 
@@ -239,18 +265,28 @@ def agent_args(
     engine_url = f"https://{advertise_host}:{port}" if tls else f"http://127.0.0.1:{port}"
     return (
         "agent",
-        "--engine-url", engine_url,
-        "--role", str(side),
-        "--scheduler-url", scheduler_url,
-        "--scheduler-token-file", INSTANCE_TOKEN.path,
-        "--advertise-url", f"{'https' if tls else 'http'}://{advertise_host}:{port}",
-        "--version", version,
-        "--connector-run-dir", RUN_DIR,
-        "--instance-id", instance_id,
-        "--engine-token-file", SERVER_TOKEN.path,
-        "--max-num-seqs", str(max_num_seqs(serving)),
+        "--engine-url",
+        engine_url,
+        "--role",
+        str(side),
+        "--scheduler-url",
+        scheduler_url,
+        "--scheduler-token-file",
+        INSTANCE_TOKEN.path,
+        "--advertise-url",
+        f"{'https' if tls else 'http'}://{advertise_host}:{port}",
+        "--version",
+        version,
+        "--connector-run-dir",
+        RUN_DIR,
+        "--instance-id",
+        instance_id,
+        "--engine-token-file",
+        SERVER_TOKEN.path,
+        "--max-num-seqs",
+        str(max_num_seqs(serving)),
         *(tls.client_flags() if tls else []),
-    )  # fmt: skip
+    )
 
 
 def agent_command(serving: Serving, side: PoolRole, **node: Any) -> tuple[str, ...]:

@@ -39,8 +39,10 @@ from pdstack.vllm_command import (
 from pdstack.yamlfiles import dump_yaml
 
 VARS_DIR = Path("playbooks") / "vars" / "vllm"
-HEADER = ("# Rendered by `python -m pdstack.vllm_deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm_deploy.py); "
-          "do not edit by hand.\n")  # fmt: skip
+HEADER = (
+    "# Rendered by `python -m pdstack.vllm_deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm_deploy.py); "
+    "do not edit by hand.\n"
+)
 SIDES = (PoolRole.PREFILL, PoolRole.DECODE)
 HEALTH_PATH = "/health"  # vLLM's API server: 200 once the model is loaded and the engine answers
 # What the role fills in per node (roles/vllm_engine/vars/main.yml replaces each with its variable's value).
@@ -59,10 +61,16 @@ def _mounted_in(argv: tuple[str, ...], side: PoolRole) -> list[str]:
 def _agent(serving: Serving, side: PoolRole, tls: NodeTls | None) -> dict[str, Any] | None:
     if serving.vllm is not None and serving.vllm.kv_connector is KvConnector.NIXL:
         return None  # vllm_command.agent_args refuses it: NixlConnector writes no instance.json to register
-    args = agent_args(serving, side, advertise_host=ADVERTISE_HOST, scheduler_url=SCHEDULER_URL, version=VERSION,
-                      instance_id=INSTANCE_ID, tls=tls)  # fmt: skip
-    return {"entrypoint": VLLM_PYTHON, "command": ["-m", AGENT_MODULE, *args],
-            "secret_files": _mounted_in(args, side)}  # fmt: skip
+    args = agent_args(
+        serving,
+        side,
+        advertise_host=ADVERTISE_HOST,
+        scheduler_url=SCHEDULER_URL,
+        version=VERSION,
+        instance_id=INSTANCE_ID,
+        tls=tls,
+    )
+    return {"entrypoint": VLLM_PYTHON, "command": ["-m", AGENT_MODULE, *args], "secret_files": _mounted_in(args, side)}
 
 
 SHELL = "/bin/sh"
@@ -120,10 +128,14 @@ def ansible_vars(serving: Serving) -> dict[str, Any]:
         "health_path": HEALTH_PATH,
         "python": VLLM_PYTHON,  # both images' interpreter: the engine container's health check runs it
         "tls_dir": TLS_DIR,  # where both containers mount the node's TLS folder (NodeTls' files)
-        "placeholders": {"address": ADVERTISE_HOST, "scheduler_url": SCHEDULER_URL, "version": VERSION,
-                         "instance_id": INSTANCE_ID},
+        "placeholders": {
+            "address": ADVERTISE_HOST,
+            "scheduler_url": SCHEDULER_URL,
+            "version": VERSION,
+            "instance_id": INSTANCE_ID,
+        },
         "sides": {str(side): side_vars(serving, side) for side in SIDES},
-    }  # fmt: skip
+    }
     return {"pdstack_engine": str(serving.engine), "vllm_engine_stack": stack}
 
 
@@ -133,8 +145,9 @@ def render(env: str, serving: Serving) -> str:
 
 def rendered_files(project: Path) -> dict[Path, str]:
     stacks = project / "stacks"
-    return {project / VARS_DIR / f"{env}.yml": render(env, environment_serving(stacks, env))
-            for env in environments(stacks)}  # fmt: skip
+    return {
+        project / VARS_DIR / f"{env}.yml": render(env, environment_serving(stacks, env)) for env in environments(stacks)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,8 +62,11 @@ SCRAPE_CREDENTIALS = "scrape-credentials"
 def scrape_credentials(contract: Contract) -> list[dict[str, str]]:
     """The environment Secret's keys Prometheus presents to its targets (the gateway's metrics token), as the files
     the contract's scrape groups name under SECRETS_DIR."""
-    return [{"key": g.credentials.key, "path": g.credentials.file} for g in contract.scrape_groups
-            if g.credentials is not None]  # fmt: skip
+    return [
+        {"key": g.credentials.key, "path": g.credentials.file}
+        for g in contract.scrape_groups
+        if g.credentials is not None
+    ]
 
 
 def prometheus(name: str, args: ControlWorkloadsArgs, opts: pulumi.ResourceOptions) -> k8s.core.v1.Service:

@@ -52,8 +52,11 @@ class AppSpec:
 
     @property
     def secret_items(self) -> list[dict[str, str]]:
-        return [{"key": s.key, "path": s.file} for s in self.served.secrets
-                if self.shared_store or not s.only_with_shared_store]  # fmt: skip
+        return [
+            {"key": s.key, "path": s.file}
+            for s in self.served.secrets
+            if self.shared_store or not s.only_with_shared_store
+        ]
 
 
 def probes(served: ComponentContract) -> dict[str, Any]:

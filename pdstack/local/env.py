@@ -92,8 +92,16 @@ class LocalEnv:
     def converge_inputs(self, model: Path) -> list[Path]:
         """Everything playbooks/site.yml reads from this machine (pdstack.local.converged)."""
         p = self.project
-        return [self.release_file, self.inventory, p / "ansible.cfg", p / "playbooks", p / "roles",
-                transport.local_ca(self.state_dir).folder, self.secrets.folder, model / MANIFEST]  # fmt: skip
+        return [
+            self.release_file,
+            self.inventory,
+            p / "ansible.cfg",
+            p / "playbooks",
+            p / "roles",
+            transport.local_ca(self.state_dir).folder,
+            self.secrets.folder,
+            model / MANIFEST,
+        ]
 
     def up(
         self, say: Callable[[str], None] = print, engine: str | None = None, converge: bool = False
@@ -148,8 +156,10 @@ class LocalEnv:
         names = [node.name for node in topology.nodes]
         digest = inputs_digest(self.project, self.converge_inputs(model))
         if not converge and self.converge_record.unchanged(digest, running_containers(names)):
-            say("ansible: skipped playbooks/site.yml on every node: nothing it reads changed since it last ran, and "
-                "each node runs the containers it left (pdstack local up --converge runs it anyway)")  # fmt: skip
+            say(
+                "ansible: skipped playbooks/site.yml on every node: nothing it reads changed since it last ran, and "
+                "each node runs the containers it left (pdstack local up --converge runs it anyway)"
+            )
             return
         say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
         self.converge_record.forget()  # a play that fails half-way leaves nothing to skip on
@@ -166,15 +176,19 @@ class LocalEnv:
             both = f"{images.runtime} {serving.vllm.image}".encode()
             version = "sha-" + hashlib.sha256(both).hexdigest()[:12]
         release = {
-            "pdstack_release": {"version": version, "image": images.runtime, "config_version": config_version,
-                                **({"vllm_image": serving.vllm.image} if serving.vllm is not None else {})},
+            "pdstack_release": {
+                "version": version,
+                "image": images.runtime,
+                "config_version": config_version,
+                **({"vllm_image": serving.vllm.image} if serving.vllm is not None else {}),
+            },
             "pdstack_prometheus_image": images.prometheus,
             "pdstack_model": {"name": serving.model.name, "source": str(model)},
             "pdstack_model_dest": serving.model.path,
             "pdstack_secrets_dir": str(self.secrets.folder),
             "pdserve_env": LOCAL_RATE_LIMITS,
             **extra,
-        }  # fmt: skip
+        }
         self.release_file.write_text(json.dumps(release, indent=2) + "\n")
 
     def deployed_engine(self) -> Engine | None:
@@ -196,15 +210,28 @@ class LocalEnv:
 
     def playbook_argv(self, playbook: str, *args: str) -> list[str]:
         """`ansible-playbook` of `playbooks/<playbook>` against the local inventory, with the current release."""
-        return [str(self.project / ".venv" / "bin" / "ansible-playbook"), "-i", str(self.inventory),
-                str(self.project / "playbooks" / playbook), "-e", f"@{self.release_file}", *args]  # fmt: skip
+        return [
+            str(self.project / ".venv" / "bin" / "ansible-playbook"),
+            "-i",
+            str(self.inventory),
+            str(self.project / "playbooks" / playbook),
+            "-e",
+            f"@{self.release_file}",
+            *args,
+        ]
 
     def play(self, playbook: str, *args: str, say: Callable[[str], None] = print) -> str:
         """Run a playbook (see playbook_argv); its output goes to `say` line by line and is returned; a failed run
         raises with the output's tail."""
         env = {**os.environ, "ANSIBLE_CONFIG": str(self.project / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-        process = subprocess.Popen(self.playbook_argv(playbook, *args), cwd=self.project, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        process = subprocess.Popen(
+            self.playbook_argv(playbook, *args),
+            cwd=self.project,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert process.stdout is not None
         lines = []
         for line in process.stdout:
@@ -281,8 +308,9 @@ def smoke_completion(base_url: str, api_key_file: Path, model: str, ca_file: Pat
     """One completion through the gateway with the official openai client, verifying the local CA; returns the
     generated text."""
     key = api_key_file.read_text().strip()
-    client = OpenAI(base_url=base_url, api_key=key, timeout=60, max_retries=3,
-                    http_client=transport.verified_client(ca_file))  # fmt: skip
+    client = OpenAI(
+        base_url=base_url, api_key=key, timeout=60, max_retries=3, http_client=transport.verified_client(ca_file)
+    )
     completion = client.completions.create(
         model=model, prompt="Prefill in one datacenter, decode in the other: " * 3, max_tokens=8, temperature=0
     )

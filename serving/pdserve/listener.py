@@ -313,5 +313,11 @@ class ComponentSettings(Protocol):
 def serve_component(app: Any, settings: ComponentSettings, *, graceful_shutdown_seconds: int | None = None) -> None:
     """`serve` a component's app, traced (pdserve.common.tracing), on its settings' address, TLS and log level."""
     assert isinstance(settings, tls.TLSSettings)
-    serve(instrument_app(app), settings.host, settings.port, tls_settings=settings, log_level=settings.log_level,
-          graceful_shutdown_seconds=graceful_shutdown_seconds)  # fmt: skip
+    serve(
+        instrument_app(app),
+        settings.host,
+        settings.port,
+        tls_settings=settings,
+        log_level=settings.log_level,
+        graceful_shutdown_seconds=graceful_shutdown_seconds,
+    )

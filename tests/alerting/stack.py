@@ -27,19 +27,50 @@ def render(tmp_path: Path, inventory: dict[str, Any], variables: dict[str, Any])
     then `variables`) into tmp_path/prometheus.yml and tmp_path/alertmanager.yml."""
     (tmp_path / "inventory.yml").write_text(yaml.safe_dump(inventory))
     templates = {"prometheus": "prometheus.yml", "alertmanager": "alertmanager.yml"}
-    tasks = [{"name": f"render {role}", "ansible.builtin.template": {
-        "src": str(REPO / "roles" / role / "templates" / f"{name}.j2"), "dest": str(tmp_path / name), "mode": "0600"}}
-        for role, name in templates.items()]  # fmt: skip
-    (tmp_path / "render.yml").write_text(yaml.safe_dump([{
-        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(REPO / "roles" / role / "defaults" / "main.yml") for role in templates],
-        "tasks": tasks}]))  # fmt: skip
+    tasks = [
+        {
+            "name": f"render {role}",
+            "ansible.builtin.template": {
+                "src": str(REPO / "roles" / role / "templates" / f"{name}.j2"),
+                "dest": str(tmp_path / name),
+                "mode": "0600",
+            },
+        }
+        for role, name in templates.items()
+    ]
+    (tmp_path / "render.yml").write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "render",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [str(REPO / "roles" / role / "defaults" / "main.yml") for role in templates],
+                    "tasks": tasks,
+                }
+            ]
+        )
+    )
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(tmp_path / "inventory.yml"), str(tmp_path / "render.yml"),
-         "-e", f"@{CONTRACT_VARS}", "-e", json.dumps(variables), "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            str(tmp_path / "inventory.yml"),
+            str(tmp_path / "render.yml"),
+            "-e",
+            f"@{CONTRACT_VARS}",
+            "-e",
+            json.dumps(variables),
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
         env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return tmp_path
 
@@ -74,8 +105,10 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> N
 
 def post_alert(alertmanager: str, alertname: str, **labels: str) -> None:
     """An alert as Prometheus posts it (labels incl. the rule's severity, no end: Alertmanager keeps it firing)."""
-    alert = {"labels": {"alertname": alertname, "severity": severity_of(alertname), **labels},
-             "annotations": {"summary": f"{alertname} (test)"}}  # fmt: skip
+    alert = {
+        "labels": {"alertname": alertname, "severity": severity_of(alertname), **labels},
+        "annotations": {"summary": f"{alertname} (test)"},
+    }
     response = httpx.post(f"{alertmanager}{ALERTMANAGER_API}/alerts", json=[alert], timeout=5)
     assert response.status_code == 200, response.text
 

@@ -42,8 +42,9 @@ ALERTMANAGER = shutil.which("prometheus-alertmanager")
 AMTOOL = shutil.which("amtool")
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")
 # Notifications within a second of an alert, repeated every 2 s while it fires (production: 30s/10s, 5m, 4h/1h).
-FAST = Timing(group_wait="1s", group_interval="1s", repeat_interval="2s", critical_group_wait="1s",
-              critical_repeat_interval="2s")  # fmt: skip
+FAST = Timing(
+    group_wait="1s", group_interval="1s", repeat_interval="2s", critical_group_wait="1s", critical_repeat_interval="2s"
+)
 CRITICAL, WARNING = receiver_name("local", "critical"), receiver_name("local", "warning")
 
 
@@ -57,15 +58,22 @@ class Monitoring:
 
 
 def _node_exporter(port: int, log: Path) -> Daemon:
-    argv = [str(NODE_EXPORTER), f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
-            "--collector.meminfo"]  # fmt: skip
+    argv = [
+        str(NODE_EXPORTER),
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--collector.disable-defaults",
+        "--collector.meminfo",
+    ]
     return Daemon("node_exporter", argv, f"http://127.0.0.1:{port}", log)
 
 
 @pytest.fixture(scope="module")
 def monitoring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]:
-    for binary, package in ((PROMETHEUS, "prometheus"), (ALERTMANAGER, "prometheus-alertmanager"),
-                            (NODE_EXPORTER, "prometheus-node-exporter")):  # fmt: skip
+    for binary, package in (
+        (PROMETHEUS, "prometheus"),
+        (ALERTMANAGER, "prometheus-alertmanager"),
+        (NODE_EXPORTER, "prometheus-node-exporter"),
+    ):
         assert binary is not None, f"apt-get install {package}"
     folder = tmp_path_factory.mktemp("monitoring")
     key = folder / "kv.key"
@@ -80,23 +88,42 @@ def monitoring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]
         decode.start().wait_ready()
         started.append(_node_exporter(ports["node"], folder / "node_exporter.log").start())
         # one decode node in dc2, as the local inventory names its hosts
-        host = {"pdstack_address": "127.0.0.1", "pdstack_datacenter": "dc2", "pdstack_pool": "decode",
-                "pdstack_role": "decode"}  # fmt: skip
-        render(folder, {"all": {"children": {"decode": {"hosts": {"dc2-decode-1": host}}}}}, {
-            "prometheus_address": "127.0.0.1", "prometheus_port": ports["prometheus"],
-            "prometheus_scrape_interval": "1s",
-            "prometheus_scrape_groups": [{"job": "pdserve-decode", "group": "decode", "port": decode.port}],
-            "prometheus_node_exporter_targets": [f"127.0.0.1:{ports['node']}"],
-            "prometheus_alertmanager_targets": [f"127.0.0.1:{ports['alertmanager']}"],
-            "alertmanager_config": alertmanager_config("local", timing=FAST),
-            "alertmanager_webhook_url": webhook.url,
-        })  # fmt: skip
+        host = {
+            "pdstack_address": "127.0.0.1",
+            "pdstack_datacenter": "dc2",
+            "pdstack_pool": "decode",
+            "pdstack_role": "decode",
+        }
+        render(
+            folder,
+            {"all": {"children": {"decode": {"hosts": {"dc2-decode-1": host}}}}},
+            {
+                "prometheus_address": "127.0.0.1",
+                "prometheus_port": ports["prometheus"],
+                "prometheus_scrape_interval": "1s",
+                "prometheus_scrape_groups": [{"job": "pdserve-decode", "group": "decode", "port": decode.port}],
+                "prometheus_node_exporter_targets": [f"127.0.0.1:{ports['node']}"],
+                "prometheus_alertmanager_targets": [f"127.0.0.1:{ports['alertmanager']}"],
+                "alertmanager_config": alertmanager_config("local", timing=FAST),
+                "alertmanager_webhook_url": webhook.url,
+            },
+        )
         fast_rules(folder / "rules")
         am = f"http://127.0.0.1:{ports['alertmanager']}"
-        started.append(Daemon("alertmanager", [
-            str(ALERTMANAGER), f"--config.file={folder / 'alertmanager.yml'}", f"--storage.path={folder / 'am-data'}",
-            f"--web.listen-address=127.0.0.1:{ports['alertmanager']}", "--cluster.listen-address="],
-            am, folder / "alertmanager.log").start())  # fmt: skip
+        started.append(
+            Daemon(
+                "alertmanager",
+                [
+                    str(ALERTMANAGER),
+                    f"--config.file={folder / 'alertmanager.yml'}",
+                    f"--storage.path={folder / 'am-data'}",
+                    f"--web.listen-address=127.0.0.1:{ports['alertmanager']}",
+                    "--cluster.listen-address=",
+                ],
+                am,
+                folder / "alertmanager.log",
+            ).start()
+        )
         prom = f"http://127.0.0.1:{ports['prometheus']}"
         started.append(
             Daemon(
@@ -167,8 +194,10 @@ def test_a_silence_made_through_the_api_stops_delivery(monitoring: Monitoring) -
     monitoring.decode.kill()  # already dead when the previous test ran
     monitoring.webhook.wait_for("PdstackTargetDown", job="pdserve-decode")
     silence = create_silence(monitoring.alertmanager, {"alertname": "PdstackTargetDown"})
-    wait_until(lambda: alert_state(monitoring.alertmanager, "PdstackTargetDown")["silencedBy"] == [silence],
-               "Alertmanager marks the alert silenced")  # fmt: skip
+    wait_until(
+        lambda: alert_state(monitoring.alertmanager, "PdstackTargetDown")["silencedBy"] == [silence],
+        "Alertmanager marks the alert silenced",
+    )
     # A control alert on the same repeat cycle: once it has been delivered twice, a notification of the silenced
     # alert would have been due at least once more.
     post_alert(monitoring.alertmanager, "PdstackKVLoadFailures", datacenter="dc2", instance="control:1")
@@ -186,8 +215,13 @@ def test_a_datacenters_link_down_inhibits_its_kv_alerts_and_no_others(monitoring
     receiver, _ = monitoring.webhook.wait_for(LINK_DOWN_ALERT, datacenter="dc1")[0]
     assert receiver == CRITICAL
     for datacenter in ("dc1", "dc3"):
-        post_alert(monitoring.alertmanager, "PdstackKVTransferFailures", datacenter=datacenter,
-                   instance=f"{datacenter}-decode:8300", cause="connect")  # fmt: skip
+        post_alert(
+            monitoring.alertmanager,
+            "PdstackKVTransferFailures",
+            datacenter=datacenter,
+            instance=f"{datacenter}-decode:8300",
+            cause="connect",
+        )
     # dc3's is delivered, and again on its repeat; dc1's, posted at the same moment, never
     first = len(monitoring.webhook.wait_for("PdstackKVTransferFailures", datacenter="dc3"))
     monitoring.webhook.wait_for("PdstackKVTransferFailures", count=first + 1, datacenter="dc3")

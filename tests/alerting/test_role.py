@@ -11,8 +11,9 @@ TOKEN = "tok-3f9a1c"  # a marker the output must not show
 
 
 def test_a_bad_webhook_url_is_refused_naming_it_and_not_shown(tmp_path: Path) -> None:
-    code, output = play(tmp_path, include("alertmanager"),
-                        {"alertmanager_webhook_url": f"ftp://hooks.example.com/{TOKEN}"})  # fmt: skip
+    code, output = play(
+        tmp_path, include("alertmanager"), {"alertmanager_webhook_url": f"ftp://hooks.example.com/{TOKEN}"}
+    )
     assert code != 0, output
     assert "alertmanager_webhook_url must be an http:// or https:// URL with a host (value not shown)" in output
     assert TOKEN not in output

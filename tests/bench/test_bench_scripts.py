@@ -18,8 +18,9 @@ SCRIPTS = sorted(
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_script_starts_and_describes_its_options(script: str) -> None:
-    done = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: "), done.stdout
 

@@ -14,8 +14,21 @@ from tests.support import REPO
 
 
 def test_the_loopback_bench_records_kv_and_iperf3_figures_for_each_stream_count(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/kv_channel.py", "--no-wan", "--mib", "4", "--repeats", "1",
-               "--stream-counts", "1,2", "--iperf-seconds", "1", "--output", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "bench/kv_channel.py",
+        "--no-wan",
+        "--mib",
+        "4",
+        "--repeats",
+        "1",
+        "--stream-counts",
+        "1,2",
+        "--iperf-seconds",
+        "1",
+        "--output",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     (report_file,) = tmp_path.glob("kv_channel-*.json")

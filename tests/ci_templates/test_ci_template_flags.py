@@ -29,8 +29,10 @@ from tests.support import REPO, STACKS
 TEMPLATES = REPO / "ci-templates"
 BIN = REPO / ".venv" / "bin"
 # pulumi/actions inputs that become CLI flags (the automation API option they set, the flag it emits) ...
-ACTION_FLAGS = {"policyPacks": ("policy_packs", "--policy-pack"),
-                "policyPackConfigs": ("policy_pack_configs", "--policy-pack-config")}  # fmt: skip
+ACTION_FLAGS = {
+    "policyPacks": ("policy_packs", "--policy-pack"),
+    "policyPackConfigs": ("policy_pack_configs", "--policy-pack-config"),
+}
 # ... and those that do not: what to run, where, and the PR comment.
 ACTION_ONLY = {"command", "stack-name", "comment-on-pr", "github-token"}
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")

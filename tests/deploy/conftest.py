@@ -78,14 +78,18 @@ class Serving:
 
     def release_vars(self, version: str, config_version: str = "1", **extra: Any) -> Path:
         path = self.workdir / f"release-{version}-{config_version}.json"
-        path.write_text(json.dumps({
-            "pdstack_release": {"version": version, "image": self.image, "config_version": config_version},
-            "pdstack_prometheus_image": self.prometheus_image,
-            "pdstack_model": {"name": MODEL_NAME, "source": str(self.model_source)},
-            "pdstack_secrets_dir": str(self.secrets.folder),
-            "pdstack_tls_dir": str(self.tls.folder),
-            **extra,
-        }))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {
+                    "pdstack_release": {"version": version, "image": self.image, "config_version": config_version},
+                    "pdstack_prometheus_image": self.prometheus_image,
+                    "pdstack_model": {"name": MODEL_NAME, "source": str(self.model_source)},
+                    "pdstack_secrets_dir": str(self.secrets.folder),
+                    "pdstack_tls_dir": str(self.tls.folder),
+                    **extra,
+                }
+            )
+        )
         return path
 
     def play(self, playbook: str, *args: str) -> PlaybookRun:
@@ -133,10 +137,17 @@ def run_playbook(inventory: Path, playbook: Path, home: Path, *args: str) -> Pla
     started = time.monotonic()
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
-             "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "HOME": str(home)},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": f"{REPO / '.venv' / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(home),
+        },
+    )
     with (home / "plays.log").open("a") as log:  # where the module's time goes (docs/testing.md)
         log.write(f"{time.monotonic() - started:7.1f} s  {playbook.name} {' '.join(args)}\n")
     return PlaybookRun(result.returncode, result.stdout + result.stderr)
@@ -151,16 +162,22 @@ def bridge_gateway() -> str:
 
 def write_inventory(workdir: Path, registry: str, address: dict[str, str], key: Path) -> Path:
     host_vars = {name: {"ansible_host": address[name], "pdstack_address": address[name]} for name in (NODE_A, NODE_B)}
-    inventory = {"all": {
-        "vars": {**NODE_VARS, "ansible_ssh_private_key_file": str(key), "pdstack_registry": registry,
-                 "container_runtime_registries": [{"location": registry, "insecure": True}]},
-        "children": {
-            "nodes": {"hosts": host_vars},
-            "control": {"hosts": {NODE_A: None}},
-            "prefill": {"hosts": {NODE_A: None}},
-            "decode": {"hosts": {NODE_B: None}},
-        },
-    }}  # fmt: skip
+    inventory = {
+        "all": {
+            "vars": {
+                **NODE_VARS,
+                "ansible_ssh_private_key_file": str(key),
+                "pdstack_registry": registry,
+                "container_runtime_registries": [{"location": registry, "insecure": True}],
+            },
+            "children": {
+                "nodes": {"hosts": host_vars},
+                "control": {"hosts": {NODE_A: None}},
+                "prefill": {"hosts": {NODE_A: None}},
+                "decode": {"hosts": {NODE_B: None}},
+            },
+        }
+    }
     path = workdir / "hosts.yml"
     path.write_text(yaml.safe_dump(inventory))
     return path

@@ -26,12 +26,29 @@ def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, ob
         )
     )
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", f"@{CONTRACT_VARS}", "-e", json.dumps(variables),
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-             "HOME": str(tmp_path)},
-    )  # fmt: skip
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(playbook),
+            "-e",
+            f"@{CONTRACT_VARS}",
+            "-e",
+            json.dumps(variables),
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+        },
+    )
     return result.returncode, " ".join((result.stdout + result.stderr).split())
 
 
@@ -125,17 +142,33 @@ SERVER_ENV = {
 def rendered(tmp_path: Path, component: str) -> dict[str, object]:
     """The role's environment and secret list for `component`, from its defaults and vars as the role loads them."""
     out = tmp_path / f"{component}.json"
-    task = {"name": "render", "ansible.builtin.copy": {
-        "dest": str(out), "mode": "0600",
-        "content": "{{ {'env': pdserve__environment, 'secrets': pdserve__secrets}"
-                   " | to_json }}"}}  # fmt: skip
+    task = {
+        "name": "render",
+        "ansible.builtin.copy": {
+            "dest": str(out),
+            "mode": "0600",
+            "content": "{{ {'env': pdserve__environment, 'secrets': pdserve__secrets} | to_json }}",
+        },
+    }
     playbook = tmp_path / "render.yml"
-    playbook.write_text(yaml.safe_dump([{
-        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(REPO / "roles/pdserve/defaults/main.yml"), str(REPO / "roles/pdserve/vars/main.yml"),
-                       str(CONTRACT_VARS)],
-        "tasks": [task],
-    }]))  # fmt: skip
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "render",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [
+                        str(REPO / "roles/pdserve/defaults/main.yml"),
+                        str(REPO / "roles/pdserve/vars/main.yml"),
+                        str(CONTRACT_VARS),
+                    ],
+                    "tasks": [task],
+                }
+            ]
+        )
+    )
     variables = {
         **SECRET_FILES,
         "pdserve_component": component,
@@ -145,36 +178,71 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
     }
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
-        capture_output=True, text=True, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
         env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     found: dict[str, object] = json.loads(out.read_text())
     return found
 
 
-@pytest.mark.parametrize(("component", "env", "secrets"), [
-    ("scheduler", {"PDSERVE_ADMIN_TOKEN_FILE": "/run/secrets/admin.token",
-                   "PDSERVE_IDENTITY_KEY_FILE": "/run/secrets/identity.key"},
-     {("scheduler-admin-token", "admin.token", None), ("scheduler-identity-key", "identity.key", None)}),
-    ("decode", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
-     {("kv-channel-key", "kv.key", None), ("scheduler-identity-key", "scheduler.token", "instance"),
-      ("server-api-token", "server.token", None)}),
-    ("prefill", {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
-     {("kv-channel-key", "kv.key", None), ("scheduler-identity-key", "scheduler.token", "instance"),
-      ("server-api-token", "server.token", None)}),
-    ("colocated", SERVER_ENV, {("scheduler-identity-key", "scheduler.token", "instance"),
-                               ("server-api-token", "server.token", None)}),
-    ("gateway", {"PDSERVE_API_KEYS_FILE": "/run/secrets/api-keys.json",
-                 "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
-                 "PDSERVE_SERVER_TOKEN_FILE": "/run/secrets/server.token",
-                 "PDSERVE_RATE_LIMIT_STORAGE": "redis://10.210.0.10:6379/0",
-                 "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password",
-                 "PDSERVE_METRICS_TOKEN_FILE": "/run/secrets/metrics.token"},
-     {("gateway-api-keys", "api-keys.json", None), ("scheduler-identity-key", "scheduler.token", "gateway"),
-      ("server-api-token", "server.token", None),
-      ("ratelimit-store-password", "ratelimit.password", None), ("metrics-scrape-token", "metrics.token", None)}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("component", "env", "secrets"),
+    [
+        (
+            "scheduler",
+            {
+                "PDSERVE_ADMIN_TOKEN_FILE": "/run/secrets/admin.token",
+                "PDSERVE_IDENTITY_KEY_FILE": "/run/secrets/identity.key",
+            },
+            {("scheduler-admin-token", "admin.token", None), ("scheduler-identity-key", "identity.key", None)},
+        ),
+        (
+            "decode",
+            {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
+            {
+                ("kv-channel-key", "kv.key", None),
+                ("scheduler-identity-key", "scheduler.token", "instance"),
+                ("server-api-token", "server.token", None),
+            },
+        ),
+        (
+            "prefill",
+            {**SERVER_ENV, "PDSERVE_KV_KEY_FILE": "/run/secrets/kv.key"},
+            {
+                ("kv-channel-key", "kv.key", None),
+                ("scheduler-identity-key", "scheduler.token", "instance"),
+                ("server-api-token", "server.token", None),
+            },
+        ),
+        (
+            "colocated",
+            SERVER_ENV,
+            {("scheduler-identity-key", "scheduler.token", "instance"), ("server-api-token", "server.token", None)},
+        ),
+        (
+            "gateway",
+            {
+                "PDSERVE_API_KEYS_FILE": "/run/secrets/api-keys.json",
+                "PDSERVE_SCHEDULER_TOKEN_FILE": "/run/secrets/scheduler.token",
+                "PDSERVE_SERVER_TOKEN_FILE": "/run/secrets/server.token",
+                "PDSERVE_RATE_LIMIT_STORAGE": "redis://10.210.0.10:6379/0",
+                "PDSERVE_RATE_LIMIT_PASSWORD_FILE": "/run/secrets/ratelimit.password",
+                "PDSERVE_METRICS_TOKEN_FILE": "/run/secrets/metrics.token",
+            },
+            {
+                ("gateway-api-keys", "api-keys.json", None),
+                ("scheduler-identity-key", "scheduler.token", "gateway"),
+                ("server-api-token", "server.token", None),
+                ("ratelimit-store-password", "ratelimit.password", None),
+                ("metrics-scrape-token", "metrics.token", None),
+            },
+        ),
+    ],
+)
 def test_each_component_gets_the_contracts_settings_and_only_its_own_credentials(
     tmp_path: Path, component: str, env: dict[str, str], secrets: set[tuple[str, str, str | None]]
 ) -> None:

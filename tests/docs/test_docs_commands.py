@@ -83,8 +83,9 @@ def make_targets() -> frozenset[str]:
 
 @cache
 def pdserve_options(role: str) -> frozenset[str]:
-    shown = subprocess.run([str(REPO / ".venv" / "bin" / "pdserve"), role, "--help"], capture_output=True,
-                           text=True, check=False)  # fmt: skip
+    shown = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "pdserve"), role, "--help"], capture_output=True, text=True, check=False
+    )
     assert shown.returncode == 0, f"pdserve {role} --help: {shown.stderr[-500:]}"
     return frozenset(re.findall(r"--[a-z][\w-]*", shown.stdout))
 

@@ -41,12 +41,16 @@ def test_the_stacks_webhook_is_in_a_secret_alertmanager_checks(tmp_path: Path) -
     text = secret.inputs["stringData"]["alertmanager.yml"]
     config = yaml.safe_load(text)
     hooks = {r["name"]: [w["url"] for w in r.get("webhook_configs", [])] for r in config["receivers"]}
-    assert hooks == {"pdstack-prod": [], receiver_name("prod", "critical"): [HOOK],
-                     receiver_name("prod", "warning"): [HOOK]}  # fmt: skip
+    assert hooks == {
+        "pdstack-prod": [],
+        receiver_name("prod", "critical"): [HOOK],
+        receiver_name("prod", "warning"): [HOOK],
+    }
     assert AMTOOL is not None, "apt-get install prometheus-alertmanager"
     (tmp_path / "alertmanager.yml").write_text(text)
-    check = subprocess.run([AMTOOL, "check-config", str(tmp_path / "alertmanager.yml")], capture_output=True,
-                           text=True, check=False)  # fmt: skip
+    check = subprocess.run(
+        [AMTOOL, "check-config", str(tmp_path / "alertmanager.yml")], capture_output=True, text=True, check=False
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -84,10 +88,20 @@ def test_the_web_configuration_admits_only_clients_with_a_certificate_from_the_c
     client = ssl.create_default_context(cafile=str(ca.ca_cert))
     client.load_cert_chain(ca.cert("prometheus"), ca.key("prometheus"))
     url = f"https://127.0.0.1:{port}"
-    daemon = Daemon("alertmanager", [ALERTMANAGER, f"--config.file={tmp_path / 'alertmanager.yml'}",
-                                     f"--storage.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                                     "--cluster.listen-address=", f"--web.config.file={tmp_path / 'web.yml'}"],
-                    url, tmp_path / "alertmanager.log", verify=client)  # fmt: skip
+    daemon = Daemon(
+        "alertmanager",
+        [
+            ALERTMANAGER,
+            f"--config.file={tmp_path / 'alertmanager.yml'}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            f"--web.config.file={tmp_path / 'web.yml'}",
+        ],
+        url,
+        tmp_path / "alertmanager.log",
+        verify=client,
+    )
     daemon.start()
     try:
         assert httpx.get(f"{url}/api/v2/status", verify=client, timeout=5).status_code == 200

@@ -75,8 +75,11 @@ def ansible_contract(env: str) -> dict[str, Any]:
 def server_settings(env: str, component: str) -> ServerSettings:
     """A model server started as the pdserve role starts it: the contract's settings plus what only the node knows."""
     rendered = ansible_contract(env)["pdserve_components"][component]["env"]
-    node = {"PDSERVE_MODEL": "/model", "PDSERVE_SCHEDULER_URL": "http://10.0.0.1:1",
-            "PDSERVE_ADVERTISE_HOST": "10.1.0.10"}  # fmt: skip
+    node = {
+        "PDSERVE_MODEL": "/model",
+        "PDSERVE_SCHEDULER_URL": "http://10.0.0.1:1",
+        "PDSERVE_ADVERTISE_HOST": "10.1.0.10",
+    }
     return settings_from_args(component, [], environ={**rendered, **node})
 
 
@@ -102,8 +105,11 @@ def vllm_kv_ports(env: str) -> set[int]:
     assert serving.vllm is not None
     role = serving.vllm.role(PoolRole.PREFILL)
     base = connector_extra_config(serving, PoolRole.PREFILL, "10.1.0.10")["kv_port"]
-    return {kv_port_of(base, dp_index=d, tp_size=role.tensor_parallel_size, tp_rank=r)
-            for d in range(role.data_parallel_size) for r in range(role.tensor_parallel_size)}  # fmt: skip
+    return {
+        kv_port_of(base, dp_index=d, tp_size=role.tensor_parallel_size, tp_rank=r)
+        for d in range(role.data_parallel_size)
+        for r in range(role.tensor_parallel_size)
+    }
 
 
 # -- the Ansible side: rendered vars parsed by pdserve ---------------------------------------------------------------
@@ -230,9 +236,11 @@ def test_control_plane_containers_parsed_by_pdserve_give_the_contracts_role_port
     service = _objects(graph, "kubernetes:core/v1:Service")[app]
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
     files = _mounted_files(pod, container, secret)
-    file_settings = {name: str(getattr(settings, name)) for name in model.model_fields
-                     if name.endswith("_file") and name != "state_file"
-                     and getattr(settings, name) is not None}  # fmt: skip
+    file_settings = {
+        name: str(getattr(settings, name))
+        for name in model.model_fields
+        if name.endswith("_file") and name != "state_file" and getattr(settings, name) is not None
+    }
     assert set(file_settings.values()) <= set(files), "a setting names a file nothing mounts"
     if isinstance(settings, SchedulerSettings):  # its weights file sits on a writable volume of its own
         assert str(settings.state_file.parent) in {m["mountPath"] for m in container["volumeMounts"]}
@@ -306,11 +314,20 @@ def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dic
 def run_render_play(play_dir: Path, home: Path) -> None:
     """ansible-playbook runs `play_dir`/render.yml on the controller, with the local inventory's variables."""
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", str(REPO / "inventories" / "local" / "hosts.yml"), str(play_dir / "render.yml"),
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            str(REPO / "inventories" / "local" / "hosts.yml"),
+            str(play_dir / "render.yml"),
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
         env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(home)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -321,13 +338,29 @@ def local_prometheus_config(tmp_path: Path) -> Path:
     (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
     out = tmp_path / "local" / "prometheus.yml"
     out.parent.mkdir()
-    (play_dir / "render.yml").write_text(yaml.safe_dump([{
-        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"), "vars/serving.yml"],
-        "tasks": [{"name": "render", "ansible.builtin.template": {
-            "src": str(REPO / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"), "dest": str(out),
-            "mode": "0644"}}],
-    }]))  # fmt: skip
+    (play_dir / "render.yml").write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "render",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"), "vars/serving.yml"],
+                    "tasks": [
+                        {
+                            "name": "render",
+                            "ansible.builtin.template": {
+                                "src": str(REPO / "roles" / "prometheus" / "templates" / "prometheus.yml.j2"),
+                                "dest": str(out),
+                                "mode": "0644",
+                            },
+                        }
+                    ],
+                }
+            ]
+        )
+    )
     run_render_play(play_dir, tmp_path)
     (out.parent / "rules").mkdir()
     shutil.copy(ALERTS, out.parent / "rules" / "alerts.yml")
@@ -373,15 +406,35 @@ def local_prometheus_vars(tmp_path: Path) -> dict[str, Any]:
         " 'groups': prometheus_scrape_groups, 'volumes': prometheus__volumes, 'config_dir': prometheus_config_dir}"
         " | to_json }}"
     )
-    (play_dir / "render.yml").write_text(yaml.safe_dump([{
-        "name": "render", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "vars_files": [str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"),
-                       str(REPO / "roles" / "prometheus" / "vars" / "main.yml"),
-                       str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"),
-                       str(REPO / "roles" / "pdserve" / "vars" / "main.yml"), "vars/serving.yml"],
-        "tasks": [{"name": "render", "ansible.builtin.template": {"src": str(play_dir / "vars.j2"), "dest": str(out),
-                                                                   "mode": "0644"}}],
-    }]))  # fmt: skip
+    (play_dir / "render.yml").write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "render",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [
+                        str(REPO / "roles" / "prometheus" / "defaults" / "main.yml"),
+                        str(REPO / "roles" / "prometheus" / "vars" / "main.yml"),
+                        str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"),
+                        str(REPO / "roles" / "pdserve" / "vars" / "main.yml"),
+                        "vars/serving.yml",
+                    ],
+                    "tasks": [
+                        {
+                            "name": "render",
+                            "ansible.builtin.template": {
+                                "src": str(play_dir / "vars.j2"),
+                                "dest": str(out),
+                                "mode": "0644",
+                            },
+                        }
+                    ],
+                }
+            ]
+        )
+    )
     run_render_play(play_dir, tmp_path)
     loaded: dict[str, Any] = json.loads(out.read_text())
     return loaded
@@ -627,8 +680,12 @@ def test_under_mutual_tls_the_schedulers_own_probe_passes_where_a_kubelets_would
     assert served in probe[2]
     probe = [probe[0], probe[1], relocated(probe[2], tls).replace(served, f":{port}/")]
     with (tmp_path / "scheduler.log").open("w") as log:
-        scheduler = subprocess.Popen([str(REPO / ".venv" / "bin" / "pdserve"), "scheduler", *rest],
-                                     env={"PATH": os.environ["PATH"], **environ}, stdout=log, stderr=log)  # fmt: skip
+        scheduler = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "pdserve"), "scheduler", *rest],
+            env={"PATH": os.environ["PATH"], **environ},
+            stdout=log,
+            stderr=log,
+        )
     try:
         deadline = time.monotonic() + 60
         while (ran := subprocess.run(probe, capture_output=True, check=False, timeout=10)).returncode != 0:

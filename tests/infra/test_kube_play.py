@@ -76,8 +76,9 @@ PODMAN_ENV: dict[str, str] = {}  # CONTAINERS_CONF once the run's pause image is
 
 def podman(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     assert PODMAN is not None, "podman is not installed"
-    done = subprocess.run([PODMAN, *args], capture_output=True, text=True, check=False, timeout=timeout,
-                          env={**os.environ, **PODMAN_ENV})  # fmt: skip
+    done = subprocess.run(
+        [PODMAN, *args], capture_output=True, text=True, check=False, timeout=timeout, env={**os.environ, **PODMAN_ENV}
+    )
     assert not check or done.returncode == 0, f"podman {' '.join(args)}: {done.stdout}{done.stderr}"
     return done
 
@@ -93,8 +94,13 @@ def runtime_image() -> str:
     if nodes.image_exists(local):
         podman("tag", local, image)
     else:
-        built = subprocess.run(["bash", str(REPO / "serving" / "build-image.sh"), image],
-                               capture_output=True, text=True, check=False, timeout=1800)  # fmt: skip
+        built = subprocess.run(
+            ["bash", str(REPO / "serving" / "build-image.sh"), image],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=1800,
+        )
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     remove_older_builds(image)
     return image
@@ -126,8 +132,11 @@ def use_pause_image(runtime: str, folder: Path) -> None:
 
 def rendered(graph: Synthesis) -> dict[tuple[str, str], dict[str, Any]]:
     """(kind, name) -> the object as the program hands it to Kubernetes."""
-    return {(r.inputs["kind"], r.inputs["metadata"]["name"]): copy.deepcopy(r.inputs) for r in graph.resources
-            if r.type.startswith("kubernetes:") and "kind" in r.inputs}  # fmt: skip
+    return {
+        (r.inputs["kind"], r.inputs["metadata"]["name"]): copy.deepcopy(r.inputs)
+        for r in graph.resources
+        if r.type.startswith("kubernetes:") and "kind" in r.inputs
+    }
 
 
 @dataclass
@@ -235,10 +244,16 @@ def pod_address(pod: str) -> str:
 
 def clean_up(run: Run) -> list[str]:
     """Remove every pod, volume and secret named with the run's prefix; what is left."""
-    listing = {"pod": ("pod", "ls", "--format", "{{.Name}}"), "volume": ("volume", "ls", "--format", "{{.Name}}"),
-               "secret": ("secret", "ls", "--format", "{{.Name}}")}  # fmt: skip
-    removal = {"pod": ("pod", "rm", "--force", "--time", "5"), "volume": ("volume", "rm", "--force"),
-               "secret": ("secret", "rm")}  # fmt: skip
+    listing = {
+        "pod": ("pod", "ls", "--format", "{{.Name}}"),
+        "volume": ("volume", "ls", "--format", "{{.Name}}"),
+        "secret": ("secret", "ls", "--format", "{{.Name}}"),
+    }
+    removal = {
+        "pod": ("pod", "rm", "--force", "--time", "5"),
+        "volume": ("volume", "rm", "--force"),
+        "secret": ("secret", "rm"),
+    }
     left = []
     for kind in ("pod", "volume", "secret"):  # pods first: they hold the volumes
         mine = [n for n in podman(*listing[kind]).stdout.split() if n.startswith(f"{run.prefix}-")]
@@ -366,8 +381,12 @@ def control_plane(graphs: dict[str, Synthesis], tmp_path_factory: pytest.TempPat
         host = bridge_gateway(run, "scheduler")
         store_port = free_port(EVERY_ADDRESS)
         (tmp / "redis.conf").write_text(without_tls(run.secret["stringData"]["ratelimit-store-redis.conf"]))
-        processes.append(subprocess.Popen([REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host,
-                                           "--dir", str(tmp)], stdout=subprocess.DEVNULL))  # fmt: skip
+        processes.append(
+            subprocess.Popen(
+                [REDIS, str(tmp / "redis.conf"), "--port", str(store_port), "--bind", host, "--dir", str(tmp)],
+                stdout=subprocess.DEVNULL,
+            )
+        )
         gateway_env = {e["name"]: e["value"] for e in run.container("gateway")["env"]}
         storage = httpx.URL(gateway_env["PDSERVE_RATE_LIMIT_STORAGE"])
         gateway_ips = play(
@@ -409,8 +428,11 @@ def bearer(token: str) -> dict[str, str]:
 
 def client_key(graph: Synthesis) -> str:
     """The API key a client holds: the value stored in Secrets Manager (the gateway's Secret holds its digest)."""
-    version = next(r for r in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion")
-                   if r.name.endswith("gateway-api-keys"))  # fmt: skip
+    version = next(
+        r
+        for r in graph.of_type("aws:secretsmanager/secretVersion:SecretVersion")
+        if r.name.endswith("gateway-api-keys")
+    )
     key: str = version.inputs["secretString"]
     return key
 
@@ -433,9 +455,12 @@ def test_gateway_and_scheduler_become_ready_on_their_probes_and_serve_a_completi
             assert time.monotonic() < deadline, "the gateway never routed to the prefill/decode pair"
             time.sleep(0.5)
     base = service_url(run, "gateway", control_plane["gateway"])
-    answer = httpx.post(f"{base}/v1/completions", headers=bearer(client_key(graphs[f"{ENV}-control"])),
-                        json={"model": "dense", "prompt": "one two three four", "max_tokens": 4, "temperature": 0},
-                        timeout=120)  # fmt: skip
+    answer = httpx.post(
+        f"{base}/v1/completions",
+        headers=bearer(client_key(graphs[f"{ENV}-control"])),
+        json={"model": "dense", "prompt": "one two three four", "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"]
     # /metrics requires the token the Secret holds for it (Prometheus' scrape credential), and nothing less

@@ -216,8 +216,11 @@ def test_under_mutual_tls_the_scheduler_and_prometheus_end_tls_themselves(
         assert scheduler[probe]["exec"]["command"][:2] == ["python3", "-c"]
         assert "load_cert_chain('/run/tls/tls.crt', '/run/tls/tls.key')" in scheduler[probe]["exec"]["command"][2]
         assert set(workloads["prometheus"][probe]) >= {"tcpSocket"}
-    config_map = next(c.inputs["data"] for c in graph.of_type("kubernetes:core/v1:ConfigMap")
-                      if c.inputs["metadata"]["name"] == "prometheus")  # fmt: skip
+    config_map = next(
+        c.inputs["data"]
+        for c in graph.of_type("kubernetes:core/v1:ConfigMap")
+        if c.inputs["metadata"]["name"] == "prometheus"
+    )
     assert (
         yaml.safe_load(config_map["web.yml"])["tls_server_config"]["client_auth_type"] == "RequireAndVerifyClientCert"
     )

@@ -314,28 +314,73 @@ PASSED_THROUGH = {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.0.0.0
 TLS_RESOURCES = [
     ("plain HTTP forwarded", LISTENER, {"protocol": "HTTP", "defaultActions": [{"type": "forward"}]}, True),
     ("plain TCP", LISTENER, {"protocol": "TCP", "port": 8000, "defaultActions": [{"type": "forward"}]}, True),
-    ("TLS without a certificate", LISTENER, {"protocol": "TLS", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"},
-     True),
-    ("TLS 1.0 allowed", LISTENER,
-     {"protocol": "HTTPS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-2016-08"}, True),
-    ("HTTP redirected to HTTPS", LISTENER,
-     {"protocol": "HTTP", "defaultActions": [{"type": "redirect", "redirect": {"protocol": "HTTPS", "port": "443"}}]},
-     False),
-    ("TLS 1.2+ with a certificate", LISTENER,
-     {"protocol": "TLS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"}, False),
-    ("Ingress without tls", "kubernetes:networking.k8s.io/v1:Ingress",
-     {"spec": {"rules": [{"host": "gateway.control.prod.pdstack.internal"}]}}, True),
-    ("Ingress with tls for its host", "kubernetes:networking.k8s.io/v1:Ingress",
-     {"spec": {"rules": [{"host": "g.example"}], "tls": [{"hosts": ["g.example"], "secretName": "g"}]}}, False),
-    ("NodePort Service without TLS", "kubernetes:core/v1:Service",
-     {"spec": {"type": "NodePort", "ports": [{"port": 8000}]}}, True),
-    ("Service passing TLS through to its pods", "kubernetes:core/v1:Service",
-     {"metadata": {"annotations": {**INTERNAL, "pdstack.io/tls-passthrough": "true"}}, "spec": PASSED_THROUGH}, False),
-    ("Service passing TLS through and ending it too", "kubernetes:core/v1:Service",
-     {"metadata": {"annotations": {**INTERNAL, "pdstack.io/tls-passthrough": "true",
-                                   "service.beta.kubernetes.io/aws-load-balancer-ssl-cert": "arn:c"}},
-      "spec": PASSED_THROUGH}, True),
-]  # fmt: skip
+    (
+        "TLS without a certificate",
+        LISTENER,
+        {"protocol": "TLS", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"},
+        True,
+    ),
+    (
+        "TLS 1.0 allowed",
+        LISTENER,
+        {"protocol": "HTTPS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-2016-08"},
+        True,
+    ),
+    (
+        "HTTP redirected to HTTPS",
+        LISTENER,
+        {
+            "protocol": "HTTP",
+            "defaultActions": [{"type": "redirect", "redirect": {"protocol": "HTTPS", "port": "443"}}],
+        },
+        False,
+    ),
+    (
+        "TLS 1.2+ with a certificate",
+        LISTENER,
+        {"protocol": "TLS", "certificateArn": "arn:c", "sslPolicy": "ELBSecurityPolicy-TLS13-1-2-2021-06"},
+        False,
+    ),
+    (
+        "Ingress without tls",
+        "kubernetes:networking.k8s.io/v1:Ingress",
+        {"spec": {"rules": [{"host": "gateway.control.prod.pdstack.internal"}]}},
+        True,
+    ),
+    (
+        "Ingress with tls for its host",
+        "kubernetes:networking.k8s.io/v1:Ingress",
+        {"spec": {"rules": [{"host": "g.example"}], "tls": [{"hosts": ["g.example"], "secretName": "g"}]}},
+        False,
+    ),
+    (
+        "NodePort Service without TLS",
+        "kubernetes:core/v1:Service",
+        {"spec": {"type": "NodePort", "ports": [{"port": 8000}]}},
+        True,
+    ),
+    (
+        "Service passing TLS through to its pods",
+        "kubernetes:core/v1:Service",
+        {"metadata": {"annotations": {**INTERNAL, "pdstack.io/tls-passthrough": "true"}}, "spec": PASSED_THROUGH},
+        False,
+    ),
+    (
+        "Service passing TLS through and ending it too",
+        "kubernetes:core/v1:Service",
+        {
+            "metadata": {
+                "annotations": {
+                    **INTERNAL,
+                    "pdstack.io/tls-passthrough": "true",
+                    "service.beta.kubernetes.io/aws-load-balancer-ssl-cert": "arn:c",
+                }
+            },
+            "spec": PASSED_THROUGH,
+        },
+        True,
+    ),
+]
 
 
 @pytest.mark.parametrize(("what", "type_", "props", "refused"), TLS_RESOURCES, ids=[t[0] for t in TLS_RESOURCES])

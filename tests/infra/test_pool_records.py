@@ -23,21 +23,33 @@ REGION = "us-west-2"
 @pytest.fixture
 def aws() -> Iterator[dict[str, Any]]:
     with mock_aws():
-        clients = {s: boto3.client(s, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
-                   for s in ("autoscaling", "ec2", "route53")}  # fmt: skip
+        clients = {
+            s: boto3.client(s, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing")
+            for s in ("autoscaling", "ec2", "route53")
+        }
         ec2 = clients["ec2"]
         vpc = ec2.create_vpc(CidrBlock="10.32.0.0/16")["Vpc"]["VpcId"]
         subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.32.0.0/18", AvailabilityZone=f"{REGION}a")["Subnet"]
         template = {"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
         ec2.create_launch_template(LaunchTemplateName="pool", LaunchTemplateData=template)
         clients["autoscaling"].create_auto_scaling_group(
-            AutoScalingGroupName="pool", LaunchTemplate={"LaunchTemplateName": "pool"}, MinSize=0, MaxSize=4,
-            DesiredCapacity=2, VPCZoneIdentifier=subnet["SubnetId"],
-        )  # fmt: skip
-        zone = clients["route53"].create_hosted_zone(
-            Name="prod.pdstack.internal", CallerReference="t", VPC={"VPCRegion": REGION, "VPCId": vpc},
-            HostedZoneConfig={"PrivateZone": True},
-        )["HostedZone"]["Id"].rsplit("/", 1)[-1]  # fmt: skip
+            AutoScalingGroupName="pool",
+            LaunchTemplate={"LaunchTemplateName": "pool"},
+            MinSize=0,
+            MaxSize=4,
+            DesiredCapacity=2,
+            VPCZoneIdentifier=subnet["SubnetId"],
+        )
+        zone = (
+            clients["route53"]
+            .create_hosted_zone(
+                Name="prod.pdstack.internal",
+                CallerReference="t",
+                VPC={"VPCRegion": REGION, "VPCId": vpc},
+                HostedZoneConfig={"PrivateZone": True},
+            )["HostedZone"]["Id"]
+            .rsplit("/", 1)[-1]
+        )
         yield {"clients": clients, "zone": zone}
 
 
@@ -90,8 +102,10 @@ def test_an_instances_name_is_covered_by_its_pools_certificate(graphs: dict[str,
     """The seam between the reconciler's names and the certificates the control stack issues the pools: the
     instance's name falls under exactly the pool's wildcard (one label, as TLS wildcards match)."""
     names = cloud_names("prod")
-    requests = {r.name.removeprefix("tls-"): r.inputs["dnsNames"] for r in
-                graphs["prod-control"].of_type("tls:index/certRequest:CertRequest")}  # fmt: skip
+    requests = {
+        r.name.removeprefix("tls-"): r.inputs["dnsNames"]
+        for r in graphs["prod-control"].of_type("tls:index/certRequest:CertRequest")
+    }
     pool, dc = "decode-h200", "decode-us-west-2"
     (wildcard,) = [n for n in requests[f"{dc}-{pool}"] if n.startswith("*.")]
     name = instance_name("i-0123456789abcdef0", names.host(pool, dc))
@@ -105,10 +119,14 @@ def test_records_of_other_names_in_the_zone_are_left_alone(aws: dict[str, Any]) 
         HostedZoneId=zone, ChangeBatch={"Changes": [{"Action": "UPSERT", "ResourceRecordSet": other}]}
     )
     changes = reconcile(clients, zone, NAME, "pool", 60)
-    assert all(c["ResourceRecordSet"]["Name"].endswith(NAME) and "other-" not in c["ResourceRecordSet"]["Name"]
-               for c in changes)  # fmt: skip
-    names = [r["Name"].rstrip(".") for r in clients["route53"].list_resource_record_sets(HostedZoneId=zone)[
-        "ResourceRecordSets"]]  # fmt: skip
+    assert all(
+        c["ResourceRecordSet"]["Name"].endswith(NAME) and "other-" not in c["ResourceRecordSet"]["Name"]
+        for c in changes
+    )
+    names = [
+        r["Name"].rstrip(".")
+        for r in clients["route53"].list_resource_record_sets(HostedZoneId=zone)["ResourceRecordSets"]
+    ]
     assert f"other-{NAME}" in names
 
 
@@ -136,14 +154,16 @@ def test_each_pool_has_its_reconciler_allowed_only_its_own_record(graphs: dict[s
     for record, function in functions.items():
         variables = function.inputs["environment"]["variables"]
         assert variables["GROUP_NAME"].startswith(dc) and variables["ZONE_ID"].startswith("Z")
-        policy = next(p for p in graph.of_type("aws:iam/rolePolicy:RolePolicy")
-                      if p.name == function.name)  # fmt: skip
+        policy = next(p for p in graph.of_type("aws:iam/rolePolicy:RolePolicy") if p.name == function.name)
         write = next(s for s in json.loads(policy.inputs["policy"])["Statement"] if s["Sid"] == "WriteRecord")
         assert write["Resource"] == f"arn:aws:route53:::hostedzone/{variables['ZONE_ID']}"
         assert write["Condition"]["ForAllValues:StringLike"][
             "route53:ChangeResourceRecordSetsNormalizedRecordNames"
         ] == [record, f"*.{record}"]
-    patterns = [json.loads(r.inputs["eventPattern"]) for r in graph.of_type("aws:cloudwatch/eventRule:EventRule")
-                if "eventPattern" in r.inputs]  # fmt: skip
+    patterns = [
+        json.loads(r.inputs["eventPattern"])
+        for r in graph.of_type("aws:cloudwatch/eventRule:EventRule")
+        if "eventPattern" in r.inputs
+    ]
     assert {p["detail"]["AutoScalingGroupName"][0] for p in patterns} == {f"{dc}-{p}-group" for p in pools}
     assert len(graph.of_type("aws:lambda/permission:Permission")) == 2 * len(pools)

@@ -28,14 +28,37 @@ def scheduler_calls(
     play_dir = folder / "play"
     play_dir.mkdir()
     (play_dir / "vars").symlink_to(REPO / "playbooks" / "vars")
-    (play_dir / "probe.yml").write_text(yaml.safe_dump([
-        {"name": "Where each party calls the scheduler", "hosts": "prefill:decode:localhost", "gather_facts": False,
-         "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
-         "tasks": [{"name": "Write it on the controller", "delegate_to": "localhost", "ansible.builtin.copy": {
-             "content": f"{{{{ {{{VIEW}{', ' + also if also else ''}}} | to_json }}}}",
-             "dest": f"{folder}/{{{{ inventory_hostname }}}}.json", "mode": "0600"}}]},
-    ]))  # fmt: skip
-    probe = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(inventory), str(play_dir / "probe.yml"), *args],
-                           cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=300)  # fmt: skip
+    (play_dir / "probe.yml").write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "Where each party calls the scheduler",
+                    "hosts": "prefill:decode:localhost",
+                    "gather_facts": False,
+                    "vars_files": [str(REPO / "roles" / "pdserve" / "defaults" / "main.yml"), "vars/serving.yml"],
+                    "tasks": [
+                        {
+                            "name": "Write it on the controller",
+                            "delegate_to": "localhost",
+                            "ansible.builtin.copy": {
+                                "content": f"{{{{ {{{VIEW}{', ' + also if also else ''}}} | to_json }}}}",
+                                "dest": f"{folder}/{{{{ inventory_hostname }}}}.json",
+                                "mode": "0600",
+                            },
+                        }
+                    ],
+                },
+            ]
+        )
+    )
+    probe = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", str(inventory), str(play_dir / "probe.yml"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert probe.returncode == 0, probe.stdout[-4000:] + probe.stderr[-2000:]
     return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}

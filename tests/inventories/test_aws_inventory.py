@@ -355,8 +355,11 @@ def podman_secrets(store: dict[str, str], folder: Path) -> dict[str, str]:
     """name -> content of the secrets in the test's podman store (its file driver's data)."""
     listed = subprocess.run(
         ["podman", "secret", "ls", "--format", "{{.ID}} {{.Name}}"],
-        env={**os.environ, **store}, capture_output=True, text=True, check=True,
-    ).stdout.split("\n")  # fmt: skip
+        env={**os.environ, **store},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
     data = json.loads((folder / "root" / "secrets" / "filedriver" / "secretsdata.json").read_text())
     return {name: base64.b64decode(data[ident]).decode() for ident, name in (line.split() for line in listed if line)}
 
@@ -367,25 +370,48 @@ def test_the_pdserve_role_makes_podman_secrets_from_secrets_manager_without_logg
     """A prefill node's secrets: the KV key and the server token as stored, the identity key only as the token
     derived for this instance (the key itself never reaches the node), mounted where the contract says."""
     control = next(s for s in synthesised if s["stack"] == "prod-control")
-    manager = boto3.client("secretsmanager", region_name=control["outputs"]["region"], endpoint_url=moto,
-                           aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    manager = boto3.client(
+        "secretsmanager",
+        region_name=control["outputs"]["region"],
+        endpoint_url=moto,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     values = stored_secrets(manager, [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET])
     store = podman_store(tmp_path)
     engine_id = "prefill-us-east-1-0123abcd"
     try:
         run = subprocess.run(
-            [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(PROBE.with_name("role_secrets.yml")),
-             "-e", "@" + str(REPO / "playbooks" / "vars" / "contract" / "prod.yml"), "-e", "probe_component=prefill",
-             "-e", f"probe_engine_id={engine_id}", "-e", f"probe_out={tmp_path}", "-vvv"],
-            cwd=REPO, env=aws_env | store, capture_output=True, text=True, check=False, timeout=300,
-        )  # fmt: skip
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                str(INVENTORY),
+                str(PROBE.with_name("role_secrets.yml")),
+                "-e",
+                "@" + str(REPO / "playbooks" / "vars" / "contract" / "prod.yml"),
+                "-e",
+                "probe_component=prefill",
+                "-e",
+                f"probe_engine_id={engine_id}",
+                "-e",
+                f"probe_out={tmp_path}",
+                "-vvv",
+            ],
+            cwd=REPO,
+            env=aws_env | store,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
         for value in values.values():
             assert value not in run.stdout + run.stderr, "a secret value was logged"
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
         made = podman_secrets(store, tmp_path)
     finally:
-        subprocess.run(["podman", "secret", "rm", "--all"], env={**os.environ, **store}, capture_output=True,
-                       check=False)  # fmt: skip
+        subprocess.run(
+            ["podman", "secret", "rm", "--all"], env={**os.environ, **store}, capture_output=True, check=False
+        )
     contract = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / "prod.yml").read_text())
     wanted = contract["pdserve_components"]["prefill"]["secrets"]
     token = derive_token(values["scheduler-identity-key"], f"instance:prefill-{engine_id}")
@@ -417,16 +443,33 @@ def test_serving_plays_skip_the_eks_nodes_and_reach_the_scheduler_at_its_load_ba
     served = contract(environment_serving(REPO / "stacks", "prod"))
     url = f"https://{names['scheduler-name']}:{served[Component.SCHEDULER].port}"
     prometheus_url = f"https://{names['prometheus-name']}:{served.prometheus.port}"
-    ssm = boto3.client("ssm", region_name=control["outputs"]["region"], endpoint_url=moto,
-                       aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    ssm = boto3.client(
+        "ssm",
+        region_name=control["outputs"]["region"],
+        endpoint_url=moto,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     for name, value in (("scheduler-url", url), ("prometheus-url", prometheus_url)):
         ssm.put_parameter(Name=parameters[name]["name"], Value=value, Type=parameters[name]["type"], Overwrite=True)
 
     listed = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(INVENTORY), str(REPO / "playbooks" / "serving.yml"), "--list-hosts",
-         "-e", "pdstack_environment=prod"],
-        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(INVENTORY),
+            str(REPO / "playbooks" / "serving.yml"),
+            "--list-hosts",
+            "-e",
+            "pdstack_environment=prod",
+        ],
+        cwd=REPO,
+        env=aws_env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stdout + listed.stderr
     plays = re.findall(r"pattern: \[(.*?)\]\n\s+hosts \((\d+)\)", listed.stdout)
     by_pattern = {pattern.strip("'"): int(count) for pattern, count in plays}
@@ -530,11 +573,21 @@ def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_
     verify the CA from SSM and, under mutual TLS, present the operator's certificate from Secrets Manager."""
     control = next(s for s in synthesised if s["stack"] == "prod-control")
     region = control["outputs"]["region"]
-    client = lambda service: boto3.client(service, region_name=region, endpoint_url=moto,  # noqa: E731
-                                          aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+
+    def client(service: str) -> Any:
+        return boto3.client(
+            service, region_name=region, endpoint_url=moto, aws_access_key_id="testing", aws_secret_access_key="testing"
+        )
+
     manager = client("secretsmanager")
-    stored_secrets(manager, [r["inputs"]["name"] for r in control["resources"] if r["type"] == SECRET
-                             and "/tls/" not in r["inputs"]["name"]])  # fmt: skip
+    stored_secrets(
+        manager,
+        [
+            r["inputs"]["name"]
+            for r in control["resources"]
+            if r["type"] == SECRET and "/tls/" not in r["inputs"]["name"]
+        ],
+    )
     pools = store_pool_certificates(manager, control, tmp_path / "issued")
     operator = write_tls_dir(tmp_path / "issued" / "operator", ["operator.control.prod.pdstack.internal"])
     operator_files = {f.name: f.read_text() for f in operator.iterdir()}
@@ -544,14 +597,28 @@ def test_each_node_serves_its_pools_certificate_from_secrets_manager_by_its_own_
         (ca_certificate_parameter("prod"), ca_pem),
         ("/pdstack/prod/scheduler-url", "https://scheduler.control.prod.pdstack.internal:8100"),
     ):
-        client("ssm").put_parameter(Name=parameter, Value=value, Type="String", Overwrite=True)  # fmt: skip
+        client("ssm").put_parameter(Name=parameter, Value=value, Type="String", Overwrite=True)
     inventory, play_dir = cloud_plays(tmp_path, mutual_tls)
     out = tmp_path / "out"
     run = subprocess.run(
-        [str(BIN / "ansible-playbook"), "-i", str(inventory), str(play_dir / "node_tls.yml"),
-         "-e", "pdstack_environment=prod", "-e", f"probe_out={out}", "-vvv"],
-        cwd=REPO, env=aws_env, capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(inventory),
+            str(play_dir / "node_tls.yml"),
+            "-e",
+            "pdstack_environment=prod",
+            "-e",
+            f"probe_out={out}",
+            "-vvv",
+        ],
+        cwd=REPO,
+        env=aws_env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     keys = [files[TLS_KEY_FILE] for files in [*pools.values(), operator_files]]
     assert not any(key.strip().splitlines()[1] in run.stdout + run.stderr for key in keys), "a key was logged"
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
@@ -609,12 +676,22 @@ def test_the_clouds_prometheus_scrapes_each_node_over_https_by_its_own_name(
     port = free_port()
     with (tmp_path / "prometheus.log").open("w") as log:
         server = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log,
-        )  # fmt: skip
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=log,
+        )
     gpu = {i: w for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"}
-    wanted = {(j["job_name"], i) for j in jobs for i, w in gpu.items()
-              if j["job_name"] == "node" or j["job_name"] == f"pdserve-{w['tags']['pdstack:role']}"}  # fmt: skip
+    wanted = {
+        (j["job_name"], i)
+        for j in jobs
+        for i, w in gpu.items()
+        if j["job_name"] == "node" or j["job_name"] == f"pdserve-{w['tags']['pdstack:role']}"
+    }
     try:
         deadline, targets = time.monotonic() + 60, []
         while len(targets) < len(wanted) and time.monotonic() < deadline:

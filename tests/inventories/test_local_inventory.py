@@ -17,8 +17,14 @@ INVENTORY = REPO / "inventories" / "local" / "hosts.yml"
 
 
 def test_local_plays_reach_the_scheduler_and_prometheus_on_the_first_control_node(tmp_path: Path) -> None:
-    listed = subprocess.run([str(BIN / "ansible-inventory"), "-i", str(INVENTORY), "--list"], cwd=REPO,
-                            capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    listed = subprocess.run(
+        [str(BIN / "ansible-inventory"), "-i", str(INVENTORY), "--list"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     first = json.loads(listed.stdout)["control"]["hosts"][0]
     rendered = yaml.safe_load((REPO / "playbooks" / "vars" / "contract" / "local.yml").read_text())
     port = rendered["pdserve_components"]["scheduler"]["port"]

@@ -24,8 +24,9 @@ def assert_a_restarted_decode_reaches_the_webhook(local: Any) -> None:
     try:
         extra = json.dumps({"alertmanager_webhook_url": webhook.url})
         local.env.play("serving.yml", "--tags", "alertmanager", "--limit", "control", "-e", extra, say=lambda _: None)
-        receiver, alert = webhook.wait_for("PdstackContainerRestarting", timeout=DELIVERY_TIMEOUT_S,
-                                           job="pdserve-decode")[0]  # fmt: skip
+        receiver, alert = webhook.wait_for(
+            "PdstackContainerRestarting", timeout=DELIVERY_TIMEOUT_S, job="pdserve-decode"
+        )[0]
         assert receiver == receiver_name("local", "warning")
         assert alert["status"] == "firing" and alert["labels"]["datacenter"] == "dc2", alert
         assert webhook.refused == 0

@@ -77,8 +77,9 @@ class Probed:
 def listening(namespace: str, node_address: str) -> list[tuple[str, int]]:
     """(address, port) of every IPv4 TCP listener in the namespace; one on every address as the node's own (the
     address its certificate carries)."""
-    out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-ltnH", "-4"], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, "ss", "-ltnH", "-4"], capture_output=True, text=True, check=True
+    ).stdout
     found = []
     for line in out.splitlines():
         address, port = line.split()[3].rsplit(":", 1)
@@ -89,7 +90,8 @@ def listening(namespace: str, node_address: str) -> list[tuple[str, int]]:
 def probe(namespace: str, address: str, port: int, ca: Path, client: tuple[Path, Path]) -> Probed:
     """`client`: the certificate and key the first TLS attempt presents."""
     argv = [sys.executable, "-c", PROBE, address, str(port), str(ca), *map(str, client)]
-    out = subprocess.run(["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True, check=True,
-                         timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, *argv], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     result = json.loads(out)
     return Probed(namespace, address, port, result["plain"], result["tls"], result["anonymous_tls"])

@@ -241,8 +241,9 @@ def test_the_openai_client_reaches_the_gateway_over_https_by_name_verifying_the_
 
 def test_a_client_without_the_local_ca_refuses_the_gateway_in_its_own_tls_check(local: Local) -> None:
     public_cas = DefaultHttpxClient(verify=ssl.create_default_context(cafile=certifi.where()))
-    client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=30, max_retries=0,
-                    http_client=public_cas)  # fmt: skip
+    client = OpenAI(
+        base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=30, max_retries=0, http_client=public_cas
+    )
     with pytest.raises(APIConnectionError) as refused:
         client.models.list()
     assert "CERTIFICATE_VERIFY_FAILED" in repr(causes(refused.value))
@@ -349,8 +350,13 @@ def test_a_completion_is_one_trace_across_both_datacenters(local: Local) -> None
     endpoint = urlsplit(local.topology.serving.tracing.otlp_endpoint)
     with receiving(endpoint.hostname, endpoint.port) as receiver:
         client = OpenAI(base_url=local.status["gateway_url"], api_key=local.api_key(), timeout=60)
-        client.completions.create(model=local.topology.serving.model.name, prompt=LONG_PROMPT, max_tokens=4,
-                                  temperature=0, extra_headers={"X-Request-Id": "local-trace-1"})  # fmt: skip
+        client.completions.create(
+            model=local.topology.serving.model.name,
+            prompt=LONG_PROMPT,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"X-Request-Id": "local-trace-1"},
+        )
         deadline = time.monotonic() + 60
         while not (spans := traced_request(receiver.spans, "local-trace-1")):
             assert time.monotonic() < deadline, [(s.service, s.name) for s in receiver.spans]
@@ -446,11 +452,18 @@ def assert_back_on(local: Local, baseline: str, canary: str) -> None:
 
 def served_serial(namespace: str, address: str, port: int, ca: str) -> int:
     """The serial of the certificate a listener serves now (a fresh handshake, from inside the node's namespace)."""
-    code = ("import socket, ssl, sys; c = ssl.create_default_context(cafile=sys.argv[3]); "
-            "s = c.wrap_socket(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5), "
-            "server_hostname=sys.argv[1]); print(s.getpeercert(binary_form=True).hex())")  # fmt: skip
-    out = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code, address, str(port), ca],
-                         capture_output=True, text=True, check=True, timeout=30).stdout  # fmt: skip
+    code = (
+        "import socket, ssl, sys; c = ssl.create_default_context(cafile=sys.argv[3]); "
+        "s = c.wrap_socket(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5), "
+        "server_hostname=sys.argv[1]); print(s.getpeercert(binary_form=True).hex())"
+    )
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code, address, str(port), ca],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return x509.load_der_x509_certificate(bytes.fromhex(out.strip())).serial_number
 
 

@@ -76,8 +76,12 @@ def wan_rx_bytes(local: Local, a: str, b: str) -> int:
     """Bytes datacenter `b`'s router received from its WAN link to `a` (the forwarder's TUN device)."""
     router = local.topology.datacenter(b).router_namespace
     link = next(lk for lk in local.topology.links if {lk.a, lk.b} == {a, b})
-    shown = subprocess.run(["ip", "-n", router, "-s", "-j", "link", "show", link.device_towards(a)],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    shown = subprocess.run(
+        ["ip", "-n", router, "-s", "-j", "link", "show", link.device_towards(a)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
 
 

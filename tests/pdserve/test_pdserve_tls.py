@@ -158,9 +158,22 @@ class PKI:
 
 
 def tls_flags(pki: PKI, server: Files, client: Files) -> list[str]:
-    return ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(pki.ca_file),
-            "--tls-client-auth", "required", "--tls-client-cert", str(client.cert), "--tls-client-key",
-            str(client.key), "--tls-reload-seconds", RELOAD_SECONDS]  # fmt: skip
+    return [
+        "--tls-cert",
+        str(server.cert),
+        "--tls-key",
+        str(server.key),
+        "--tls-ca",
+        str(pki.ca_file),
+        "--tls-client-auth",
+        "required",
+        "--tls-client-cert",
+        str(client.cert),
+        "--tls-client-key",
+        str(client.key),
+        "--tls-reload-seconds",
+        RELOAD_SECONDS,
+    ]
 
 
 # --- processes ---------------------------------------------------------------------------------------------------
@@ -179,8 +192,9 @@ class Listener:
 
 
 def wait_https(listener: Listener, context: ssl.SSLContext, timeout: float = START_TIMEOUT_S) -> None:
-    listener.service.wait_http(listener.url + listener.ready_path, what=listener.name, timeout=timeout,
-                               verify=context, request_timeout=2)  # fmt: skip
+    listener.service.wait_http(
+        listener.url + listener.ready_path, what=listener.name, timeout=timeout, verify=context, request_timeout=2
+    )
 
 
 @dataclass
@@ -200,9 +214,17 @@ class Fleet:
 
 def _scheduler(tmp: Path, pki: PKI) -> Listener:
     files = pki.files("scheduler")
-    args = ["--state-file", str(tmp / "state.json"), "--admin-token-file", str(tmp / "admin.token"),
-            "--identity-key-file", str(identity_key_file(tmp)), "--heartbeat-interval", "0.5",
-            *tls_flags(pki, files, pki.files("scheduler-client", client=True))]  # fmt: skip
+    args = [
+        "--state-file",
+        str(tmp / "state.json"),
+        "--admin-token-file",
+        str(tmp / "admin.token"),
+        "--identity-key-file",
+        str(identity_key_file(tmp)),
+        "--heartbeat-interval",
+        "0.5",
+        *tls_flags(pki, files, pki.files("scheduler-client", client=True)),
+    ]
     write_secret(tmp / "admin.token")
     return Listener("scheduler", Service("pdserve.scheduler", args, tmp / "scheduler.log"), files, "/health/live")
 
@@ -210,20 +232,44 @@ def _scheduler(tmp: Path, pki: PKI) -> Listener:
 def _server(tmp: Path, pki: PKI, checkpoint: Path, scheduler: Listener) -> Listener:
     files = pki.files("server")
     instance = f"colocated-{SERVER_ENGINE_ID[:24]}"
-    args = ["--model", str(checkpoint), "--api-token-file", str(api_token_file()), "--engine-id", SERVER_ENGINE_ID,
-            "--scheduler-url", scheduler.url, "--scheduler-token-file", str(instance_token_file(tmp, instance)),
-            "--heartbeat-seconds", "0.3", *tls_flags(pki, files, pki.files("server-client", client=True))]  # fmt: skip
-    service = Service("pdserve.cli", args, tmp / "server.log", role=["colocated"],
-                      program=[sys.executable, "-m", "pdserve.cli"])  # fmt: skip
+    args = [
+        "--model",
+        str(checkpoint),
+        "--api-token-file",
+        str(api_token_file()),
+        "--engine-id",
+        SERVER_ENGINE_ID,
+        "--scheduler-url",
+        scheduler.url,
+        "--scheduler-token-file",
+        str(instance_token_file(tmp, instance)),
+        "--heartbeat-seconds",
+        "0.3",
+        *tls_flags(pki, files, pki.files("server-client", client=True)),
+    ]
+    service = Service(
+        "pdserve.cli", args, tmp / "server.log", role=["colocated"], program=[sys.executable, "-m", "pdserve.cli"]
+    )
     return Listener("server", service, files, "/health/ready")
 
 
 def _gateway(tmp: Path, pki: PKI, scheduler: Listener) -> Listener:
     files = pki.files("gateway")
-    args = ["--scheduler-url", scheduler.url, "--scheduler-token-file", str(gateway_token_file(tmp)),
-            "--server-token-file", str(api_token_file()), "--api-keys-file", str(write_keys_file(tmp / "keys.json")),
-            "--routing-poll-interval", "0.2", "--offload-threshold-tokens", "0",
-            *tls_flags(pki, files, pki.files("gateway-client", client=True))]  # fmt: skip
+    args = [
+        "--scheduler-url",
+        scheduler.url,
+        "--scheduler-token-file",
+        str(gateway_token_file(tmp)),
+        "--server-token-file",
+        str(api_token_file()),
+        "--api-keys-file",
+        str(write_keys_file(tmp / "keys.json")),
+        "--routing-poll-interval",
+        "0.2",
+        "--offload-threshold-tokens",
+        "0",
+        *tls_flags(pki, files, pki.files("gateway-client", client=True)),
+    ]
     return Listener("gateway", Service("pdserve.gateway", args, tmp / "gateway.log"), files, "/health/live")
 
 
@@ -463,8 +509,17 @@ def test_bad_tls_files_stop_the_start_naming_the_setting(tmp_path: Path, dense_c
         flags[flags.index("--tls-key") + 1] = str(other.key)
         command, named = [sys.executable, "-m", "pdserve.scheduler", "--port", str(free_port()), *flags], "tls_key"
     else:
-        command = [sys.executable, "-m", "pdserve.cli", "colocated", "--model", str(dense_checkpoint),
-                   "--port", str(free_port()), *tls_flags(pki, server, Files(client.cert, other.key))]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "colocated",
+            "--model",
+            str(dense_checkpoint),
+            "--port",
+            str(free_port()),
+            *tls_flags(pki, server, Files(client.cert, other.key)),
+        ]
         named = "tls_client_key"
     finished = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
     assert finished.returncode != 0
@@ -472,8 +527,13 @@ def test_bad_tls_files_stop_the_start_naming_the_setting(tmp_path: Path, dense_c
 
 
 def test_a_gateway_on_a_network_address_needs_tls_or_allow_plaintext():
-    required = {"scheduler_url": "http://127.0.0.1:1", "scheduler_token_file": "t", "server_token_file": "t",
-                "api_keys_file": "k", "metrics_token_file": "m"}  # fmt: skip
+    required = {
+        "scheduler_url": "http://127.0.0.1:1",
+        "scheduler_token_file": "t",
+        "server_token_file": "t",
+        "api_keys_file": "k",
+        "metrics_token_file": "m",
+    }
     anywhere = "0.0.0.0"
     with pytest.raises(ValueError, match=r"tls_cert: the gateway serves clients on 0\.0\.0\.0"):
         GatewaySettings.model_validate({**required, "host": anywhere})
@@ -550,16 +610,43 @@ def test_the_agent_calls_vllm_and_the_scheduler_over_mutual_tls_and_picks_up_a_r
     port = engine.server_address[1]
     run_dir = fleet.tmp / "connector"
     run_dir.mkdir()
-    (run_dir / "instance.json").write_text(json.dumps({"role": "kv_producer", "fingerprint": "sha256:tls",
-                                                       "kv_host": "127.0.0.1", "kv_port": free_port()}))  # fmt: skip
+    (run_dir / "instance.json").write_text(
+        json.dumps({"role": "kv_producer", "fingerprint": "sha256:tls", "kv_host": "127.0.0.1", "kv_port": free_port()})
+    )
     client = pki.files("agent-client", client=True)
     instance = f"prefill-127.0.0.1-{port}"
-    command = [sys.executable, "-m", "pdserve.cli", "agent", "--engine-url", f"https://127.0.0.1:{port}", "--role",
-               "prefill", "--scheduler-url", scheduler.url, "--scheduler-token-file",
-               str(instance_token_file(fleet.tmp, instance)), "--advertise-url", f"https://127.0.0.1:{port}",
-               "--version", "v1", "--connector-run-dir", str(run_dir), "--heartbeat-seconds", "0.2",
-               "--drain-grace-seconds", "0", "--tls-ca", str(pki.ca_file), "--tls-client-cert", str(client.cert),
-               "--tls-client-key", str(client.key), "--tls-reload-seconds", RELOAD_SECONDS]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "agent",
+        "--engine-url",
+        f"https://127.0.0.1:{port}",
+        "--role",
+        "prefill",
+        "--scheduler-url",
+        scheduler.url,
+        "--scheduler-token-file",
+        str(instance_token_file(fleet.tmp, instance)),
+        "--advertise-url",
+        f"https://127.0.0.1:{port}",
+        "--version",
+        "v1",
+        "--connector-run-dir",
+        str(run_dir),
+        "--heartbeat-seconds",
+        "0.2",
+        "--drain-grace-seconds",
+        "0",
+        "--tls-ca",
+        str(pki.ca_file),
+        "--tls-client-cert",
+        str(client.cert),
+        "--tls-client-key",
+        str(client.key),
+        "--tls-reload-seconds",
+        RELOAD_SECONDS,
+    ]
     log_path = fleet.tmp / "agent.log"
     with log_path.open("wb") as log:
         agent = subprocess.Popen(command, stdout=log, stderr=log, env=os.environ.copy())

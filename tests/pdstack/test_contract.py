@@ -61,8 +61,9 @@ def test_every_setting_is_a_field_of_the_components_own_pdserve_settings(compone
 def test_the_credentials_are_the_stack_secrets_and_only_the_scheduler_holds_the_identity_key() -> None:
     read = {s.secret for c in Component for s in DEFAULT[c].secrets}
     assert read == set(REQUIRED_SECRETS)
-    holders = {c for c in Component for s in DEFAULT[c].secrets
-               if s.secret == "scheduler-identity-key" and not s.principal}  # fmt: skip
+    holders = {
+        c for c in Component for s in DEFAULT[c].secrets if s.secret == "scheduler-identity-key" and not s.principal
+    }
     assert holders == {Component.SCHEDULER}
     for c in Component:
         files = [s.file for s in DEFAULT[c].secrets]
@@ -83,8 +84,16 @@ def test_prometheus_presents_the_token_the_gateways_metrics_require_and_only_the
     path = f"{rendered['prometheus_secrets_dir']}/{guarded['secret_file']}"
     assert guarded["authorization"] == {"type": "Bearer", "credentials_file": path}
     assert path == gateway["env"]["PDSERVE_METRICS_TOKEN_FILE"] == f"{SECRETS_DIR}/{token['target']}"
-    settings = load_settings(GatewaySettings, [], "pdserve gateway", {**gateway["env"], **gateway["tls_env"],
-                             "PDSERVE_SCHEDULER_URL": "https://scheduler.control.local.pdstack:8100"})  # fmt: skip
+    settings = load_settings(
+        GatewaySettings,
+        [],
+        "pdserve gateway",
+        {
+            **gateway["env"],
+            **gateway["tls_env"],
+            "PDSERVE_SCHEDULER_URL": "https://scheduler.control.local.pdstack:8100",
+        },
+    )
     assert settings.host == "0.0.0.0" and str(settings.metrics_token_file) == path
 
 

@@ -17,19 +17,37 @@ from pdstack.serving_env import kv_channel
 from pdstack.vllm_command import engine_args, engine_env
 
 PDSERVE = Serving(model=Model(name="tiny", path="/var/lib/pdstack/models/tiny"))
-VLLM = PDSERVE.model_copy(update={
-    "engine": Engine.VLLM,
-    "vllm": Vllm(image="localhost/pdstack-vllm-cpu:v0.32.0@sha256:" + "ab" * 32, version="0.32.0", dtype="float32",
-                 max_model_len=12288, block_size=32),
-})  # fmt: skip
+VLLM = PDSERVE.model_copy(
+    update={
+        "engine": Engine.VLLM,
+        "vllm": Vllm(
+            image="localhost/pdstack-vllm-cpu:v0.32.0@sha256:" + "ab" * 32,
+            version="0.32.0",
+            dtype="float32",
+            max_model_len=12288,
+            block_size=32,
+        ),
+    }
+)
 SECTIONS = ("ports", "limits", "timeouts")
 NOT_KNOBS = {"model", "engine", "vllm", "tracing"}  # sections of their own, checked where they are rendered
 # KV channel settings no stack value sets: the key file and TLS files come from the deployment's secrets and
 # certificates (pdstack.contract SECRET_FILES, kv_tls_settings); the listener's admission limits keep pdserve's
 # defaults on every engine (docs/serving.md).
-SET_ELSEWHERE = {"kv_key_file", "kv_host", "kv_tls_cert", "kv_tls_key", "kv_tls_ca", "kv_tls_server_name",
-                 "kv_store_bytes", "kv_handshake_timeout_seconds", "kv_max_handshakes",
-                 "kv_max_handshakes_per_address", "kv_max_connections", "kv_drop_log_seconds"}  # fmt: skip
+SET_ELSEWHERE = {
+    "kv_key_file",
+    "kv_host",
+    "kv_tls_cert",
+    "kv_tls_key",
+    "kv_tls_ca",
+    "kv_tls_server_name",
+    "kv_store_bytes",
+    "kv_handshake_timeout_seconds",
+    "kv_max_handshakes",
+    "kv_max_handshakes_per_address",
+    "kv_max_connections",
+    "kv_drop_log_seconds",
+}
 
 
 def rendered(serving: Serving) -> str:
@@ -69,8 +87,11 @@ def with_knob(serving: Serving, section: str | None, name: str) -> Serving:
 
 @pytest.mark.parametrize(("section", "name"), knobs(), ids=[f"{s or 'serving'}.{n}" for s, n in knobs()])
 def test_every_stack_setting_reaches_a_component(section: str | None, name: str) -> None:
-    reached = [serving.engine for serving in (PDSERVE, VLLM) if rendered(with_knob(serving, section, name)) !=
-               rendered(serving)]  # fmt: skip
+    reached = [
+        serving.engine
+        for serving in (PDSERVE, VLLM)
+        if rendered(with_knob(serving, section, name)) != rendered(serving)
+    ]
     assert reached, f"pdstack:serving.{f'{section}.' if section else ''}{name} changes nothing either engine runs with"
 
 

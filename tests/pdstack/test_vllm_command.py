@@ -53,11 +53,17 @@ DIGEST = "sha256:" + "ab" * 32
 CPU = Serving(
     model=Model(name="tiny", path="/var/lib/pdstack/models/tiny"),
     engine=Engine.VLLM,
-    vllm=Vllm(image=f"localhost/pdstack-vllm-cpu:v0.32.0@{DIGEST}", version="0.32.0", dtype="float32",
-              max_model_len=12288, block_size=32, extra_args={"enforce-eager": True, "enable-prefix-caching": False}),
+    vllm=Vllm(
+        image=f"localhost/pdstack-vllm-cpu:v0.32.0@{DIGEST}",
+        version="0.32.0",
+        dtype="float32",
+        max_model_len=12288,
+        block_size=32,
+        extra_args={"enforce-eager": True, "enable-prefix-caching": False},
+    ),
     kv_streams=3,
     kv_load_failure_policy="fail",
-)  # fmt: skip
+)
 
 
 def flags(argv: tuple[str, ...]) -> dict[str, str | None]:
@@ -99,12 +105,15 @@ def key_file(tmp_path: Path) -> Path:
 
 
 # Every KV channel knob of the stack, each away from its default, so that a value left at a default shows.
-KV_KNOBS = CPU.model_copy(update={
-    "ports": CPU.ports.model_copy(update={"kv": 9400}),
-    "kv_streams": 7,
-    "timeouts": CPU.timeouts.model_copy(update={"connect_s": 3.5, "kv_read_s": 11.5, "kv_transfer_s": 99.0,
-                                                "kv_lease_s": 44.0}),
-})  # fmt: skip
+KV_KNOBS = CPU.model_copy(
+    update={
+        "ports": CPU.ports.model_copy(update={"kv": 9400}),
+        "kv_streams": 7,
+        "timeouts": CPU.timeouts.model_copy(
+            update={"connect_s": 3.5, "kv_read_s": 11.5, "kv_transfer_s": 99.0, "kv_lease_s": 44.0}
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize(("name", "serving"), [*servings(), ("knobs", KV_KNOBS)], ids=[*CLOUD, "cpu", "knobs"])
@@ -127,10 +136,22 @@ def test_both_engines_get_the_stacks_kv_channel_settings_alike(
     for field in set(KVChannelSettings.model_fields) - {"kv_key_file"}:
         assert getattr(connector, field) == getattr(server, field), field
     timeouts = serving.timeouts
-    stack = (serving.ports.kv, serving.kv_streams, timeouts.kv_lease_s, timeouts.connect_s, timeouts.kv_read_s,
-             timeouts.kv_transfer_s)  # fmt: skip
-    assert (connector.kv_port, connector.kv_streams, connector.kv_lease_seconds, connector.kv_connect_timeout_seconds,
-            connector.kv_read_timeout_seconds, connector.kv_transfer_timeout_seconds) == stack  # fmt: skip
+    stack = (
+        serving.ports.kv,
+        serving.kv_streams,
+        timeouts.kv_lease_s,
+        timeouts.connect_s,
+        timeouts.kv_read_s,
+        timeouts.kv_transfer_s,
+    )
+    assert (
+        connector.kv_port,
+        connector.kv_streams,
+        connector.kv_lease_seconds,
+        connector.kv_connect_timeout_seconds,
+        connector.kv_read_timeout_seconds,
+        connector.kv_transfer_timeout_seconds,
+    ) == stack
     if side is PoolRole.PREFILL:
         assert (connector.advertise_host, connector.bind_host) == (HOST, HOST)  # the node's address, not every one
         assert connector.port == contract(serving)["prefill"].kv_port == serving.ports.kv
@@ -197,8 +218,9 @@ def test_extra_args_pass_through_and_override_the_limits_defaults() -> None:
 
 
 def agent_settings(serving: Serving, side: PoolRole, instance_id: str = "decode-a") -> AgentSettings:
-    argv = agent_command(serving, side, advertise_host=HOST, scheduler_url="http://10.30.0.2:8100", version="r7",
-                         instance_id=instance_id)  # fmt: skip
+    argv = agent_command(
+        serving, side, advertise_host=HOST, scheduler_url="http://10.30.0.2:8100", version="r7", instance_id=instance_id
+    )
     assert argv[:3] == (VLLM_PYTHON, "-m", "pdserve.cli") and argv[3] == "agent" and "agent" in cli.CONTROL_ROLES
     return load_settings(AgentSettings, argv[4:], prog="pdserve agent", env={})
 
@@ -234,9 +256,15 @@ def test_over_tls_the_engine_serves_the_nodes_pair_and_the_agent_calls_it_by_nam
     connector = ConnectorSettings.of(extra, producer=True, engine_id="e")
     files = (connector.kv_tls_cert, connector.kv_tls_key, connector.kv_tls_ca)
     assert files == (Path(tls.cert), Path(tls.key), Path(tls.ca))
-    argv = agent_command(CPU, PoolRole.PREFILL, advertise_host="i-0abc.prefill.dc1.prod.pdstack.internal",
-                         scheduler_url="https://scheduler.control.prod.pdstack.internal:8100", version="r7",
-                         instance_id="prefill-a", tls=tls)  # fmt: skip
+    argv = agent_command(
+        CPU,
+        PoolRole.PREFILL,
+        advertise_host="i-0abc.prefill.dc1.prod.pdstack.internal",
+        scheduler_url="https://scheduler.control.prod.pdstack.internal:8100",
+        version="r7",
+        instance_id="prefill-a",
+        tls=tls,
+    )
     agent = load_settings(AgentSettings, argv[4:], prog="pdserve agent", env={})
     port = got["--port"]
     assert agent.engine_url == agent.advertise_url == f"https://i-0abc.prefill.dc1.prod.pdstack.internal:{port}"
@@ -252,8 +280,12 @@ def test_nixl_gets_its_connector_lease_and_side_channel_and_no_agent() -> None:
     assert CPU.vllm is not None
     nixl = CPU.model_copy(update={"vllm": CPU.vllm.model_copy(update={"kv_connector": KvConnector.NIXL})})
     config = kv_config(nixl, PoolRole.DECODE)
-    assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
-                      "kv_connector_extra_config": {"kv_lease_duration": 30}}  # fmt: skip
+    assert config == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"kv_lease_duration": 30},
+    }
     assert engine_env(nixl, PoolRole.PREFILL, HOST) == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl.ports.kv),

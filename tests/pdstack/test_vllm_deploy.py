@@ -51,9 +51,18 @@ def test_filled_placeholders_give_vllm_commands_lines(env: str, side: PoolRole) 
     )
     assert rendered["engine"]["env"] == engine_env(serving, side, "@ADVERTISE_HOST@")
     agent = fill(rendered["agent"]["command"], values)
-    assert agent == ["-m", "pdserve.cli", *agent_args(serving, side, advertise_host="10.1.2.3",
-                                                      scheduler_url="http://10.0.0.9:8100", version="r4",
-                                                      instance_id=f"{side}-n1-abcd")]  # fmt: skip
+    assert agent == [
+        "-m",
+        "pdserve.cli",
+        *agent_args(
+            serving,
+            side,
+            advertise_host="10.1.2.3",
+            scheduler_url="http://10.0.0.9:8100",
+            version="r4",
+            instance_id=f"{side}-n1-abcd",
+        ),
+    ]
     # The engine reads the KV key (its connector) and the server token (its API key); the agent its own scheduler
     # token and the server token. Nothing else is handed to either.
     assert rendered["engine"]["secret_files"] == ["kv-channel-key", "server-api-token"]

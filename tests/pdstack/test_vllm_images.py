@@ -27,8 +27,11 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 def instructions(path: str | object) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Containerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in (REPO / str(path)).read_text().splitlines()
-                                           if not line.lstrip().startswith("#")))  # fmt: skip
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in (REPO / str(path)).read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -92,8 +95,13 @@ def test_the_gpu_base_image_is_an_argument_without_default() -> None:
 
 def guard_accepts(reference: str) -> bool:
     guard = next(rest for rest in of(GPU, "RUN") if "VLLM_IMAGE" in rest)
-    run = subprocess.run(["sh", "-c", guard], env={"VLLM_IMAGE": reference, "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    run = subprocess.run(
+        ["sh", "-c", guard],
+        env={"VLLM_IMAGE": reference, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert run.returncode == 0 or "is not pinned" in run.stderr
     return run.returncode == 0
 

@@ -77,11 +77,18 @@ class Cluster:
 def run_playbook(inventory: Path, playbook: Path, *args: str) -> PlaybookRun:
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", str(inventory), str(playbook), *args],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-             "ANSIBLE_NOCOLOR": "1", "HOME": str(inventory.parent),
-             "ANSIBLE_CALLBACKS_ENABLED": "ansible.posix.profile_tasks"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(inventory.parent),
+            "ANSIBLE_CALLBACKS_ENABLED": "ansible.posix.profile_tasks",
+        },
+    )
     return PlaybookRun(result.returncode, result.stdout + result.stderr)
 
 

@@ -15,16 +15,32 @@ from tests.support.ansible import ANSIBLE_PLAYBOOK
 
 def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subprocess.CompletedProcess[str]:
     playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{
-        "name": f"validate {role}", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "roles": [role],
-    }]))  # fmt: skip
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": f"validate {role}",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "roles": [role],
+                }
+            ]
+        )
+    )
     return subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-             "HOME": str(tmp_path)},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+        },
+    )
 
 
 @pytest.mark.parametrize(

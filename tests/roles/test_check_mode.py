@@ -32,9 +32,14 @@ def extra_vars(values: dict[str, object]) -> tuple[str, str]:
 )
 def test_gpu_path_in_check_mode(cluster: Cluster, nvswitch: bool, expected_packages: str) -> None:
     run = cluster.playbook(
-        "--check", "--diff", "--limit", NODE_B, "--tags", "gpu_driver",
+        "--check",
+        "--diff",
+        "--limit",
+        NODE_B,
+        "--tags",
+        "gpu_driver",
         *extra_vars({"gpu_driver_force_gpu_present": True, "gpu_driver_force_nvswitch_present": nvswitch}),
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert f"check mode: would install {expected_packages} from http://127.0.0.1:9/cuda/" in run.output
     assert ("fabric manager on (NVSwitch present)" if nvswitch else "fabric manager off (no NVSwitch)") in run.output
@@ -58,13 +63,22 @@ def two_blank_disks(cluster: Cluster) -> Iterator[list[str]]:
 
 def test_raid_and_network_mounts_in_check_mode(cluster: Cluster, two_blank_disks: list[str]) -> None:
     run = cluster.playbook(
-        "--check", "--diff", "--limit", NODE_A, "--tags", "storage",
-        *extra_vars({
-            "storage_nvme_devices": two_blank_disks,
-            "storage_mount_point": "/mnt/raid",
-            "storage_network_mounts": [{"src": "nfs.pdstack.test:/models", "path": "/mnt/shared", "fstype": "nfs4"}],
-        }),
-    )  # fmt: skip
+        "--check",
+        "--diff",
+        "--limit",
+        NODE_A,
+        "--tags",
+        "storage",
+        *extra_vars(
+            {
+                "storage_nvme_devices": two_blank_disks,
+                "storage_mount_point": "/mnt/raid",
+                "storage_network_mounts": [
+                    {"src": "nfs.pdstack.test:/models", "path": "/mnt/shared", "fstype": "nfs4"}
+                ],
+            }
+        ),
+    )
     assert run.returncode == 0, run.output[-4000:]
     create = run.output.split("TASK [storage : Create the RAID0 array when it does not exist]")[1].split("TASK [")[0]
     assert f"changed: [{NODE_A}]" in create
@@ -91,8 +105,12 @@ def test_aws_time_sync_in_check_mode(cluster: Cluster) -> None:
 
 def test_lustre_without_a_client_package_fails_naming_the_mount(cluster: Cluster, tmp_path: Path) -> None:
     run = cluster.playbook(
-        "--check", "--limit", NODE_B, "--tags", "storage",
+        "--check",
+        "--limit",
+        NODE_B,
+        "--tags",
+        "storage",
         *extra_vars({"storage_network_mounts": [{"src": "10.0.0.5@tcp:/fsx", "path": "/mnt/fsx", "fstype": "lustre"}]}),
-    )  # fmt: skip
+    )
     assert run.returncode != 0
     assert "storage_network_mounts: /mnt/fsx asks for lustre, which has no client package on Debian 12" in run.output

@@ -37,12 +37,27 @@ def converge(tmp_path: Path, **variables: str) -> str:
         **variables,
     }
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(settings),
-         "-e", "ansible_python_interpreter=/usr/bin/python3"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-             "HOME": str(tmp_path)},
-    )  # fmt: skip
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(playbook),
+            "-e",
+            json.dumps(settings),
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+        },
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     return " ".join(output.split())

@@ -20,22 +20,53 @@ ROLE = REPO / "roles" / "kernel_tuning"
 def render(tmp_path: Path, variables: dict[str, object]) -> tuple[str, Path]:
     """The sysctl file's text and the route script's path, as the role renders them for `variables`."""
     playbook = tmp_path / "render.yml"
-    playbook.write_text(yaml.safe_dump([{
-        "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "tasks": [
-            {"ansible.builtin.include_role": {"name": "kernel_tuning", "tasks_from": "size.yml", "public": True}},
-            {"ansible.builtin.template": {"src": str(ROLE / "templates" / "sysctl.conf.j2"),
-                                          "dest": str(tmp_path / "sysctl.conf"), "mode": "0644"}},
-            {"ansible.builtin.template": {"src": str(ROLE / "templates" / "pdstack-kv-routes.sh.j2"),
-                                          "dest": str(tmp_path / "routes.sh"), "mode": "0755"}},
-        ],
-    }]))  # fmt: skip
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "ansible.builtin.include_role": {
+                                "name": "kernel_tuning",
+                                "tasks_from": "size.yml",
+                                "public": True,
+                            }
+                        },
+                        {
+                            "ansible.builtin.template": {
+                                "src": str(ROLE / "templates" / "sysctl.conf.j2"),
+                                "dest": str(tmp_path / "sysctl.conf"),
+                                "mode": "0644",
+                            }
+                        },
+                        {
+                            "ansible.builtin.template": {
+                                "src": str(ROLE / "templates" / "pdstack-kv-routes.sh.j2"),
+                                "dest": str(tmp_path / "routes.sh"),
+                                "mode": "0755",
+                            }
+                        },
+                    ],
+                }
+            ]
+        )
+    )
     result = subprocess.run(
         [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-             "ANSIBLE_NOCOLOR": "1", "HOME": str(tmp_path)},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+        },
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return (tmp_path / "sysctl.conf").read_text(), tmp_path / "routes.sh"
 
@@ -69,8 +100,11 @@ def test_a_short_link_keeps_the_kernels_default_at_least(tmp_path: Path) -> None
 
 def test_peer_routes_start_with_one_bdp_in_full_segments(rendered: tuple[str, Path]) -> None:
     routes = [line for line in rendered[1].read_text().splitlines() if line.startswith("route ")]
-    assert routes == ["route 10.251.0.0/16 10.251.0.0 1727", "route 10.252.0.0/16 10.252.0.0 133806",
-                      "route 10.253.0.0/16 10.253.0.0 10"]  # fmt: skip
+    assert routes == [
+        "route 10.251.0.0/16 10.251.0.0 1727",
+        "route 10.252.0.0/16 10.252.0.0 133806",
+        "route 10.253.0.0/16 10.253.0.0 10",
+    ]
 
 
 def ip(namespace: str, *argv: str) -> str:
@@ -121,9 +155,11 @@ def test_the_inventories_peer_links_give_each_peer_route_one_bdp(
     else:
         stacks = yaml.safe_load((REPO / "inventories" / "aws" / "group_vars" / "all" / "stacks.yml").read_text())
         entry = stacks["pdstack_cloud"]["prod"]["datacenters"][group]
-        variables = {"kernel_tuning_link_bandwidth_gbps": entry["link_bandwidth_gbps"],
-                     "kernel_tuning_link_rtt_ms": entry["link_rtt_ms"],
-                     "kernel_tuning_peer_links": entry["peer_links"]}  # fmt: skip
+        variables = {
+            "kernel_tuning_link_bandwidth_gbps": entry["link_bandwidth_gbps"],
+            "kernel_tuning_link_rtt_ms": entry["link_rtt_ms"],
+            "kernel_tuning_peer_links": entry["peer_links"],
+        }
     _conf, script = render(tmp_path, variables)
     line = next(line for line in script.read_text().splitlines() if line.startswith(f"route {peer} "))
     assert line.split()[-1] == str(segments), line

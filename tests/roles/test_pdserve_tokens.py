@@ -85,21 +85,49 @@ def test_bad_input_fails_naming_the_problem() -> None:
 @pytest.mark.slow  # ansible-playbook
 def test_ansible_finds_the_filter_through_the_role(tmp_path: Path) -> None:
     playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{
-        "name": "derive", "hosts": "localhost", "connection": "local", "gather_facts": False,
-        "tasks": [
-            {"name": "load the role's plugins", "ansible.builtin.import_role": {"name": "pdserve",
-                                                                                "tasks_from": "pinning.yml"}},
-            {"name": "derive", "ansible.builtin.debug": {
-                "msg": "{{ 'k3y' | pdserve_principal_token('instance:decode-node-1-0123abcd') }}"}},
-        ],
-    }]))  # fmt: skip
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "name": "derive",
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "name": "load the role's plugins",
+                            "ansible.builtin.import_role": {"name": "pdserve", "tasks_from": "pinning.yml"},
+                        },
+                        {
+                            "name": "derive",
+                            "ansible.builtin.debug": {
+                                "msg": "{{ 'k3y' | pdserve_principal_token('instance:decode-node-1-0123abcd') }}"
+                            },
+                        },
+                    ],
+                }
+            ]
+        )
+    )
     result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook),
-         "-e", json.dumps({"pdserve_component": "decode", "ansible_python_interpreter": "/usr/bin/python3"})],
-        capture_output=True, text=True, cwd=REPO, check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-             "HOME": str(tmp_path)},
-    )  # fmt: skip
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            "localhost,",
+            str(playbook),
+            "-e",
+            json.dumps({"pdserve_component": "decode", "ansible_python_interpreter": "/usr/bin/python3"}),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(tmp_path),
+        },
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert identity.derive_token("k3y", "instance:decode-node-1-0123abcd") in result.stdout

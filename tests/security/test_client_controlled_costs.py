@@ -126,8 +126,12 @@ LONG_STOPS = ["x" * 250_000] * 4
 )
 def test_stop_strings_are_bounded_everywhere(cluster: Cluster, stop: Any) -> None:
     body = {**NORMAL, "stop": stop}
-    checked(httpx.post(cluster.gateways[0].url + "/v1/completions", json=body, headers=AUTH, timeout=60),
-            "gateway stop", status=400, param="stop")  # fmt: skip
+    checked(
+        httpx.post(cluster.gateways[0].url + "/v1/completions", json=body, headers=AUTH, timeout=60),
+        "gateway stop",
+        status=400,
+        param="stop",
+    )
     for name in ("p", "d"):
         answer = httpx.post(cluster.servers[name].url + "/v1/completions", json=body, headers=cluster.server_auth())
         checked(answer, f"{name} stop", status=400, param="stop")
@@ -200,8 +204,13 @@ def test_kv_that_decode_refused_is_released_at_once(refusing_decode: Cluster) ->
         answer = httpx.post(gateway + "/v1/completions", json=body, headers=AUTH, timeout=60)
         checked(answer, f"refused by decode {attempt}", status=413)
     assert cluster.served("p") == 3, "prefill ran and leased the KV each time"
-    wait_for(lambda: metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_kv_releases_total",
-                            outcome="released") == 3, timeout=30, what="three releases")  # fmt: skip
+    wait_for(
+        lambda: (
+            metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_kv_releases_total", outcome="released") == 3
+        ),
+        timeout=30,
+        what="three releases",
+    )
     text = httpx.get(cluster.servers["p"].url + "/metrics").text
     assert metric(text, "pdserve_kv_leases_unused_total", outcome="released") == 3
     assert metric(text, "pdserve_kv_leases") == 0, "the 300 s leases are gone: released, not expired"
@@ -236,14 +245,22 @@ def test_the_release_endpoint_needs_the_server_token_and_a_lease_id(refusing_dec
     checked(httpx.post(url, json={"remote_request_id": "x"}, timeout=30), "release without token", status=401)
     auth = refusing_decode.server_auth()
     for bad in ({}, {"remote_request_id": 5}, {"remote_request_id": "x" * 300}, []):
-        checked(httpx.post(url, json=bad, headers=auth, timeout=30), f"release {bad}", status=400,
-                param="remote_request_id" if isinstance(bad, dict) else "body")  # fmt: skip
+        checked(
+            httpx.post(url, json=bad, headers=auth, timeout=30),
+            f"release {bad}",
+            status=400,
+            param="remote_request_id" if isinstance(bad, dict) else "body",
+        )
     answer = httpx.post(url, json={"remote_request_id": "never-leased"}, headers=auth, timeout=30)
     checked(answer, "release unknown", status=200)
     assert answer.json()["released"] is False
     decode = refusing_decode.servers["d"].url + "/v1/kv/release"
-    checked(httpx.post(decode, json={"remote_request_id": "x"}, headers=auth, timeout=30), "decode release",
-            status=404, param="path")  # fmt: skip
+    checked(
+        httpx.post(decode, json={"remote_request_id": "x"}, headers=auth, timeout=30),
+        "decode release",
+        status=404,
+        param="path",
+    )
 
 
 # -- findings 4, 6 and 8 on the scheduler ------------------------------------------------------------------------------
@@ -286,8 +303,10 @@ def test_overflowing_weights_and_huge_bodies_are_refused(scheduler: tuple[Servic
         assert answer.json()["error"]["field"] == "weights"
     before = rss_mib(service)
     beat = service.url + "/v1/instances/flooder/heartbeat"
-    for target, method, auth in ((url, "PUT", bearer(admin)),
-                                 (beat, "POST", bearer(principal_token(tmp, "instance:flooder")))):  # fmt: skip
+    for target, method, auth in (
+        (url, "PUT", bearer(admin)),
+        (beat, "POST", bearer(principal_token(tmp, "instance:flooder"))),
+    ):
         huge = httpx.request(method, target, content=b" " * (64 << 20), headers=auth, timeout=60)
         checked(huge, f"64 MiB body to {target}", status=413)
         assert huge.json()["error"]["field"] == "body"
@@ -312,8 +331,12 @@ def test_servers_refuse_bodies_over_their_limit(cluster: Cluster, name: str) -> 
 
     declared = httpx.post(url, content=b" " * (5 << 20), headers=cluster.server_auth(), timeout=60)
     checked(declared, f"{name} declared body", status=413, param="body")
-    checked(httpx.post(url, content=chunks(), headers=cluster.server_auth(), timeout=60),
-            f"{name} streamed body", status=413, param="body")  # fmt: skip
+    checked(
+        httpx.post(url, content=chunks(), headers=cluster.server_auth(), timeout=60),
+        f"{name} streamed body",
+        status=413,
+        param="body",
+    )
 
 
 # -- finding 9 ---------------------------------------------------------------------------------------------------------
@@ -363,14 +386,20 @@ def test_a_tenants_concurrent_requests_are_capped(cluster: Cluster) -> None:
     gateway = cluster.gateways[0].url
     held = [open_partial(gateway, KEYS["bulk"]) for _ in range(CONCURRENT_CAP)]
     try:
-        wait_for(lambda: metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_inflight_requests")
-                 >= CONCURRENT_CAP, timeout=30, what="the held requests in flight")  # fmt: skip
+        wait_for(
+            lambda: metric(httpx.get(gateway + "/metrics").text, "pdserve_gateway_inflight_requests") >= CONCURRENT_CAP,
+            timeout=30,
+            what="the held requests in flight",
+        )
         refused = httpx.post(gateway + "/v1/completions", json=NORMAL, headers=AUTH, timeout=60)
         checked(refused, "over the concurrency cap", status=429)
         assert "concurrency" in refused.json()["error"]["message"]
         other = {"Authorization": f"Bearer {KEYS['acme']}"}
-        checked(httpx.post(gateway + "/v1/completions", json=NORMAL, headers=other, timeout=60),
-                "another tenant", status=200)  # fmt: skip
+        checked(
+            httpx.post(gateway + "/v1/completions", json=NORMAL, headers=other, timeout=60),
+            "another tenant",
+            status=200,
+        )
     finally:
         for sock in held:
             sock.close()

@@ -111,14 +111,17 @@ def test_a_flood_of_silent_sockets_on_the_kv_port_fails_no_completion(cluster: C
     decode, prefill = cluster.servers["d"], cluster.servers["p"]
 
     def new_kv_connections() -> float:
-        return metric(httpx.get(f"{decode.url}/metrics").text, "pdserve_kv_connections_total", role="receiver",
-                      outcome="new")  # fmt: skip
+        return metric(
+            httpx.get(f"{decode.url}/metrics").text, "pdserve_kv_connections_total", role="receiver", outcome="new"
+        )
 
     opened_before, started = new_kv_connections(), time.monotonic()
     with Flood(kv_port, FLOOD_SOCKETS) as flood, ThreadPoolExecutor(AT_ONCE) as requests:
         flood.wait_until_open()
-        statuses = [response.status_code for response in requests.map(
-            lambda _: normal_completion(cluster.gateways[0].url), range(COMPLETIONS))]  # fmt: skip
+        statuses = [
+            response.status_code
+            for response in requests.map(lambda _: normal_completion(cluster.gateways[0].url), range(COMPLETIONS))
+        ]
     flooded_s = time.monotonic() - started
     assert statuses == [200] * COMPLETIONS
     assert new_kv_connections() > opened_before

@@ -52,9 +52,12 @@ def assert_lint_clean(home: Path) -> None:
     finds nothing: no failure and no warning."""
     result = subprocess.run(
         [*documented_lint_command(), "--nocolor"],
-        capture_output=True, text=True, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
         env={"PATH": f"{REPO / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": str(home)},
-    )  # fmt: skip
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "0 failure(s), 0 warning(s)" in output, output

@@ -56,9 +56,18 @@ def decode(body: bytes) -> list[Span]:
     for resource_spans in request.resource_spans:
         resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
         for scope_spans in resource_spans.scope_spans:
-            spans += [Span(str(resource.get("service.name")), s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                           s.name, s.kind, {a.key: _value(a.value) for a in s.attributes})
-                      for s in scope_spans.spans]  # fmt: skip
+            spans += [
+                Span(
+                    str(resource.get("service.name")),
+                    s.trace_id.hex(),
+                    s.span_id.hex(),
+                    s.parent_span_id.hex(),
+                    s.name,
+                    s.kind,
+                    {a.key: _value(a.value) for a in s.attributes},
+                )
+                for s in scope_spans.spans
+            ]
     return spans
 
 

@@ -36,8 +36,9 @@ class ChildProcess:
         (a process restarted on the same log) or written anew."""
         environment = {**os.environ, **(env or {})}
         if self.log_path is None:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                            env=environment)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment
+            )
             return
         with self.log_path.open("ab" if append else "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)

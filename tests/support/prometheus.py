@@ -26,10 +26,13 @@ def scrape_config(targets: Targets, credentials: Credentials | None = None) -> s
     second."""
     tokens = credentials or {}
     jobs = [
-        {"job_name": job, "static_configs": [{"targets": [url.removeprefix("http://")], "labels": labels}],
-         **({"authorization": {"type": "Bearer", "credentials_file": str(tokens[job])}} if job in tokens else {})}
+        {
+            "job_name": job,
+            "static_configs": [{"targets": [url.removeprefix("http://")], "labels": labels}],
+            **({"authorization": {"type": "Bearer", "credentials_file": str(tokens[job])}} if job in tokens else {}),
+        }
         for job, (url, labels) in targets.items()
-    ]  # fmt: skip
+    ]
     return json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs})
 
 
@@ -44,8 +47,12 @@ def scraping(folder: Path, targets: Targets, credentials: Credentials | None = N
     assert shutil.which("prometheus"), "prometheus is not installed: apt-get install prometheus"
     (folder / "prometheus.yml").write_text(scrape_config(targets, credentials))
     port = free_port()
-    argv = ["prometheus", f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    argv = [
+        "prometheus",
+        f"--config.file={folder / 'prometheus.yml'}",
+        f"--storage.tsdb.path={folder / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     url = f"http://127.0.0.1:{port}"
     prometheus = Daemon("prometheus", argv, url, folder / "prometheus.log").start(timeout=60)
     try:

@@ -39,8 +39,9 @@ class Service(ChildProcess):
     def launch(self) -> Service:
         """Start it; its log is appended to, so a service restarted on the same log keeps the earlier lines."""
         program = self.program or [sys.executable, "-m", self.module]
-        self.spawn([*program, *self.role, "--host", "127.0.0.1", "--port", str(self.port), *self.args], self.env,
-                   append=True)  # fmt: skip
+        self.spawn(
+            [*program, *self.role, "--host", "127.0.0.1", "--port", str(self.port), *self.args], self.env, append=True
+        )
         return self
 
     def wait(self, ready_path: str = "/health/live", timeout: float = 60.0) -> Service:

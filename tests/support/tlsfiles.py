@@ -15,8 +15,12 @@ from cryptography.x509.oid import NameOID
 from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
-          names: list[str]) -> x509.Certificate:  # fmt: skip
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+    names: list[str],
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     issuer_name, signer = issuer or (subject, key)
     builder = (
@@ -58,9 +62,27 @@ def self_signed_localhost(folder: Path) -> tuple[Path, Path]:
     """A self-signed certificate for localhost and 127.0.0.1 (openssl's), and its key, written in `folder`."""
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key

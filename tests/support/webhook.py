@@ -71,9 +71,12 @@ class Webhook:
 
     def alerts(self, alertname: str, **labels: str) -> list[tuple[str, Payload]]:
         """(receiver, alert) of every delivered alert with that name and labels, in arrival order."""
-        return [(p["receiver"], a) for p in self.received() for a in p["alerts"]
-                if a["labels"].get("alertname") == alertname
-                and all(a["labels"].get(k) == v for k, v in labels.items())]  # fmt: skip
+        return [
+            (p["receiver"], a)
+            for p in self.received()
+            for a in p["alerts"]
+            if a["labels"].get("alertname") == alertname and all(a["labels"].get(k) == v for k, v in labels.items())
+        ]
 
     def wait_for(
         self, alertname: str, count: int = 1, timeout: float = 30.0, **labels: str

@@ -43,8 +43,9 @@ def main_python() -> str:
     """The interpreter of pdserve's own environment, where the gateway's dependencies are installed."""
     python = os.environ.get("PDSTACK_MAIN_PYTHON") or str(REPO / ".venv" / "bin" / "python")
     if not Path(python).exists():
-        pytest.fail(f"the gateway needs pdserve's environment: {python} is missing (make venv, or set "
-                    "PDSTACK_MAIN_PYTHON)")  # fmt: skip
+        pytest.fail(
+            f"the gateway needs pdserve's environment: {python} is missing (make venv, or set PDSTACK_MAIN_PYTHON)"
+        )
     return python
 
 
@@ -68,11 +69,31 @@ class AgentProcess(ChildProcess):
         return self.fleet.tmp / f"agent-{self.role}.log"
 
     def start(self, *extra: str) -> AgentProcess:
-        args = ["--engine-url", self.engine.url, "--role", self.role, "--scheduler-url", self.fleet.scheduler.url,
-                "--scheduler-token-file", str(instance_token_file(self.fleet.tmp, self.instance_id)),
-                "--advertise-url", self.engine.url, "--version", "v1", "--connector-run-dir", str(self.run_dir),
-                "--engine-token-file", str(self.fleet.engine_token_file), "--heartbeat-seconds", "0.5",
-                "--drain-grace-seconds", "1", "--engine-timeout-seconds", "1", *extra]  # fmt: skip
+        args = [
+            "--engine-url",
+            self.engine.url,
+            "--role",
+            self.role,
+            "--scheduler-url",
+            self.fleet.scheduler.url,
+            "--scheduler-token-file",
+            str(instance_token_file(self.fleet.tmp, self.instance_id)),
+            "--advertise-url",
+            self.engine.url,
+            "--version",
+            "v1",
+            "--connector-run-dir",
+            str(self.run_dir),
+            "--engine-token-file",
+            str(self.fleet.engine_token_file),
+            "--heartbeat-seconds",
+            "0.5",
+            "--drain-grace-seconds",
+            "1",
+            "--engine-timeout-seconds",
+            "1",
+            *extra,
+        ]
         self.spawn([sys.executable, "-m", "pdserve.cli", "agent", *args], append=True)
         return self
 
@@ -116,12 +137,27 @@ class Fleet:
 
     def start_gateway(self, *flags: str) -> Service:
         keys = write_keys_file(self.tmp / "api-keys.json")
-        args = ["--scheduler-url", self.scheduler.url, "--api-keys-file", str(keys),
-                "--scheduler-token-file", str(gateway_token_file(self.tmp)),
-                "--server-token-file", str(self.engine_token_file), "--routing-poll-interval", "0.2",
-                "--offload-threshold-tokens", "0", *flags]  # fmt: skip
-        gateway = Service("pdserve.gateway", args, self.tmp / f"gateway-{len(self.gateways)}.log",
-                          program=[main_python(), "-m", "pdserve.gateway"]).start(timeout=120)  # fmt: skip
+        args = [
+            "--scheduler-url",
+            self.scheduler.url,
+            "--api-keys-file",
+            str(keys),
+            "--scheduler-token-file",
+            str(gateway_token_file(self.tmp)),
+            "--server-token-file",
+            str(self.engine_token_file),
+            "--routing-poll-interval",
+            "0.2",
+            "--offload-threshold-tokens",
+            "0",
+            *flags,
+        ]
+        gateway = Service(
+            "pdserve.gateway",
+            args,
+            self.tmp / f"gateway-{len(self.gateways)}.log",
+            program=[main_python(), "-m", "pdserve.gateway"],
+        ).start(timeout=120)
         self.gateways.append(gateway)
         return gateway
 
@@ -133,17 +169,29 @@ class Fleet:
 
     def colocated(self, prompt: list[int], max_tokens: int) -> list[int]:
         """The prefill instance's own greedy answer to the whole request (the connector takes no part)."""
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         response = httpx.post(self.prefill.url + "/v1/completions", json=body, timeout=120, headers=self.engine_auth())
         assert response.status_code == 200, response.text
         return list(response.json()["choices"][0]["token_ids"])
 
     def colocated_chat(self, messages: list[dict[str, str]], max_tokens: int) -> str:
-        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
-        response = httpx.post(self.prefill.url + "/v1/chat/completions", json=body, timeout=120,
-                              headers=self.engine_auth())  # fmt: skip
+        body = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = httpx.post(
+            self.prefill.url + "/v1/chat/completions", json=body, timeout=120, headers=self.engine_auth()
+        )
         assert response.status_code == 200, response.text
         return str(response.json()["choices"][0]["message"]["content"])
 
@@ -157,8 +205,16 @@ class Fleet:
     def register_fake(self, instance_id: str, role: str, url: str, fingerprint: str) -> None:
         """An instance registered and reported ready through the scheduler's own API (with its own token)."""
         auth = bearer(principal_token(self.tmp, f"instance:{instance_id}"))
-        info = {"instance_id": instance_id, "role": role, "version": "v1", "kv_fingerprint": fingerprint, "url": url,
-                "model": MODEL_NAME, "kv_host": "127.0.0.1", "kv_port": free_port()}  # fmt: skip
+        info = {
+            "instance_id": instance_id,
+            "role": role,
+            "version": "v1",
+            "kv_fingerprint": fingerprint,
+            "url": url,
+            "model": MODEL_NAME,
+            "kv_host": "127.0.0.1",
+            "kv_port": free_port(),
+        }
         assert httpx.post(f"{self.scheduler.url}/v1/instances", json=info, headers=auth).status_code == 201
         self.beat_fake(instance_id)
 
@@ -166,8 +222,12 @@ class Fleet:
         """A ready, idle heartbeat for a fake instance (the scheduler declares silent ones dead after 10 s)."""
         auth = bearer(principal_token(self.tmp, f"instance:{instance_id}"))
         beat = {"load": {"ready": True, "max_concurrency": 128}}
-        assert httpx.post(f"{self.scheduler.url}/v1/instances/{instance_id}/heartbeat", json=beat,
-                          headers=auth).status_code == 200  # fmt: skip
+        assert (
+            httpx.post(
+                f"{self.scheduler.url}/v1/instances/{instance_id}/heartbeat", json=beat, headers=auth
+            ).status_code
+            == 200
+        )
 
     def remove_fake(self, instance_id: str) -> None:
         auth = bearer(principal_token(self.tmp, f"instance:{instance_id}"))
@@ -205,16 +265,34 @@ def start_fleet(model_dir: Path, kv_key_file: Path, tmp: Path) -> Iterator[Fleet
     scheduler, admin_token = start_scheduler(tmp, heartbeat_interval=0.5, missed=20)
     engine_token_file = tmp / "vllm-api.key"
     write_secret(engine_token_file)
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": LEASE_SECONDS,
-              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5}  # fmt: skip
+    common = {
+        "kv_key_file": str(kv_key_file),
+        "advertise_host": "127.0.0.1",
+        "kv_lease_seconds": LEASE_SECONDS,
+        "kv_connect_timeout_seconds": 3,
+        "kv_read_timeout_seconds": 5,
+    }
     # One argument: a token may start with "-" (token_urlsafe), which argparse would take for an option.
     args = ("--served-model-name", MODEL_NAME, f"--api-key={engine_token_file.read_text().strip()}")
     run_dirs = {role: tmp / f"run-{role}" for role in ROLES}
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0,
-                         {**common, "kv_port": free_port(), "run_dir": str(run_dirs["prefill"])}, tmp / "prefill.log",
-                         args=(*args, "--max-num-batched-tokens", "256"))  # fmt: skip
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, {**common, "run_dir": str(run_dirs["decode"])},
-                        tmp / "decode.log", args=args)  # fmt: skip
+    prefill = VLLMServer(
+        "prefill",
+        model_dir,
+        "kv_producer",
+        0,
+        {**common, "kv_port": free_port(), "run_dir": str(run_dirs["prefill"])},
+        tmp / "prefill.log",
+        args=(*args, "--max-num-batched-tokens", "256"),
+    )
+    decode = VLLMServer(
+        "decode",
+        model_dir,
+        "kv_consumer",
+        1,
+        {**common, "run_dir": str(run_dirs["decode"])},
+        tmp / "decode.log",
+        args=args,
+    )
     fleet = Fleet(tmp, scheduler, admin_token, prefill, decode, engine_token_file)
     try:
         prefill.start()

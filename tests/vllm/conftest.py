@@ -135,18 +135,36 @@ class VLLMServer:
         # All three processes on `core`, not only the worker's OMP threads: the API server and EngineCore would
         # otherwise float onto the other instance's core (a decode waiting for remote KV steps without pause).
         command = [
-            *self.site.exec_prefix(), "taskset", "-c", str(self.core), sys.executable, "-m",
+            *self.site.exec_prefix(),
+            "taskset",
+            "-c",
+            str(self.core),
+            sys.executable,
+            "-m",
             "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--host", self.site.http_host, "--port", str(self.port), "--enforce-eager",
-            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
-            *(("--kv-transfer-config", json.dumps(config)) if self.connector else ()), "--enable-log-requests",
+            "--model",
+            str(self.model),
+            "--host",
+            self.site.http_host,
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            str(self.max_model_len),
+            *(("--kv-transfer-config", json.dumps(config)) if self.connector else ()),
+            "--enable-log-requests",
             *(("--middleware", RELEASE_MIDDLEWARE) if self.connector and self.role == "kv_producer" else ()),
             *self.args,
-        ]  # fmt: skip
+        ]
         with self.log_path.open("wb") as log:
             # Its own session, so stopping it reaches the EngineCore and worker processes it spawns.
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait_ready(self) -> None:
         assert self.process is not None
@@ -189,8 +207,15 @@ class VLLMServer:
         return "\n".join(self.log().splitlines()[-lines:])
 
     def complete(self, prompt: list[int], max_tokens: int, *, timeout: float = 120, **extra: Any) -> dict[str, Any]:
-        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, "ignore_eos": True, **extra}  # fmt: skip
+        body = {
+            "model": str(self.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            **extra,
+        }
         response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
         assert response.status_code == 200, response.text
         return dict(response.json())
@@ -203,8 +228,14 @@ class VLLMServer:
 
     def chat_stream(self, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> str:
         """The content of a streamed chat completion, joined from its SSE chunks."""
-        body = {"model": str(self.model), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, **extra}  # fmt: skip
+        body = {
+            "model": str(self.model),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            **extra,
+        }
         parts: list[str] = []
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as response:
             assert response.status_code == 200, response.read()
@@ -276,17 +307,40 @@ def start_pair(
     `sites` places them (by default both on this namespace's loopback)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": sites[0].kv_host, "kv_lease_seconds": LEASE_SECONDS,
-              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5, "run_dir": str(logs / "run"),
-              "release_version": RELEASE}  # fmt: skip
+    common = {
+        "kv_key_file": str(kv_key_file),
+        "advertise_host": sites[0].kv_host,
+        "kv_lease_seconds": LEASE_SECONDS,
+        "kv_connect_timeout_seconds": 3,
+        "kv_read_timeout_seconds": 5,
+        "run_dir": str(logs / "run"),
+        "release_version": RELEASE,
+    }
     # Prefill computes at most `batched_tokens` tokens a step, so long prompts take several steps (chunked prefill).
     prefill_config = {**common, "kv_port": kv_port, **(prefill_extra or {})}
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, prefill_config, logs / "prefill.log",
-                         args=("--max-num-batched-tokens", str(batched_tokens)), max_model_len=max_model_len,
-                         site=sites[0])  # fmt: skip
+    prefill = VLLMServer(
+        "prefill",
+        model_dir,
+        "kv_producer",
+        0,
+        prefill_config,
+        logs / "prefill.log",
+        args=("--max-num-batched-tokens", str(batched_tokens)),
+        max_model_len=max_model_len,
+        site=sites[0],
+    )
     decode_config = {**common, **(decode_extra or {})}
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, decode_config, logs / "decode.log", policy=policy,
-                        max_model_len=max_model_len, site=sites[1])  # fmt: skip
+    decode = VLLMServer(
+        "decode",
+        model_dir,
+        "kv_consumer",
+        1,
+        decode_config,
+        logs / "decode.log",
+        policy=policy,
+        max_model_len=max_model_len,
+        site=sites[1],
+    )
     yield from run_pair(prefill, decode, kv_port, kv_key)
 
 
@@ -393,8 +447,10 @@ class WanSites:
         self.wan = default_endpoints(*self.namespaces)
         third = 10 + os.getpid() % 240
         self.veth = tuple(IPv4Interface(f"10.234.{third}.{4 * side + 2}/30") for side in (0, 1))
-        self.sites = tuple(Site(ns, str(veth.ip), str(wan.address.ip))
-                           for ns, veth, wan in zip(self.namespaces, self.veth, self.wan, strict=True))  # fmt: skip
+        self.sites = tuple(
+            Site(ns, str(veth.ip), str(wan.address.ip))
+            for ns, veth, wan in zip(self.namespaces, self.veth, self.wan, strict=True)
+        )
         self.link = LinkProcess(*self.wan, spec)
 
     def __enter__(self) -> Self:
@@ -427,14 +483,17 @@ class WanSites:
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes the link carried so far: prefill to decode, and decode to prefill (the TUN devices' counters)."""
-        sent = {ns: _device_counters(ns, endpoint.device)["tx_bytes"]
-                for ns, endpoint in zip(self.namespaces, self.wan, strict=True)}  # fmt: skip
+        sent = {
+            ns: _device_counters(ns, endpoint.device)["tx_bytes"]
+            for ns, endpoint in zip(self.namespaces, self.wan, strict=True)
+        }
         return {"prefill_to_decode": sent[self.namespaces[0]], "decode_to_prefill": sent[self.namespaces[1]]}
 
 
 def _device_counters(namespace: str, device: str) -> dict[str, int]:
-    listing = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", device], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+    listing = subprocess.run(
+        ["ip", "-n", namespace, "-s", "-j", "link", "show", device], capture_output=True, text=True, check=True
+    ).stdout
     stats = json.loads(listing)[0]["stats64"]
     return {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
 

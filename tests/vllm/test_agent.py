@@ -41,8 +41,15 @@ def gateway(fleet: Fleet) -> Service:
 def stream_tokens(gateway: Service, max_tokens: int, arrivals: list[tuple[float, int]] | None = None) -> dict[str, Any]:
     """A streamed completion through the gateway: how many tokens came and the last finish_reason; `arrivals`
     gets (arrival time, tokens so far) for each chunk (vLLM may put several tokens in one chunk)."""
-    body = {"model": MODEL_NAME, "prompt": prompt_of(50, seed=3), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt_of(50, seed=3),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     tokens, finish = 0, None
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=headers, timeout=300) as response:
@@ -140,8 +147,12 @@ def test_sigterm_drains_then_deregisters(fleet: Fleet, gateway: Service) -> None
         agent.process.send_signal(signal.SIGTERM)
         fleet.wait_state(agent.instance_id, {"draining"}, timeout=10)
         fleet.wait_routable(gateway, instances=1)
-        refused = httpx.post(gateway.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                             json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)  # fmt: skip
+        refused = httpx.post(
+            gateway.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2},
+            timeout=30,
+        )
         assert refused.status_code == 503, refused.text
         fleet.wait_state(agent.instance_id, {"absent"}, timeout=120)
         deregistered = time.monotonic()
@@ -164,18 +175,39 @@ def test_a_missing_instance_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(InstanceFileError, match=r"no instance\.json of a kv_consumer") as missing:
         find(tmp_path, "decode")
     assert str(tmp_path) in str(missing.value)
-    (tmp_path / "e1-0" / "instance.json").write_text(json.dumps({"role": "kv_consumer", "kv_port": 0,
-                                                                 "fingerprint": "sha256:a"}))  # fmt: skip
+    (tmp_path / "e1-0" / "instance.json").write_text(
+        json.dumps({"role": "kv_consumer", "kv_port": 0, "fingerprint": "sha256:a"})
+    )
     with pytest.raises(InstanceFileError, match=r"instance\.json: kv_port: must be a port number"):
         find(tmp_path, "decode")
 
 
 def test_an_unreadable_token_file_stops_the_agent_naming_it(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "agent", "--engine-url", "http://127.0.0.1:9", "--role", "decode",
-         "--scheduler-url", "http://127.0.0.1:9", "--scheduler-token-file", str(tmp_path / "absent.token"),
-         "--advertise-url", "http://127.0.0.1:9", "--version", "v1", "--connector-run-dir", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "agent",
+            "--engine-url",
+            "http://127.0.0.1:9",
+            "--role",
+            "decode",
+            "--scheduler-url",
+            "http://127.0.0.1:9",
+            "--scheduler-token-file",
+            str(tmp_path / "absent.token"),
+            "--advertise-url",
+            "http://127.0.0.1:9",
+            "--version",
+            "v1",
+            "--connector-run-dir",
+            str(tmp_path),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert "scheduler_token_file" in done.stderr and "absent.token" in done.stderr

@@ -36,8 +36,17 @@ def test_vllm_serves_the_nodes_pair_and_admits_only_callers_with_a_certificate_f
     caller = client_context(
         TLSClientSettings(tls_ca=ca.ca_cert, tls_client_cert=ca.cert("caller"), tls_client_key=ca.key("caller"))
     )
-    server = VLLMServer("tls", model_dir, "", 0, {}, tmp_path / "vllm.log", args=tuple(tls.server_flags()),
-                        connector=False, verify=caller)  # fmt: skip
+    server = VLLMServer(
+        "tls",
+        model_dir,
+        "",
+        0,
+        {},
+        tmp_path / "vllm.log",
+        args=tuple(tls.server_flags()),
+        connector=False,
+        verify=caller,
+    )
     server.start()
     try:
         server.wait_ready()

@@ -27,9 +27,15 @@ HOST = "10.20.1.7"
 CPU = Serving(
     model=Model(name="tiny", path="/var/lib/pdstack/models/tiny"),
     engine=Engine.VLLM,
-    vllm=Vllm(image="localhost/pdstack-vllm-cpu@sha256:" + "ab" * 32, version="0.32.0", dtype="float32",
-              max_model_len=12288, block_size=32, extra_args={"enforce-eager": True, "enable-prefix-caching": False}),
-)  # fmt: skip
+    vllm=Vllm(
+        image="localhost/pdstack-vllm-cpu@sha256:" + "ab" * 32,
+        version="0.32.0",
+        dtype="float32",
+        max_model_len=12288,
+        block_size=32,
+        extra_args={"enforce-eager": True, "enable-prefix-caching": False},
+    ),
+)
 
 
 def _nixl(serving: Serving) -> Serving:
@@ -122,8 +128,12 @@ def test_vllm_builds_its_engine_config_from_the_cpu_argv_on_a_real_checkpoint(
 ) -> None:
     """What the API server does next, before starting the engine: resolve the model, cache and scheduler config."""
     assert CPU.vllm is not None
-    serving = CPU.model_copy(update={"model": Model(name="tiny", path=str(model_dir)),
-                                     "vllm": CPU.vllm.model_copy(update={"max_model_len": 2048})})  # fmt: skip
+    serving = CPU.model_copy(
+        update={
+            "model": Model(name="tiny", path=str(model_dir)),
+            "vllm": CPU.vllm.model_copy(update={"max_model_len": 2048}),
+        }
+    )
     for side in (PoolRole.PREFILL, PoolRole.DECODE):
         config = AsyncEngineArgs.from_cli_args(parsed(parser, engine_args(serving, side, HOST))).create_engine_config()
         assert (config.cache_config.block_size, config.model_config.max_model_len) == (32, 2048)

@@ -45,9 +45,13 @@ from tests.vllm.kvhelpers import early_dispatch_params
 
 @pytest.mark.parametrize(
     "length",
-    [pytest.param(11, id="under-one-block"), pytest.param(3 * BLOCK_SIZE, id="three-blocks-aligned"),
-     pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned"), pytest.param(600, id="chunked-prefill-19-blocks")],
-)  # fmt: skip
+    [
+        pytest.param(11, id="under-one-block"),
+        pytest.param(3 * BLOCK_SIZE, id="three-blocks-aligned"),
+        pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned"),
+        pytest.param(600, id="chunked-prefill-19-blocks"),
+    ],
+)
 def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=length)
     colocated = token_ids(pair.prefill.complete(prompt, MAX_TOKENS))
@@ -68,8 +72,9 @@ def test_disaggregated_greedy_output_equals_colocated(pair: Pair, length: int) -
     assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == length
     # The blocks the prompt fills, 4 layers of [2 KV heads, 32 slots, 2 x 64] fp32 each, in decode's /metrics.
     kv_bytes = len(params["remote_block_ids"]) * 4 * 2 * BLOCK_SIZE * 128 * 4
-    pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes,
-                            'role="receiver"')  # fmt: skip
+    pair.decode.wait_metric(
+        "pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes, 'role="receiver"'
+    )
     # each pull stream ran on a connection, new or pooled: what the KV dashboard's cold/warm panel reads
     assert pair.decode.metric("pdserve_kv_connections_total", 'role="receiver"') > 0
 
@@ -91,8 +96,9 @@ def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(pair: Pair) -> None
     assert pair.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before == 50
     # Only the 2 blocks past the 4-block local hit cross the wire (a range pull), 4 layers of them.
     lacking_bytes = 2 * 4 * 2 * BLOCK_SIZE * 128 * 4
-    pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == lacking_bytes,
-                            'role="receiver"')  # fmt: skip
+    pair.decode.wait_metric(
+        "pdserve_kv_transfer_bytes_total", lambda v: v - received_before == lacking_bytes, 'role="receiver"'
+    )
 
 
 def test_chat_streamed_from_decode_equals_colocated(pair: Pair) -> None:
@@ -118,8 +124,7 @@ def test_flipped_byte_on_the_wire_is_recomputed(pair: Pair) -> None:
     assert token_ids(answer) == colocated
     assert not loaded(pair, params["remote_request_id"])
     assert "checksum" in failure_line(pair, answer)
-    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v > checksum_failures,
-                            'cause="checksum"')  # fmt: skip
+    pair.decode.wait_metric("pdserve_kv_transfer_failures_total", lambda v: v > checksum_failures, 'cause="checksum"')
 
 
 def test_a_failed_kv_load_reaches_the_canary_judge_under_the_engines_release(pair: Pair, tmp_path: Path) -> None:
@@ -138,8 +143,11 @@ def test_a_failed_kv_load_reaches_the_canary_judge_under_the_engines_release(pai
         with FlippingProxy(pair.kv_port, flip_at=4096) as proxy:
             pair.decode.complete(prompt, MAX_TOKENS, kv_transfer_params=pair.resign(params, remote_port=proxy.port))
         assert proxy.flipped >= 1
-        wait_for(lambda: round(prom.scalar(failures[RELEASE], time.time())) >= 1, timeout=30,
-                 what=f"the judge's KV failures of {RELEASE} counting the failed load")  # fmt: skip
+        wait_for(
+            lambda: round(prom.scalar(failures[RELEASE], time.time())) >= 1,
+            timeout=30,
+            what=f"the judge's KV failures of {RELEASE} counting the failed load",
+        )
         assert prom.scalar(failures["other"], time.time()) == 0
 
 
@@ -274,10 +282,21 @@ def assert_decode_serves_disaggregated(pair: Pair) -> None:
 def hang_up(server: VLLMServer, prompt: list[int], max_tokens: int, after: float = 0.0, **extra: object) -> None:
     """Send a streamed completion request and close the connection `after` seconds later without reading the
     answer; vLLM aborts the request of a client that went away (and logs it, see VLLMServer.aborted)."""
-    body = json.dumps({"model": str(server.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, **extra}).encode()  # fmt: skip
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": str(server.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            **extra,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
         connection.sendall(head + body)
         time.sleep(after)
@@ -326,8 +345,9 @@ def test_early_dispatch_for_a_transfer_that_never_comes_is_recomputed(pair: Pair
 def test_both_workers_describe_their_instance_for_the_agent(pair: Pair) -> None:
     """<run_dir>/<engine>-<port>/instance.json, which `pdserve agent --connector-run-dir` registers."""
     run_dir = Path(pair.prefill.extra["run_dir"])
-    instances = {body["role"]: body for body in
-                 (json.loads(path.read_text()) for path in run_dir.glob("*/instance.json"))}  # fmt: skip
+    instances = {
+        body["role"]: body for body in (json.loads(path.read_text()) for path in run_dir.glob("*/instance.json"))
+    }
     producer, consumer = instances["kv_producer"], instances["kv_consumer"]
     assert (producer["kv_host"], producer["kv_port"]) == ("127.0.0.1", pair.kv_port)
     assert (consumer["kv_host"], consumer["kv_port"]) == (None, None)

@@ -45,8 +45,9 @@ print(json.dumps(sorted(names)))
 
 def registered_by_vllm() -> set[str]:
     """Sample names of every vllm: metric created in vLLM's metrics and KV-connector code."""
-    scanned = subprocess.run([sys.executable, "-c", SCAN, json.dumps(SUFFIXES)], capture_output=True, text=True,
-                             check=True, timeout=120)  # fmt: skip
+    scanned = subprocess.run(
+        [sys.executable, "-c", SCAN, json.dumps(SUFFIXES)], capture_output=True, text=True, check=True, timeout=120
+    )
     return set(json.loads(scanned.stdout))
 
 

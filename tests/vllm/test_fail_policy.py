@@ -21,8 +21,14 @@ def pair(
 
 
 def decode_raw(pair: Pair, prompt: list[int], params: dict[str, object]) -> httpx.Response:
-    body = {"model": str(pair.decode.model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "kv_transfer_params": params}  # fmt: skip
+    body = {
+        "model": str(pair.decode.model),
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "kv_transfer_params": params,
+    }
     return httpx.post(pair.decode.url + "/v1/completions", json=body, timeout=120)
 
 

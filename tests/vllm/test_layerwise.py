@@ -93,8 +93,9 @@ def test_early_dispatch_streams_blocks_while_prefill_computes(pair: Pair) -> Non
     transfer = secrets.token_hex(16)
     answers: dict[str, Any] = {}
     decoding = start_decode(pair, prompt, transfer, answers)
-    prefilled = pair.prefill.complete(prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE,
-                                                                     "pdstack_transfer_id": transfer})  # fmt: skip
+    prefilled = pair.prefill.complete(
+        prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer}
+    )
     decoding.join(timeout=120)
     assert prefilled["kv_transfer_params"]["remote_request_id"] == transfer
     assert prefilled["kv_transfer_params"]["kv_checksum"]  # the sequential flow's params are still complete
@@ -151,8 +152,14 @@ def test_prefill_aborted_mid_stream_frees_everything_and_decode_recomputes(pair:
     answers: dict[str, Any] = {}
     decoding = start_decode(pair, prompt, transfer, answers)
     others = busy_prefill(pair, 3)
-    body = {"model": str(pair.prefill.model), "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
-            "kv_transfer_params": {**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer}}  # fmt: skip
+    body = {
+        "model": str(pair.prefill.model),
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "kv_transfer_params": {**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer},
+    }
     with httpx.stream("POST", pair.prefill.url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         while not stream_lines(pair, transfer)[0]:  # its first chunk is streamed: the client leaves now

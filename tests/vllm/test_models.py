@@ -34,10 +34,18 @@ LONG_PROMPT = 4000  # ~4K tokens: 125 blocks, the last one partly filled
 # size 64 (qwen2's is hidden_size / num_attention_heads), MoE hidden and intermediate sizes multiples of 32.
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any], int]] = {
     "llama-long-context": ("dense", LONG_MODEL_CONFIG, LONG_PROMPT + 512),
-    "qwen2": ("hybrid", {**MODEL_CONFIG, "use_sliding_window": False, "sliding_window": None,
-                         "layer_types": ["full_attention"] * MODEL_CONFIG["num_hidden_layers"]}, 2048),
+    "qwen2": (
+        "hybrid",
+        {
+            **MODEL_CONFIG,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * MODEL_CONFIG["num_hidden_layers"],
+        },
+        2048,
+    ),
     "mixtral-moe": ("moe", {**MODEL_CONFIG, "intermediate_size": 256}, 2048),
-}  # fmt: skip
+}
 LOGPROB_TOLERANCE = 1e-3
 
 
@@ -46,8 +54,9 @@ def arch_pair(
     request: pytest.FixtureRequest, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     kind, overrides, max_model_len = ARCHITECTURES[request.param]
-    checkpoint = make_test_checkpoint(kind, tmp_path_factory.mktemp(request.param), "float32", overrides=overrides,
-                                      vocab_size=512)  # fmt: skip
+    checkpoint = make_test_checkpoint(
+        kind, tmp_path_factory.mktemp(request.param), "float32", overrides=overrides, vocab_size=512
+    )
     yield from start_pair(checkpoint, kv_key_file, kv_key, tmp_path_factory, "recompute", max_model_len=max_model_len)
 
 

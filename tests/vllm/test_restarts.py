@@ -50,12 +50,32 @@ def pair(
     """As conftest.start_pair, with a decode of DECODE_BLOCKS KV blocks."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     kv_port = free_port()
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": LEASE_SECONDS,
-              "kv_connect_timeout_seconds": 3, "kv_read_timeout_seconds": 5, "run_dir": str(logs / "run")}  # fmt: skip
-    prefill = VLLMServer("prefill", model_dir, "kv_producer", 0, {**common, "kv_port": kv_port}, logs / "prefill.log",
-                         args=("--max-num-batched-tokens", "256"))  # fmt: skip
-    decode = VLLMServer("decode", model_dir, "kv_consumer", 1, common, logs / "decode.log",
-                        args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)))  # fmt: skip
+    common = {
+        "kv_key_file": str(kv_key_file),
+        "advertise_host": "127.0.0.1",
+        "kv_lease_seconds": LEASE_SECONDS,
+        "kv_connect_timeout_seconds": 3,
+        "kv_read_timeout_seconds": 5,
+        "run_dir": str(logs / "run"),
+    }
+    prefill = VLLMServer(
+        "prefill",
+        model_dir,
+        "kv_producer",
+        0,
+        {**common, "kv_port": kv_port},
+        logs / "prefill.log",
+        args=("--max-num-batched-tokens", "256"),
+    )
+    decode = VLLMServer(
+        "decode",
+        model_dir,
+        "kv_consumer",
+        1,
+        common,
+        logs / "decode.log",
+        args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)),
+    )
     yield from run_pair(prefill, decode, kv_port, kv_key)
 
 
@@ -91,8 +111,9 @@ def test_requests_preempted_on_decode_equal_colocated(pair: Pair) -> None:
 
     def decode(index: int) -> None:
         try:
-            answers[index] = pair.decode.complete(prompts[index], PREEMPT_TOKENS, kv_transfer_params=params[index],
-                                                  timeout=600)["choices"][0]["token_ids"]  # fmt: skip
+            answers[index] = pair.decode.complete(
+                prompts[index], PREEMPT_TOKENS, kv_transfer_params=params[index], timeout=600
+            )["choices"][0]["token_ids"]
         except Exception as error:  # reported below, with the others
             answers[index] = error
 
@@ -126,8 +147,11 @@ class StallingProxy(_ThreadedServer):
 
     async def serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        await asyncio.gather(self._requests(client_reader, server_writer),
-                             self._replies(server_reader, client_writer), return_exceptions=True)  # fmt: skip
+        await asyncio.gather(
+            self._requests(client_reader, server_writer),
+            self._replies(server_reader, client_writer),
+            return_exceptions=True,
+        )
         server_writer.close()
         client_writer.close()
 

@@ -37,8 +37,9 @@ def test_a_tp_prefill_offers_kv_only_when_every_rank_holds_it(kv_key_file: Path,
     request) means no KV is offered, and the other ranks' results are removed all the same."""
     connector = PdstackConnector.__new__(PdstackConnector)
     extra = {"kv_key_file": str(kv_key_file), "kv_port": 14600, "run_dir": str(tmp_path)}
-    connector.settings = ConnectorSettings.of(extra, producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1,
-                                              data_parallel=True)  # fmt: skip
+    connector.settings = ConnectorSettings.of(
+        extra, producer=True, engine_id="e1_dp1", tp_size=2, dp_index=1, data_parallel=True
+    )
     connector._next_sweep = 0.0
     ranks = [connector.settings.for_rank(r).worker_dir for r in range(2)]
     assert ranks == [tmp_path / "e1_dp1-14602", tmp_path / "e1_dp1-14603"]  # 14600 + DP 1 x TP 2 + rank

@@ -49,8 +49,9 @@ def test_connector_threads_run_where_kv_cpus_says_else_beside_the_forward() -> N
     def pinned_forward() -> None:
         os.sched_setaffinity(0, {min(allowed)})
         for wanted in (None, frozenset(allowed)):
-            worker = threading.Thread(target=lambda w=wanted: (run_on(connector_cpus(w))(),
-                                                                seen.append(os.sched_getaffinity(0))))  # fmt: skip
+            worker = threading.Thread(
+                target=lambda w=wanted: (run_on(connector_cpus(w))(), seen.append(os.sched_getaffinity(0)))
+            )
             worker.start()
             worker.join()
 

@@ -81,15 +81,38 @@ def tp_pair(
     taken = {kv_port, kv_port + 1}
     # Four workers, two EngineCores and two API servers on two cores beside other tests: handshakes here took over
     # 10 s under load (the KV channel's stall, see the module docstring), so the timeouts and lease are generous.
-    common = {"kv_key_file": str(kv_key_file), "advertise_host": "127.0.0.1", "kv_lease_seconds": 60,
-              "kv_streams": 2, "kv_connect_timeout_seconds": 10, "kv_read_timeout_seconds": 20,
-              "run_dir": str(logs / "run")}  # fmt: skip
+    common = {
+        "kv_key_file": str(kv_key_file),
+        "advertise_host": "127.0.0.1",
+        "kv_lease_seconds": 60,
+        "kv_streams": 2,
+        "kv_connect_timeout_seconds": 10,
+        "kv_read_timeout_seconds": 20,
+        "run_dir": str(logs / "run"),
+    }
     parallel = ("--tensor-parallel-size", str(TP))
-    prefill = VLLMServer("prefill-tp2", model_dir, "kv_producer", INSTANCE_CORES, {**common, "kv_port": kv_port},  # type: ignore[arg-type]
-                         logs / "prefill.log", args=(*parallel, "--max-num-batched-tokens", "256"),
-                         port=free_port_besides(taken), site=BothCores())  # fmt: skip
-    decode = VLLMServer("decode-tp2", model_dir, "kv_consumer", INSTANCE_CORES, common, logs / "decode.log",  # type: ignore[arg-type]
-                        args=parallel, port=free_port_besides(taken), site=BothCores())  # fmt: skip
+    prefill = VLLMServer(
+        "prefill-tp2",
+        model_dir,
+        "kv_producer",
+        INSTANCE_CORES,
+        {**common, "kv_port": kv_port},  # type: ignore[arg-type]
+        logs / "prefill.log",
+        args=(*parallel, "--max-num-batched-tokens", "256"),
+        port=free_port_besides(taken),
+        site=BothCores(),
+    )
+    decode = VLLMServer(
+        "decode-tp2",
+        model_dir,
+        "kv_consumer",
+        INSTANCE_CORES,
+        common,
+        logs / "decode.log",  # type: ignore[arg-type]
+        args=parallel,
+        port=free_port_besides(taken),
+        site=BothCores(),
+    )
     yield from run_pair(prefill, decode, kv_port, kv_key)
 
 
@@ -102,8 +125,9 @@ def rank_loads(pair: Pair, remote_request_id: str) -> set[int]:
     return ports
 
 
-@pytest.mark.parametrize("length", [pytest.param(11, id="under-one-block"),
-                                    pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned-chunked")])  # fmt: skip
+@pytest.mark.parametrize(
+    "length", [pytest.param(11, id="under-one-block"), pytest.param(5 * BLOCK_SIZE + 7, id="not-block-aligned-chunked")]
+)
 def test_tp2_disaggregated_greedy_output_equals_colocated(tp_pair: Pair, length: int) -> None:
     prompt = prompt_of(length, seed=100 + length)
     colocated = token_ids(tp_pair.prefill.complete(prompt, MAX_TOKENS))
@@ -122,8 +146,9 @@ def test_tp2_disaggregated_greedy_output_equals_colocated(tp_pair: Pair, length:
     assert rank_loads(tp_pair, params["remote_request_id"]) == expected_ports, tp_pair.decode.log_tail()
     # Both ranks' shards crossed: blocks x 4 layers x [1 KV head, 32 slots, 2 x 64] fp32, once per rank.
     kv_bytes = TP * len(params["remote_block_ids"]) * 4 * 1 * BLOCK_SIZE * 128 * 4
-    tp_pair.decode.wait_metric("pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes,
-                               'role="receiver"')  # fmt: skip
+    tp_pair.decode.wait_metric(
+        "pdserve_kv_transfer_bytes_total", lambda v: v - received_before == kv_bytes, 'role="receiver"'
+    )
 
 
 def test_tp2_early_dispatch_each_rank_pulls_its_shard_while_prefill_computes(tp_pair: Pair) -> None:
@@ -134,8 +159,13 @@ def test_tp2_early_dispatch_each_rank_pulls_its_shard_while_prefill_computes(tp_
     fingerprint = tp_pair.prefill_params(prompt_of(5, seed=8))["kv_fingerprint"]
     transfer = secrets.token_hex(16)
     answers: dict[str, dict[str, object]] = {}
-    decoding = threading.Thread(target=lambda: answers.update(decode=tp_pair.decode.complete(
-        prompt, MAX_TOKENS, kv_transfer_params=early_dispatch_params(tp_pair, transfer, fingerprint))))  # fmt: skip
+    decoding = threading.Thread(
+        target=lambda: answers.update(
+            decode=tp_pair.decode.complete(
+                prompt, MAX_TOKENS, kv_transfer_params=early_dispatch_params(tp_pair, transfer, fingerprint)
+            )
+        )
+    )
     decoding.start()
     time.sleep(0.5)  # decode asks first
     tp_pair.prefill.complete(prompt, 1, kv_transfer_params={**DO_REMOTE_DECODE, "pdstack_transfer_id": transfer})

@@ -23,14 +23,52 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=pdstack test CA",
-            "-keyout", str(paths["ca-key"]), "-out", str(paths["ca"]))  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(paths["server-key"]),
-            "-out", str(paths["server-csr"]))  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pdstack test CA",
+        "-keyout",
+        str(paths["ca-key"]),
+        "-out",
+        str(paths["ca"]),
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        str(paths["server-key"]),
+        "-out",
+        str(paths["server-csr"]),
+    )
     extensions = folder / "san.cnf"
     extensions.write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", str(paths["server-csr"]), "-CA", str(paths["ca"]), "-CAkey", str(paths["ca-key"]),
-            "-CAcreateserial", "-days", "2", "-extfile", str(extensions), "-out", str(paths["server"]))  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(paths["server-csr"]),
+        "-CA",
+        str(paths["ca"]),
+        "-CAkey",
+        str(paths["ca-key"]),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(extensions),
+        "-out",
+        str(paths["server"]),
+    )
     return paths
 
 
@@ -49,8 +87,9 @@ def pair(
 ) -> Iterator[Pair]:
     prefill_tls = {"kv_tls_cert": str(certificates["server"]), "kv_tls_key": str(certificates["server-key"])}
     decode_tls = {"kv_tls_ca": str(certificates["ca"])}
-    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "fail", prefill_extra=prefill_tls,
-                          decode_extra=decode_tls)  # fmt: skip
+    yield from start_pair(
+        model_dir, kv_key_file, kv_key, tmp_path_factory, "fail", prefill_extra=prefill_tls, decode_extra=decode_tls
+    )
 
 
 def test_kv_over_tls_gives_the_colocated_output(pair: Pair) -> None:
@@ -68,8 +107,17 @@ def test_tls_port_serves_no_plain_tcp_and_no_unknown_ca(pair: Pair, tmp_path: Pa
         asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key, retries=0))
     stranger = make_certificates(tmp_path)  # another CA, which did not sign prefill's certificate
     with pytest.raises(KVTransferError) as refused:
-        asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key, retries=0,
-                         ssl_context=ssl.create_default_context(cafile=str(stranger["ca"]))))  # fmt: skip
+        asyncio.run(
+            pull(
+                "127.0.0.1",
+                pair.kv_port,
+                request_id,
+                checksum,
+                key=pair.key,
+                retries=0,
+                ssl_context=ssl.create_default_context(cafile=str(stranger["ca"])),
+            )
+        )
     assert refused.value.cause == "auth"
     trusted = ssl.create_default_context(cafile=str(pair.decode.extra["kv_tls_ca"]))
     blob = asyncio.run(pull("127.0.0.1", pair.kv_port, request_id, checksum, key=pair.key, ssl_context=trusted))

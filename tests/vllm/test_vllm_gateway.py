@@ -48,8 +48,13 @@ def client(gateway: Service) -> openai.OpenAI:
 
 
 def complete(client: openai.OpenAI, prompt: list[int]) -> list[int]:
-    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    answer = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     ids = answer.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert len(ids) == MAX_TOKENS, answer
     assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
@@ -87,11 +92,19 @@ def test_completions_equal_colocated(fleet: Fleet, client: openai.OpenAI, length
 def test_chat_equals_colocated(fleet: Fleet, client: openai.OpenAI, streamed: bool) -> None:
     expected = fleet.colocated_chat(CHAT, MAX_TOKENS)
     loads = fleet.loads()
-    kwargs = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0,
-              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kwargs = {
+        "model": MODEL_NAME,
+        "messages": CHAT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     if streamed:
-        parts = [choice.delta.content or "" for chunk in client.chat.completions.create(**kwargs, stream=True)
-                 for choice in chunk.choices]  # fmt: skip
+        parts = [
+            choice.delta.content or ""
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for choice in chunk.choices
+        ]
         got = "".join(parts)
     else:
         got = client.chat.completions.create(**kwargs).choices[0].message.content or ""
@@ -148,15 +161,22 @@ def test_the_gateways_release_frees_a_vllm_prefills_lease_at_once(fleet: Fleet) 
     /v1/kv/release with the server token, pdserve.kv.release): a vLLM prefill frees that KV at once, through
     PdstackConnector's middleware, not LEASE_SECONDS later; the endpoint takes only the token and a lease id."""
     prefill, auth = fleet.prefill, fleet.engine_auth()
-    body = {"model": MODEL_NAME, "prompt": prompt_of(LENGTHS["three_blocks"], seed=41), "max_tokens": 1,
-            "kv_transfer_params": prefill_kv_transfer_params()}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt_of(LENGTHS["three_blocks"], seed=41),
+        "max_tokens": 1,
+        "kv_transfer_params": prefill_kv_transfer_params(),
+    }
     answer = httpx.post(prefill.url + "/v1/completions", json=body, headers=auth, timeout=120)
     assert answer.status_code == 200, answer.text
     lease = answer.json()["kv_transfer_params"]["remote_request_id"]
     acked = prefill.metric("pdserve_kv_leases_released_total", 'reason="ack"')
     release = prefill.url + RELEASE_PATH
-    for bad, param in (({}, "remote_request_id"), ({"remote_request_id": "x" * 300}, "remote_request_id"),
-                       ([], "body")):  # fmt: skip
+    for bad, param in (
+        ({}, "remote_request_id"),
+        ({"remote_request_id": "x" * 300}, "remote_request_id"),
+        ([], "body"),
+    ):
         refused = httpx.post(release, json=bad, headers=auth, timeout=30)
         assert (refused.status_code, refused.json()["error"]["param"]) == (400, param), refused.text
     assert httpx.post(release, json={"remote_request_id": lease}, timeout=30).status_code == 401

@@ -56,10 +56,12 @@ def wan_pair(
     wan: WanSites, model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
     # The long-context llama, so ~4K-token prompts fit (the same tiny model with max_position_embeddings 16384).
-    long_model = make_test_checkpoint("dense", tmp_path_factory.mktemp("llama-long"), "float32",
-                                      overrides=LONG_MODEL_CONFIG, vocab_size=512)  # fmt: skip
-    yield from start_pair(long_model, kv_key_file, kv_key, tmp_path_factory, "fail", sites=wan.sites,
-                          max_model_len=LONG_PROMPT + 512)  # fmt: skip
+    long_model = make_test_checkpoint(
+        "dense", tmp_path_factory.mktemp("llama-long"), "float32", overrides=LONG_MODEL_CONFIG, vocab_size=512
+    )
+    yield from start_pair(
+        long_model, kv_key_file, kv_key, tmp_path_factory, "fail", sites=wan.sites, max_model_len=LONG_PROMPT + 512
+    )
 
 
 def test_kv_crosses_the_wan_and_output_equals_colocated(wan: WanSites, wan_pair: Pair) -> None:
@@ -95,8 +97,16 @@ def test_ttft_bench_measures_a_point_over_the_wan(wan: WanSites, wan_pair: Pair)
 
 def complete_stream(server: VLLMServer, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
     """The token ids of a streamed completion, joined from its SSE chunks (return_token_ids: each has its delta)."""
-    body = {"model": str(server.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True, "stream": True, **extra}  # fmt: skip
+    body = {
+        "model": str(server.model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
     ids: list[int] = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as response:
         assert response.status_code == 200, response.read()

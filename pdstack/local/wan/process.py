@@ -99,10 +99,30 @@ def link_command(
     a: TunEndpoint, b: TunEndpoint, spec: LinkShape, seed: int | None = None, control_file: Path | None = None
 ) -> list[str]:
     """The command line of a forwarder joining `a` and `b` by a link of shape `spec`."""
-    argv = [sys.executable, "-m", MODULE, "run", "--ns-a", a.namespace, "--ns-b", b.namespace,
-            "--dev-a", a.device, "--dev-b", b.device,
-            "--addr-a", str(a.address), "--addr-b", str(b.address), "--rate-mbit", str(spec.rate_mbit),
-            "--rtt-ms", str(spec.rtt_ms), "--loss-pct", str(spec.loss_pct)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        MODULE,
+        "run",
+        "--ns-a",
+        a.namespace,
+        "--ns-b",
+        b.namespace,
+        "--dev-a",
+        a.device,
+        "--dev-b",
+        b.device,
+        "--addr-a",
+        str(a.address),
+        "--addr-b",
+        str(b.address),
+        "--rate-mbit",
+        str(spec.rate_mbit),
+        "--rtt-ms",
+        str(spec.rtt_ms),
+        "--loss-pct",
+        str(spec.loss_pct),
+    ]
     for flag, routes in (("--route-a", a.routes), ("--route-b", b.routes)):
         for route in routes:
             argv += [flag, str(route)]

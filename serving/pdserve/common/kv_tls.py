@@ -65,8 +65,12 @@ class RotatingContext:
         do_handshake_on_connect: bool = True,
         server_hostname: str | None = None,
     ) -> ssl.SSLSocket:
-        return self.current().wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
-                                          do_handshake_on_connect=do_handshake_on_connect)  # fmt: skip
+        return self.current().wrap_socket(
+            sock,
+            server_side=server_side,
+            server_hostname=server_hostname,
+            do_handshake_on_connect=do_handshake_on_connect,
+        )
 
     def _rebuild_if_changed(self) -> None:
         stamp = file_stamp(self._files)
@@ -78,8 +82,10 @@ class RotatingContext:
         except (TLSFileError, OSError, ssl.SSLError) as error:
             if stamp != self._failed:
                 self._failed = stamp
-                log.warning("TLS files changed but cannot be loaded yet; handshakes keep the previous certificate",
-                            extra={"fields": {**fields, "cause": str(error)}})  # fmt: skip
+                log.warning(
+                    "TLS files changed but cannot be loaded yet; handshakes keep the previous certificate",
+                    extra={"fields": {**fields, "cause": str(error)}},
+                )
             return
         self._context, self._stamp, self._failed = context, stamp, ()
         log.info("TLS certificate reloaded", extra={"fields": fields})

@@ -43,8 +43,9 @@ def as_env(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, str]:
     unknown = sorted(set(values) - set(model.model_fields))
     if unknown:
         raise ValueError(f"{model.__name__} has no field {', '.join(unknown)}")
-    return {env_name(name): str(value).lower() if isinstance(value, bool) else str(value)
-            for name, value in values.items()}  # fmt: skip
+    return {
+        env_name(name): str(value).lower() if isinstance(value, bool) else str(value) for name, value in values.items()
+    }
 
 
 def load_settings(

@@ -13,12 +13,35 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 BYTES_BUCKETS = tuple(float(4**k) * 1024 for k in range(1, 12))
 REFUSED_FIELDS = frozenset(
     {
-        "authorization", "body", "model", "prompt", "messages", "kv_transfer_params", "temperature", "top_p",
-        "top_k", "presence_penalty", "frequency_penalty", "n", "seed", "stop", "stop_token_ids", "stream",
-        "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos", "logprobs",
-        "top_logprobs", "echo", "suffix", "return_token_ids", *ENGINE_OPTIONAL_PARAMS,
+        "authorization",
+        "body",
+        "model",
+        "prompt",
+        "messages",
+        "kv_transfer_params",
+        "temperature",
+        "top_p",
+        "top_k",
+        "presence_penalty",
+        "frequency_penalty",
+        "n",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "suffix",
+        "return_token_ids",
+        *ENGINE_OPTIONAL_PARAMS,
     }
-)  # fmt: skip
+)
 """The values of pdserve_gateway_invalid_requests' `field` label: a field named by a client's JSON key counts as
 `other`, so that no client can grow /metrics by sending new names."""
 

@@ -185,5 +185,9 @@ class DropLog:
         summary = ", ".join(f"{reason} {counts[reason]}" for reason in DROP_REASONS if counts[reason])
         log.warning(
             "kv: dropped %d connections before authentication in the last %.0f s (%s); the last from %s: %s",
-            sum(counts.values()), now - since, summary, source, detail,
-        )  # fmt: skip
+            sum(counts.values()),
+            now - since,
+            summary,
+            source,
+            detail,
+        )

@@ -78,10 +78,21 @@ async def pull(
     if first_row < 0:
         raise ValueError(f"first_row: must be at least 0, got {first_row}")
     recorder = metrics if metrics is not None else default_metrics()
-    connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries, backoff_s,
-                          stall_timeout_s, capacity_wait_s, recorder)  # fmt: skip
-    state = PullState(request_id, expected_checksum, expected_fingerprint, streams, first_row, max_bytes,
-                      trace=_trace_context())  # fmt: skip
+    connector = Connector(
+        key,
+        ssl_context,
+        server_hostname,
+        connect_timeout_s,
+        read_timeout_s,
+        retries,
+        backoff_s,
+        stall_timeout_s,
+        capacity_wait_s,
+        recorder,
+    )
+    state = PullState(
+        request_id, expected_checksum, expected_fingerprint, streams, first_row, max_bytes, trace=_trace_context()
+    )
     started = time.perf_counter()
     try:
         await _run_streams(Route(connector, host, port, pool, recorder), state)
@@ -115,8 +126,13 @@ async def _run_streams(route: Route, state: PullState) -> None:
 
 
 async def _pull_stream(route: Route, state: PullState, index: int) -> None:
-    request = {"request_id": state.request_id, "pull": state.pull_id, "stream": index, "streams": state.streams,
-               "first_row": state.first_row}  # fmt: skip
+    request = {
+        "request_id": state.request_id,
+        "pull": state.pull_id,
+        "stream": index,
+        "streams": state.streams,
+        "first_row": state.first_row,
+    }
     await route.exchange(_receive_stream, state, request, route.connector.read_timeout_s)
 
 
@@ -183,9 +199,17 @@ async def ack(
 ) -> bool:
     """Tell prefill the KV arrived so it frees the lease; True if the server still held it."""
     recorder = metrics if metrics is not None else default_metrics()
-    connector = Connector(key, ssl_context, server_hostname, connect_timeout_s, read_timeout_s, retries,
-                          stall_timeout_s=stall_timeout_s, capacity_wait_s=capacity_wait_s,
-                          metrics=recorder)  # fmt: skip
+    connector = Connector(
+        key,
+        ssl_context,
+        server_hostname,
+        connect_timeout_s,
+        read_timeout_s,
+        retries,
+        stall_timeout_s=stall_timeout_s,
+        capacity_wait_s=capacity_wait_s,
+        metrics=recorder,
+    )
     route = Route(connector, host, port, pool, recorder)
     return await route.exchange(_send_ack, request_id, read_timeout_s)
 

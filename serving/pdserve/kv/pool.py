@@ -80,8 +80,13 @@ class KVConnection:
 
 
 def peer_key(connector: Connector, host: str, port: int) -> PeerKey:
-    return (host, port, connector.server_hostname if connector.ssl_context else None, connector.key,
-            connector.ssl_context)  # fmt: skip
+    return (
+        host,
+        port,
+        connector.server_hostname if connector.ssl_context else None,
+        connector.key,
+        connector.ssl_context,
+    )
 
 
 class KVConnectionPool:

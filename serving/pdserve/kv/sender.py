@@ -60,8 +60,12 @@ class PullSender:
             span.set_attributes({"pdserve.kv.bytes": sent, "pdserve.kv.chunks": chunks})
 
     def _serve_stream(self, request: dict[str, Any], channel: FrameSocket, session: bytes) -> tuple[int, int]:
-        request_id, stream, streams, first_row = (request["request_id"], request["stream"], request["streams"],
-                                                  request["first_row"])  # fmt: skip
+        request_id, stream, streams, first_row = (
+            request["request_id"],
+            request["stream"],
+            request["streams"],
+            request["first_row"],
+        )
         stored = self._wait_open(request_id, channel)
         # Only streams that share chunks need to keep little unsent; one stream alone keeps the kernel's whole buffer
         # as slack for the moments its thread does not run (0: the system's default, no limit).
@@ -80,8 +84,11 @@ class PullSender:
                 channel.send(self.io_timeout_s, FrameType.DIGESTS, stored.digests)
         # Out of the shared plan before END: once the client has every END, the server holds nothing of the pull.
         mac = auth.end_mac(session, manifest, request, stored.checksum, chunks)
-        channel.send(self.io_timeout_s, FrameType.END, json_payload(
-            {"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}))  # fmt: skip
+        channel.send(
+            self.io_timeout_s,
+            FrameType.END,
+            json_payload({"chunks": chunks, "bytes": sent, "checksum": stored.checksum, "mac": mac}),
+        )
         self.metrics.observe_transfer("sender", sent, time.perf_counter() - started)
         return sent, chunks
 
@@ -115,8 +122,9 @@ class PullSender:
             chunk, left = shared.take(stream, ready)
             if chunk is not None:
                 payload = views[2 * chunk.layer + chunk.part][chunk.offset : chunk.offset + chunk.length]
-                channel.send(self.io_timeout_s, FrameType.DATA,
-                             DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload)  # fmt: skip
+                channel.send(
+                    self.io_timeout_s, FrameType.DATA, DATA_HEADER.pack(chunk.layer, chunk.part, chunk.offset), payload
+                )
                 chunks, sent = chunks + 1, sent + chunk.length
                 stored.count_sent(chunk.length)
             elif not left:

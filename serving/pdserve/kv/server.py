@@ -111,8 +111,9 @@ class KVServer:
         self._lock = threading.Lock()
         self._connections: dict[threading.Thread, _Link] = {}
         self._closing = False
-        self._sender = PullSender(store, self._metrics, io_timeout_s, idle_timeout_s, open_wait_s, keepalive_s,
-                                  notsent_lowat_bytes)  # fmt: skip
+        self._sender = PullSender(
+            store, self._metrics, io_timeout_s, idle_timeout_s, open_wait_s, keepalive_s, notsent_lowat_bytes
+        )
 
     @property
     def shared_pulls(self) -> int:
@@ -137,7 +138,8 @@ class KVServer:
 
     async def start(self) -> None:
         family, _type, _proto, _name, address = socket.getaddrinfo(
-            self._host or None, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]  # fmt: skip
+            self._host or None, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -149,8 +151,9 @@ class KVServer:
             listener.close()
             raise
         self._listener, self._closing = listener, False
-        self._acceptor = threading.Thread(target=self._accept_forever, args=(listener,), name="pdstack-kv-accept",
-                                          daemon=True)  # fmt: skip
+        self._acceptor = threading.Thread(
+            target=self._accept_forever, args=(listener,), name="pdstack-kv-accept", daemon=True
+        )
         self._acceptor.start()
 
     async def close(self) -> None:
@@ -183,8 +186,9 @@ class KVServer:
                 time.sleep(0.05)  # out of descriptors, say: do not spin
                 continue
             link = _Link(sock, source_of(peer))
-            thread = threading.Thread(target=self._on_connection, args=(link, peer), name="pdstack-kv-conn",
-                                      daemon=True)  # fmt: skip
+            thread = threading.Thread(
+                target=self._on_connection, args=(link, peer), name="pdstack-kv-conn", daemon=True
+            )
             with self._lock:
                 if self._closing:
                     sock.close()
@@ -282,8 +286,11 @@ class KVServer:
         if not self._slots.has_room_to_authenticate():  # said before CHALLENGE, so decode's connect retries it
             raise KVTransferError("capacity", self._slots.full_message())
         server_nonce = auth.new_nonce()
-        channel.send(self._io_timeout, FrameType.CHALLENGE,
-                     server_nonce + auth.server_proof(self._key, hello.payload, server_nonce))  # fmt: skip
+        channel.send(
+            self._io_timeout,
+            FrameType.CHALLENGE,
+            server_nonce + auth.server_proof(self._key, hello.payload, server_nonce),
+        )
         proof = self._handshake_frame(channel, deadline, FrameType.AUTH, PROOF_BYTES, "proof")
         auth.verify(auth.client_proof(self._key, hello.payload, server_nonce), proof.payload, "client")
         return channel, auth.session_key(self._key, hello.payload, server_nonce)
@@ -313,8 +320,9 @@ class KVServer:
         elif frame.type is FrameType.ACK:
             request_id = str(expect(frame, FrameType.ACK).json().get("request_id", ""))
             released = self.store.ack(request_id)
-            channel.send(self._io_timeout, FrameType.ACK_OK,
-                         json_payload({"request_id": request_id, "released": released}))  # fmt: skip
+            channel.send(
+                self._io_timeout, FrameType.ACK_OK, json_payload({"request_id": request_id, "released": released})
+            )
         else:
             raise KVTransferError("protocol", f"unexpected {frame.type.name} frame")
 

@@ -71,8 +71,9 @@ class PullShares:
             return len(self._plans)
 
     @contextlib.contextmanager
-    def join(self, key: ShareKey, stream: int, stored: StoredKV, make_plan: Callable[[], list[Chunk]]
-             ) -> Iterator[SharedPlan]:  # fmt: skip
+    def join(
+        self, key: ShareKey, stream: int, stored: StoredKV, make_plan: Callable[[], list[Chunk]]
+    ) -> Iterator[SharedPlan]:
         """Serve stream `stream` of the pull `key` from its shared plan (made with `make_plan` by its first stream)."""
         shared = self._enter(key, stream, stored, make_plan)
         ended = False
@@ -82,8 +83,7 @@ class PullShares:
         finally:
             self._leave(key, shared, stream, ended or shared.taken.get(stream, 0) > 0)
 
-    def _enter(self, key: ShareKey, stream: int, stored: StoredKV, make_plan: Callable[[], list[Chunk]]
-               ) -> SharedPlan:  # fmt: skip
+    def _enter(self, key: ShareKey, stream: int, stored: StoredKV, make_plan: Callable[[], list[Chunk]]) -> SharedPlan:
         now = self._clock()
         with self._lock:
             for stale in [k for k, plan in self._plans.items() if plan.created + self._ttl <= now]:

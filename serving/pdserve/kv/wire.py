@@ -186,8 +186,9 @@ class FrameSocket:
             self._reported_quiet = quiet
             log.warning(
                 "kv: the server sent nothing for %.1f s but its TCP answers; waiting up to stall_timeout_s (%g s)",
-                now - quiet, self.stall_timeout_s,
-            )  # fmt: skip
+                now - quiet,
+                self.stall_timeout_s,
+            )
         if now >= quiet + self.stall_timeout_s:
             raise KVTransferError(
                 "timeout",

@@ -243,9 +243,15 @@ class DecodeImporter:
         deadline = self.settings.kv_transfer_timeout_seconds
         try:
             async with asyncio.timeout(deadline):
-                return await pull(params.remote_host, params.remote_port, params.remote_request_id,
-                                  params.kv_checksum, streams=self.settings.kv_streams,
-                                  expected_fingerprint=self.engine.fingerprint, **self._channel_options())  # fmt: skip
+                return await pull(
+                    params.remote_host,
+                    params.remote_port,
+                    params.remote_request_id,
+                    params.kv_checksum,
+                    streams=self.settings.kv_streams,
+                    expected_fingerprint=self.engine.fingerprint,
+                    **self._channel_options(),
+                )
         except TimeoutError:
             message = f"the pull took longer than kv_transfer_timeout_seconds ({deadline:g} s)"
             raise KVTransferError("timeout", message) from None

@@ -180,10 +180,13 @@ class PdstackConnector(KVConnectorBase_V1):
         self.producer = transfer.kv_role == "kv_producer"
         self.engine_id = str(transfer.engine_id)  # vLLM appends _dp<index> per DP engine
         self.settings = ConnectorSettings.of(
-            dict(transfer.kv_connector_extra_config or {}), producer=self.producer, engine_id=self.engine_id,
-            tp_size=int(parallel.tensor_parallel_size), dp_index=int(parallel.data_parallel_index),
+            dict(transfer.kv_connector_extra_config or {}),
+            producer=self.producer,
+            engine_id=self.engine_id,
+            tp_size=int(parallel.tensor_parallel_size),
+            dp_index=int(parallel.data_parallel_index),
             data_parallel=_one_of_several_dp_engines(parallel, self.engine_id),
-        )  # fmt: skip
+        )
         self.block_size = int(vllm_config.cache_config.block_size)
         # Scheduler side.
         self._to_save: dict[str, _Prefilling] = {}
@@ -295,8 +298,9 @@ class PdstackConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # loaded once: a preempted and resumed request recomputes instead
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = PdstackConnectorMetadata(loads=self._to_load, aborts=self._aborts,
-                                            idle=not scheduler_output.total_num_scheduled_tokens)  # fmt: skip
+        metadata = PdstackConnectorMetadata(
+            loads=self._to_load, aborts=self._aborts, idle=not scheduler_output.total_num_scheduled_tokens
+        )
         self._to_load, self._aborts = [], []
         for request_id, prefilling in list(self._to_save.items()):
             scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
@@ -322,9 +326,16 @@ class PdstackConnector(KVConnectorBase_V1):
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
         first = prefilling.sent_blocks
         spec = SaveSpec(
-            request.request_id, lease_id(request), prompt, total, computed, first, list(block_ids[first:complete]),
-            open=not prefilling.opened, seal=computed >= prompt,
-        )  # fmt: skip
+            request.request_id,
+            lease_id(request),
+            prompt,
+            total,
+            computed,
+            first,
+            list(block_ids[first:complete]),
+            open=not prefilling.opened,
+            seal=computed >= prompt,
+        )
         prefilling.sent_blocks = max(first, complete)
         prefilling.opened = True
         return spec

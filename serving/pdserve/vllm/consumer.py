@@ -90,8 +90,10 @@ class ConsumerWorker(ConnectorWorker):
         if self.settings.tp_size == 1:
             return str(params["kv_checksum"])
         if not isinstance(checksums, list) or len(checksums) != self.settings.tp_size:
-            raise ValueError(f"kv_transfer_params.kv_rank_checksums: expected one checksum per TP rank "
-                             f"({self.settings.tp_size}), got {checksums!r}")  # fmt: skip
+            raise ValueError(
+                f"kv_transfer_params.kv_rank_checksums: expected one checksum per TP rank "
+                f"({self.settings.tp_size}), got {checksums!r}"
+            )
         return str(checksums[self.settings.tp_rank])
 
     def _channel_options(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -47,8 +47,12 @@ class ProducerWorker(ConnectorWorker):
             settings.worker_dir / "fingerprint.json", {"fields": self.fields, "digest": self.fingerprint}
         )
         # The store digests each added block on its own threads (BLAKE3), never on vLLM's forward thread.
-        self.store = LeaseStore(settings.kv_store_bytes, default_lease_s=settings.kv_lease_seconds,
-                                metrics=self.metrics, thread_initializer=run_on(self.cpus))  # fmt: skip
+        self.store = LeaseStore(
+            settings.kv_store_bytes,
+            default_lease_s=settings.kv_lease_seconds,
+            metrics=self.metrics,
+            thread_initializer=run_on(self.cpus),
+        )
         self.server = KVServer(
             self.store,
             settings.key,
@@ -68,8 +72,11 @@ class ProducerWorker(ConnectorWorker):
         self._owners: OrderedDict[str, str] = OrderedDict()  # lease id -> the request that opened it
         log.info(
             "pdstack connector: KV server on %s:%d, fingerprint %s, connector threads on CPUs %s",
-            settings.bind_host, settings.port, self.fingerprint, sorted(self.cpus),
-        )  # fmt: skip
+            settings.bind_host,
+            settings.port,
+            self.fingerprint,
+            sorted(self.cpus),
+        )
 
     async def _start(self) -> None:
         await self.server.start()
@@ -108,10 +115,12 @@ class ProducerWorker(ConnectorWorker):
 
     def _open(self, spec: SaveSpec) -> _Stream | None:
         specs = tuple(
-            (ArraySpec(np.dtype(np.uint8).str, (spec.total_blocks, self.block_bytes[name])),
-             ArraySpec(np.dtype(np.uint8).str, (0,)))
+            (
+                ArraySpec(np.dtype(np.uint8).str, (spec.total_blocks, self.block_bytes[name])),
+                ArraySpec(np.dtype(np.uint8).str, (0,)),
+            )
             for name in self.layer_names
-        )  # fmt: skip
+        )
         meta = KVMeta(spec.lease_id, spec.num_tokens, self.fingerprint)
         replace = self._owners.get(spec.lease_id) == spec.request_id  # never another request's KV
         try:
@@ -141,10 +150,15 @@ class ProducerWorker(ConnectorWorker):
             stream.steps += 1
             log.info(
                 "pdstack connector: lease %s step %d: blocks [%d, %d) of %d added, %d prompt tokens computed, %d "
-                "bytes served so far", spec.lease_id, stream.steps, spec.first_block,
-                spec.first_block + len(spec.block_ids), spec.total_blocks, spec.computed_tokens,
+                "bytes served so far",
+                spec.lease_id,
+                stream.steps,
+                spec.first_block,
+                spec.first_block + len(spec.block_ids),
+                spec.total_blocks,
+                spec.computed_tokens,
                 stream.stored.sent_unsealed,
-            )  # fmt: skip
+            )
             if spec.seal:
                 self._seal(stream, spec)
             self.store.renew(spec.lease_id)  # held lease_seconds past its last step (a long prefill) or its seal
@@ -166,8 +180,12 @@ class ProducerWorker(ConnectorWorker):
         write_json_atomically(result_path(self.settings.worker_dir, spec.request_id), result)
         log.info(
             "pdstack connector: lease %s sealed after %d steps: %d of %d bytes were already served while prefill "
-            "computed", stream.lease_id, stream.steps, stream.stored.sent_unsealed, stream.stored.nbytes,
-        )  # fmt: skip
+            "computed",
+            stream.lease_id,
+            stream.steps,
+            stream.stored.sent_unsealed,
+            stream.stored.nbytes,
+        )
 
     def _drop(self, request_id: str, why: str) -> bool:
         """Abort a request's entry that will never be whole (pulls streaming it end not_found: decode recomputes)."""

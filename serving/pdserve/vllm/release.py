@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import jsonbody
 from pdserve.common.kv_tls import RotatingContext
-from pdserve.kv import KVTransferError, ack
+from pdserve.kv import KVMetrics, KVTransferError, ack
 from pdserve.kv.release import MAX_BODY_BYTES, RELEASE_PATH, answer, lease_to_release
 from pdserve.vllm.settings import ConnectorSettings, kv_ports_used
 
@@ -43,14 +44,25 @@ class _OwnKV:
     settings: ConnectorSettings
     ports: range
     tls: RotatingContext | None
+    # The API server's default registry holds vLLM's pdserve_kv_* series (pdserve.vllm.stats); the worker that frees
+    # the lease counts the release there, so the middleware's own connection counts stay private.
+    metrics: KVMetrics = field(default_factory=lambda: KVMetrics(CollectorRegistry()))
 
     async def ack(self, port: int, request_id: str) -> bool:
         s = self.settings
         try:
-            return await ack(WILDCARD_HOSTS.get(s.bind_host, s.bind_host), port, request_id, key=s.key,
-                             ssl_context=self.tls, server_hostname=s.kv_tls_server_name or s.advertise_host,
-                             connect_timeout_s=s.kv_connect_timeout_seconds,
-                             read_timeout_s=s.kv_read_timeout_seconds, retries=0)  # fmt: skip
+            return await ack(
+                WILDCARD_HOSTS.get(s.bind_host, s.bind_host),
+                port,
+                request_id,
+                key=s.key,
+                ssl_context=self.tls,
+                server_hostname=s.kv_tls_server_name or s.advertise_host,
+                connect_timeout_s=s.kv_connect_timeout_seconds,
+                read_timeout_s=s.kv_read_timeout_seconds,
+                retries=0,
+                metrics=self.metrics,
+            )
         except KVTransferError as error:
             raise KVTransferError(error.cause, f"port {port}: {error.message}") from None
 
@@ -82,8 +94,9 @@ class KVReleaseMiddleware:
             return refusal
         try:
             own = self._own_kv(scope)
-            request_id = lease_to_release(jsonbody.loads(await jsonbody.read_body(Request(scope, receive),
-                                                                                   MAX_BODY_BYTES)))  # fmt: skip
+            request_id = lease_to_release(
+                jsonbody.loads(await jsonbody.read_body(Request(scope, receive), MAX_BODY_BYTES))
+            )
         except LookupError as error:
             return _error(404, f"path: {error}", "path")
         except jsonbody.BodyError as error:
@@ -102,8 +115,9 @@ class KVReleaseMiddleware:
             if transfer is None or transfer.kv_connector != "PdstackConnector" or transfer.kv_role != "kv_producer":
                 raise LookupError("this engine holds no PdstackConnector KV leases (only a prefill does)")
             parallel = config.parallel_config
-            settings = ConnectorSettings.of(dict(transfer.kv_connector_extra_config or {}), producer=True,
-                                            engine_id=str(transfer.engine_id))  # fmt: skip
+            settings = ConnectorSettings.of(
+                dict(transfer.kv_connector_extra_config or {}), producer=True, engine_id=str(transfer.engine_id)
+            )
             used = kv_ports_used(int(parallel.tensor_parallel_size), int(parallel.data_parallel_size))
             self._own = _OwnKV(settings, range(settings.kv_port, settings.kv_port + used), settings.client_tls())
         return self._own
@@ -122,5 +136,6 @@ def _vllm_authentication(app: ASGIApp) -> Any:
 
 
 def _error(status: int, message: str, param: str | None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": status}}, status)  # fmt: skip
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": status}}, status
+    )

@@ -118,8 +118,14 @@ class ConnectorSettings(ConnectorConfig):
             raise SettingsError(f"parallel_config: tensor_parallel_size {tp_size}, data_parallel_index {dp_index}")
         if producer:
             _check_ports(config.kv_port, tp_size, dp_index)
-        return cls(**dict(config), key=key, engine_id=engine_id, tp_size=tp_size, dp_index=dp_index,
-                   data_parallel=data_parallel)  # fmt: skip
+        return cls(
+            **dict(config),
+            key=key,
+            engine_id=engine_id,
+            tp_size=tp_size,
+            dp_index=dp_index,
+            data_parallel=data_parallel,
+        )
 
     @property
     def port(self) -> int:

@@ -32,8 +32,17 @@ from pdserve.vllm.settings import release_version
 
 
 def _empty() -> dict[str, Any]:
-    return {"transfers": [], "failures": [], "load_failures": [], "connections": [], "auth_refused": 0,
-            "released": {}, "dropped": {}, "connect_retries": {}, "gauges": {}}  # fmt: skip
+    return {
+        "transfers": [],
+        "failures": [],
+        "load_failures": [],
+        "connections": [],
+        "auth_refused": 0,
+        "released": {},
+        "dropped": {},
+        "connect_retries": {},
+        "gauges": {},
+    }
 
 
 COUNTED_BY_LABEL = ("released", "dropped", "connect_retries")  # news kept as {label value: count}
@@ -140,9 +149,15 @@ class PdstackStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         data = self.data
-        return not (data["transfers"] or data["failures"] or data["load_failures"] or data["connections"]
-                    or data["auth_refused"] or data["gauges"]
-                    or any(data.get(news) for news in COUNTED_BY_LABEL))  # fmt: skip
+        return not (
+            data["transfers"]
+            or data["failures"]
+            or data["load_failures"]
+            or data["connections"]
+            or data["auth_refused"]
+            or data["gauges"]
+            or any(data.get(news) for news in COUNTED_BY_LABEL)
+        )
 
 
 class PdstackPromMetrics(KVConnectorPromMetrics):
@@ -156,26 +171,32 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         by_role = [*labelnames, "role"]
         self.bytes = self._counter_cls(
-            name="pdserve_kv_transfer_bytes", documentation="KV payload bytes moved over the KV channel",
+            name="pdserve_kv_transfer_bytes",
+            documentation="KV payload bytes moved over the KV channel",
             labelnames=by_role,
-        )  # fmt: skip
+        )
         self.seconds = self._histogram_cls(
-            name="pdserve_kv_transfer_seconds", documentation="Duration of whole KV transfers",
-            buckets=SECONDS_BUCKETS, labelnames=by_role,
-        )  # fmt: skip
+            name="pdserve_kv_transfer_seconds",
+            documentation="Duration of whole KV transfers",
+            buckets=SECONDS_BUCKETS,
+            labelnames=by_role,
+        )
         self.goodput = self._histogram_cls(
             name="pdserve_kv_transfer_goodput_bytes_per_second",
-            documentation="Goodput of whole KV transfers (bytes/s)", buckets=GBPS_BUCKETS, labelnames=by_role,
-        )  # fmt: skip
+            documentation="Goodput of whole KV transfers (bytes/s)",
+            buckets=GBPS_BUCKETS,
+            labelnames=by_role,
+        )
         self.failures = self._counter_cls(
-            name="pdserve_kv_transfer_failures", documentation="Failed KV transfers by cause",
+            name="pdserve_kv_transfer_failures",
+            documentation="Failed KV transfers by cause",
             labelnames=[*by_role, "cause"],
-        )  # fmt: skip
+        )
         self.load_failures = self._counter_cls(
             name="pdserve_kv_load_failures",
             documentation="Requests whose remote KV could not be used, by cause and the action taken",
             labelnames=[*labelnames, "cause", "action"],
-        )  # fmt: skip
+        )
         self.action = str(vllm_config.kv_transfer_config.kv_load_failure_policy)
         if vllm_config.kv_transfer_config.kv_role == "kv_consumer":  # from 0: increase() counts a first failure
             for engine, cause in itertools.product(per_engine_labelvalues.values(), get_args(Cause)):
@@ -185,36 +206,41 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             name="pdserve_kv_connections",
             documentation="Connections KV requests ran on, by outcome (new, reused, stale)",
             labelnames=[*by_role, "outcome"],
-        )  # fmt: skip
+        )
         auth_refused = self._counter_cls(
             name="pdserve_kv_auth_refused",
-            documentation="Connections refused for missing or wrong authentication", labelnames=labelnames,
-        )  # fmt: skip
+            documentation="Connections refused for missing or wrong authentication",
+            labelnames=labelnames,
+        )
         self.auth_refused = create_metric_per_engine(auth_refused, per_engine_labelvalues)
         self.released = self._counter_cls(
             name="pdserve_kv_leases_released",
             documentation="KV leases released, by reason (ack, expired, aborted, replaced)",
             labelnames=[*labelnames, "reason"],
-        )  # fmt: skip
+        )
         self.dropped = self._counter_cls(
             name="pdserve_kv_connections_dropped",
             documentation="Connections the KV listener closed before they authenticated, by reason (evicted, "
             "deadline, handshake, tls, capacity)",
             labelnames=[*labelnames, "reason"],
-        )  # fmt: skip
+        )
         self.connect_retries = self._counter_cls(
             name="pdserve_kv_connect_retries",
             documentation="Connects to a KV server made again, by the cause of the failed one",
             labelnames=[*labelnames, "cause"],
-        )  # fmt: skip
+        )
         lease_bytes = self._gauge_cls(
-            name="pdserve_kv_lease_bytes", documentation="KV bytes held under lease", labelnames=labelnames,
+            name="pdserve_kv_lease_bytes",
+            documentation="KV bytes held under lease",
+            labelnames=labelnames,
             multiprocess_mode="mostrecent",
-        )  # fmt: skip
+        )
         leases = self._gauge_cls(
-            name="pdserve_kv_leases", documentation="KV blobs held under lease", labelnames=labelnames,
+            name="pdserve_kv_leases",
+            documentation="KV blobs held under lease",
+            labelnames=labelnames,
             multiprocess_mode="mostrecent",
-        )  # fmt: skip
+        )
         self.gauges = {
             "lease_bytes": create_metric_per_engine(lease_bytes, per_engine_labelvalues),
             "leases": create_metric_per_engine(leases, per_engine_labelvalues),
@@ -228,9 +254,11 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
         if version is None:
             return
         build = self._gauge_cls(
-            name="pdserve_build_info", documentation="Release and role of this server (always 1; join on instance)",
-            labelnames=["version", "role"], multiprocess_mode="mostrecent",
-        )  # fmt: skip
+            name="pdserve_build_info",
+            documentation="Release and role of this server (always 1; join on instance)",
+            labelnames=["version", "role"],
+            multiprocess_mode="mostrecent",
+        )
         build.labels(version, "prefill" if transfer.kv_role == "kv_producer" else "decode").set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -247,8 +275,11 @@ class PdstackPromMetrics(KVConnectorPromMetrics):
             self.connections.labels(*engine, role, outcome).inc()
         if transfer_stats_data.get("auth_refused"):
             self.auth_refused[engine_idx].inc(transfer_stats_data["auth_refused"])
-        for news, counter in (("released", self.released), ("dropped", self.dropped),
-                              ("connect_retries", self.connect_retries)):  # fmt: skip
+        for news, counter in (
+            ("released", self.released),
+            ("dropped", self.dropped),
+            ("connect_retries", self.connect_retries),
+        ):
             for label, count in transfer_stats_data.get(news, {}).items():
                 counter.labels(*engine, label).inc(count)
         for name, value in transfer_stats_data.get("gauges", {}).items():

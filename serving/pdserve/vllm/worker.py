@@ -150,12 +150,21 @@ class ConnectorWorker:
         if s.tp_rank != 0:
             return
         s.worker_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(s.worker_dir / "instance.json", {
-            "role": role, "fingerprint": self.fingerprint, "fingerprint_fields": self.fields,
-            "connector_version": fingerprint.CONNECTOR_VERSION, "kv_host": kv_host, "kv_port": kv_port,
-            "kv_streaming": role == "kv_consumer" or not s.data_parallel,
-            "tensor_parallel_size": s.tp_size, "data_parallel": s.data_parallel, "data_parallel_index": s.dp_index,
-        })  # fmt: skip
+        write_json_atomically(
+            s.worker_dir / "instance.json",
+            {
+                "role": role,
+                "fingerprint": self.fingerprint,
+                "fingerprint_fields": self.fields,
+                "connector_version": fingerprint.CONNECTOR_VERSION,
+                "kv_host": kv_host,
+                "kv_port": kv_port,
+                "kv_streaming": role == "kv_consumer" or not s.data_parallel,
+                "tensor_parallel_size": s.tp_size,
+                "data_parallel": s.data_parallel,
+                "data_parallel_index": s.dp_index,
+            },
+        )
 
     def shutdown(self) -> None:
         self.loop.loop.call_soon_threadsafe(self.loop.loop.stop)

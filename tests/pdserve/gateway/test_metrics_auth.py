@@ -83,9 +83,22 @@ def _start(tmp: Path, cluster: Cluster, *flags: str) -> subprocess.CompletedProc
     assert cluster.scheduler is not None
     keys = tmp / "keys.json"
     keys.write_text('{"acme": ["sk-x"]}')
-    argv = [sys.executable, "-m", "pdserve.gateway", "--port", str(free_port()), "--scheduler-url",
-            cluster.scheduler.url, "--scheduler-token-file", str(gateway_token_file(cluster.tmp)),
-            "--server-token-file", str(cluster.server_token_file), "--api-keys-file", str(keys), *flags]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.gateway",
+        "--port",
+        str(free_port()),
+        "--scheduler-url",
+        cluster.scheduler.url,
+        "--scheduler-token-file",
+        str(gateway_token_file(cluster.tmp)),
+        "--server-token-file",
+        str(cluster.server_token_file),
+        "--api-keys-file",
+        str(keys),
+        *flags,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 

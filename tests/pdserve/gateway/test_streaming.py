@@ -46,8 +46,13 @@ def test_tokens_and_whole_answers_pass(reason: str | None) -> None:
 
 
 def test_a_non_streamed_answer_that_gave_up_is_refused_too() -> None:
-    answer = json.dumps({"object": "text_completion", "usage": {"completion_tokens": 0},
-                         "choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})  # fmt: skip
+    answer = json.dumps(
+        {
+            "object": "text_completion",
+            "usage": {"completion_tokens": 0},
+            "choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+        }
+    )
     with pytest.raises(UpstreamError):
         given_up(answer)
 

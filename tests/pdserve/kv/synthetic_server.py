@@ -45,8 +45,9 @@ async def main(args: argparse.Namespace) -> None:
     if args.tls:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(*args.tls)
-    server = KVServer(store, SecretKey.from_file(args.key_file), ssl_context=tls, limits=listener_settings(args),
-                      metrics=metrics)  # fmt: skip
+    server = KVServer(
+        store, SecretKey.from_file(args.key_file), ssl_context=tls, limits=listener_settings(args), metrics=metrics
+    )
     await server.start()
     http, _thread = start_http_server(0, "127.0.0.1", registry)
     print(server.port, stored.checksum, http.server_port, flush=True)

@@ -50,8 +50,9 @@ def test_later_pulls_and_acks_reuse_the_pools_connections(key: SecretKey, metric
         async with running_server(store, key, metrics=metrics) as server:
             pool = KVConnectionPool(metrics=metrics)
             for _ in range(2):
-                blob = await pull("127.0.0.1", server.port, "reuse-1", stored.checksum, key=key, streams=4,
-                                  pool=pool, **FAST)  # fmt: skip
+                blob = await pull(
+                    "127.0.0.1", server.port, "reuse-1", stored.checksum, key=key, streams=4, pool=pool, **FAST
+                )
                 assert same_bytes(blob.layers, layers)
             assert len(pool) == 4
             assert await ack("127.0.0.1", server.port, "reuse-1", key=key, pool=pool) is True
@@ -73,8 +74,9 @@ def test_without_a_pool_every_stream_opens_its_own_connection(key: SecretKey, me
     async def scenario() -> None:
         async with running_server(store, key, metrics=metrics) as server:
             for _ in range(2):
-                await pull("127.0.0.1", server.port, "nopool-1", stored.checksum, key=key, streams=3, metrics=metrics,
-                           **FAST)  # fmt: skip
+                await pull(
+                    "127.0.0.1", server.port, "nopool-1", stored.checksum, key=key, streams=3, metrics=metrics, **FAST
+                )
 
     asyncio.run(scenario())
     assert connections(metrics, "sender", "new") == 6
@@ -92,12 +94,30 @@ def test_server_restart_between_pulls_is_survived_transparently(key: SecretKey, 
         pool = KVConnectionPool(metrics=client_metrics)
         async with running_server(store, key, metrics=metrics) as first:
             port = first.port
-            await pull("127.0.0.1", port, "restart-1", stored.checksum, key=key, streams=4, pool=pool,
-                       metrics=client_metrics, **FAST)  # fmt: skip
+            await pull(
+                "127.0.0.1",
+                port,
+                "restart-1",
+                stored.checksum,
+                key=key,
+                streams=4,
+                pool=pool,
+                metrics=client_metrics,
+                **FAST,
+            )
             assert len(pool) == 4
         async with running_server(store, key, port=port, metrics=second_server):
-            blob = await pull("127.0.0.1", port, "restart-1", stored.checksum, key=key, streams=4, pool=pool,
-                              metrics=client_metrics, **FAST)  # fmt: skip
+            blob = await pull(
+                "127.0.0.1",
+                port,
+                "restart-1",
+                stored.checksum,
+                key=key,
+                streams=4,
+                pool=pool,
+                metrics=client_metrics,
+                **FAST,
+            )
             assert same_bytes(blob.layers, layers)
         await pool.close()
 
@@ -159,8 +179,15 @@ def test_connection_that_saw_an_error_is_never_reused(key: SecretKey, metrics: K
             # Here the server is still streaming data into the connection when decode refuses the fingerprint:
             # reusing it would read that data as the next reply.
             with pytest.raises(KVTransferError, match="fingerprint"):
-                await pull("127.0.0.1", server.port, "err-1", stored.checksum, streams=2,
-                           expected_fingerprint="model-b", **options)  # fmt: skip
+                await pull(
+                    "127.0.0.1",
+                    server.port,
+                    "err-1",
+                    stored.checksum,
+                    streams=2,
+                    expected_fingerprint="model-b",
+                    **options,
+                )
             assert len(pool) == 0
             await pull("127.0.0.1", server.port, "err-1", stored.checksum, streams=2, **options)
         await pool.close()
@@ -229,8 +256,17 @@ def test_concurrent_pulls_never_share_a_connection(key: SecretKey, metrics: KVMe
         async with running_server(store, key, metrics=metrics) as server:
 
             async def one(rid: str) -> None:
-                blob = await pull("127.0.0.1", server.port, rid, checksums[rid], key=key, streams=3, pool=pool,
-                                  metrics=client_metrics, **FAST)  # fmt: skip
+                blob = await pull(
+                    "127.0.0.1",
+                    server.port,
+                    rid,
+                    checksums[rid],
+                    key=key,
+                    streams=3,
+                    pool=pool,
+                    metrics=client_metrics,
+                    **FAST,
+                )
                 assert same_bytes(blob.layers, blobs[rid])
 
             await one("conc-0")  # leaves 3 idle connections
@@ -311,8 +347,16 @@ def test_pool_never_lends_a_connection_to_other_credentials(key: SecretKey, kv_k
             pool = KVConnectionPool(metrics=metrics)
             await pull("127.0.0.1", server.port, "cred-1", stored.checksum, key=key, streams=2, pool=pool, **FAST)
             same_key_read_again = SecretKey.from_file(kv_key_file)
-            await pull("127.0.0.1", server.port, "cred-1", stored.checksum, key=same_key_read_again, streams=2,
-                       pool=pool, **FAST)  # fmt: skip
+            await pull(
+                "127.0.0.1",
+                server.port,
+                "cred-1",
+                stored.checksum,
+                key=same_key_read_again,
+                streams=2,
+                pool=pool,
+                **FAST,
+            )
             await pool.close()
 
     asyncio.run(scenario())
@@ -357,10 +401,16 @@ def test_decode_importer_pulls_and_acks_through_one_pool_and_closes_it(
         async with running_server(store, key, metrics=metrics) as server:
             for rid, layers in sent.items():
                 params = KVTransferParams(
-                    do_remote_prefill=True, remote_engine_id="prefill-1", remote_request_id=rid,
-                    remote_host="127.0.0.1", remote_port=server.port, remote_block_ids=[],
-                    kv_checksum=checksums[rid], kv_fingerprint="fp-test-1", num_tokens=8,
-                )  # fmt: skip
+                    do_remote_prefill=True,
+                    remote_engine_id="prefill-1",
+                    remote_request_id=rid,
+                    remote_host="127.0.0.1",
+                    remote_port=server.port,
+                    remote_block_ids=[],
+                    kv_checksum=checksums[rid],
+                    kv_fingerprint="fp-test-1",
+                    num_tokens=8,
+                )
                 got, tokens = await importer.load(params, prompt_tokens=8)
                 assert tokens == 7 and same_bytes(got, layers)
             await importer.close()  # lets the acks under way finish, then closes the pool

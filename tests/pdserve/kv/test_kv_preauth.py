@@ -173,8 +173,9 @@ def test_a_new_connection_takes_the_slot_of_the_oldest_unauthenticated_one(
             wait_for(lambda: closed_by_server(first[1]), what="the oldest of the fullest address evicted")
             assert not any(closed_by_server(sock) for sock in [first[2], fourth, *others, sixth])
             # A key holder's handshakes (from 127.0.0.1) get slots although the listener is full.
-            got = await pull("127.0.0.1", server.port, "req-1", store.get("req-1").checksum, key=key, retries=0,
-                             streams=2)  # fmt: skip
+            got = await pull(
+                "127.0.0.1", server.port, "req-1", store.get("req-1").checksum, key=key, retries=0, streams=2
+            )
             assert got.meta.request_id == "req-1"
             for sock in [*first, fourth, *others, sixth]:
                 sock.close()
@@ -194,8 +195,9 @@ def test_a_handshake_trickled_byte_by_byte_ends_at_the_deadline(
 
     async def scenario() -> None:
         for tls, opening in ((None, hello), (tls_server_context(certificate), client_hello(certificate))):
-            async with running_server(store, key, metrics=metrics, io_timeout_s=600, ssl_context=tls,
-                                      limits=limits) as server:  # fmt: skip
+            async with running_server(
+                store, key, metrics=metrics, io_timeout_s=600, ssl_context=tls, limits=limits
+            ) as server:
                 with silent(server.port, "127.0.0.1") as sock:
                     assert await asyncio.to_thread(trickle_until_closed, sock, opening), "never cut off"
         assert metrics.dropped.labels("deadline")._value.get() == 2
@@ -245,11 +247,22 @@ def test_past_the_cap_of_authenticated_connections_a_connect_waits_for_one_to_en
             held = [await Connector(key, retries=0).connect("127.0.0.1", server.port) for _ in range(2)]
             wait_for(lambda: server.connections == (0, 2), what="two authenticated connections")
             with pytest.raises(KVTransferError) as refused:
-                await pull("127.0.0.1", server.port, "req-1", checksum, key=key, streams=1, metrics=metrics,
-                           capacity_wait_s=0)  # fmt: skip
+                await pull(
+                    "127.0.0.1", server.port, "req-1", checksum, key=key, streams=1, metrics=metrics, capacity_wait_s=0
+                )
             assert refused.value.cause == "capacity"
-            waiting = asyncio.create_task(pull("127.0.0.1", server.port, "req-1", checksum, key=key, streams=1,
-                                               metrics=metrics, capacity_wait_s=ANSWER_S))  # fmt: skip
+            waiting = asyncio.create_task(
+                pull(
+                    "127.0.0.1",
+                    server.port,
+                    "req-1",
+                    checksum,
+                    key=key,
+                    streams=1,
+                    metrics=metrics,
+                    capacity_wait_s=ANSWER_S,
+                )
+            )
             retried = metrics.connect_retries.labels("capacity")
             while retried._value.get() < 2 and not waiting.done():  # bounded by the pull's capacity_wait_s
                 await asyncio.sleep(0.05)
@@ -287,8 +300,17 @@ def test_a_flood_without_the_key_leaves_key_holders_their_handshakes(
             outcomes = []
             for _ in range(KEY_HOLDER_PULLS):  # each on a fresh connection: a full handshake
                 try:
-                    await pull("127.0.0.1", server.port, "req-flood", server.checksum, key=key, streams=1, retries=0,
-                               ssl_context=client_tls, server_hostname="localhost")  # fmt: skip
+                    await pull(
+                        "127.0.0.1",
+                        server.port,
+                        "req-flood",
+                        server.checksum,
+                        key=key,
+                        streams=1,
+                        retries=0,
+                        ssl_context=client_tls,
+                        server_hostname="localhost",
+                    )
                     outcomes.append("ok")
                 except KVTransferError as error:
                     outcomes.append(error.cause)
@@ -306,8 +328,10 @@ def test_a_flood_without_the_key_leaves_key_holders_their_handshakes(
         assert flood.dropped >= FLOOD_SOCKETS - KVListenerSettings().kv_max_handshakes_per_address
         assert during.fds - before.fds < FLOOD_SOCKETS // 2, f"before: {before}; during the flood: {during}"
         wait_for(lambda: Holding.of(server.process.pid).fds <= before.fds, what=f"descriptors back to {before}")
-        drops = sum(counter(server.metrics_port, "pdserve_kv_connections_dropped", f'reason="{reason}"')
-                    for reason in ("evicted", "deadline", "tls"))  # fmt: skip
+        drops = sum(
+            counter(server.metrics_port, "pdserve_kv_connections_dropped", f'reason="{reason}"')
+            for reason in ("evicted", "deadline", "tls")
+        )
         assert drops >= flood.dropped
     lines = [line for line in log.read_text().splitlines() if "kv: dropped" in line]
     assert 1 <= len(lines) <= flooded_s / DROP_LOG_SECONDS + 2, lines

@@ -30,8 +30,10 @@ def test_a_throttled_stream_carries_fewer_chunks_and_the_pull_is_whole(key: Secr
     stored = store.put("slow-1", layers, meta_for("slow-1"))
 
     async def scenario() -> list[int]:
-        async with running_server(store, key, metrics=metrics) as server, \
-                proxy_to(server.port, bytes_per_second=1e6, throttled_connections=1) as proxy:  # fmt: skip
+        async with (
+            running_server(store, key, metrics=metrics) as server,
+            proxy_to(server.port, bytes_per_second=1e6, throttled_connections=1) as proxy,
+        ):
             blob = await pull("127.0.0.1", proxy.port, "slow-1", stored.checksum, key=key, streams=4, **FAST)
             for (k, v), (k2, v2) in zip(layers, blob.layers, strict=True):
                 assert k2.tobytes() == k.tobytes() and v2.tobytes() == v.tobytes()
@@ -60,8 +62,9 @@ def _serve_one_stream(channel: FrameSocket, stream: int) -> tuple[int, FrameType
             return data, frame.type
 
 
-def test_a_stream_index_joins_a_pull_once_and_a_late_stream_gets_what_is_left(key: SecretKey,
-                                                                              metrics: KVMetrics) -> None:  # fmt: skip
+def test_a_stream_index_joins_a_pull_once_and_a_late_stream_gets_what_is_left(
+    key: SecretKey, metrics: KVMetrics
+) -> None:
     store = LeaseStore(capacity_bytes=16 << 20, chunk_bytes=CHUNK, metrics=metrics)
     store.put("dup-1", make_layers(2, (CHUNK * 2,), "uint8"), meta_for("dup-1"))  # 8 chunks
 
@@ -119,8 +122,17 @@ def test_a_protocol_3_server_is_refused_naming_both_versions(key: SecretKey) -> 
     async def scenario() -> None:
         serving = asyncio.create_task(asyncio.to_thread(old_server))
         with pytest.raises(KVTransferError) as raised:
-            await pull("127.0.0.1", listener.getsockname()[1], "old", None, key=key, streams=1, retries=0,
-                       connect_timeout_s=2.0, read_timeout_s=2.0)  # fmt: skip
+            await pull(
+                "127.0.0.1",
+                listener.getsockname()[1],
+                "old",
+                None,
+                key=key,
+                streams=1,
+                retries=0,
+                connect_timeout_s=2.0,
+                read_timeout_s=2.0,
+            )
         await serving
         assert raised.value.cause == "protocol"
         assert "unsupported protocol version 3 (this side speaks 4)" in raised.value.message

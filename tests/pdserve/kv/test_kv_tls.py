@@ -33,15 +33,28 @@ def test_tls_round_trip_and_untrusted_certificate_refused(
     async def scenario() -> None:
         async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
             blob = await pull(
-                "127.0.0.1", server.port, "tls-1", stored.checksum, key=key, streams=3,
-                ssl_context=trusting, server_hostname="localhost", retries=0,
-            )  # fmt: skip
+                "127.0.0.1",
+                server.port,
+                "tls-1",
+                stored.checksum,
+                key=key,
+                streams=3,
+                ssl_context=trusting,
+                server_hostname="localhost",
+                retries=0,
+            )
             assert [k.tobytes() + v.tobytes() for k, v in blob.layers] == [k.tobytes() + v.tobytes() for k, v in layers]
             with pytest.raises(KVTransferError) as raised:
                 await pull(
-                    "127.0.0.1", server.port, "tls-1", stored.checksum, key=key,
-                    ssl_context=ssl.create_default_context(), server_hostname="localhost", retries=0,
-                )  # fmt: skip
+                    "127.0.0.1",
+                    server.port,
+                    "tls-1",
+                    stored.checksum,
+                    key=key,
+                    ssl_context=ssl.create_default_context(),
+                    server_hostname="localhost",
+                    retries=0,
+                )
             assert raised.value.cause == "auth"
 
     asyncio.run(scenario())
@@ -58,8 +71,15 @@ def test_tls_connections_are_reused_and_replaced_after_a_server_restart(
 
     async def scenario() -> None:
         pool = KVConnectionPool(metrics=client_metrics)
-        options = {"key": key, "streams": 2, "ssl_context": trusting, "server_hostname": "localhost", "retries": 0,
-                   "pool": pool, "metrics": client_metrics}  # fmt: skip
+        options = {
+            "key": key,
+            "streams": 2,
+            "ssl_context": trusting,
+            "server_hostname": "localhost",
+            "retries": 0,
+            "pool": pool,
+            "metrics": client_metrics,
+        }
         async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
             port = server.port
             for _ in range(2):
@@ -92,8 +112,9 @@ def test_the_name_verified_defaults_to_the_host_pulled_from(
     async def scenario() -> None:
         async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
             for host in ("127.0.0.1", "localhost"):  # both in the certificate's subjectAltName
-                blob = await pull(host, server.port, "tls-name", stored.checksum, key=key, ssl_context=trusting,
-                                  retries=0)  # fmt: skip
+                blob = await pull(
+                    host, server.port, "tls-name", stored.checksum, key=key, ssl_context=trusting, retries=0
+                )
                 assert blob.meta.token_count == stored.meta.token_count
 
     asyncio.run(scenario())

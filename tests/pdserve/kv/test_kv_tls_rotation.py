@@ -31,8 +31,23 @@ def openssl(*args: str) -> None:
 def ca(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("kv-ca")
     cert, key = folder / "ca.pem", folder / "ca.key"
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-            str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=pdstack test KV CA")  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=pdstack test KV CA",
+    )
     return cert, key
 
 
@@ -40,12 +55,39 @@ def issue(ca: tuple[Path, Path], folder: Path, name: str) -> tuple[Path, Path]:
     """A leaf for `name` (localhost, 127.0.0.1) signed by the CA, written to folder/name.{pem,key}; its serial is
     fresh, so a test can tell two issues apart."""
     cert, key, request = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
-            "-out", str(request), "-subj", "/CN=localhost")  # fmt: skip
+    openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(request),
+        "-subj",
+        "/CN=localhost",
+    )
     extensions = folder / f"{name}.ext"
     extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl("x509", "-req", "-in", str(request), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial",
-            "-days", "1", "-out", str(cert), "-extfile", str(extensions))  # fmt: skip
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(request),
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        str(cert),
+        "-extfile",
+        str(extensions),
+    )
     return cert, key
 
 
@@ -66,14 +108,16 @@ def served_serial(port: int, ca: Path, client: tuple[Path, Path]) -> int:
     ):
         der = tls.getpeercert(binary_form=True)
     assert der is not None
-    shown = subprocess.run(["openssl", "x509", "-inform", "DER", "-noout", "-serial"], input=der,
-                           capture_output=True, check=True).stdout.decode()  # fmt: skip
+    shown = subprocess.run(
+        ["openssl", "x509", "-inform", "DER", "-noout", "-serial"], input=der, capture_output=True, check=True
+    ).stdout.decode()
     return int(shown.strip().split("=")[1], 16)
 
 
 def serial_of(cert: Path) -> int:
-    shown = subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-serial"], capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
+    shown = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-serial"], capture_output=True, text=True, check=True
+    ).stdout
     return int(shown.strip().split("=")[1], 16)
 
 
@@ -105,8 +149,17 @@ def test_a_rotated_kv_certificate_is_served_without_a_failed_pull(
                         replace_file(next_key, live_key)
                         rotated.set()
                     try:
-                        await pull("127.0.0.1", server.port, "rot-1", stored.checksum, key=key, streams=2,
-                                   ssl_context=client_tls, server_hostname="localhost", retries=0)  # fmt: skip
+                        await pull(
+                            "127.0.0.1",
+                            server.port,
+                            "rot-1",
+                            stored.checksum,
+                            key=key,
+                            streams=2,
+                            ssl_context=client_tls,
+                            server_hostname="localhost",
+                            retries=0,
+                        )
                     except KVTransferError as error:
                         failures.append(error)
                     await asyncio.sleep(CHECK_SECONDS / 5)
@@ -131,8 +184,16 @@ def test_with_a_ca_on_the_listener_a_puller_without_a_certificate_is_refused(
     async def scenario() -> None:
         async with running_server(store, key, ssl_context=server_tls, metrics=metrics) as server:
             with pytest.raises(KVTransferError) as refused:
-                await pull("127.0.0.1", server.port, "mtls-1", stored.checksum, key=key, ssl_context=anonymous,
-                           server_hostname="localhost", retries=0)  # fmt: skip
+                await pull(
+                    "127.0.0.1",
+                    server.port,
+                    "mtls-1",
+                    stored.checksum,
+                    key=key,
+                    ssl_context=anonymous,
+                    server_hostname="localhost",
+                    retries=0,
+                )
             # TLS 1.3 sends the listener's refusal after the client's handshake ends: the first frame meets it
             assert refused.value.cause in {"auth", "connect", "connection"}, refused.value
 
@@ -140,8 +201,9 @@ def test_with_a_ca_on_the_listener_a_puller_without_a_certificate_is_refused(
     assert metrics.bytes.labels("sender")._value.get() == 0
 
 
-def test_a_plaintext_peer_gets_no_kv_frame(ca: tuple[Path, Path], tmp_path: Path, key: SecretKey,
-                                           metrics: KVMetrics) -> None:  # fmt: skip
+def test_a_plaintext_peer_gets_no_kv_frame(
+    ca: tuple[Path, Path], tmp_path: Path, key: SecretKey, metrics: KVMetrics
+) -> None:
     server_tls = kv_server_context(*issue(ca, tmp_path, "prefill"), None, CHECK_SECONDS)
     store = LeaseStore(capacity_bytes=1 << 20, chunk_bytes=8192, metrics=metrics)
 

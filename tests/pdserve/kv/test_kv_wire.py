@@ -31,8 +31,15 @@ def test_frames_land_in_order_and_in_place_when_bytes_arrive_in_any_split() -> N
     payload = random.Random(7).randbytes(3 << 20)
     sub = DATA_HEADER.pack(2, 1, 4096)
     control = b'{"hello": 1}'
-    stream = (encode_header(FrameType.MANIFEST, control) + control + encode_header(FrameType.DATA, sub, payload)
-              + sub + payload + encode_header(FrameType.END, control) + control)  # fmt: skip
+    stream = (
+        encode_header(FrameType.MANIFEST, control)
+        + control
+        + encode_header(FrameType.DATA, sub, payload)
+        + sub
+        + payload
+        + encode_header(FrameType.END, control)
+        + control
+    )
     left, right = socket.socketpair()
     writer = threading.Thread(target=_dribble, args=(right, stream, 1))
     writer.start()

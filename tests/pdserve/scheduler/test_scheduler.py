@@ -212,8 +212,15 @@ def beat_with(url: str, instance_id: str, headers: dict[str, str]) -> httpx.Resp
 
 def scheduler_command(folder: Path, admin_token_file: Path) -> list[str]:
     """`python -m pdserve.scheduler` with its state in `folder`, without an identity key."""
-    return [sys.executable, "-m", "pdserve.scheduler", "--state-file", str(folder / "s.json"),
-            "--admin-token-file", str(admin_token_file)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.scheduler",
+        "--state-file",
+        str(folder / "s.json"),
+        "--admin-token-file",
+        str(admin_token_file),
+    ]
 
 
 def test_scheduler_refuses_to_start_without_a_usable_identity_key(tmp_path: Path) -> None:

@@ -49,13 +49,20 @@ def test_the_vllm_serving_block_serves_the_4k_checkpoint_from_the_pushed_image(s
     assert serving.limits.max_prompt_tokens + serving.limits.max_output_tokens == VLLM_MAX_MODEL_LEN
     # everything else is the stack's: ports, offload threshold, KV streams, tracing
     assert (serving.ports, serving.offload_threshold_tokens, serving.tracing) == (
-        stack_serving.ports, stack_serving.offload_threshold_tokens, stack_serving.tracing
-    )  # fmt: skip
+        stack_serving.ports,
+        stack_serving.offload_threshold_tokens,
+        stack_serving.tracing,
+    )
 
 
 def test_a_stack_vllm_block_keeps_its_settings_with_the_local_image(stack_serving: Serving) -> None:
-    own = Vllm(image="example.com/vllm@sha256:" + "0" * 64, version="0.32.0", dtype="bfloat16", max_model_len=8192,
-               block_size=64)  # fmt: skip
+    own = Vllm(
+        image="example.com/vllm@sha256:" + "0" * 64,
+        version="0.32.0",
+        dtype="bfloat16",
+        max_model_len=8192,
+        block_size=64,
+    )
     on_vllm = stack_serving.model_copy(update={"engine": Engine.VLLM, "vllm": own})
     serving = vllm_serving(on_vllm, IMAGE)
     assert serving.vllm is not None

@@ -112,8 +112,11 @@ def test_every_node_gets_its_names_and_address_and_the_control_node_the_issues_g
     leaves = {leaf.name: leaf for leaf in names.leaves(topology)}
     assert set(leaves) == {node.name for node in topology.nodes}
     control = leaves["control-control-1"]
-    assert control.dns_names[:3] == ("gateway.control.local.pdstack", "scheduler.control.local.pdstack",
-                                     "prometheus.control.local.pdstack")  # fmt: skip
+    assert control.dns_names[:3] == (
+        "gateway.control.local.pdstack",
+        "scheduler.control.local.pdstack",
+        "prometheus.control.local.pdstack",
+    )
     prefill = leaves["dc1-prefill-1"]
     assert prefill.dns_names == ("prefill.dc1.local.pdstack", "dc1-prefill-1.prefill.dc1.local.pdstack")
     assert prefill.addresses == ("10.210.1.10",)

@@ -46,8 +46,10 @@ def _check(result: int) -> None:
 def private_host() -> Iterator[None]:
     """Run the block (this thread and the processes it starts) in a new network and mount namespace whose
     /run/netns is an empty tmpfs; back in the original namespaces afterwards."""
-    saved = {flag: os.open(f"/proc/thread-self/ns/{kind}", os.O_RDONLY) for flag, kind in
-             ((CLONE_NEWNET, "net"), (CLONE_NEWNS, "mnt"))}  # fmt: skip
+    saved = {
+        flag: os.open(f"/proc/thread-self/ns/{kind}", os.O_RDONLY)
+        for flag, kind in ((CLONE_NEWNET, "net"), (CLONE_NEWNS, "mnt"))
+    }
     cwd = os.getcwd()
     try:
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET))
@@ -187,8 +189,12 @@ def dc1_dc2(topology: Topology) -> LocalLink:
 def ping_loss_pct(namespace: str, address: str, count: int = 10) -> float:
     # -w 5: a reply the user-space forwarder delivers late still counts as received (without a deadline, ping
     # gives up on the last ones after two round trips).
-    out = subprocess.run(["ip", "netns", "exec", namespace, "ping", "-q", "-c", str(count), "-i", "0.1", "-W", "1",
-                          "-w", "5", address], capture_output=True, text=True, check=False).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, "ping", "-q", "-c", str(count), "-i", "0.1", "-W", "1", "-w", "5", address],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     return float(re.search(r"([\d.]+)% packet loss", out).group(1))  # type: ignore[union-attr]
 
 

@@ -31,6 +31,10 @@ def test_the_playbooks_read_exactly_the_files_the_local_environment_writes(tmp_p
     local = LocalSecrets(tmp_path)
     written = {path.name for path in (*local.generated(), local.api_keys)} - {local.api_key.name}
     settings = yaml.safe_load((REPO / "playbooks" / "vars" / "serving.yml").read_text())
-    read = {match for value in settings.values() if isinstance(value, str)
-            for match in re.findall(r"\{\{ pdstack_secrets_dir \}\}/([\w.-]+)", value)}  # fmt: skip
+    read = {
+        match
+        for value in settings.values()
+        if isinstance(value, str)
+        for match in re.findall(r"\{\{ pdstack_secrets_dir \}\}/([\w.-]+)", value)
+    }
     assert read == written

@@ -33,18 +33,22 @@ def test_a_plain_webhook_url_and_a_pulumi_secret_are_accepted(stacks_dir: Path) 
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ({"webhook_url": "https://hooks.example.com/x?token=abc"},
-         "pdstack:alerting.webhook_url: the URL carries a credential (user:password@, a query string or a fragment) "
-         "in plain text: store it as a secret"),
+        (
+            {"webhook_url": "https://hooks.example.com/x?token=abc"},
+            "pdstack:alerting.webhook_url: the URL carries a credential (user:password@, a query string or a fragment) "
+            "in plain text: store it as a secret",
+        ),
         ({"webhook_url": "https://bot:hunter2@hooks.example.com/x"}, "carries a credential"),
-        ({"webhook_url": "ftp://hooks.example.com/x"},
-         "pdstack:alerting.webhook_url: the URL must be an http:// or https:// URL with a host"),
+        (
+            {"webhook_url": "ftp://hooks.example.com/x"},
+            "pdstack:alerting.webhook_url: the URL must be an http:// or https:// URL with a host",
+        ),
         ({"webhook_url": "https:///nohost"}, "must be an http:// or https:// URL with a host"),
         ({"webhook_url": "https://hooks.example.com:99999/x"}, "pdstack:alerting.webhook_url: the URL is not a URL"),
         ({"webhook_url": {"secure": ""}}, "pdstack:alerting.webhook_url.PulumiSecret.secure"),
         ({"webhook": "https://hooks.example.com/x"}, "pdstack:alerting.webhook: unknown key"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_webhook_setting_is_refused_naming_its_field(stacks_dir: Path, value: Any, expected: str) -> None:
     edit(stacks_dir / "Pulumi.prod-control.yaml", alerting(value))
     found = problems_of(stacks_dir)

@@ -43,8 +43,9 @@ MODEL = {Component.GATEWAY: GatewaySettings, Component.SCHEDULER: SchedulerSetti
 def test_every_component_on_a_request_path_reads_the_stacks_tracing(component: Component) -> None:
     env = contract(serving(otlp_endpoint=ENDPOINT, sample_ratio=0.25))[component].env()
     model = MODEL.get(component, ServerSettings)
-    values = {name: env[f"PDSERVE_{name.upper()}"] for name in ("otlp_traces_endpoint", "trace_sample_ratio",
-                                                                 "trace_prompts")}  # fmt: skip
+    values = {
+        name: env[f"PDSERVE_{name.upper()}"] for name in ("otlp_traces_endpoint", "trace_sample_ratio", "trace_prompts")
+    }
     parsed = model.model_validate({**values, **REQUIRED[model]})
     assert (parsed.otlp_traces_endpoint, parsed.trace_sample_ratio, parsed.trace_prompts) == (ENDPOINT, 0.25, False)
 

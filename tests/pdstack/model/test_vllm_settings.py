@@ -29,8 +29,12 @@ def test_examples_run_vllm_in_the_cloud_and_pdserve_locally() -> None:
     report = validate([STACKS])
     assert report.problems == []
     engines = {s.stack_name: s.config.serving.engine for s in report.stacks if s.config.serving is not None}
-    assert engines == {"dev-control": Engine.VLLM, "staging-control": Engine.VLLM, "prod-control": Engine.VLLM,
-                       "local-control": Engine.PDSERVE}  # fmt: skip
+    assert engines == {
+        "dev-control": Engine.VLLM,
+        "staging-control": Engine.VLLM,
+        "prod-control": Engine.VLLM,
+        "local-control": Engine.PDSERVE,
+    }
     prod = load_stack_file(STACKS / "Pulumi.prod-control.yaml").config.serving
     assert prod is not None and prod.vllm is not None
     assert prod.vllm.prefill.tensor_parallel_size == 8 and prod.vllm.decode.tensor_parallel_size == 8
@@ -117,7 +121,8 @@ def test_tensor_parallelism_beyond_one_node_is_refused(stacks_dir: Path) -> None
         "of Pulumi.staging-prefill-us-east-1.yaml: tensor parallelism stays inside one node",
         "pdstack:serving.vllm.decode.tensor_parallel_size: 1 differs from prefill's tensor_parallel_size 8: "
         "PdstackConnector moves each TP rank's KV heads to the decode rank of the same index, so decode would refuse "
-        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"]  # fmt: skip
+        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)",
+    ]
 
 
 def test_an_engine_that_leaves_gpus_idle_is_refused_with_the_data_parallel_size_that_fills_the_node(
@@ -128,7 +133,8 @@ def test_an_engine_that_leaves_gpus_idle_is_refused_with_the_data_parallel_size_
     assert _only(stacks_dir, "staging", role("decode", {"tensor_parallel_size": 2, "data_parallel_size": 1})) == [
         "pdstack:serving.vllm.decode.data_parallel_size: TP 2 x DP 1 uses 2 of the 4 GPUs of pool 'decode' "
         "(g6e.24xlarge) of Pulumi.staging-decode-us-west-2.yaml: pdstack runs one engine per node, so 2 would sit "
-        "idle; data_parallel_size 2 fills it"]  # fmt: skip
+        "idle; data_parallel_size 2 fills it"
+    ]
 
 
 def test_data_parallelism_across_nodes_needs_pools_of_whole_engines(stacks_dir: Path) -> None:
@@ -186,7 +192,8 @@ def test_the_pdstack_connector_refuses_a_model_that_needs_the_hybrid_kv_cache_ma
         "attention, whose per-request state only vLLM's hybrid KV cache manager holds beside the attention KV. "
         "PdstackConnector moves one full-attention KV cache group and does not subclass SupportsHMA, so vLLM "
         "disables that manager and the engine fails at start-up. nixl supports it, but only between EFA pools in one "
-        "region; across regions serve a model without linear attention"]  # fmt: skip
+        "region; across regions serve a model without linear attention"
+    ]
 
 
 def test_a_hybrid_model_through_nixl_in_one_region_is_accepted(stacks_dir: Path) -> None:
@@ -204,7 +211,8 @@ def test_a_hybrid_models_block_size_must_resolve_the_same_at_both_tensor_paralle
     assert _only(stacks_dir, "prod", vllm({"block_size": 16})) == [
         "pdstack:serving.vllm.block_size: 16 becomes 144 tokens on prefill (TP 8) but 544 on decode (TP 1): vLLM "
         "raises Qwen3-Next-80B-A3B's block size until an attention page holds a linear-attention state, and the KV "
-        "fingerprint covers block size; set block_size to at least 544 on both"]  # fmt: skip
+        "fingerprint covers block size; set block_size to at least 544 on both"
+    ]
     assert _only(stacks_dir, "prod", vllm({"block_size": 544})) == []
 
 
@@ -215,17 +223,20 @@ def test_the_pdstack_connector_needs_equal_tensor_parallelism(stacks_dir: Path) 
     assert _only(stacks_dir, "prod", role("decode", {"tensor_parallel_size": 4, "data_parallel_size": 2})) == [
         "pdstack:serving.vllm.decode.tensor_parallel_size: 4 differs from prefill's tensor_parallel_size 8: "
         "PdstackConnector moves each TP rank's KV heads to the decode rank of the same index, so decode would refuse "
-        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"]  # fmt: skip
+        "every KV prefill sends (use equal TP on both sides, with data_parallel_size to fill the nodes)"
+    ]
 
 
 def test_the_pdstack_connectors_kv_ports_stay_clear_of_the_other_ports(stacks_dir: Path) -> None:
     # Staging prefill TP 1 x DP 4 serves KV on 8400..8403 (serving.ports.kv + DP index x TP + rank).
     assert _only(stacks_dir, "staging", lambda c: c["pdstack:serving"].update(ports={"kv": 8298})) == [
         "pdstack:serving.ports.kv: 8298: a prefill of TP 1 x DP 4 serves KV on one port per worker, 8298..8301, "
-        "which overlaps serving.ports.decode 8300"]  # fmt: skip
+        "which overlaps serving.ports.decode 8300"
+    ]
     assert _only(stacks_dir, "staging", lambda c: c["pdstack:serving"].update(ports={"kv": 65534})) == [
         "pdstack:serving.ports.kv: 65534: a prefill of TP 1 x DP 4 serves KV on one port per worker, 65534..65537, "
-        "which ends above 65535"]  # fmt: skip
+        "which ends above 65535"
+    ]
 
 
 def test_block_size_must_suit_the_attention_kernels(stacks_dir: Path) -> None:
@@ -241,13 +252,16 @@ def test_nixl_needs_efa_at_both_ends_and_one_region(stacks_dir: Path) -> None:
     assert found == [
         "pdstack:serving.vllm.kv_connector: nixl needs both ends in one region, but pool 'prefill' (g6e.12xlarge) of "
         "Pulumi.staging-prefill-us-east-1.yaml is in us-east-1 and pool 'decode' (g6e.24xlarge) of "
-        "Pulumi.staging-decode-us-west-2.yaml in us-west-2: use kv_connector pdstack across regions"]  # fmt: skip
+        "Pulumi.staging-decode-us-west-2.yaml in us-west-2: use kv_connector pdstack across regions"
+    ]
 
 
 def test_nixl_needs_efa(stacks_dir: Path) -> None:
     no_efa = _only(stacks_dir, "dev", vllm({"kv_connector": "nixl"}))
-    assert "pdstack:serving.vllm.kv_connector: nixl moves KV over RDMA, and pool 'prefill' (g6e.xlarge) of " \
-           "Pulumi.dev-prefill-us-east-1.yaml has no EFA: use kv_connector pdstack" in no_efa  # fmt: skip
+    assert (
+        "pdstack:serving.vllm.kv_connector: nixl moves KV over RDMA, and pool 'prefill' (g6e.xlarge) of "
+        "Pulumi.dev-prefill-us-east-1.yaml has no EFA: use kv_connector pdstack" in no_efa
+    )
 
 
 def test_nixl_within_one_region_with_efa_is_accepted(stacks_dir: Path) -> None:
@@ -263,7 +277,8 @@ def test_nixl_within_one_region_with_efa_is_accepted(stacks_dir: Path) -> None:
 def test_the_context_holds_what_the_gateway_admits(stacks_dir: Path) -> None:
     assert _only(stacks_dir, "dev", vllm({"max_model_len": 16384})) == [
         "pdstack:serving.vllm.max_model_len: 16384 is shorter than serving.limits.max_prompt_tokens 16384 + "
-        "max_output_tokens 2048 = 18432: vLLM would refuse requests the gateway admits"]  # fmt: skip
+        "max_output_tokens 2048 = 18432: vLLM would refuse requests the gateway admits"
+    ]
 
 
 def test_the_context_fits_the_checkpoint(stacks_dir: Path) -> None:
@@ -282,7 +297,8 @@ def test_expert_settings_follow_vllms_rules(stacks_dir: Path) -> None:
 def test_redundant_experts_need_eplb(stacks_dir: Path) -> None:
     assert _only(stacks_dir, "dev", role("prefill", {"num_redundant_experts": 4})) == [
         "pdstack:serving.vllm.prefill.num_redundant_experts: 4 redundant experts need enable_eplb: true (EPLB places "
-        "them)"]  # fmt: skip
+        "them)"
+    ]
 
 
 def test_expert_parallelism_on_a_dense_model_is_refused(stacks_dir: Path) -> None:
@@ -322,9 +338,13 @@ def test_a_moe_model_too_big_for_its_engine_and_an_mla_block_size(stacks_dir: Pa
     decode_ep = {"enable_expert_parallel": True, "enable_eplb": True, "num_redundant_experts": 32}
     edit(stacks_dir / "Pulumi.prod-control.yaml", role("decode", decode_ep))
     found = _only(stacks_dir, "prod", lambda c: c["pdstack:serving"]["model"].update(name="deepseek-v3"))
-    assert ("pdstack:serving.vllm.prefill.data_parallel_size: weights need 84.8 GB per H100 at TP 8 x DP 1 with EP, "
-            "more than gpu_memory_utilization 0.92 x 80 GB = 73.6 GB: spread the experts over more GPUs (prefill, "
-            "pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)") in found  # fmt: skip
-    assert ("pdstack:serving.vllm.block_size: 16 is not a multiple of 64, which vLLM's MLA kernels (FlashMLA) need "
-            "(pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)") in found  # fmt: skip
+    assert (
+        "pdstack:serving.vllm.prefill.data_parallel_size: weights need 84.8 GB per H100 at TP 8 x DP 1 with EP, "
+        "more than gpu_memory_utilization 0.92 x 80 GB = 73.6 GB: spread the experts over more GPUs (prefill, "
+        "pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)"
+    ) in found
+    assert (
+        "pdstack:serving.vllm.block_size: 16 is not a multiple of 64, which vLLM's MLA kernels (FlashMLA) need "
+        "(pool 'prefill-h100' (p5.48xlarge) of Pulumi.prod-prefill-us-east-1.yaml)"
+    ) in found
     assert not any("decode" in p and "weights need" in p for p in found)

@@ -134,9 +134,14 @@ def test_isca25_deepseek_insights_table_1() -> None:
     assert kv_footprint(builtin_model("DeepSeek-V3")).mla_per_token == 70_272
     assert kv_footprint(builtin_model("Qwen2.5-72B")).full_per_token == 327_680
     llama_405b = {  # meta-llama/Llama-3.1-405B config.json
-        "model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
-        "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
-    }  # fmt: skip
+        "model_type": "llama",
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_hidden_layers": 126,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    }
     assert kv_footprint(parse_config(llama_405b, "Llama-3.1-405B", "test")).full_per_token == 516_096
 
 

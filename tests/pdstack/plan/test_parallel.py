@@ -120,8 +120,10 @@ def test_settings_that_cannot_fit_are_named() -> None:
     # 3.04 GB + 653.9 GB / 8 = 84.78 GB per H100, over 0.92 x 80 GB = 73.6 GB
     [misfit] = memory_misfits(on_h100, 4096)
     assert misfit.setting == "data_parallel_size"
-    assert misfit.reason == ("weights need 84.8 GB per H100 at TP 8 x DP 1 with EP, more than gpu_memory_utilization "
-                             "0.92 x 80 GB = 73.6 GB: spread the experts over more GPUs")  # fmt: skip
+    assert misfit.reason == (
+        "weights need 84.8 GB per H100 at TP 8 x DP 1 with EP, more than gpu_memory_utilization "
+        "0.92 x 80 GB = 73.6 GB: spread the experts over more GPUs"
+    )
     llama = builtin_model("Llama-3.1-70B")
     tp2 = engine_memory(llama, "H100", GPUS["H100"], Parallelism(2))
     # 141.1 GB / 2 = 70.55 GB of weights leaves 3.05 GB; 32768 tokens x 80 x 2 x 4 heads x 128 x 2 B = 5.37 GB
@@ -189,11 +191,41 @@ def test_a_plan_whose_engine_cannot_load_says_which_setting() -> None:
 
 
 def test_plan_command_takes_parallelism_options() -> None:
-    args = ["plan", "--model", "DeepSeek-V3", "--prefill", "p5e.48xlarge", "--decode", "p5e.48xlarge",
-            "--bandwidth-gbps", "400", "--rtt-ms", "10", "--rate", "4", "--input-mean", "4096",
-            "--output-mean", "512", "--ttft-ms", "2000", "--tpot-ms", "80", "--prefill-tp", "8",
-            "--decode-tp", "1", "--decode-dp", "32", "--decode-ep", "--block-size", "64",
-            "--context-tokens", "8192", "--json"]  # fmt: skip
+    args = [
+        "plan",
+        "--model",
+        "DeepSeek-V3",
+        "--prefill",
+        "p5e.48xlarge",
+        "--decode",
+        "p5e.48xlarge",
+        "--bandwidth-gbps",
+        "400",
+        "--rtt-ms",
+        "10",
+        "--rate",
+        "4",
+        "--input-mean",
+        "4096",
+        "--output-mean",
+        "512",
+        "--ttft-ms",
+        "2000",
+        "--tpot-ms",
+        "80",
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "1",
+        "--decode-dp",
+        "32",
+        "--decode-ep",
+        "--block-size",
+        "64",
+        "--context-tokens",
+        "8192",
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     data = json.loads(result.stdout)
     decode = data["parallelism"]["decode"]

@@ -130,17 +130,40 @@ def test_prfaas_hybrid_kv_throughput_cross_check() -> None:
     0.5 MFU is an upper bound on a measured system's rate; we require it to land between 1x and 4x the published
     rates, and to reproduce at least half of the published reduction."""
     qwen3_235b = {  # Qwen/Qwen3-235B-A22B config.json
-        "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
-        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-        "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
-    }  # fmt: skip
-    qwen35_397b = {"model_type": "qwen3_5_moe", "text_config": {  # Qwen/Qwen3.5-397B-A17B config.json
-        "model_type": "qwen3_5_moe_text", "hidden_size": 4096, "num_hidden_layers": 60, "num_attention_heads": 32,
-        "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
-        "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024, "full_attention_interval": 4,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
-    }}  # fmt: skip
+        "model_type": "qwen3_moe",
+        "hidden_size": 4096,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "vocab_size": 151936,
+    }
+    qwen35_397b = {
+        "model_type": "qwen3_5_moe",
+        "text_config": {  # Qwen/Qwen3.5-397B-A17B config.json
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 4096,
+            "num_hidden_layers": 60,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "num_experts": 512,
+            "num_experts_per_tok": 10,
+            "moe_intermediate_size": 1024,
+            "shared_expert_intermediate_size": 1024,
+            "full_attention_interval": 4,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 64,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "vocab_size": 248320,
+        },
+    }
     h200x8 = replica_for("p5e.48xlarge", 0)
     rates = {}
     for name, cfg in (("dense", qwen3_235b), ("hybrid", qwen35_397b)):
@@ -215,9 +238,30 @@ def test_unknown_served_model_skips_the_link_check_and_says_so(tmp_path: Path) -
 
 
 def test_plan_command_json() -> None:
-    args = ["plan", "--model", "DeepSeek-V3", "--prefill", "p5e.48xlarge", "--decode", "p5e.48xlarge",
-            "--bandwidth-gbps", "400", "--rtt-ms", "10", "--rate", "4", "--input-mean", "4096",
-            "--output-mean", "512", "--ttft-ms", "2000", "--tpot-ms", "80", "--json"]  # fmt: skip
+    args = [
+        "plan",
+        "--model",
+        "DeepSeek-V3",
+        "--prefill",
+        "p5e.48xlarge",
+        "--decode",
+        "p5e.48xlarge",
+        "--bandwidth-gbps",
+        "400",
+        "--rtt-ms",
+        "10",
+        "--rate",
+        "4",
+        "--input-mean",
+        "4096",
+        "--output-mean",
+        "512",
+        "--ttft-ms",
+        "2000",
+        "--tpot-ms",
+        "80",
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     data = json.loads(result.stdout)
     assert data["kv"]["bytes_per_token"] == 70_272
