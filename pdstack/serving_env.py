@@ -49,11 +49,11 @@ def gateway_settings(serving: Serving) -> dict[str, str]:
             **plaintext,
             "offload_threshold_tokens": serving.offload_threshold_tokens,
             "max_prompt_tokens": limits.max_prompt_tokens,
-            "max_tokens_limit": limits.max_output_tokens,
+            "max_output_tokens": limits.max_output_tokens,
             "connect_timeout": timeouts.connect_s,
             "prefill_timeout": timeouts.prefill_s,
             "first_token_timeout": timeouts.first_token_s,
-            "decode_timeout": timeouts.request_s,
+            "request_timeout": timeouts.request_s,
         },
     )
 

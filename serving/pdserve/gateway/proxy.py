@@ -315,7 +315,7 @@ class PDProxy:
         self, ctx: Context, decode: RoutedInstance, kv_params: dict[str, Any] | None
     ) -> httpx.Response:
         url = decode.info.url + PATHS[ctx.request.endpoint]
-        timeout = httpx.Timeout(self.settings.decode_timeout, connect=self.settings.connect_timeout)
+        timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
         with self.router.dispatched(decode):
             response = await self.post("decode", url, decode_body(ctx.request.body, kv_params), ctx, timeout)
         self._observe_kv(response.text)

@@ -33,7 +33,7 @@ class GatewaySettings(TracingSettings, TLSSettings):
     )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body accepted")
     max_prompt_tokens: int = Field(32_768, ge=1, description="longest prompt accepted, in tokens")
-    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
+    max_output_tokens: int = Field(4096, ge=1, description="largest max_tokens accepted")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens set on requests that give none")
     requests_per_second: float = Field(10.0, gt=0, description="default per-tenant request rate")
     request_burst: int = Field(20, ge=1, description="default per-tenant request burst")
@@ -64,7 +64,7 @@ class GatewaySettings(TracingSettings, TLSSettings):
     prefill_timeout: float = Field(60.0, gt=0, description="seconds a prefill call may take")
     first_token_timeout: float = Field(60.0, gt=0, description="seconds until decode's first event")
     inter_token_timeout: float = Field(30.0, gt=0, description="seconds allowed between streamed events")
-    decode_timeout: float = Field(600.0, gt=0, description="seconds a non-streaming decode call may take")
+    request_timeout: float = Field(600.0, gt=0, description="seconds a non-streaming decode call may take")
     kv_params_key_file: Path | None = Field(
         None,
         description="file holding the kv_transfer_params key (64 hex characters, derived from the KV channel "

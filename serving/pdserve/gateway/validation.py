@@ -169,8 +169,8 @@ def _max_tokens(name: str, body: dict[str, Any], settings: GatewaySettings) -> i
     value = body.get(name)
     if value is None:
         body["max_tokens"] = value = settings.default_max_tokens
-    if not _is_int(value) or not 1 <= value <= settings.max_tokens_limit:
-        raise RequestError(name, f"must be an integer from 1 to {settings.max_tokens_limit}, got {_shown(value)}")
+    if not _is_int(value) or not 1 <= value <= settings.max_output_tokens:
+        raise RequestError(name, f"must be an integer from 1 to {settings.max_output_tokens}, got {_shown(value)}")
     return int(value)
 
 
