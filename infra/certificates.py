@@ -1,5 +1,5 @@
 """Certificates: one CA per environment whose key is a Pulumi secret, and a certificate per component (gateway,
-scheduler, Prometheus) and per server pool, with the names pdstack.contract.Names gives them.
+scheduler, Prometheus) and per server pool, with the names pdstack.contract.components.Names gives them.
 
 The control-plane stack holds the CA and issues every certificate (it reads every datacenter's pools from the stack
 files), so the CA key never leaves that stack's encrypted state. The components' keys are generated here too and
@@ -21,7 +21,13 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_tls as tls
 
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE, operator_tls_secret_name, tls_secret_name
+from pdstack.contract.components import (
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    operator_tls_secret_name,
+    tls_secret_name,
+)
 
 HOURS_PER_DAY = 24
 CA_VALIDITY_DAYS = 3650
@@ -43,7 +49,7 @@ class TlsFiles:
     ca_pem: pulumi.Output[str]
 
     def files(self) -> dict[str, pulumi.Output[str]]:
-        """The kubernetes.io/tls Secret's keys (the files under pdstack.contract.TLS_DIR)."""
+        """The kubernetes.io/tls Secret's keys (the files under pdstack.contract.components.TLS_DIR)."""
         return {TLS_CERT_FILE: self.cert_pem, TLS_KEY_FILE: self.key_pem, TLS_CA_FILE: self.ca_pem}
 
 

@@ -1,5 +1,5 @@
 """Names: one Route53 private hosted zone per environment (<env>.<domain>), associated with every datacenter's VPC,
-holding the names pdstack.contract.Names gives the gateway, the scheduler and each server pool.
+holding the names pdstack.contract.components.Names gives the gateway, the scheduler and each server pool.
 
 The zone is made once, by the control-plane stack: it is deployed first (infra/environment.DEPLOY_RANK), every
 datacenter stack already reads it by StackReference, and a zone that belongs to the environment must not go away
@@ -34,7 +34,7 @@ def dns_domain_problem(domain: str) -> str | None:
 
 @dataclass(frozen=True)
 class PrivateZoneArgs:
-    zone: str  # <env>.<domain>: pdstack.contract.cloud_names(env, domain).zone
+    zone: str  # <env>.<domain>: pdstack.contract.components.cloud_names(env, domain).zone
     vpc_id: pulumi.Input[str]  # the control plane's VPC
     region: str  # its region
     tags: Mapping[str, str]

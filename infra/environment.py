@@ -17,9 +17,9 @@ import pulumi
 from pydantic import ValidationError
 
 from infra.dns import dns_domain_problem
-from pdstack.contract import DNS_DOMAIN
+from pdstack.contract.components import DNS_DOMAIN
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, Link, Ports, StackConfig
-from pdstack.validate import validate
+from pdstack.stacks.validate import validate
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "pdstack"

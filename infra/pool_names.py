@@ -1,8 +1,8 @@
-"""A server pool's names in the environment's zone (pdstack.contract.Names): <pool>.<datacenter>.<zone>, an A record of
-its InService instances' addresses, and <instance-id>.<pool>.<datacenter>.<zone> for each of them, kept by a small
-Lambda function (infra/lambdas/pool_records.py) that EventBridge runs on every launch and termination in the pool's
-Auto Scaling group and every RECONCILE_MINUTES. Instances come and go without a `pulumi up`, so the program cannot
-write these addresses itself; the function may change only the pool's A records of the zone."""
+"""A server pool's names in the environment's zone (pdstack.contract.components.Names): <pool>.<datacenter>.<zone>, an
+A record of its InService instances' addresses, and <instance-id>.<pool>.<datacenter>.<zone> for each of them, kept by
+a small Lambda function (infra/lambdas/pool_records.py) that EventBridge runs on every launch and termination in the
+pool's Auto Scaling group and every RECONCILE_MINUTES. Instances come and go without a `pulumi up`, so the program
+cannot write these addresses itself; the function may change only the pool's A records of the zone."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ from infra.workloads import ControlWorkloads
 from infra.workloads.access import ingress_host
 from infra.workloads.common import GATEWAY_TOKEN, ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, ratelimit_store_config
-from pdstack.catalog import Catalog, load_catalog
-from pdstack.contract import (
+from pdstack.contract.components import (
     Names,
     ca_certificate_parameter,
     cloud_names,
@@ -43,6 +42,7 @@ from pdstack.contract import (
     scheduler_url_parameter,
 )
 from pdstack.model import DatacenterRole, Environment, Serving
+from pdstack.plan.catalog import Catalog, load_catalog
 
 # The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
 # scheduler's identity key: whoever holds it can mint any principal's token, so each node gets only its own derived

@@ -1,12 +1,12 @@
 """Prometheus's configuration in the cloud: the control-plane pods through their headless Services' DNS, and every
 datacenter's nodes through EC2 discovery keyed on the pdstack tags (so new Auto Scaling instances appear alone).
 
-Job names, ports and paths are the deployment contract's (pdstack/contract.py), the same as the local Prometheus
-(roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for node_exporter,
-`prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it loads, selects
-the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads/monitoring.py), configured as
-the local one is (pdstack/alerting.py). A job whose targets require a token (the gateway's /metrics) presents the
-contract's credentials file, which the Prometheus pod mounts from the environment's Secret.
+Job names, ports and paths are the deployment contract's (pdstack/contract/components.py), the same as the local
+Prometheus (roles/prometheus): one job per component (`pdserve-gateway`, `pdserve-prefill`, ...), `node` for
+node_exporter, `prometheus` for itself; datacenter, role, pool and zone are labels. So monitoring/alerts.yml, which it
+loads, selects the same jobs in both places. Alerts go to the Alertmanager beside it (infra/workloads/monitoring.py),
+configured as the local one is (pdstack/contract/alerting.py). A job whose targets require a token (the gateway's
+/metrics) presents the contract's credentials file, which the Prometheus pod mounts from the environment's Secret.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pulumi
 import yaml
 
 from infra.tags import DC, ENV, POOL, ROLE
-from pdstack.alerting import alertmanager_config
-from pdstack.contract import (
+from pdstack.contract.alerting import alertmanager_config
+from pdstack.contract.components import (
     TLS_CA_FILE,
     TLS_CERT_FILE,
     TLS_DIR,
@@ -29,7 +29,7 @@ from pdstack.contract import (
     cluster_service_name,
 )
 from pdstack.model import PoolRole
-from pdstack.stackfile import NAMESPACE
+from pdstack.stacks.files import NAMESPACE
 
 SCRAPE_INTERVAL = "15s"
 RULES_FILE = "alerts.yml"  # beside prometheus.yml in the same ConfigMap: rule_files resolve relative to it
@@ -68,7 +68,7 @@ def _ec2_sd(env: str, dc: DatacenterTarget, port: int, role: PoolRole | None) ->
 
 
 def instance_address(zone: str, port: int) -> dict[str, Any]:
-    """Scrape an instance by its own name, <instance id>.<pool>.<datacenter>.<zone> (pdstack.contract
+    """Scrape an instance by its own name, <instance id>.<pool>.<datacenter>.<zone> (pdstack.contract.components
     Names.instance, the record infra/lambdas/pool_records.py keeps), which its pool's certificate carries."""
     return {
         "source_labels": ["__meta_ec2_instance_id", _tag_label(POOL), _tag_label(DC)],
@@ -214,7 +214,7 @@ def stack_alerting() -> pulumi.Output[Any]:
 
 
 def alertmanager_yaml(env: str, alerting: pulumi.Output[Any] | None = None) -> pulumi.Output[str]:
-    """The environment's alertmanager.yml (pdstack/alerting.py: routes by severity, link-down inhibition, the
+    """The environment's alertmanager.yml (pdstack/contract/alerting.py: routes by severity, link-down inhibition, the
     stack's webhook), as a secret Output: the URL it holds may carry a token."""
     source = alerting if alerting is not None else stack_alerting()
     rendered = source.apply(lambda value: yaml_text(alertmanager_config(env, webhook_url(value))))

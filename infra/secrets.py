@@ -14,7 +14,7 @@ import pulumi_aws as aws
 import pulumi_random as random
 
 from infra.encryption import ManagedKey, ManagedKeyArgs
-from pdstack.contract import secret_name
+from pdstack.contract.components import secret_name
 from pdstack.model import Secret
 
 SECRET_LENGTH = 48

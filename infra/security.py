@@ -13,7 +13,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.tags import PURPOSE
-from pdstack.contract import Component, Contract
+from pdstack.contract.components import Component, Contract
 from pdstack.model import DatacenterRole, PoolRole
 
 SSH_PORT = 22
@@ -37,7 +37,7 @@ class NodeAccess:
 
     pool_roles: frozenset[PoolRole]
     datacenter_role: DatacenterRole
-    contract: Contract  # the ports each component listens on (pdstack/contract.py)
+    contract: Contract  # the ports each component listens on (pdstack/contract/components.py)
     own_cidr: str
     control_cidr: str
     kv_peer_cidrs: tuple[str, ...]  # linked datacenters that pull KV from this one

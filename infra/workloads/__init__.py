@@ -3,8 +3,8 @@
 - common.py: the component's arguments and what the parts share (the Secret's name, the TLS volume, the restricted
   security context, the one-replica pod of the non-pdserve services);
 - pdserve_apps.py: the gateway and scheduler Deployments running pdserve (command, PDSERVE_* settings, secret
-  files, ports and probes from the deployment contract, pdstack/contract.py), the scheduler's weights volume and
-  the headless Services Prometheus finds the pods by;
+  files, ports and probes from the deployment contract, pdstack/contract/components.py), the scheduler's weights volume
+  and the headless Services Prometheus finds the pods by;
 - access.py: the internal NLB Services open only to the environment's networks, and default-deny NetworkPolicies;
 - monitoring.py: Prometheus loading monitoring/alerts.yml, and the Alertmanager it sends alerts to;
 - ratelimit_store.py: the gateways' shared rate-limit store (Redis).
@@ -24,7 +24,7 @@ from infra.workloads.common import SECRET_NAME, ControlWorkloadsArgs, https_url,
 from infra.workloads.monitoring import alertmanager, prometheus
 from infra.workloads.pdserve_apps import AppSpec, deployment, headless_service
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, ratelimit_store
-from pdstack.contract import Component, cluster_service_name
+from pdstack.contract.components import Component, cluster_service_name
 
 
 class ControlWorkloads(pulumi.ComponentResource):

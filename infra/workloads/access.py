@@ -12,7 +12,7 @@ import pulumi_kubernetes as k8s
 
 from infra.workloads.common import ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE
-from pdstack.contract import Component
+from pdstack.contract.components import Component
 from pdstack.policy.core import NLB_TLS_CERT, NLB_TLS_POLICY, NLB_TLS_PORTS, TLS_PASSTHROUGH
 
 NLB_ANNOTATIONS = {

@@ -12,7 +12,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.certificates import TlsFiles
-from pdstack.contract import SECRET_FILES, Component, Contract
+from pdstack.contract.components import SECRET_FILES, Component, Contract
 
 CONFIG_DIR = "/etc/pdstack"
 SECRET_NAME = "pdstack-secrets"  # noqa: S105 (a Kubernetes object name)
@@ -37,7 +37,7 @@ class ControlWorkloadsArgs:
     env: str
     namespace: str
     images: Mapping[str, pulumi.Input[str]]  # gateway, scheduler: full image references
-    contract: Contract  # ports, commands, settings, secret files, probes, jobs (pdstack/contract.py)
+    contract: Contract  # ports, commands, settings, secret files, probes, jobs (pdstack/contract/components.py)
     config_files: Mapping[str, str]  # file name -> content, mounted read-only at CONFIG_DIR
     secret_values: Mapping[str, pulumi.Input[str]]  # secret Outputs
     client_cidrs: Sequence[str]  # who may call the gateway: the environment's networks
@@ -55,7 +55,8 @@ class ControlWorkloadsArgs:
     gateway_max_replicas: int
     # app (gateway, scheduler, prometheus) -> the ACM certificate of its load balancer's TLS listener
     load_balancer_certificates: Mapping[str, pulumi.Input[str]]
-    # app -> its DNS name (pdstack.contract.Names): the URLs the control plane hands on name it, not an address
+    # app -> its DNS name (pdstack.contract.components.Names): the URLs the control plane hands on name it, not an
+    # address
     dns_names: Mapping[str, str]
     # app -> its certificate, key (secret) and CA: a kubernetes.io/tls Secret mounted at TLS_DIR
     tls: Mapping[str, TlsFiles]

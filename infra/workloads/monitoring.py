@@ -28,7 +28,7 @@ from infra.workloads.common import (
     storage_class,
     tls_volume,
 )
-from pdstack.contract import SECRETS_DIR, TLS_DIR, Contract
+from pdstack.contract.components import SECRETS_DIR, TLS_DIR, Contract
 
 PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v3.5.0"
 ALERTMANAGER_IMAGE = "quay.io/prometheus/alertmanager:v0.28.1"

@@ -1,6 +1,6 @@
 """The gateway and scheduler: Deployments running pdserve (command, PDSERVE_* settings, secret files, ports and
-probes from the deployment contract, pdstack/contract.py; separate liveness and readiness probes, resource requests),
-the scheduler's weights volume, and the headless Services Prometheus finds their pods by."""
+probes from the deployment contract, pdstack/contract/components.py; separate liveness and readiness probes, resource
+requests), the scheduler's weights volume, and the headless Services Prometheus finds their pods by."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from infra.workloads.common import (
     storage_class,
     tls_volume,
 )
-from pdstack.contract import (
+from pdstack.contract.components import (
     RUNTIME_UID,
     SECRETS_DIR,
     STATE_DIR,

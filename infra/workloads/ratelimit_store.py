@@ -20,7 +20,7 @@ from infra.workloads.common import (
     single_pod,
     tls_volume,
 )
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE
+from pdstack.contract.components import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE
 
 RATELIMIT_STORE_IMAGE = "docker.io/library/redis:7.4.2-alpine"
 RATELIMIT_STORE = "ratelimit"

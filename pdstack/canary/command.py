@@ -29,7 +29,7 @@ from pdstack.canary.golden import (
 from pdstack.canary.judge import Outcome, Verdict, judge, judge_step
 from pdstack.canary.prom import DEFAULT_POINTS, Prometheus, PrometheusError, observe
 from pdstack.model import Canary
-from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
+from pdstack.stacks.options import JsonOption, StacksOption, environment, stacks_dir
 
 EXIT = {Outcome.PASS: 0, Outcome.FAIL: 1, Outcome.INCONCLUSIVE: 3}
 canary_app = typer.Typer(

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pdstack.local.commands import CommandError
-from pdstack.local.engine import EngineError
+from pdstack.local.engine_choice import EngineError
 from pdstack.local.inventory import render_inventory
 from pdstack.local.network import NetworkError
 from pdstack.local.nodes import NodeError
 from pdstack.local.registry import RegistryError
 from pdstack.local.topology import TopologyError
-from pdstack.options import JsonOption, StacksOption, stacks_dir
-from pdstack.stacks import PROJECT_FILE, STACKS_FOLDER
+from pdstack.stacks.environment import PROJECT_FILE, STACKS_FOLDER
+from pdstack.stacks.options import JsonOption, StacksOption, stacks_dir
 
 if TYPE_CHECKING:
     from pdstack.local.env import LocalEnv

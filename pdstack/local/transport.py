@@ -11,7 +11,7 @@ from typing import Any
 
 from openai import DefaultHttpxClient
 
-from pdstack.contract import Component, Contract
+from pdstack.contract.components import Component, Contract
 from pdstack.local.names import LOCAL_ZONE, host_entries, leaves, remove_hosts, service_name, write_hosts
 from pdstack.local.tls import Leaf, LocalCA
 from pdstack.local.topology import Topology

@@ -5,7 +5,7 @@ the `pdstack:` namespace, so `pulumi up` reads the very values `pdstack validate
 the whole environment (serving, canary, secrets, capacity) live in the control-plane datacenter's stack, once.
 
 The model is split by concern: base.py (the strict base and scalar types), topology.py (environment, datacenter,
-pools, links), engine.py (pdserve or vLLM, and the vLLM release), serving.py (`pdstack:serving`) and
+pools, links), serving_engine.py (pdserve or vLLM, and the vLLM release), serving.py (`pdstack:serving`) and
 environment_wide.py (canary, secrets, capacity, alerting); this module holds StackConfig, the whole stack file, and
 names every part's public names, so `from pdstack.model import X` works for each of them.
 """
@@ -17,19 +17,6 @@ from typing import ClassVar
 from pydantic import model_validator
 
 from pdstack.model.base import NAME_PATTERN, Name, Percent, Port, Seconds, Strict
-from pdstack.model.engine import (
-    ALL2ALL_BACKENDS,
-    EXTRA_FLAGS,
-    IMAGE_BY_DIGEST,
-    OWNED_FLAGS,
-    VERSION_IN_TAG,
-    Engine,
-    ExtraValue,
-    KvConnector,
-    Vllm,
-    VllmDtype,
-    VllmRole,
-)
 from pdstack.model.environment_wide import (
     REQUIRED_SECRETS,
     RETIRED_SECRETS,
@@ -44,6 +31,19 @@ from pdstack.model.environment_wide import (
     webhook_url_problem,
 )
 from pdstack.model.serving import Limits, Model, Ports, Serving, Timeouts, Tracing
+from pdstack.model.serving_engine import (
+    ALL2ALL_BACKENDS,
+    EXTRA_FLAGS,
+    IMAGE_BY_DIGEST,
+    OWNED_FLAGS,
+    VERSION_IN_TAG,
+    Engine,
+    ExtraValue,
+    KvConnector,
+    Vllm,
+    VllmDtype,
+    VllmRole,
+)
 from pdstack.model.topology import (
     AWS_REGION_PATTERN,
     LOCAL_REGION,

@@ -119,8 +119,8 @@ def webhook_url_problem(url: str, secret: bool) -> str | None:
 
 
 class Alerting(Strict):
-    """Where Alertmanager delivers the environment's alerts (pdstack/alerting.py). Without a webhook every alert
-    still reaches Alertmanager, where it is listed and can be silenced, and is sent nowhere."""
+    """Where Alertmanager delivers the environment's alerts (pdstack/contract/alerting.py). Without a webhook every
+    alert still reaches Alertmanager, where it is listed and can be silenced, and is sent nowhere."""
 
     webhook_url: str | PulumiSecret | None = Field(
         default=None, description="http(s) URL receiving Alertmanager's webhook; a Pulumi secret if it holds a token"

@@ -9,8 +9,8 @@ from pydantic import Field, field_validator, model_validator
 
 from pdserve.kv.settings import KV_PORT, KVChannelSettings
 from pdstack.model.base import Port, Seconds, Strict
-from pdstack.model.engine import Engine, Vllm
 from pdstack.model.environment_wide import webhook_url_problem
+from pdstack.model.serving_engine import Engine, Vllm
 
 _KV = KVChannelSettings.model_fields  # the KV channel's knobs: their defaults are pdserve's
 
@@ -42,8 +42,8 @@ class Limits(Strict):
 
 
 class Timeouts(Strict):
-    """The gateway's and the KV channel's timeouts; the KV ones reach both engines on both sides (pdstack.contract)
-    under pdserve's KV channel names, with pdserve's defaults (pdserve.kv.settings)."""
+    """The gateway's and the KV channel's timeouts; the KV ones reach both engines on both sides
+    (pdstack.contract.components) under pdserve's KV channel names, with pdserve's defaults (pdserve.kv.settings)."""
 
     connect_s: Seconds = Field(default=2.0, description="to connect to an upstream: the gateway's calls, KV pulls")
     prefill_s: Seconds = 30.0

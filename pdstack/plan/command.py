@@ -11,7 +11,6 @@ import typer
 from rich.console import Console
 
 from pdstack.model import Engine, PoolRole, Serving
-from pdstack.options import JsonOption, StacksOption, environment, stacks_dir
 from pdstack.plan.hardware import HardwareError
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelError, ModelSpec, resolve_model
@@ -21,7 +20,8 @@ from pdstack.plan.render import plan_json, render_plan
 from pdstack.plan.stacks import control_of, kv_links, link_checks, model_for
 from pdstack.plan.timing import Efficiency
 from pdstack.plan.workload import WorkloadError, from_distribution, from_trace
-from pdstack.stackfile import StackFile
+from pdstack.stacks.files import StackFile
+from pdstack.stacks.options import JsonOption, StacksOption, environment, stacks_dir
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdstack.catalog import Catalog, Gpu, InstanceType, load_catalog
+from pdstack.plan.catalog import Catalog, Gpu, InstanceType, load_catalog
 
 USABLE_MEMORY_FRACTION = 0.9  # what an engine leaves itself after CUDA context, activations and fragmentation
 WEIGHT_SHARE_MAX = 0.8  # weights may take at most this share of usable memory, leaving the rest for KV

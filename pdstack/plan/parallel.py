@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdstack.catalog import Gpu
+from pdstack.plan.catalog import Gpu
 from pdstack.plan.compute import ParamCounts, param_counts
 from pdstack.plan.models import Attention, ModelSpec
 

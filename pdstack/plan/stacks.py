@@ -17,7 +17,7 @@ from pdstack.model import DatacenterRole, Link, StackConfig
 from pdstack.plan.kv import kv_footprint
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelError, ModelSpec, builtin_model, load_config_file, match_builtin
-from pdstack.stackfile import Problem, StackFile
+from pdstack.stacks.files import Problem, StackFile
 
 PREFILL_ROLES = {DatacenterRole.PREFILL, DatacenterRole.MIXED}
 DECODE_ROLES = {DatacenterRole.DECODE, DatacenterRole.MIXED}

@@ -56,7 +56,7 @@ class PolicyConfig:
 
     @classmethod
     def from_pack_config(cls, raw: Mapping[str, Any]) -> PolicyConfig:
-        """From the pack's config for the KV rule (policy/config/<env>.json, pdstack.contract_files.policy_config)."""
+        """From the pack's config for the KV rule (policy/config/<env>.json, pdstack.contract.files.policy_config)."""
         last = raw.get("kvPortLast")
         return cls(kv_port=int(raw.get("kvPort", cls.kv_port)), kv_port_last=None if last is None else int(last))
 

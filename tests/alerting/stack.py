@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import yaml
 
-from pdstack.contract import ALERTMANAGER_API
+from pdstack.contract.components import ALERTMANAGER_API
 from tests.support import REPO
 from tests.support.ansible import ANSIBLE_PLAYBOOK
 

@@ -3,8 +3,8 @@ fires, Debian's Alertmanager routes it by severity to the webhook of the stack; 
 API stops its delivery; a datacenter's link-down alert inhibits that datacenter's KV alerts and no other's.
 
 Prometheus and Alertmanager run with the configurations roles/prometheus and roles/alertmanager render (Ansible, the
-contract's local variables), the routing from pdstack/alerting.py with its intervals shortened, and the rules of
-monitoring/alerts.yml without their `for:` waits.
+contract's local variables), the routing from pdstack/contract/alerting.py with its intervals shortened, and the rules
+of monitoring/alerts.yml without their `for:` waits.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from pdserve.engine.testmodels import make_test_checkpoint
-from pdstack.alerting import LINK_DOWN_ALERT, Timing, alertmanager_config, receiver_name
-from pdstack.contract import ALERTMANAGER_API
+from pdstack.contract.alerting import LINK_DOWN_ALERT, Timing, alertmanager_config, receiver_name
+from pdstack.contract.components import ALERTMANAGER_API
 from tests.alerting.stack import (
     CONTRACT_VARS,
     alert_state,

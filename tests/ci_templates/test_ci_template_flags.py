@@ -21,9 +21,9 @@ import typer
 import yaml
 
 from pdstack.cli import app
-from pdstack.contract import contract
-from pdstack.contract_files import POLICY_CONFIG_DIR, environment_serving, policy_config
-from pdstack.stackfile import load_stack_file
+from pdstack.contract.components import contract
+from pdstack.contract.files import POLICY_CONFIG_DIR, environment_serving, policy_config
+from pdstack.stacks.files import load_stack_file
 from tests.support import REPO, STACKS
 
 TEMPLATES = REPO / "ci-templates"

@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from pdstack.contract import Component, contract
-from pdstack.contract_files import environment_serving
+from pdstack.contract.components import Component, contract
+from pdstack.contract.files import environment_serving
 from pdstack.local import nodes
 from pdstack.local.images import build_prometheus_image, build_runtime_image
 from pdstack.local.inventory import NESTED_NODE_VARS

@@ -11,7 +11,7 @@ import pytest
 import testinfra
 
 from pdserve.scheduler import identity
-from pdstack.contract import Component
+from pdstack.contract.components import Component
 from pdstack.local.inventory import NESTED_NODE_VARS
 from tests.deploy.conftest import CONTRACT, MODEL_NAME, NODE_A, NODE_B, Serving
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from pdstack.contract import TLS_DIR
-from pdstack.contract_files import environment_serving
+from pdstack.contract.components import TLS_DIR
+from pdstack.contract.files import environment_serving
 from pdstack.model import KvConnector, PoolRole
-from pdstack.vllm_command import NodeTls, agent_args, engine_args
-from pdstack.vllm_deploy import ansible_vars
+from pdstack.vllm.command import NodeTls, agent_args, engine_args
+from pdstack.vllm.deploy import ansible_vars
 from tests.support import REPO
 from tests.support.ansible import ANSIBLE_PLAYBOOK
 

@@ -29,7 +29,7 @@ from pdserve.engine.testmodels import make_test_checkpoint
 from pdstack.local import nodes
 from pdstack.local.model import write_manifest
 from pdstack.model import Engine, Limits, Model, Serving, Vllm
-from pdstack.vllm_deploy import ansible_vars
+from pdstack.vllm.deploy import ansible_vars
 from tests.deploy.conftest import NODE_A, NODE_B
 from tests.deploy.conftest import Serving as Cluster
 from tests.deploy.conftest import serving as cluster  # noqa: F401  (the node containers, registry and secrets)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from pdstack.contract.components import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 from pdstack.local.tls import LocalCA
-from pdstack.stackfile import load_stack_file
-from pdstack.synth import Synthesis, synthesize
+from pdstack.stacks.files import load_stack_file
+from pdstack.synth.synthesis import Synthesis, synthesize
 from tests.support import STACKS
 
 CLOUD_STACKS = sorted(

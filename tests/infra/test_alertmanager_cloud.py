@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from infra.prometheus import UNDECRYPTED_WEBHOOK, alertmanager_yaml, web_config, webhook_url
-from pdstack.alerting import receiver_name
-from pdstack.contract import TLS_DIR
+from pdstack.contract.alerting import receiver_name
+from pdstack.contract.components import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
-from pdstack.synth import synthesize
+from pdstack.synth.synthesis import synthesize
 from tests.support import STACKS
 from tests.support.ports import free_port
 from tests.support.process import Daemon

@@ -13,8 +13,8 @@ from infra.prometheus import DatacenterTarget, scrape_config
 from infra.secrets import DAY_S, rotation_period
 from infra.security import NodeAccess, node_openings
 from infra.storage import bucket_name
-from pdstack.contract import NODE_EXPORTER_PORT, contract
-from pdstack.contract_files import environment_serving
+from pdstack.contract.components import NODE_EXPORTER_PORT, contract
+from pdstack.contract.files import environment_serving
 from pdstack.model import DatacenterRole, Model, PoolRole, Ports, Serving
 from tests.support import STACKS
 

@@ -32,8 +32,8 @@ from pdserve.scheduler.app import create_app as scheduler_app
 from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings, settings_from_args
 from pdserve.vllm.settings import kv_port_of
-from pdstack.alerting import alertmanager_config
-from pdstack.contract import (
+from pdstack.contract.alerting import alertmanager_config
+from pdstack.contract.components import (
     JOBS,
     NODE_EXPORTER_PORT,
     PDSERVE_BIN,
@@ -45,10 +45,10 @@ from pdstack.contract import (
     prometheus_url_parameter,
     scheduler_url_parameter,
 )
-from pdstack.contract_files import environment_serving
+from pdstack.contract.files import environment_serving
 from pdstack.model import PoolRole
-from pdstack.synth import Synthesis
-from pdstack.vllm_command import connector_extra_config
+from pdstack.synth.synthesis import Synthesis
+from pdstack.vllm.command import connector_extra_config
 from tests.support import REPO, STACKS
 from tests.support.ansible import ANSIBLE_PLAYBOOK
 from tests.support.ports import free_port

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from infra.dashboards import DASHBOARDS_DIR, SIDECAR_LABEL, dashboard_config_maps
-from pdstack.synth import Synthesis
+from pdstack.synth.synthesis import Synthesis
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 

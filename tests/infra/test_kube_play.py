@@ -54,10 +54,10 @@ import yaml
 from infra.workloads.common import SECRET_NAME, TLS_VOLUME
 from pdserve.engine.testmodels import make_test_checkpoint
 from pdserve.scheduler.identity import derive_token
-from pdstack.contract import METRICS_TOKEN
+from pdstack.contract.components import METRICS_TOKEN
 from pdstack.local import nodes
 from pdstack.local.images import remove_older_builds, source_hash
-from pdstack.synth import Synthesis
+from pdstack.synth.synthesis import Synthesis
 from tests.support import REPO
 from tests.support.ports import free_port
 

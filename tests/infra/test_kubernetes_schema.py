@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 
 from infra.environment import InfraSettings
-from pdstack.synth import Synthesis
+from pdstack.synth.synthesis import Synthesis
 
 from .conftest import CLOUD_STACKS
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from infra import outputs
-from pdstack.contract import cloud_names, operator_tls_secret_name
+from pdstack.contract.components import cloud_names, operator_tls_secret_name
 from pdstack.model import DatacenterRole
 from pdstack.policy.core import NLB_TLS_CERT, TLS_PASSTHROUGH
-from pdstack.synth import SynthError, Synthesis, mock_zone_id, synthesize
+from pdstack.synth.synthesis import SynthError, Synthesis, mock_zone_id, synthesize
 from tests.support import STACKS
 
 from .conftest import CLOUD_STACKS, stack_config

@@ -28,11 +28,11 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from pdstack.contract import Component, contract
-from pdstack.contract_files import environment_serving
+from pdstack.contract.components import Component, contract
+from pdstack.contract.files import environment_serving
 from pdstack.policy import core, rules
 from pdstack.policy.pack import policies
-from pdstack.synth import Resource, Synthesis
+from pdstack.synth.synthesis import Resource, Synthesis
 from tests.support import REPO
 
 PROD = ("prod-control", "prod-prefill-us-east-1", "prod-decode-us-west-2")
@@ -298,8 +298,8 @@ def test_every_kv_port_of_the_range_is_checked(pack: list[Any], graphs: dict[str
 def test_the_rendered_pack_config_names_the_port_prefill_listens_on(
     pack: list[Any], graphs: dict[str, Synthesis], env: str
 ) -> None:
-    """policy/config/<env>.json (pdstack.contract) is what `pulumi preview --policy-pack-config` gets: its KV port is
-    the contract's, and the environment's stacks pass the pack under it."""
+    """policy/config/<env>.json (pdstack.contract.components) is what `pulumi preview --policy-pack-config` gets: its
+    KV port is the contract's, and the environment's stacks pass the pack under it."""
     config = json.loads((REPO / "policy" / "config" / f"{env}.json").read_text())["kv-port-peers-only"]
     ports = contract(environment_serving(REPO / "stacks", env))[Component.PREFILL].kv_ports
     assert (config["kvPort"], config["kvPortLast"]) == (ports[0], ports[-1])

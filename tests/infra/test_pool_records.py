@@ -13,8 +13,8 @@ import pytest
 from moto import mock_aws
 
 from infra.lambdas.pool_records import instance_name, reconcile, record_change
-from pdstack.contract import cloud_names
-from pdstack.synth import Synthesis
+from pdstack.contract.components import cloud_names
+from pdstack.synth.synthesis import Synthesis
 
 NAME = cloud_names("prod").host("decode-h200", "decode-us-west-2")
 REGION = "us-west-2"

@@ -14,7 +14,7 @@ from infra import outputs
 from infra.workloads.common import SECRET_NAME
 from pdserve.scheduler import identity
 from pdstack.model import REQUIRED_SECRETS, DatacenterRole
-from pdstack.synth import SynthError, Synthesis, synthesize
+from pdstack.synth.synthesis import SynthError, Synthesis, synthesize
 from tests.support import REPO, STACKS
 
 from .conftest import CLOUD_STACKS, stack_config

@@ -15,7 +15,7 @@ import redis
 from infra.workloads.ratelimit_store import ratelimit_store_config
 from pdserve.common.tls import TLSClientSettings
 from pdserve.gateway.ratelimit import store_ssl_options
-from pdstack.contract import TLS_DIR
+from pdstack.contract.components import TLS_DIR
 from pdstack.local.tls import Leaf, LocalCA
 from tests.support.ports import free_port
 

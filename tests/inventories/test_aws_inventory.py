@@ -31,8 +31,8 @@ import yaml
 
 from infra.lambdas import pool_records
 from pdserve.scheduler.identity import derive_token
-from pdstack.cloud_inventory import render
-from pdstack.contract import (
+from pdstack.contract.cloud_inventory import render
+from pdstack.contract.components import (
     TLS_CA_FILE,
     TLS_CERT_FILE,
     TLS_KEY_FILE,
@@ -44,9 +44,9 @@ from pdstack.contract import (
     prometheus_url_parameter,
     tls_secret_name,
 )
-from pdstack.contract_files import environment_alerting, environment_serving, render_ansible_vars
+from pdstack.contract.files import environment_alerting, environment_serving, render_ansible_vars
 from pdstack.model import REQUIRED_SECRETS
-from pdstack.stacks import load_environment
+from pdstack.stacks.environment import load_environment
 from tests.inventories.scheduler_calls import scheduler_calls
 from tests.support import REPO
 from tests.support.ports import free_port
@@ -189,7 +189,7 @@ def ansible_inventory(aws_env: dict[str, str], **extra: str) -> subprocess.Compl
 
 def test_the_committed_inventory_is_rendered_from_the_stacks() -> None:
     for name, text in render(REPO / "stacks").items():
-        assert (INVENTORY / name).read_text() == text, f"run `python -m pdstack.cloud_inventory` ({name})"
+        assert (INVENTORY / name).read_text() == text, f"run `python -m pdstack.contract.cloud_inventory` ({name})"
 
 
 def test_inventory_groups_and_describes_the_instances_as_the_playbooks_expect(
@@ -328,7 +328,7 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
 
 def test_the_inventory_keys_on_the_tags_the_program_puts_on_instances() -> None:
     from infra import tags  # noqa: PLC0415 (the program's module, plain Python)
-    from pdstack import cloud_inventory  # noqa: PLC0415
+    from pdstack.contract import cloud_inventory  # noqa: PLC0415
 
     keys = (cloud_inventory.ENV_TAG, cloud_inventory.DC_TAG, cloud_inventory.ROLE_TAG, cloud_inventory.POOL_TAG)
     assert keys == tags.INSTANCE_TAG_KEYS
@@ -336,7 +336,7 @@ def test_the_inventory_keys_on_the_tags_the_program_puts_on_instances() -> None:
 
 def test_the_inventory_reads_the_zone_from_the_setting_the_program_reads() -> None:
     from infra import environment  # noqa: PLC0415 (the program's module, plain Python)
-    from pdstack import cloud_inventory  # noqa: PLC0415
+    from pdstack.contract import cloud_inventory  # noqa: PLC0415
 
     assert f"{environment.SETTINGS_NAMESPACE}:dns_domain" == cloud_inventory.DNS_DOMAIN_KEY
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdstack.alerting import receiver_name
+from pdstack.contract.alerting import receiver_name
 from pdstack.local.topology import SERVICE_ADDRESS
 from tests.support.webhook import Webhook
 

@@ -30,7 +30,7 @@ from cryptography import x509
 from openai import APIConnectionError, DefaultHttpxClient, OpenAI
 
 from pdstack.bench.endpoint import Endpoint
-from pdstack.contract import Component, Contract, contract
+from pdstack.contract.components import Component, Contract, contract
 from pdstack.local import nodes
 from pdstack.local.converged import running_containers
 from pdstack.local.env import LocalEnv

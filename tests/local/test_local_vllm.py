@@ -22,11 +22,11 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from pdstack import vllm_deploy
 from pdstack.local import nodes
-from pdstack.local.engine import vllm_serving
+from pdstack.local.engine_choice import vllm_serving
 from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.model import PoolRole
+from pdstack.vllm import deploy as vllm_deploy
 from tests.local.load import ClientLoad
 from tests.local.operator import operator_context
 from tests.local.test_local_env import (

@@ -147,8 +147,9 @@ def test_the_route_script_keeps_the_next_hop_and_sets_the_window(rendered: tuple
 def test_the_inventories_peer_links_give_each_peer_route_one_bdp(
     tmp_path: Path, inventory: str, group: str, peer: str, segments: int
 ) -> None:
-    """The links the inventories render from the stacks (pdstack.local.inventory, pdstack.cloud_inventory) are what
-    the route script takes: each peer datacenter's subnet gets its own link's BDP in its own path MTU's segments."""
+    """The links the inventories render from the stacks (pdstack.local.inventory, pdstack.contract.cloud_inventory) are
+    what the route script takes: each peer datacenter's subnet gets its own link's BDP in its own path MTU's
+    segments."""
     if inventory == "local":
         hosts = yaml.safe_load((REPO / "inventories" / "local" / "hosts.yml").read_text())
         variables = hosts["all"]["children"]["nodes"]["children"][group]["vars"]

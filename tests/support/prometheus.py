@@ -22,7 +22,7 @@ Credentials = Mapping[str, Path]
 
 def scrape_config(targets: Targets, credentials: Credentials | None = None) -> str:
     """One job per component with the labels roles/prometheus gives it, and the `authorization` block the
-    deployed configs give a job whose target requires a token (pdstack.contract.ScrapeGroup); scraped every
+    deployed configs give a job whose target requires a token (pdstack.contract.components.ScrapeGroup); scraped every
     second."""
     tokens = credentials or {}
     jobs = [

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from pdstack.validate import validate
+from pdstack.stacks.validate import validate
 
 
 def edit(path: Path, change: Any) -> None:

@@ -1,5 +1,5 @@
 """Real PEM files for tests that start or check what the program renders: under Pulumi mocks its Secrets hold
-stand-ins (pdstack.synth), which neither pdserve nor promtool can load, so these take their place on disk."""
+stand-ins (pdstack.synth.synthesis), which neither pdserve nor promtool can load, so these take their place on disk."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from pdstack.contract import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE
+from pdstack.contract.components import TLS_CA_FILE, TLS_CERT_FILE, TLS_DIR, TLS_KEY_FILE
 
 
 def _cert(

@@ -1,4 +1,4 @@
-"""vLLM's API server with the TLS flags pdstack renders for a node with a certificate (pdstack.vllm_command NodeTls,
+"""vLLM's API server with the TLS flags pdstack renders for a node with a certificate (pdstack.vllm.command NodeTls,
 under the stack's mutual TLS): it serves the node's pair, the agent's own engine client reaches it presenting a
 certificate from the CA (health, the served model, the load it heartbeats), and a caller without one or in plain
 HTTP is refused."""
@@ -14,7 +14,7 @@ import pytest
 from pdserve.agent.engine import Engine
 from pdserve.common.tls import TLSClientSettings, client_context
 from pdstack.local.tls import Leaf, LocalCA
-from pdstack.vllm_command import NodeTls
+from pdstack.vllm.command import NodeTls
 from tests.vllm.conftest import VLLMServer
 
 

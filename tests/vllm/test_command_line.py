@@ -1,4 +1,4 @@
-"""The engine argv pdstack renders (pdstack/vllm_command.py) is what vLLM 0.32's own `vllm serve` parser accepts, and
+"""The engine argv pdstack renders (pdstack/vllm/command.py) is what vLLM 0.32's own `vllm serve` parser accepts, and
 parses to the stack's settings: vLLM's make_arg_parser, its pre-start checks and AsyncEngineArgs.from_cli_args, as
 the API server runs them before loading anything. No server starts (the parser alone, built once per module).
 The allowlisted extra flags and the flags pdstack owns (pdstack.model) are flags of this parser too."""
@@ -18,9 +18,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from pdstack.contract_files import environment_serving
+from pdstack.contract.files import environment_serving
 from pdstack.model import EXTRA_FLAGS, OWNED_FLAGS, Engine, KvConnector, Model, PoolRole, Serving, Tracing, Vllm
-from pdstack.vllm_command import API_SERVER, NodeTls, engine_args, engine_command, engine_env
+from pdstack.vllm.command import API_SERVER, NodeTls, engine_args, engine_command, engine_env
 from tests.support import STACKS
 
 HOST = "10.20.1.7"

@@ -21,7 +21,7 @@ import pytest
 from pdserve.kv import KVTransferError, pull
 from pdserve.kv.auth import SecretKey
 from pdstack.canary.prom import Prometheus, queries
-from pdstack.contract import Component
+from pdstack.contract.components import Component
 from tests.support.cluster import wait_for
 from tests.support.ports import free_port
 from tests.support.prometheus import scraping

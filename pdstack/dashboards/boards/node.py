@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard
 
-from pdstack.contract import NODE_JOB
+from pdstack.contract.components import NODE_JOB
 
 from ..panels import RATE, Query, board, label_variable, panel
 

@@ -32,14 +32,15 @@ def is_loopback(host: str) -> bool:
 
 
 def env_name(field: str) -> str:
-    """The environment variable of a settings field (the deployment contract renders these: pdstack/contract.py)."""
+    """The environment variable of a settings field (the deployment contract renders these:
+    pdstack/contract/components.py)."""
     return ENV_PREFIX + field.upper()
 
 
 def as_env(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, str]:
     """`values`, by field name of `model`, as the PDSERVE_* variables load_settings reads them from (booleans as
     true/false); ValueError naming any name that is not a field of `model`. Deployments render with this
-    (pdstack.contract), so a renamed field fails there, not in a container that ignores a variable."""
+    (pdstack.contract.components), so a renamed field fails there, not in a container that ignores a variable."""
     unknown = sorted(set(values) - set(model.model_fields))
     if unknown:
         raise ValueError(f"{model.__name__} has no field {', '.join(unknown)}")

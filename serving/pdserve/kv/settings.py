@@ -1,6 +1,7 @@
 """The KV channel's settings, one model for both engines: pdserve's servers read them as PDSERVE_* variables and flags
 (pdserve.server.settings), PdstackConnector as keys of vLLM's kv_connector_extra_config (pdserve.vllm.settings),
-under the same names and defaults. pdstack builds one from the stack and renders it for each (pdstack.contract)."""
+under the same names and defaults. pdstack builds one from the stack and renders it for each
+(pdstack.contract.components)."""
 
 from __future__ import annotations
 

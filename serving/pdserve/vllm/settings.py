@@ -31,7 +31,7 @@ def kv_port_of(base: int, *, dp_index: int, tp_size: int, tp_rank: int) -> int:
     KV port) is data-parallel engine 0's tensor-parallel rank 0; engine d's rank r listens on
     base + d * tp_size + r. An instance of TP t x DP d therefore holds the t * d ports [base, base + t * d), and
     kv_transfer_params name the answering engine's rank-0 port (decode rank r pulls from remote_port + r).
-    pdstack renders the same range into the security groups (pdstack.contract.kv_port_range)."""
+    pdstack renders the same range into the security groups (pdstack.contract.components.kv_port_range)."""
     return base + dp_index * tp_size + tp_rank
 
 

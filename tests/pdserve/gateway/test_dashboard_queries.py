@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdstack.contract import NODE_JOB, Component
+from pdstack.contract.components import NODE_JOB, Component
 from pdstack.dashboards.promql import metric_names
 from tests.support.cluster import HTTP, KEYS, Cluster
 from tests.support.dashboardcheck import VLLM_PREFIX, dashboard_queries, query_problems

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdstack.model import PulumiSecret
-from pdstack.stackfile import load_stack_file
+from pdstack.stacks.files import load_stack_file
 from tests.support.stackedit import edit, problems_of
 
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings
-from pdstack.contract import Component, contract
+from pdstack.contract.components import Component, contract
 from pdstack.model import Model, Serving, Tracing
 
 ENDPOINT = "http://collector.internal:4318/v1/traces"

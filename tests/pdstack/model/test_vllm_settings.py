@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pdstack.model import Engine
-from pdstack.stackfile import load_stack_file
-from pdstack.validate import validate
+from pdstack.stacks.files import load_stack_file
+from pdstack.stacks.validate import validate
 from tests.support import STACKS
 from tests.support.stackedit import edit, problems_of
 

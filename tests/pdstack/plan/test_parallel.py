@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from pdstack.catalog import load_catalog
 from pdstack.cli import app
+from pdstack.plan.catalog import load_catalog
 from pdstack.plan.hardware import engine_replica
 from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import builtin_model

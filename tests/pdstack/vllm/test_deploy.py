@@ -1,16 +1,16 @@
-"""What pdstack renders for roles/vllm_engine (pdstack/vllm_deploy.py): the committed playbooks/vars/vllm/<env>.yml
-are what the stacks render, and filling the placeholders gives exactly vllm_command's command lines for a node, with
-each secret going to the container whose command line reads it."""
+"""What pdstack renders for roles/vllm_engine (pdstack/vllm/deploy.py): the committed playbooks/vars/vllm/<env>.yml
+are what the stacks render, and filling the placeholders gives exactly pdstack.vllm.command's command lines for a node,
+with each secret going to the container whose command line reads it."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from pdstack.contract_files import environment_serving
+from pdstack.contract.files import environment_serving
 from pdstack.model import Engine, KvConnector, PoolRole
-from pdstack.vllm_command import API_SERVER, VLLM_PYTHON, agent_args, engine_args, engine_env
-from pdstack.vllm_deploy import PLACEHOLDERS, VARS_DIR, ansible_vars, main, render
+from pdstack.vllm.command import API_SERVER, VLLM_PYTHON, agent_args, engine_args, engine_env
+from pdstack.vllm.deploy import PLACEHOLDERS, VARS_DIR, ansible_vars, main, render
 from tests.support import REPO, STACKS
 
 ENVS = ("local", "dev", "staging", "prod")
@@ -19,7 +19,7 @@ ENVS = ("local", "dev", "staging", "prod")
 @pytest.mark.parametrize("env", ENVS)
 def test_the_committed_vllm_vars_are_what_the_stacks_render_to(env: str) -> None:
     committed = (REPO / VARS_DIR / f"{env}.yml").read_text()
-    assert committed == render(env, environment_serving(STACKS, env)), "run `python -m pdstack.vllm_deploy`"
+    assert committed == render(env, environment_serving(STACKS, env)), "run `python -m pdstack.vllm.deploy`"
 
 
 def test_the_render_command_reports_nothing_stale() -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pdstack.catalog import Catalog, InstanceType
-from pdstack.contract import kv_port_range
+from pdstack.contract.components import kv_port_range
 from pdstack.model import Engine, KvConnector, NodePool, PoolRole, Serving, Vllm
+from pdstack.plan.catalog import Catalog, InstanceType
 from pdstack.plan.models import Attention, ModelSpec
 from pdstack.plan.parallel import (
     Misfit,
@@ -33,7 +33,7 @@ from pdstack.plan.parallel import (
     shape_misfits,
 )
 from pdstack.plan.stacks import control_of, model_for
-from pdstack.stackfile import Problem, StackFile
+from pdstack.stacks.files import Problem, StackFile
 
 SERVING_ROLES = (PoolRole.PREFILL, PoolRole.DECODE)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -2,7 +2,7 @@
 pdserve component reads: values by field name of the component's own pdserve settings model, rendered by pdserve's
 own naming function (pdserve.common.settings.as_env, which refuses a name the model lacks).
 
-pdstack.contract folds these into each component's settings next to its ports and secret files.
+pdstack.contract.components folds these into each component's settings next to its ports and secret files.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def gateway_settings(serving: Serving) -> dict[str, str]:
 
 def kv_channel(serving: Serving) -> KVChannelSettings:
     """The stack's KV channel knobs, under pdserve's names: what both engines get, on both sides (pdserve's servers
-    as PDSERVE_* variables, vLLM's PdstackConnector as kv_connector_extra_config, pdstack.vllm_command)."""
+    as PDSERVE_* variables, vLLM's PdstackConnector as kv_connector_extra_config, pdstack.vllm.command)."""
     timeouts = serving.timeouts
     return KVChannelSettings(
         kv_port=serving.ports.kv,

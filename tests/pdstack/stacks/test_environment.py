@@ -1,5 +1,5 @@
 """Every subcommand that reads stacks finds them the same way: `--stacks DIR`, by default the stacks/ of the project
-holding the working directory, and `--env NAME`; one loader (pdstack.stacks) with one strictness."""
+holding the working directory, and `--env NAME`; one loader (pdstack.stacks.environment) with one strictness."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from pdstack.cli import app
 from pdstack.local.inventory import render_inventory
 from pdstack.local.topology import topology_of
-from pdstack.stacks import EnvironmentLoadError, default_stacks_dir, find_project, load_environment
+from pdstack.stacks.environment import EnvironmentLoadError, default_stacks_dir, find_project, load_environment
 from tests.support import REPO
 
 SUBFOLDERS = [".", "stacks", "roles/pdserve/tasks", "infra", "deep/er/still"]

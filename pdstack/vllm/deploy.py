@@ -1,16 +1,16 @@
 """What roles/vllm_engine deploys on a vLLM prefill or decode node, rendered once from the stack's `serving` block.
 
-The two containers' command lines come from pdstack.vllm_command (which takes them from the stack and the contract);
+The two containers' command lines come from pdstack.vllm.command (which takes them from the stack and the contract);
 this module renders them for Ansible, committed per environment as playbooks/vars/vllm/<env>.yml, with what differs
 per node left as placeholders (PLACEHOLDERS) that the role fills with its own variables: the node's address, the
 scheduler's URL, the release and the instance id. So no flag, port or path is typed in the role, and a test keeps
-the committed files equal to what the stacks render (tests/pdstack/test_vllm_deploy.py), as for the contract's vars.
+the committed files equal to what the stacks render (tests/pdstack/vllm/test_deploy.py), as for the contract's vars.
 
 Which secret each container gets follows from its argv: a secret file is mounted where the command line names its
 path (the engine reads the KV key and, through a shell that exports it as vLLM's API key, the server token:
-vllm_command.ENGINE_SECRET_ENV; the agent its scheduler token and the server token).
+command.ENGINE_SECRET_ENV; the agent its scheduler token and the server token).
 
-    python -m pdstack.vllm_deploy [--check]
+    python -m pdstack.vllm.deploy [--check]
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdstack.contract import TLS_DIR, kv_port_range
-from pdstack.contract_files import environment_serving, environments, sync_files
+from pdstack.contract.components import TLS_DIR, kv_port_range
+from pdstack.contract.files import environment_serving, environments, sync_files
+from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
-from pdstack.vllm_command import (
+from pdstack.vllm.command import (
     AGENT_MODULE,
     API_SERVER,
     ENGINE_SECRET_ENV,
@@ -36,11 +37,10 @@ from pdstack.vllm_command import (
     http_port,
     secret_files,
 )
-from pdstack.yamlfiles import dump_yaml
 
 VARS_DIR = Path("playbooks") / "vars" / "vllm"
 HEADER = (
-    "# Rendered by `python -m pdstack.vllm_deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm_deploy.py); "
+    "# Rendered by `python -m pdstack.vllm.deploy` from stacks/Pulumi.{env}-*.yaml (pdstack/vllm/deploy.py); "
     "do not edit by hand.\n"
 )
 SIDES = (PoolRole.PREFILL, PoolRole.DECODE)
@@ -60,7 +60,7 @@ def _mounted_in(argv: tuple[str, ...], side: PoolRole) -> list[str]:
 
 def _agent(serving: Serving, side: PoolRole, tls: NodeTls | None) -> dict[str, Any] | None:
     if serving.vllm is not None and serving.vllm.kv_connector is KvConnector.NIXL:
-        return None  # vllm_command.agent_args refuses it: NixlConnector writes no instance.json to register
+        return None  # command.agent_args refuses it: NixlConnector writes no instance.json to register
     args = agent_args(
         serving,
         side,
@@ -151,7 +151,7 @@ def rendered_files(project: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdstack.vllm_deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdstack.vllm.deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--project", type=Path, default=Path.cwd(), help="the pdstack checkout (default: here)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a rendered file is out of date")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 - `--stacks DIR`: the folder of stack files; by default the `stacks/` of the project holding the working directory
   (found by walking up to `Pulumi.yaml`), so every subcommand finds the same stacks from any folder of the project.
-- `--env NAME`: the environment whose stacks the command reads (`pdstack.stacks.load_environment`).
+- `--env NAME`: the environment whose stacks the command reads (`pdstack.stacks.environment.load_environment`).
 - `--json`: stdout carries exactly one JSON document and nothing else; messages go to stderr; the exit codes are
   those of the text output. A usage error (exit 2) prints nothing on stdout.
 
@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from pdstack.stacks import EnvironmentLoadError, EnvironmentStacks, default_stacks_dir, load_environment
+from pdstack.stacks.environment import EnvironmentLoadError, EnvironmentStacks, default_stacks_dir, load_environment
 
 STACKS_HELP = "folder of stack files (default: the stacks/ of the project holding the working directory)"
 StacksOption = Annotated[Path | None, typer.Option("--stacks", metavar="DIR", help=STACKS_HELP)]

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 
-from pdstack.catalog import Catalog, load_catalog
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, LinkKind, PoolRole
 from pdstack.plan import link_problems
-from pdstack.stackfile import Problem, StackFile, StackFileError, load_stack_file, stack_name_of
-from pdstack.vllm_checks import vllm_problems
+from pdstack.plan.catalog import Catalog, load_catalog
+from pdstack.stacks.files import Problem, StackFile, StackFileError, load_stack_file, stack_name_of
+from pdstack.vllm.checks import vllm_problems
 
 POOL_ROLES_BY_DATACENTER = {
     DatacenterRole.PREFILL: {PoolRole.PREFILL},

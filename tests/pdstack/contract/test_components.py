@@ -14,7 +14,7 @@ from pdserve.common.settings import load_settings
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.scheduler.settings import SchedulerSettings
 from pdserve.server.settings import ServerSettings
-from pdstack.contract import (
+from pdstack.contract.components import (
     JOBS,
     NODE_EXPORTER_PORT,
     PDSERVE_BIN,
@@ -22,7 +22,7 @@ from pdstack.contract import (
     Component,
     contract,
 )
-from pdstack.contract_files import environment_serving, environments, main, render_ansible_vars
+from pdstack.contract.files import environment_serving, environments, main, render_ansible_vars
 from pdstack.model import REQUIRED_SECRETS, Model, Ports, Serving
 from tests.support import REPO, STACKS
 
@@ -44,7 +44,7 @@ def test_every_environment_has_an_example() -> None:
 def test_the_committed_ansible_vars_are_what_the_stacks_render_to(env: str) -> None:
     committed = (REPO / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text()
     assert committed == render_ansible_vars(env, environment_serving(STACKS, env)), (
-        "run `python -m pdstack.contract_files`"
+        "run `python -m pdstack.contract.files`"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdstack.catalog import Catalog, load_catalog
+from pdstack.plan.catalog import Catalog, load_catalog
 
 REQUIRED_GPUS = {"A100-40GB", "A100-80GB", "H100", "H200", "H20", "L40S", "B200", "GB200"}
 REQUIRED_TYPES = {

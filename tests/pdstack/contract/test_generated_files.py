@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdstack import contract_files, vllm_deploy
+from pdstack.contract.files import CONTRACT_VARS_DIR, POLICY_CONFIG_DIR, all_rendered_files
+from pdstack.vllm import deploy
 from tests.support import REPO
 
-GENERATED_DIRS = (contract_files.CONTRACT_VARS_DIR, vllm_deploy.VARS_DIR, contract_files.POLICY_CONFIG_DIR)
-RENDER_COMMANDS = "`python -m pdstack.contract_files` and `python -m pdstack.vllm_deploy`"
+GENERATED_DIRS = (CONTRACT_VARS_DIR, deploy.VARS_DIR, POLICY_CONFIG_DIR)
+RENDER_COMMANDS = "`python -m pdstack.contract.files` and `python -m pdstack.vllm.deploy`"
 # ansiblelint imports ansible, which replaces sys.intern with an object torch._dynamo cannot load beside: the check
 # runs in a process of its own so that the suites importing torch later in this one are untouched.
 YAML_RULE = """
@@ -28,7 +29,7 @@ for path in sys.argv[1:]:
 
 
 def rendered() -> dict[Path, str]:
-    return contract_files.all_rendered_files(REPO) | vllm_deploy.rendered_files(REPO)
+    return all_rendered_files(REPO) | deploy.rendered_files(REPO)
 
 
 def test_every_generated_file_is_committed_as_rendered_and_nothing_else() -> None:

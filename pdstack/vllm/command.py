@@ -3,11 +3,11 @@
 A prefill or decode node runs two containers of one image (serving/Containerfile.vllm-cpu, .vllm-gpu): vLLM's
 OpenAI API server with pdstack's KV connector (or NIXL), and `pdserve agent` beside it, which registers the engine
 with the scheduler. Everything either is started with comes from here: the settings from `serving.vllm` and
-`serving.limits`/`timeouts`, the ports, listen address and secret files from pdstack.contract, and from the caller
-only what differs per node (its address, the scheduler's URL, the release, the instance id). Secrets are file paths
-or podman secrets exposed as environment variables, never values in an argv.
+`serving.limits`/`timeouts`, the ports, listen address and secret files from pdstack.contract.components, and from the
+caller only what differs per node (its address, the scheduler's URL, the release, the instance id). Secrets are file
+paths or podman secrets exposed as environment variables, never values in an argv.
 
-tests/pdstack/test_vllm_command.py checks what is rendered against the agent's own parser and the connector's own
+tests/pdstack/vllm/test_command.py checks what is rendered against the agent's own parser and the connector's own
 settings parser; tests/vllm/test_command_line.py parses the engine's argv with vLLM's own argument parser.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.vllm.release import MIDDLEWARE as RELEASE_MIDDLEWARE
-from pdstack.contract import (
+from pdstack.contract.components import (
     INSTANCE_TOKEN,
     KV_KEY,
     LISTEN_HOST,
@@ -32,8 +32,8 @@ from pdstack.contract import (
     SecretFile,
     contract,
 )
+from pdstack.contract.serving_env import kv_channel
 from pdstack.model import Engine, KvConnector, PoolRole, Serving, Vllm
-from pdstack.serving_env import kv_channel
 
 VLLM_PYTHON = "/opt/vllm/bin/python"  # both vLLM images' interpreter (Containerfile.vllm-cpu's venv; a link on GPU)
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the images' entry point; it takes `vllm serve`'s arguments
@@ -129,8 +129,8 @@ def connector_extra_config(
     serving: Serving, side: PoolRole, advertise_host: str, tls: KvTls | None = None, version: str | None = None
 ) -> dict[str, Any]:
     """PdstackConnector's kv_connector_extra_config (pdserve.vllm.settings.ConnectorConfig): the stack's KV channel
-    settings under the names and with the values pdserve's servers get (pdstack.serving_env.kv_channel), on both
-    sides; prefill also advertises where decode pulls from (its listener binds there, not every address of the
+    settings under the names and with the values pdserve's servers get (pdstack.contract.serving_env.kv_channel), on
+    both sides; prefill also advertises where decode pulls from (its listener binds there, not every address of the
     node). With `version`, the engine's /metrics carries pdserve_build_info{version} as a pdserve server's does, so
     the canary judge attributes its KV load failures to its release."""
     extra: dict[str, Any] = {

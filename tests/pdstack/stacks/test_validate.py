@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdstack.validate import validate
+from pdstack.stacks.validate import validate
 from tests.support import STACKS
 from tests.support.stackedit import edit, problems_of
 

@@ -1,6 +1,6 @@
-"""The deployment contract (pdstack/contract.py) as the files its consumers read without the toolkit: the Ansible
-variables of each environment (playbooks/vars/contract/<env>.yml) and the policy pack's config
-(policy/config/<env>.json), rendered from the environment's stacks; `python -m pdstack.contract_files` writes them
+"""The deployment contract (pdstack/contract/components.py) as the files its consumers read without the toolkit: the
+Ansible variables of each environment (playbooks/vars/contract/<env>.yml) and the policy pack's config
+(policy/config/<env>.json), rendered from the environment's stacks; `python -m pdstack.contract.files` writes them
 and `--check` says which are out of date."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pdstack.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
-from pdstack.contract import (
+from pdstack.contract.alerting import WEBHOOK_CONFIG, alertmanager_config, webhook_receivers
+from pdstack.contract.components import (
     PROMETHEUS_URL_PARAMETER_VAR,
     RATELIMIT_STORE_DB,
     SECRETS_DIR,
@@ -26,16 +26,16 @@ from pdstack.contract import (
     contract,
     prometheus_url_parameter,
 )
+from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.model import Alerting, Environment, Serving
-from pdstack.stackfile import load_stack_file
-from pdstack.yamlfiles import dump_yaml
+from pdstack.stacks.files import load_stack_file
 
 # -- Ansible ---------------------------------------------------------------------------------------------------------
 
 CONTRACT_VARS_DIR = Path("playbooks") / "vars" / "contract"
 HEADER = (
-    "# Rendered by `python -m pdstack.contract_files` from stacks/Pulumi.{env}-*.yaml (pdstack/contract.py); "
-    "do not edit by hand.\n"
+    "# Rendered by `python -m pdstack.contract.files` from stacks/Pulumi.{env}-*.yaml "
+    "(pdstack/contract/components.py); do not edit by hand.\n"
 )
 
 
@@ -105,8 +105,8 @@ def ansible_vars(c: Contract) -> dict[str, Any]:
 
 
 def alerting_vars(env: str, alerting: Alerting | None) -> dict[str, Any]:
-    """roles/alertmanager's routing (pdstack/alerting.py) and the stack's webhook: its URL when the stack gives it in
-    plain text, else empty (a secret URL reaches Ansible from a vault as pdstack_alert_webhook_url)."""
+    """roles/alertmanager's routing (pdstack/contract/alerting.py) and the stack's webhook: its URL when the stack
+    gives it in plain text, else empty (a secret URL reaches Ansible from a vault as pdstack_alert_webhook_url)."""
     url = alerting.webhook_url if alerting is not None and isinstance(alerting.webhook_url, str) else ""
     return {
         "alertmanager_config": alertmanager_config(env),
@@ -203,7 +203,7 @@ def all_rendered_files(project: Path) -> dict[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdstack.contract_files",
+        prog="python -m pdstack.contract.files",
         description="Render playbooks/vars/contract/<env>.yml and policy/config/<env>.json for every environment.",
     )
     parser.add_argument("--project", type=Path, default=Path.cwd())

@@ -3,11 +3,11 @@ PDSERVE_* settings and secret files, and is scraped as, derived once from the ty
 pdserve's own settings names.
 
 Everything that deploys renders from here: the Ansible variables of the pdserve, prometheus and node_exporter
-roles (pdstack/contract_files.py, committed per environment as playbooks/vars/contract/<env>.yml), the security
+roles (pdstack/contract/files.py, committed per environment as playbooks/vars/contract/<env>.yml), the security
 groups and the policy pack's port rules (infra/security.py), the Kubernetes control plane (infra/workloads/), the
 cloud scrape config (infra/prometheus.py) and the alert rules' job selectors (monitoring/alerts.yml, checked against
 `JOBS`).
-tests/pdstack/test_contract.py parses what is rendered with pdserve's own settings loaders.
+tests/pdstack/contract/test_components.py parses what is rendered with pdserve's own settings loaders.
 
 A module rather than a data file: the values are functions of the stack model (ports, limits, secrets), Pulumi and
 the toolkit import it directly, and Ansible gets a rendered file that a test keeps equal to it (as it does for
@@ -24,8 +24,8 @@ from enum import StrEnum
 
 from pdserve.common.settings import env_name
 from pdserve.vllm.settings import kv_ports_used
+from pdstack.contract.serving_env import gateway_settings, server_settings, tracing_settings
 from pdstack.model import Engine, KvConnector, PoolRole, Serving
-from pdstack.serving_env import gateway_settings, server_settings, tracing_settings
 
 # -- what pdserve itself fixes (serving/pdserve/*/settings.py, serving/Containerfile) --------------------------
 PDSERVE_BIN = "/opt/pdserve/bin/pdserve"  # the image's venv (serving/Containerfile); its base image has no PATH

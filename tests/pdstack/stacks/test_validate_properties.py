@@ -11,8 +11,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdstack.stackfile import StackFileError, load_stack_file
-from pdstack.validate import validate
+from pdstack.stacks.files import StackFileError, load_stack_file
+from pdstack.stacks.validate import validate
 from tests.support import STACKS
 
 EXAMPLES = {p.name: yaml.safe_load(p.read_text()) for p in sorted(STACKS.glob("Pulumi.*.yaml"))}

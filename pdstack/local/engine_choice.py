@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
-from pdstack import vllm_deploy
-from pdstack.contract_files import render_ansible_vars
+from pdstack.contract.files import render_ansible_vars
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Alerting, Engine, Limits, Model, Serving, Vllm
+from pdstack.vllm import deploy
 
-VLLM_VERSION = "0.32.0"  # what .venv-vllm (pdstack/vllm_lock.py) and so the image hold
+VLLM_VERSION = "0.32.0"  # what .venv-vllm (pdstack/vllm/lock.py) and so the image hold
 KV_CACHE_GIB = 1
 # Per node, in Ansible: prefill engines on core 0, decode engines on core 1.
 CPUSET = "{{ '0' if inventory_hostname in groups['prefill'] else '1' }}"
@@ -77,7 +77,7 @@ def vllm_release_vars(serving: Serving, alerting: Alerting | None) -> dict[str, 
     contract_vars = yaml.safe_load(render_ansible_vars("local", serving, alerting))
     return {
         "pdstack_contract": contract_vars,
-        "pdstack_vllm_vars": vllm_deploy.ansible_vars(serving),
+        "pdstack_vllm_vars": deploy.ansible_vars(serving),
         "vllm_engine_cpu_kvcache_space_gib": KV_CACHE_GIB,
         "vllm_engine_shm_size": "1g",
         "vllm_engine_cpuset_cpus": CPUSET,

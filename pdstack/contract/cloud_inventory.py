@@ -7,8 +7,8 @@
   scheduler's URL and holding the CA, and per datacenter its region and its widest link (the largest
   bandwidth-delay product, which sizes socket buffers), as `pdstack local` renders them for inventories/local.
 
-`python -m pdstack.cloud_inventory [--stacks DIR]` rewrites both; a test checks that the committed files are current.
-"""
+`python -m pdstack.contract.cloud_inventory [--stacks DIR]` rewrites both; a test checks that the committed files are
+current."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pdstack.contract import (
+from pdstack.contract.components import (
     DNS_DOMAIN,
     ca_certificate_parameter,
     cloud_names,
@@ -25,10 +25,16 @@ from pdstack.contract import (
     secret_name,
     tls_secret_name,
 )
+from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.model import DatacenterRole, Link, LinkKind, PoolRole
 from pdstack.model import Environment as EnvName
-from pdstack.stacks import PROJECT_FILE, EnvironmentStacks, default_stacks_dir, environment_names, load_environment
-from pdstack.yamlfiles import dump_yaml
+from pdstack.stacks.environment import (
+    PROJECT_FILE,
+    EnvironmentStacks,
+    default_stacks_dir,
+    environment_names,
+    load_environment,
+)
 
 CLOUD_ENVIRONMENTS = tuple(e.value for e in EnvName if e is not EnvName.LOCAL)
 # The path MTU across a link (kernel_tuning counts a link's BDP in segments of MTU - 52 bytes, so an MTU set too
@@ -42,7 +48,8 @@ DNS_DOMAIN_KEY = "pdstack-infra:dns_domain"
 ENV_VARIABLE = "PDSTACK_ENVIRONMENT"  # which environment's instances the inventory lists
 SERVING_ROLES = [str(r) for r in PoolRole if r.needs_gpu]  # the pdstack:role values of the hosts Ansible manages
 HEADER = (
-    "# Rendered by `python -m pdstack.cloud_inventory` from stacks/Pulumi.{dev,staging,prod}-*.yaml; do not edit.\n"
+    "# Rendered by `python -m pdstack.contract.cloud_inventory` from stacks/Pulumi.{dev,staging,prod}-*.yaml; "
+    "do not edit.\n"
 )
 
 

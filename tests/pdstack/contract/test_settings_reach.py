@@ -11,10 +11,10 @@ import pytest
 from pydantic import BaseModel
 
 from pdserve.kv.settings import KVChannelSettings
-from pdstack.contract import contract
+from pdstack.contract.components import contract
+from pdstack.contract.serving_env import kv_channel
 from pdstack.model import Engine, Model, PoolRole, Serving, Vllm
-from pdstack.serving_env import kv_channel
-from pdstack.vllm_command import engine_args, engine_env
+from pdstack.vllm.command import engine_args, engine_env
 
 PDSERVE = Serving(model=Model(name="tiny", path="/var/lib/pdstack/models/tiny"))
 VLLM = PDSERVE.model_copy(
@@ -32,8 +32,8 @@ VLLM = PDSERVE.model_copy(
 SECTIONS = ("ports", "limits", "timeouts")
 NOT_KNOBS = {"model", "engine", "vllm", "tracing"}  # sections of their own, checked where they are rendered
 # KV channel settings no stack value sets: the key file and TLS files come from the deployment's secrets and
-# certificates (pdstack.contract SECRET_FILES, kv_tls_settings); the listener's admission limits keep pdserve's
-# defaults on every engine (docs/serving.md).
+# certificates (pdstack.contract.components SECRET_FILES, kv_tls_settings); the listener's admission limits keep
+# pdserve's defaults on every engine (docs/serving.md).
 SET_ELSEWHERE = {
     "kv_key_file",
     "kv_host",

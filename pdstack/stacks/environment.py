@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdstack.catalog import Catalog
 from pdstack.model import DatacenterRole, StackConfig
-from pdstack.stackfile import Problem, StackFile, stack_name_of
-from pdstack.validate import validate
+from pdstack.plan.catalog import Catalog
+from pdstack.stacks.files import Problem, StackFile, stack_name_of
+from pdstack.stacks.validate import validate
 
 PROJECT_FILE = "Pulumi.yaml"
 STACKS_FOLDER = "stacks"

@@ -1,4 +1,4 @@
-"""The vLLM engine's and agent's command lines (pdstack/vllm_command.py) are what their consumers accept and mean
+"""The vLLM engine's and agent's command lines (pdstack/vllm/command.py) are what their consumers accept and mean
 the stack's settings: the connector's own settings parser takes the rendered kv_connector_extra_config, the agent's
 own parser takes the rendered agent argv, and both agree with the engine's argv on port, run dir and slots.
 vLLM's own argument parser is checked in tests/vllm/test_command_line.py (it needs vLLM's environment)."""
@@ -17,7 +17,7 @@ from pdserve.common.settings import load_settings
 from pdserve.kv.settings import KVChannelSettings
 from pdserve.server.settings import settings_from_args
 from pdserve.vllm.settings import ConnectorSettings, SettingsError, release_version
-from pdstack.contract import (
+from pdstack.contract.components import (
     INSTANCE_TOKEN,
     KV_KEY,
     LISTEN_HOST,
@@ -29,9 +29,9 @@ from pdstack.contract import (
     contract,
     kv_port_range,
 )
-from pdstack.contract_files import environment_serving
+from pdstack.contract.files import environment_serving
 from pdstack.model import Engine, KvConnector, Model, PoolRole, Serving, Vllm
-from pdstack.vllm_command import (
+from pdstack.vllm.command import (
     API_SERVER,
     PDSTACK_CONNECTOR,
     RUN_DIR,
