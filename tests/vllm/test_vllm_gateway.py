@@ -182,6 +182,11 @@ def test_the_gateways_release_frees_a_vllm_prefills_lease_at_once(fleet: Fleet) 
     assert httpx.post(release, json={"remote_request_id": lease}, timeout=30).status_code == 401
     freed = httpx.post(release, json={"remote_request_id": lease}, headers=auth, timeout=30)
     assert freed.json() == {"remote_request_id": lease, "released": True}, freed.text
+    # vLLM forwards a connector's stats at engine steps only (pdserve.vllm.stats): one request makes the step.
+    stepped = httpx.post(
+        prefill.url + "/v1/completions", json={**body, "kv_transfer_params": None}, headers=auth, timeout=120
+    )
+    assert stepped.status_code == 200, stepped.text
     prefill.wait_metric("pdserve_kv_leases_released_total", lambda count: count == acked + 1, 'reason="ack"')
     again = httpx.post(release, json={"remote_request_id": lease}, headers=auth, timeout=30)
     assert again.json() == {"remote_request_id": lease, "released": False}, again.text
