@@ -28,7 +28,8 @@ DEV = environment_serving(REPO / "stacks", "dev")
 STACK = ansible_vars(DEV)["vllm_engine_stack"]
 IMAGE = "10.210.255.1:5000/pdstack/vllm:v0.32.0@sha256:" + "cd" * 32
 ADDRESS, SCHEDULER = "10.20.1.7", "http://10.0.0.5:8100"
-# What pdserve's secrets.yml leaves: one mount per secret the contract gives a server.
+# What serving_node's secrets entry point leaves (serving_node_secret_mounts): one mount per secret the contract gives
+# a server.
 MOUNTS = [
     f"pdstack-{name}-0123456789ab,type=mount,target={target},uid=10001,gid=10001,mode=0400"
     for name, target in (
@@ -81,33 +82,33 @@ CASES = {
     "prefill-tls": ("prefill", CPU_NODE, True),
     "decode-tls": ("decode", CPU_NODE, True),
 }
-# What pdserve's validate.yml leaves for a node given its pair as values (the cloud's pool secret)
+# What the role's validate.yml leaves for a node given its pair as values (the cloud's pool secret)
 TLS_VALUES = {"tls.crt": "CERT", "tls.key": "KEY", "ca.crt": "CA"}
 
 
 def render_play(out: Path, side: str, topology: dict[str, Any], tls: bool = False) -> dict[str, Any]:
     """A play writing the role's container specs for `side` to `out`, from its defaults and vars as the role loads
-    them, with what its earlier tasks (pdserve's release, secrets, pinning and, with `tls`, validate tasks) leave
-    as facts."""
+    them, with what its earlier tasks (serving_node's release, secrets and pinning entry points and, with `tls`, its
+    own validate tasks) leave as facts."""
     specs = (
         "{{ {'engine': vllm_engine__engine_spec, 'agent': vllm_engine__agent_spec, "
         "'labels': vllm_engine__engine_labels, 'agent_labels': vllm_engine__agent_labels, "
         "'healthcheck': vllm_engine__healthcheck} | to_json }}"
     )
-    # the stack part as the role's release.yml records it (its own vllm_engine__stack_release)
+    # the release as the role has serving_node record it, the stack part its own vllm_engine__stack_release
     release = {"image": IMAGE, "version": "r7", "config_version": "3", "stack": "{{ vllm_engine__stack_release }}"}
     variables = {
         "vllm_engine_side": side,
         "vllm_engine_stack": STACK,
         "pdstack_address": ADDRESS,
         "pdstack_scheduler_url": SCHEDULER,
-        "vllm_engine__release": release,
-        "pdserve__engine_id": ENGINE_ID,
-        "pdserve__secret_mounts": MOUNTS,
-        "pdserve__cpuset_cpus": "2-3",
-        "pdserve__cpuset_mems": "0",
+        "serving_node_release": release,
+        "serving_node_instance_id": f"{side}-{ENGINE_ID}",
+        "serving_node_secret_mounts": MOUNTS,
+        "serving_node_pinned_cpus": "2-3",
+        "serving_node_pinned_mems": "0",
         "vllm_engine__topology": topology,
-        "pdserve__tls_values": TLS_VALUES if tls else {},
+        "vllm_engine__tls_values": TLS_VALUES if tls else {},
     }
     case = out.with_suffix(".vars.json")  # after the role's defaults, which a play's own vars would not override
     case.write_text(json.dumps(variables))
@@ -223,7 +224,7 @@ REFUSED = [
     ({**GOOD, "vllm_engine_stack": NIXL}, "serving.vllm.kv_connector is nixl"),
     ({**GOOD, "vllm_engine_omp_threads_bind": "all"}, "vllm_engine_omp_threads_bind must be CPU lists"),
     ({**GOOD, "vllm_engine_cpu_kvcache_space_gib": "lots"}, "vllm_engine_cpu_kvcache_space_gib"),
-    (GOOD, "needs pdserve_kv_key_file"),
+    (GOOD, "needs vllm_engine_kv_key_file"),
     (
         {
             **GOOD,

@@ -1,4 +1,4 @@
-"""The deployer's token filter (roles/pdserve/filter_plugins) derives exactly the tokens the scheduler accepts."""
+"""The deployer's token filter (roles/serving_node/filter_plugins) derives exactly the tokens the scheduler accepts."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pdserve.scheduler import identity
 from tests.support import REPO
 from tests.support.ansible import ANSIBLE_PLAYBOOK
 
-PLUGIN = REPO / "roles" / "pdserve" / "filter_plugins" / "pdserve_tokens.py"
+PLUGIN = REPO / "roles" / "serving_node" / "filter_plugins" / "pdserve_tokens.py"
 KEYS = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1, max_size=64
 )
@@ -96,7 +96,7 @@ def test_ansible_finds_the_filter_through_the_role(tmp_path: Path) -> None:
                     "tasks": [
                         {
                             "name": "load the role's plugins",
-                            "ansible.builtin.import_role": {"name": "pdserve", "tasks_from": "pinning.yml"},
+                            "ansible.builtin.import_role": {"name": "serving_node", "tasks_from": "pinning.yml"},
                         },
                         {
                             "name": "derive",
