@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,9 @@ from infra.workloads.access import ingress_host
 from infra.workloads.common import GATEWAY_TOKEN, ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, ratelimit_store_config
 from pdstack.contract.components import (
+    GATEWAY_API_KEYS,
+    RATELIMIT_PASSWORD,
+    Contract,
     Names,
     ca_certificate_parameter,
     cloud_names,
@@ -41,15 +45,9 @@ from pdstack.contract.components import (
     prometheus_url_parameter,
     scheduler_url_parameter,
 )
-from pdstack.model import DatacenterRole, Environment, Serving
+from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
 from pdstack.plan.catalog import Catalog, load_catalog
 
-# The only secrets GPU nodes read: the KV channel key and the token their servers require of callers. Not the
-# scheduler's identity key: whoever holds it can mint any principal's token, so each node gets only its own derived
-# token from the deployer (roles/pdserve); the rest stay in the control plane.
-NODE_SECRETS = ("kv-channel-key", "server-api-token")
-API_KEYS = "gateway-api-keys"
-RATELIMIT_PASSWORD = "ratelimit-store-password"  # noqa: S105 (a secret's name)
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
 LOAD_BALANCED = ("gateway", "scheduler", "prometheus")  # the control plane's apps behind internal load balancers
 IN_CLUSTER_TLS = (*LOAD_BALANCED, "alertmanager", RATELIMIT_STORE)  # each serves TLS from its own Secret
@@ -100,10 +98,11 @@ def main() -> None:
     pulumi.export(outputs.TRANSIT_GATEWAY_ID, hub.gateway.id)
     pulumi.export(outputs.TRANSIT_GATEWAY_ROUTE_TABLE_ID, hub.route_table.id)
     pulumi.export(outputs.DATA_KEY_ARN, volume_key.key.arn)
+    serving_contract = contract(_serving(view))  # the environment's, from the control stack's serving block
     if dc.role is DatacenterRole.CONTROL:
-        build_control_plane(view, network, volume_key, account_id, tags)
+        build_control_plane(view, network, volume_key, account_id, tags, serving_contract=serving_contract)
     else:
-        build_datacenter(view, network, volume_key, account_id, tags)
+        build_datacenter(view, network, volume_key, account_id, tags, serving_contract=serving_contract)
 
 
 def build_links(view: EnvironmentView, network: Network, hub: TransitHub, tags: dict[str, str]) -> None:
@@ -134,44 +133,19 @@ def build_links(view: EnvironmentView, network: Network, hub: TransitHub, tags: 
 
 
 def build_datacenter(
-    view: EnvironmentView, network: Network, key: ManagedKey, account_id: pulumi.Output[str], tags: dict[str, str]
+    view: EnvironmentView,
+    network: Network,
+    key: ManagedKey,
+    account_id: pulumi.Output[str],
+    tags: dict[str, str],
+    *,
+    serving_contract: Contract,
 ) -> None:
     dc = view.this.datacenter
     catalog = load_catalog()
     control = pulumi.StackReference("control", stack_name=_qualified(view.stack_of(view.control.datacenter.name)))
-    storage = ModelStorage(
-        dc.name,
-        ModelStorageArgs(
-            env=view.env,
-            dc=dc.name,
-            account_id=account_id,
-            key_arn=key.key.arn,
-            tags=tags,
-            vpc_id=network.vpc.id,
-            lustre_subnet_id=network.service_subnets[0].id,
-            service_cidrs=[str(c) for c in network.plan.service],
-            lustre_capacity_gib=view.settings.lustre_capacity_gib,
-        ),
-    )
-    pulls_kv = view.linked_with_role(DatacenterRole.DECODE, DatacenterRole.MIXED)
-    any_efa = any(p.efa and _has_efa(catalog, p.instance_type) for p in dc.pools)
-    security = NodeSecurity(
-        dc.name,
-        NodeSecurityArgs(
-            vpc_id=network.vpc.id,
-            access=NodeAccess(
-                pool_roles=frozenset(p.role for p in dc.pools),
-                datacenter_role=dc.role,
-                contract=contract(_serving(view)),
-                own_cidr=str(dc.cidr),
-                control_cidr=str(view.control.datacenter.cidr),
-                kv_peer_cidrs=tuple(str(c.datacenter.cidr) for c in pulls_kv),
-                management_cidrs=tuple(str(c) for c in network.plan.management),
-                efa=any_efa,
-            ),
-            tags=tags,
-        ),
-    )
+    storage = model_storage(view, network, key, account_id, tags)
+    security = node_security(view, network, tags, serving_contract, catalog)
     zone_id = control.require_output(outputs.PRIVATE_ZONE_ID).apply(str)
     zone_name = control.require_output(outputs.PRIVATE_ZONE_NAME).apply(str)
     ZoneMembership(dc.name, ZoneMembershipArgs(zone_id=zone_id, vpc_id=network.vpc.id, region=dc.region))
@@ -189,7 +163,7 @@ def build_datacenter(
                 security_group_id=security.group.id,
                 volume_key_arn=key.key.arn,
                 readable_secret_arns=[
-                    *(secret_arns.apply(_item(n)) for n in NODE_SECRETS),
+                    *(secret_arns.apply(_item(n)) for n in serving_contract.node_secrets()),
                     tls_arns.apply(lambda arns, pool=pool.name: str(arns[dc.name][pool])),  # its own pool's only
                 ],
                 secrets_key_arn=control.require_output(outputs.ENV_KEY_ARN),
@@ -214,113 +188,227 @@ def build_datacenter(
     pulumi.export(outputs.NODE_POOLS, groups)
 
 
-def build_control_plane(
+def model_storage(
     view: EnvironmentView, network: Network, key: ManagedKey, account_id: pulumi.Output[str], tags: dict[str, str]
+) -> ModelStorage:
+    """The datacenter's model bucket and the Lustre file system its nodes load weights from."""
+    dc = view.this.datacenter
+    return ModelStorage(
+        dc.name,
+        ModelStorageArgs(
+            env=view.env,
+            dc=dc.name,
+            account_id=account_id,
+            key_arn=key.key.arn,
+            tags=tags,
+            vpc_id=network.vpc.id,
+            lustre_subnet_id=network.service_subnets[0].id,
+            service_cidrs=[str(c) for c in network.plan.service],
+            lustre_capacity_gib=view.settings.lustre_capacity_gib,
+        ),
+    )
+
+
+def node_security(
+    view: EnvironmentView, network: Network, tags: dict[str, str], serving_contract: Contract, catalog: Catalog
+) -> NodeSecurity:
+    """The GPU nodes' security group: the contract's ports, open to whom the datacenter's role and links say."""
+    dc = view.this.datacenter
+    pulls_kv = view.linked_with_role(DatacenterRole.DECODE, DatacenterRole.MIXED)
+    return NodeSecurity(
+        dc.name,
+        NodeSecurityArgs(
+            vpc_id=network.vpc.id,
+            access=NodeAccess(
+                pool_roles=frozenset(p.role for p in dc.pools),
+                datacenter_role=dc.role,
+                contract=serving_contract,
+                own_cidr=str(dc.cidr),
+                control_cidr=str(view.control.datacenter.cidr),
+                kv_peer_cidrs=tuple(str(c.datacenter.cidr) for c in pulls_kv),
+                management_cidrs=tuple(str(c) for c in network.plan.management),
+                efa=any(p.efa and _has_efa(catalog, p.instance_type) for p in dc.pools),
+            ),
+            tags=tags,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class ControlSite:
+    """What every builder of the control plane shares: the stack, its network and key, and what the environment's
+    serving block makes of it (the contract, computed once; the names in the zone; the Kubernetes namespace)."""
+
+    view: EnvironmentView
+    network: Network
+    key: ManagedKey
+    account_id: pulumi.Output[str]
+    tags: dict[str, str]
+    contract: Contract
+    names: Names
+    namespace: str
+
+    @property
+    def env(self) -> str:
+        return self.view.env
+
+    @property
+    def dc(self) -> Datacenter:
+        return self.view.this.datacenter
+
+    @property
+    def serving_dcs(self) -> list[Datacenter]:
+        return [c.datacenter for c in self.view.datacenters.values() if c.datacenter.role is not DatacenterRole.CONTROL]
+
+    @property
+    def recovery_window_days(self) -> int:
+        return 7 if self.view.this.environment is Environment.DEV else 30
+
+
+def build_control_plane(
+    view: EnvironmentView,
+    network: Network,
+    key: ManagedKey,
+    account_id: pulumi.Output[str],
+    tags: dict[str, str],
+    *,
+    serving_contract: Contract,
 ) -> None:
-    cfg, dc = view.this, view.this.datacenter
-    serving = cfg.serving
-    assert serving is not None  # the model requires it on the control stack
-    secrets = EnvironmentSecrets(
+    site = ControlSite(
+        view,
+        network,
+        key,
+        account_id,
+        tags,
+        serving_contract,
+        names=cloud_names(view.env, view.settings.dns_domain),
+        namespace=f"pdstack-{view.env}",
+    )
+    secrets = environment_secrets(site)
+    registry = ImageRegistry("images", ImageRegistryArgs(env=site.env, key_arn=key.key.arn, tags=tags))
+    certificates = environment_certificates(site, secrets)
+    zone = PrivateZone(
+        "names", PrivateZoneArgs(zone=site.names.zone, vpc_id=network.vpc.id, region=site.dc.region, tags=tags)
+    )
+    plane = kubernetes_cluster(site, secrets)
+    workloads = control_workloads(site, secrets, registry, certificates, plane)
+    GrafanaDashboards(
+        "dashboards",
+        GrafanaDashboardsArgs(namespace=site.namespace),
+        opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]),
+    )  # its namespace
+    for app in LOAD_BALANCED:  # each load balancer's name in the environment's zone
+        zone.alias(
+            f"{app}-name", site.names.host(app, site.dc.name), workloads.services[app].status.apply(ingress_host)
+        )
+    export_control_plane(
+        site, zone=zone, certificates=certificates, secrets=secrets, registry=registry, plane=plane, workloads=workloads
+    )
+
+
+def environment_secrets(site: ControlSite) -> EnvironmentSecrets:
+    """The stack's secrets in Secrets Manager, under the environment's own key."""
+    return EnvironmentSecrets(
         "env",
         EnvironmentSecretsArgs(
-            env=view.env,
-            specs=cfg.secret_specs,
-            account_id=account_id,
-            tags=tags,
-            recovery_window_days=7 if cfg.environment is Environment.DEV else 30,
+            env=site.env,
+            specs=site.view.this.secret_specs,
+            account_id=site.account_id,
+            tags=site.tags,
+            recovery_window_days=site.recovery_window_days,
         ),
     )
-    registry = ImageRegistry("images", ImageRegistryArgs(env=view.env, key_arn=key.key.arn, tags=tags))
-    names = cloud_names(view.env, view.settings.dns_domain)
-    namespace = f"pdstack-{view.env}"
-    certificates = EnvironmentCertificates(
+
+
+def environment_certificates(site: ControlSite, secrets: EnvironmentSecrets) -> EnvironmentCertificates:
+    """The environment's CA and what it issues: each in-cluster app's certificate, each server pool's, and under
+    mutual TLS the operator's (the controller's calls: weights, the canary's checks)."""
+    names, dc = site.names, site.dc
+    pools = {
+        d.name: {
+            p.name: CertificateSpec(f"{d.name}-{p.name}", [names.host(p.name, d.name), names.instances(p.name, d.name)])
+            for p in d.pools
+        }
+        for d in site.serving_dcs
+    }
+    return EnvironmentCertificates(
         "tls",
         EnvironmentCertificatesArgs(
-            env=view.env,
+            env=site.env,
             components=[
-                CertificateSpec(app, component_names(names, app, dc.name, namespace)) for app in IN_CLUSTER_TLS
+                CertificateSpec(app, component_names(names, app, dc.name, site.namespace)) for app in IN_CLUSTER_TLS
             ],
-            pools={
-                c.datacenter.name: {
-                    p.name: CertificateSpec(
-                        f"{c.datacenter.name}-{p.name}",
-                        [names.host(p.name, c.datacenter.name), names.instances(p.name, c.datacenter.name)],
-                    )
-                    for p in c.datacenter.pools
-                }
-                for c in view.datacenters.values()
-                if c.datacenter.role is not DatacenterRole.CONTROL
-            },
-            # under mutual TLS the controller's calls (weights, the canary's checks) present their own
-            operator=CertificateSpec(OPERATOR, [names.host(OPERATOR, dc.name)]) if _serving(view).mutual_tls else None,
+            pools=pools,
+            operator=CertificateSpec(OPERATOR, [names.host(OPERATOR, dc.name)]) if site.contract.mutual_tls else None,
             secrets_key_arn=secrets.key.key.arn,
-            tags=tags,
-            recovery_window_days=7 if cfg.environment is Environment.DEV else 30,
+            tags=site.tags,
+            recovery_window_days=site.recovery_window_days,
         ),
     )
-    zone = PrivateZone("names", PrivateZoneArgs(zone=names.zone, vpc_id=network.vpc.id, region=dc.region, tags=tags))
+
+
+def kubernetes_cluster(site: ControlSite, secrets: EnvironmentSecrets) -> ControlPlane:
+    """The EKS cluster the control plane's workloads run on, on the stack's one (control) pool."""
+    dc, network = site.dc, site.network
     control_pool = dc.pools[0]
-    plane = ControlPlane(
+    return ControlPlane(
         "eks",
         ControlPlaneArgs(
-            env=view.env,
+            env=site.env,
             region=dc.region,
-            kubernetes_version=view.settings.kubernetes_version,
+            kubernetes_version=site.view.settings.kubernetes_version,
             pool=control_pool,
             vpc_id=network.vpc.id,
             subnet_ids=[s.id for s in network.service_subnets],
             management_cidrs=[str(c) for c in network.plan.management],
-            public_access_cidrs=view.settings.eks_public_access_cidrs,
+            public_access_cidrs=site.view.settings.eks_public_access_cidrs,
             secrets_key_arn=secrets.key.key.arn,
-            volume_key_arn=key.key.arn,
-            namespace=namespace,
-            tags=tags,
-            node_tags=pool_tags(view.env, dc.name, str(control_pool.role), control_pool.name),
+            volume_key_arn=site.key.key.arn,
+            namespace=site.namespace,
+            tags=site.tags,
+            node_tags=pool_tags(site.env, dc.name, str(control_pool.role), control_pool.name),
         ),
     )
-    serving_dcs = [c.datacenter for c in view.datacenters.values() if c.datacenter.role is not DatacenterRole.CONTROL]
+
+
+def control_workloads(
+    site: ControlSite,
+    secrets: EnvironmentSecrets,
+    registry: ImageRegistry,
+    certificates: EnvironmentCertificates,
+    plane: ControlPlane,
+) -> ControlWorkloads:
+    """The gateway, scheduler, Prometheus, Alertmanager and rate-limit store on the cluster, as the contract says."""
+    view, dc, names = site.view, site.dc, site.names
     images = {
         name: registry.repositories[name].repository_url.apply(lambda u: f"{u}:{view.settings.release}")
         for name in ("gateway", "scheduler")
     }
-    replicas = 2 if cfg.environment is Environment.DEV else 3
-    workloads = ControlWorkloads(
+    replicas = 2 if view.this.environment is Environment.DEV else 3
+    serving_dcs = site.serving_dcs
+    return ControlWorkloads(
         "workloads",
         ControlWorkloadsArgs(
-            env=view.env,
-            namespace=namespace,
+            env=site.env,
+            namespace=site.namespace,
             images=images,
-            contract=contract(serving),
-            config_files={
-                "serving.json": serving.model_dump_json(indent=2),
-                "canary.json": cfg.canary.model_dump_json(indent=2) if cfg.canary else "{}",
-                "datacenters.json": json.dumps(
-                    {d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role} for d in serving_dcs}, indent=2
-                ),
-            },
-            secret_values={
-                **secrets.values,
-                # the gateway reads a keys file holding the key's digest; clients use the key in Secrets Manager
-                API_KEYS: secrets.values[API_KEYS].apply(lambda key: gateway_keys_file(key, view.env)),  # still secret
-                GATEWAY_TOKEN: secrets.principal_token("gateway"),
-                RATELIMIT_STORE_CONFIG: secrets.values[RATELIMIT_PASSWORD].apply(
-                    lambda password: ratelimit_store_config(password, contract(serving).ratelimit_store.port)
-                ),
-            },
+            contract=site.contract,
+            config_files=config_files(site),
+            secret_values=workload_secret_values(site, secrets),
             client_cidrs=[str(c.datacenter.cidr) for c in view.datacenters.values()],
             datacenter_cidrs=[str(d.cidr) for d in serving_dcs],
-            controller_cidrs=[str(c) for c in network.plan.management],
+            controller_cidrs=[str(c) for c in site.network.plan.management],
             cluster_cidr=str(dc.cidr),
             prometheus_config=scrape_config(
-                view.env,
-                namespace,
-                contract(serving),
+                site.env,
+                site.namespace,
+                site.contract,
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
                 names.zone,
             ),
             alert_rules=ALERT_RULES.read_text(),
-            alertmanager_config=alertmanager_yaml(view.env),
-            volume_key_arn=key.key.arn,
+            alertmanager_config=alertmanager_yaml(site.env),
+            volume_key_arn=site.key.key.arn,
             gateway_replicas=replicas,
             gateway_max_replicas=replicas * 4,
             load_balancer_certificates={app: certificates.load_balancer_certificate(app).arn for app in LOAD_BALANCED},
@@ -329,25 +417,61 @@ def build_control_plane(
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
-    GrafanaDashboards(
-        "dashboards",
-        GrafanaDashboardsArgs(namespace=namespace),
-        opts=pulumi.ResourceOptions(providers=[plane.provider], depends_on=[workloads]),
-    )  # its namespace
-    for app in LOAD_BALANCED:  # each load balancer's name in the environment's zone
-        zone.alias(f"{app}-name", names.host(app, dc.name), workloads.services[app].status.apply(ingress_host))
+
+
+def config_files(site: ControlSite) -> dict[str, str]:
+    """The files the control plane's apps read beside their settings: the serving block, the canary's, and the
+    serving datacenters."""
+    canary = site.view.this.canary
+    return {
+        "serving.json": _serving(site.view).model_dump_json(indent=2),
+        "canary.json": canary.model_dump_json(indent=2) if canary else "{}",
+        "datacenters.json": json.dumps(
+            {d.name: {"region": d.region, "cidr": str(d.cidr), "role": d.role} for d in site.serving_dcs}, indent=2
+        ),
+    }
+
+
+def workload_secret_values(site: ControlSite, secrets: EnvironmentSecrets) -> dict[str, pulumi.Output[str]]:
+    """The environment's Kubernetes Secret: the stack's secrets, with what the cloud's gateway reads in place of
+    some (a keys file of digests, its derived scheduler token, the rate-limit store's configuration)."""
+    api_keys, password = GATEWAY_API_KEYS.secret, RATELIMIT_PASSWORD.secret
+    store_port = site.contract.ratelimit_store.port
+    return {
+        **secrets.values,
+        # the gateway reads a keys file holding the key's digest; clients use the key in Secrets Manager
+        api_keys: secrets.values[api_keys].apply(lambda key: gateway_keys_file(key, site.env)),  # still secret
+        GATEWAY_TOKEN: secrets.principal_token("gateway"),
+        RATELIMIT_STORE_CONFIG: secrets.values[password].apply(
+            lambda password: ratelimit_store_config(password, store_port)
+        ),
+    }
+
+
+def export_control_plane(
+    site: ControlSite,
+    *,
+    zone: PrivateZone,
+    certificates: EnvironmentCertificates,
+    secrets: EnvironmentSecrets,
+    registry: ImageRegistry,
+    plane: ControlPlane,
+    workloads: ControlWorkloads,
+) -> None:
+    """What the datacenter stacks and the controller read of the control plane: stack outputs, and in SSM Parameter
+    Store what the controller needs without access to the Pulumi state."""
+    env = site.env
     pulumi.export(outputs.PRIVATE_ZONE_ID, zone.zone.zone_id)
     pulumi.export(outputs.PRIVATE_ZONE_NAME, zone.zone.name)
     pulumi.export(outputs.TLS_SECRET_ARNS, certificates.pool_secret_arns)
     pulumi.export(outputs.CA_CERTIFICATE, certificates.ca_cert_pem)
     # What clients trust (the GPU nodes calling the scheduler, the controller's canary judge): public, not secret.
-    aws.ssm.Parameter(
+    publish_parameter(
+        site,
         "ca-certificate",
-        name=ca_certificate_parameter(view.env),
-        type="String",
-        value=certificates.ca_cert_pem,
-        description=f"pdstack {view.env}: the environment CA's certificate (PEM) every TLS listener chains to",
-        tags=tags,
+        ca_certificate_parameter(env),
+        certificates.ca_cert_pem,
+        f"pdstack {env}: the environment CA's certificate (PEM) every TLS listener chains to",
     )
     pulumi.export(outputs.ENV_KEY_ARN, secrets.key.key.arn)
     pulumi.export(outputs.SECRET_ARNS, secrets.arns)
@@ -357,25 +481,30 @@ def build_control_plane(
     pulumi.export(outputs.CLUSTER_NAME, plane.cluster.name)
     # The scheduler's URL, for the GPU nodes' deploy: in SSM Parameter Store, where inventories/aws reads it on the
     # controller (which needs no access to the Pulumi state), and as an output.
-    aws.ssm.Parameter(
+    publish_parameter(
+        site,
         "scheduler-url",
-        name=scheduler_url_parameter(view.env),
-        type="String",
-        value=workloads.scheduler_url,
-        description=f"pdstack {view.env}: the scheduler's load balancer URL (the GPU nodes' PDSERVE_SCHEDULER_URL)",
-        tags=tags,
+        scheduler_url_parameter(env),
+        workloads.scheduler_url,
+        f"pdstack {env}: the scheduler's load balancer URL (the GPU nodes' PDSERVE_SCHEDULER_URL)",
     )
     pulumi.export(outputs.SCHEDULER_URL, workloads.scheduler_url)
     # Prometheus' URL, for the controller's canary judge (deploy.yml), the same way.
-    aws.ssm.Parameter(
+    publish_parameter(
+        site,
         "prometheus-url",
-        name=prometheus_url_parameter(view.env),
-        type="String",
-        value=workloads.prometheus_url,
-        description=f"pdstack {view.env}: Prometheus' load balancer URL (the canary judge's --prometheus)",
-        tags=tags,
+        prometheus_url_parameter(env),
+        workloads.prometheus_url,
+        f"pdstack {env}: Prometheus' load balancer URL (the canary judge's --prometheus)",
     )
     pulumi.export(outputs.PROMETHEUS_URL, workloads.prometheus_url)
+
+
+def publish_parameter(
+    site: ControlSite, resource: str, name: str, value: pulumi.Input[str], description: str
+) -> aws.ssm.Parameter:
+    """A plain (public) SSM parameter of the environment."""
+    return aws.ssm.Parameter(resource, name=name, type="String", value=value, description=description, tags=site.tags)
 
 
 def component_names(names: Names, app: str, datacenter: str, namespace: str) -> list[str]:

@@ -201,14 +201,17 @@ INSTANCE_TOKEN = SecretFile("scheduler_token_file", "scheduler-identity-key", "s
 # What the gateway's /metrics requires (its series name tenants, versions and instances; the gateway is the one
 # listener clients reach). Prometheus holds the same file at the same path: the gateway job's credentials_file.
 METRICS_TOKEN = SecretFile("metrics_token_file", "metrics-scrape-token", "metrics.token")
+# The tenants' API keys: the cloud's gateway reads a file of their digests (gateway_keys_file), not the keys.
+GATEWAY_API_KEYS = SecretFile("api_keys_file", "gateway-api-keys", "api-keys.json")
+RATELIMIT_PASSWORD = SecretFile(
+    "rate_limit_password_file", "ratelimit-store-password", "ratelimit.password", only_with_shared_store=True
+)
 SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
     Component.GATEWAY: (
-        SecretFile("api_keys_file", "gateway-api-keys", "api-keys.json"),
+        GATEWAY_API_KEYS,
         SecretFile("scheduler_token_file", "scheduler-identity-key", "scheduler.token", principal="gateway"),
         SecretFile("server_token_file", "server-api-token", "server.token"),
-        SecretFile(
-            "rate_limit_password_file", "ratelimit-store-password", "ratelimit.password", only_with_shared_store=True
-        ),
+        RATELIMIT_PASSWORD,
         METRICS_TOKEN,
     ),
     Component.SCHEDULER: (
@@ -337,6 +340,13 @@ class Contract:
 
     def __getitem__(self, component: Component | str) -> ComponentContract:
         return self.components[Component(component)]
+
+    def node_secrets(self) -> tuple[str, ...]:
+        """The stack secrets a serving node reads as they are, in order: what its instance may fetch. Not a secret a
+        token is derived from (the scheduler's identity key: whoever holds it can mint any principal's token), so each
+        node gets only its own derived token from the deployer."""
+        serving = (Component.PREFILL, Component.DECODE, Component.COLOCATED)
+        return tuple(dict.fromkeys(s.secret for c in serving for s in self[c].secrets if s.principal is None))
 
     def ratelimit_storage(self, host: str) -> str:
         """The gateways' PDSERVE_RATE_LIMIT_STORAGE for the store on `host`, which serves TLS only."""
