@@ -172,8 +172,7 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
     variables = {
         **SECRET_FILES,
         "pdserve_component": component,
-        # what serving_node's release entry point leaves
-        "serving_node_engine_id": "node-1-0123abcd",
+        "pdserve__engine_id": "node-1-0123abcd",
         "serving_node_release": {"image": DIGEST_IMAGE, "version": "r1", "config_version": "1"},
         "ansible_python_interpreter": "/usr/bin/python3",
     }
