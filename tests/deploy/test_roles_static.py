@@ -5,8 +5,10 @@ against a manifest on real files."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -349,3 +351,79 @@ def test_per_os_vars_exist_only_where_they_differ_from_their_familys() -> None:
         if version_file.read_text() == family.read_text():
             copies.append(str(version_file.relative_to(REPO)))
     assert copies == []
+
+
+ROLES = sorted(p.parent.name for p in REPO.glob("roles/*/tasks"))
+# gpu_driver publishes no result of its own yet: vllm_engine's GPU detection reads its fact (roles/vllm_engine/vars)
+PRIVATE_READS_KNOWN = {("vllm_engine", "gpu_driver")}
+
+
+def role_tasks(node: object) -> list[dict[str, Any]]:
+    """Every task of a task file, those in blocks too."""
+    if isinstance(node, list):
+        return [t for item in node for t in role_tasks(item)]
+    if not isinstance(node, dict):
+        return []
+    return [node] + [t for key in ("block", "rescue", "always") for t in role_tasks(node.get(key, []))]
+
+
+def test_roles_stand_alone() -> None:
+    """No role reads another role's private (`<role>__*`) variables, and a role runs another role's tasks only
+    through an entry point that role's meta/argument_specs.yml declares (typed arguments, documented results):
+    pdserve and vllm_engine share roles/serving_node's, not each other's files."""
+    private, includes = set(), []
+    for role in ROLES:
+        for path in sorted((REPO / "roles" / role).rglob("*.yml")):
+            text = path.read_text()
+            private |= {(role, m) for m in re.findall(r"\b([a-z][a-z0-9_]*?)__[a-z0-9_]+", text) if m in ROLES}
+            if "tasks" not in path.relative_to(REPO / "roles" / role).parts:
+                continue
+            for task in role_tasks(yaml.safe_load(text)):
+                for key in ("ansible.builtin.include_role", "ansible.builtin.import_role"):
+                    if key in task and task[key]["name"] != role:
+                        includes.append((role, task[key]["name"], Path(task[key].get("tasks_from", "main")).stem))
+    assert {(role, other) for role, other in private if other != role} == PRIVATE_READS_KNOWN
+    specs = {
+        role: set(yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"])
+        for role in ROLES
+        if (REPO / "roles" / role / "meta" / "argument_specs.yml").exists()
+    }
+    assert [i for i in includes if i[2] not in specs.get(i[1], set())] == []
+    assert {(role, other) for role, other, _ in includes if {role, other} == {"pdserve", "vllm_engine"}} == set()
+    assert {("pdserve", "serving_node"), ("vllm_engine", "serving_node")} <= {(r, o) for r, o, _ in includes}
+
+
+# What serving_node's entry points leave as facts (its README's results): its callers read these and nothing else.
+RESULTS = {
+    "serving_node_release",
+    "serving_node_record_after",
+    "serving_node_engine_id",
+    "serving_node_instance_id",
+    "serving_node_secret_mounts",
+    "serving_node_pinned_cpus",
+    "serving_node_pinned_mems",
+}
+
+
+def test_serving_node_documents_every_entry_point_and_argument() -> None:
+    """Each task file of roles/serving_node is an entry point with every serving_node_* variable it uses typed and
+    described, and every argument has its default in defaults/main.yml or is required."""
+    role = REPO / "roles" / "serving_node"
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    defaults = yaml.safe_load((role / "defaults" / "main.yml").read_text())
+    assert set(specs) == {p.stem for p in (role / "tasks").glob("*.yml")}
+    private_vars = yaml.safe_load((role / "vars" / "main.yml").read_text())
+    for entry, spec in specs.items():
+        options = spec["options"]
+        assert all(o["type"] and o["description"] for o in options.values()), entry
+        assert all(o.get("required") or name in defaults for name, o in options.items()), entry
+        text = (role / "tasks" / f"{entry}.yml").read_text()
+        seen: set[str] = set()
+        private = set(re.findall(r"\bserving_node__[a-z0-9_]+", text))
+        while private - seen:  # the role's vars/main.yml the entry point's tasks use, and those they use
+            name = sorted(private - seen)[0]
+            seen.add(name)
+            text += str(private_vars.get(name, ""))
+            private |= set(re.findall(r"\bserving_node__[a-z0-9_]+", str(private_vars.get(name, ""))))
+        used = set(re.findall(r"\bserving_node_[a-z0-9_]+", text)) - {n.rstrip("_") for n in private}
+        assert used - RESULTS - set(options) == set(), entry
