@@ -33,7 +33,7 @@ def _as_secret(value: pulumi.Output[str]) -> pulumi.Output[str]:
 
 def derive_token(key: str, principal: str) -> str:
     """The scheduler's bearer token of `principal` under its identity key (hardening contract §1; the same formula
-    as pdserve.scheduler.identity and roles/pdserve/filter_plugins)."""
+    as pdserve.scheduler.identity and roles/serving_node/filter_plugins)."""
     mac = hmac.new(key.encode(), b"pdstack-scheduler-principal\0" + principal.encode(), hashlib.sha256).hexdigest()
     return f"pds1.{principal}.{mac}"
 

@@ -354,8 +354,6 @@ def test_per_os_vars_exist_only_where_they_differ_from_their_familys() -> None:
 
 
 ROLES = sorted(p.parent.name for p in REPO.glob("roles/*/tasks"))
-# gpu_driver publishes no result of its own yet: vllm_engine's GPU detection reads its fact (roles/vllm_engine/vars)
-PRIVATE_READS_KNOWN = {("vllm_engine", "gpu_driver")}
 
 
 def role_tasks(node: object) -> list[dict[str, Any]]:
@@ -382,7 +380,7 @@ def test_roles_stand_alone() -> None:
                 for key in ("ansible.builtin.include_role", "ansible.builtin.import_role"):
                     if key in task and task[key]["name"] != role:
                         includes.append((role, task[key]["name"], Path(task[key].get("tasks_from", "main")).stem))
-    assert {(role, other) for role, other in private if other != role} == PRIVATE_READS_KNOWN
+    assert {(role, other) for role, other in private if other != role} == set()
     specs = {
         role: set(yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"])
         for role in ROLES

@@ -1,5 +1,5 @@
 """roles/vllm_engine without nodes (ansible-playbook on localhost, no container): what it would start the engine and
-the agent with is exactly pdstack.vllm_command's rendering for that node, each container gets only the secrets its
+the agent with is exactly pdstack.vllm.command's rendering for that node, each container gets only the secrets its
 command line reads, CPU and GPU nodes get their own settings, and bad variables are refused naming them.
 ansible-lint's production profile covers the role through playbooks/serving.yml (tests/deploy/test_roles_static.py).
 The role on real node containers with the real vLLM image: tests/deploy_vllm (not in CI, see docs/vllm-deploy.md)."""

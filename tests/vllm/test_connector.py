@@ -355,3 +355,16 @@ def test_both_workers_describe_their_instance_for_the_agent(pair: Pair) -> None:
     assert producer["fingerprint_fields"]["block_size"] == BLOCK_SIZE
     assert producer["kv_streaming"] is consumer["kv_streaming"] is True
     assert producer["connector_version"] == consumer["connector_version"] == "3"
+
+
+def test_a_manifest_larger_than_the_prompt_is_refused_before_allocating(pair: Pair) -> None:
+    """A lease holding the KV of a longer prompt, named by params a key holder signed for a shorter one (as a
+    compromised prefill could): decode refuses the manifest that announces more KV than its own prompt can hold
+    (pdserve.kv pull's max_bytes) before it allocates for it, and computes the prompt itself. Unsigned, the token
+    count alone refuses it (kv_transfer_params.num_tokens) before any connection."""
+    short = prompt_of(BLOCK_SIZE + 3, seed=42)
+    colocated = token_ids(pair.prefill.complete(short, MAX_TOKENS))
+    long_params = pair.resign(pair.prefill_params(prompt_of(5 * BLOCK_SIZE, seed=43)), num_tokens=len(short))
+    answer = pair.decode.complete(short, MAX_TOKENS, kv_transfer_params=long_params)
+    assert token_ids(answer) == colocated
+    assert "more than this request's" in failure_line(pair, answer)
