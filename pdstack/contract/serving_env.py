@@ -73,12 +73,14 @@ def kv_channel(serving: Serving) -> KVChannelSettings:
 
 
 def server_settings(serving: Serving, *, kv: bool) -> dict[str, str]:
-    """Prefill and decode servers (`kv`: with the KV channel's settings), and colocated ones (without)."""
+    """Prefill and decode servers (`kv`: with the KV channel's settings), and colocated ones (without); each serves
+    the model under the name clients ask for, as vLLM does (pdstack.vllm.command)."""
     limits = serving.limits
     channel = kv_channel(serving).model_dump(exclude_unset=True) if kv else {}
     return tracing_settings(serving) | as_env(
         ServerSettings,
         {
+            "served_model_name": serving.model.name,
             "max_num_seqs": limits.max_concurrency,
             "prefill_token_budget": limits.prefill_token_budget,
             "kv_load_failure_policy": serving.kv_load_failure_policy,
