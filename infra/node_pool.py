@@ -36,13 +36,20 @@ EFA_NETWORK_CARDS = {
 def network_interfaces(
     efa: bool, instance_type: str, security_group_id: pulumi.Input[str]
 ) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgs]:
-    """Card 0 carries the primary ENA+EFA interface; further cards carry EFA-only interfaces (no IP address)."""
+    """Card 0 carries the primary ENA+EFA interface; further cards carry EFA-only interfaces (no IP address).
+
+    EC2 refuses AssociatePublicIpAddress when a launch specifies more than one interface, so a multi-interface
+    template leaves it unset: the nodes' subnets are private (infra/network.py) and give no public address anyway.
+    A single-interface template says `false` outright. Policy `launch-template-interfaces` refuses the field on a
+    template with several interfaces."""
+    cards = EFA_NETWORK_CARDS.get(instance_type, 1) if efa else 1
+    public_ip = "false" if cards == 1 else None
     if not efa:
         return [
             aws.ec2.LaunchTemplateNetworkInterfaceArgs(
                 device_index=0,
                 security_groups=[security_group_id],
-                associate_public_ip_address="false",
+                associate_public_ip_address=public_ip,
                 delete_on_termination="true",
             )
         ]
@@ -52,10 +59,10 @@ def network_interfaces(
             network_card_index=card,
             interface_type="efa" if card == 0 else "efa-only",
             security_groups=[security_group_id],
-            associate_public_ip_address="false",
+            associate_public_ip_address=public_ip,
             delete_on_termination="true",
         )
-        for card in range(EFA_NETWORK_CARDS.get(instance_type, 1))
+        for card in range(cards)
     ]
 
 

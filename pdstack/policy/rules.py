@@ -140,6 +140,26 @@ def check_efa_cluster_placement(
     return problems
 
 
+# --- launch-template-interfaces -----------------------------------------------------------------------------------
+
+
+def check_launch_template_interfaces(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
+    """EC2 refuses AssociatePublicIpAddress in a launch with more than one network interface (an EFA template has
+    one per network card): such a template could not launch a single instance."""
+    if type_ != LAUNCH_TEMPLATE:
+        return []
+    interfaces = props.get("networkInterfaces", []) or []
+    if len(interfaces) < 2:
+        return []
+    setting = [i for i in interfaces if i.get("associatePublicIpAddress") is not None]
+    if not setting:
+        return []
+    return [
+        f"{len(interfaces)} network interfaces and associatePublicIpAddress set (on {len(setting)}): EC2 refuses "
+        "the field when a launch names several interfaces; leave it unset"
+    ]
+
+
 # --- instance-tags ------------------------------------------------------------------------------------------------
 
 
@@ -198,6 +218,11 @@ RESOURCE_RULES = (
         check_encryption_at_rest,
     ),
     ResourceRule("imdsv2-required", "Instances require IMDSv2 session tokens.", check_imdsv2),
+    ResourceRule(
+        "launch-template-interfaces",
+        "A launch template with several network interfaces does not set associatePublicIpAddress (EC2 refuses it).",
+        check_launch_template_interfaces,
+    ),
     ResourceRule(
         "instance-tags",
         "Every instance carries pdstack:env, pdstack:dc, pdstack:role and pdstack:pool.",

@@ -157,6 +157,13 @@ EDITS = [
     ),
     ("IMDSv1 allowed", TEMPLATE, _set("metadataOptions.httpTokens", "optional"), "", {"imdsv2-required"}),
     (
+        "a public address asked for on an EFA template's 32 interfaces",
+        TEMPLATE,
+        lambda i: [n.update(associatePublicIpAddress="false") for n in i["networkInterfaces"]],
+        "",
+        {"launch-template-interfaces"},
+    ),
+    (
         "EFA without cluster placement",
         "aws:ec2/placementGroup:PlacementGroup",
         _set("strategy", "spread"),

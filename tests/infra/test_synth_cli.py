@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdstack.cli import app
+from pdstack.policy.rules import POLICY_NAMES
 from tests.support import REPO
 
 
@@ -19,7 +20,7 @@ def in_project(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_synth_lists_resources_and_passes_the_policies(in_project: None) -> None:
     result = CliRunner().invoke(app, ["synth", "--stack", "prod-decode-us-west-2", "--stack", "local-dc1"])
     assert result.exit_code == 0, result.output
-    assert "prod-decode-us-west-2: " in result.output and "policies: all 9 passed" in result.output
+    assert "prod-decode-us-west-2: " in result.output and f"policies: all {len(POLICY_NAMES)} passed" in result.output
     assert "aws:ec2transitgateway/peeringAttachment:PeeringAttachment" in result.output
     assert "local-dc1: nothing to synthesise" in result.output
 
