@@ -24,6 +24,7 @@ from pdstack.stacks.validate import validate
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "pdstack"
 SETTINGS_NAMESPACE = "pdstack-infra"
+CAPACITY_WAIT_MAX_MINUTES = 240
 OBJECT_KEYS = ("datacenter", "serving", "canary", "secrets", "capacity")
 
 # Stacks go up in this order: secrets and the KMS key live in the control plane, prefill sides exist before
@@ -45,6 +46,9 @@ class InfraSettings:
     lustre_capacity_gib: int = 0
     ssh_key_name: str | None = None
     release: str = "0.1.0"
+    # How long `pulumi up` waits for each GPU pool's desired instances to be InService (infra/node_pool.py); a
+    # pool that cannot get its capacity in that time fails the update instead of reporting success with none.
+    capacity_wait_minutes: int = 30
     dns_domain: str = DNS_DOMAIN  # the private zones are <env>.<dns_domain> (read by the control-plane stack)
 
 
@@ -151,6 +155,13 @@ def infra_settings() -> InfraSettings:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:availability_zones: give exactly two zone names, got {zones_given!r}")
     if cidrs is None or "0.0.0.0/0" in cidrs:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:eks_public_access_cidrs: a list of CIDRs, never 0.0.0.0/0")
+    capacity_wait = config.get_int("capacity_wait_minutes")
+    if capacity_wait is not None and not 1 <= capacity_wait <= CAPACITY_WAIT_MAX_MINUTES:
+        raise ConfigError(
+            f"{SETTINGS_NAMESPACE}:capacity_wait_minutes: {capacity_wait} is not between 1 and "
+            f"{CAPACITY_WAIT_MAX_MINUTES}: `pulumi up` waits for each GPU pool's instances, and never reports a pool "
+            "without them as done"
+        )
     domain = config.get("dns_domain") or DNS_DOMAIN
     problem = dns_domain_problem(domain)
     if problem is not None:
@@ -163,4 +174,5 @@ def infra_settings() -> InfraSettings:
         lustre_capacity_gib=config.get_int("lustre_capacity_gib") or 0,
         ssh_key_name=config.get("ssh_key_name"),
         release=config.get("release") or InfraSettings.release,
+        capacity_wait_minutes=capacity_wait or InfraSettings.capacity_wait_minutes,
     )

@@ -79,7 +79,10 @@ class GpuNodePoolArgs:
     model_bucket_arn: pulumi.Input[str]
     repository_arns: Sequence[pulumi.Input[str]]
     instance_tags: Mapping[str, str]
+    capacity_wait_minutes: int = 30  # pdstack-infra:capacity_wait_minutes (infra/environment.py)
     ssh_key_name: str | None = None
+    # The cloud-init document (base64) a fresh instance boots from; None until the nodes' bootstrap lands (#35).
+    user_data: pulumi.Input[str] | None = None
 
 
 class GpuNodePool(pulumi.ComponentResource):
@@ -106,6 +109,7 @@ class GpuNodePool(pulumi.ComponentResource):
             image_id=ami.value,
             instance_type=args.pool.instance_type,
             key_name=args.ssh_key_name,
+            user_data=args.user_data,
             iam_instance_profile=aws.ec2.LaunchTemplateIamInstanceProfileArgs(arn=profile.arn),
             ebs_optimized="true",
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
@@ -143,8 +147,12 @@ class GpuNodePool(pulumi.ComponentResource):
             ),
             health_check_type="EC2",
             health_check_grace_period=900,  # driver load and weight download before the node counts as unhealthy
-            # GPU capacity is scarce: never wait for it during `pulumi up`; the ASG keeps trying.
-            wait_for_capacity_timeout="0",
+            # `pulumi up` succeeds only once the group's desired instances are InService and healthy (EC2 health
+            # checks: running, status checks passing), and fails when they do not come within the stack's
+            # pdstack-infra:capacity_wait_minutes or a launch fails (InsufficientInstanceCapacity, a refused
+            # template): GPU capacity is scarce, and an update that reports success with no instance hides it. What
+            # InService proves is an instance, not a serving engine: that is the bootstrap's (user data) to report.
+            wait_for_capacity_timeout=f"{args.capacity_wait_minutes}m",
             tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
             opts=child,
         )

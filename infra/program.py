@@ -171,6 +171,7 @@ def build_datacenter(
                 model_bucket_arn=storage.bucket.arn,
                 repository_arns=[repositories.apply(_item(i)) for i in ("prefill", "decode")],
                 instance_tags=pool_tags(view.env, dc.name, str(pool.role), pool.name),
+                capacity_wait_minutes=view.settings.capacity_wait_minutes,
                 ssh_key_name=view.settings.ssh_key_name,
             ),
         )

@@ -9,6 +9,7 @@ in core.py; here the hardening rules, the registry of every rule, and `evaluate`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -160,6 +161,25 @@ def check_launch_template_interfaces(type_: str, props: dict[str, Any], config: 
     ]
 
 
+# --- group-waits-for-capacity ------------------------------------------------------------------------------------
+
+
+def _waits(timeout: Any) -> bool:
+    """Whether a wait_for_capacity_timeout (a Go duration; the provider's default is 10m) waits at all."""
+    if timeout is None:
+        return True
+    return any(float(n) > 0 for n in re.findall(r"\d+(?:\.\d+)?", str(timeout)))
+
+
+def check_group_waits_for_capacity(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
+    if type_ == AUTOSCALING_GROUP and not _waits(props.get("waitForCapacityTimeout")):
+        return [
+            "waitForCapacityTimeout 0: `pulumi up` would report the group done with no instance in service; give "
+            "it a timeout (pdstack-infra:capacity_wait_minutes)"
+        ]
+    return []
+
+
 # --- instance-tags ------------------------------------------------------------------------------------------------
 
 
@@ -222,6 +242,11 @@ RESOURCE_RULES = (
         "launch-template-interfaces",
         "A launch template with several network interfaces does not set associatePublicIpAddress (EC2 refuses it).",
         check_launch_template_interfaces,
+    ),
+    ResourceRule(
+        "group-waits-for-capacity",
+        "`pulumi up` waits for an Auto Scaling group's instances to be in service (waitForCapacityTimeout not 0).",
+        check_group_waits_for_capacity,
     ),
     ResourceRule(
         "instance-tags",

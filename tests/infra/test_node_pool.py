@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdstack.synth.synthesis import Synthesis
+from pdstack.policy import core, rules
+from pdstack.synth.synthesis import SynthError, Synthesis, synthesize
+from tests.support import STACKS
 
 from .conftest import CLOUD_STACKS
 
@@ -32,3 +34,37 @@ def test_only_a_single_interface_template_says_anything_about_public_addresses(
 def test_the_examples_hold_both_kinds_of_template(graphs: dict[str, Synthesis]) -> None:
     counts = {len(t.inputs["networkInterfaces"]) for n in GPU_STACKS for t in graphs[n].of_type(LAUNCH_TEMPLATE)}
     assert 1 in counts and max(counts) == 32  # p5.48xlarge: 32 EFA cards
+
+
+GROUP = "aws:autoscaling/group:Group"
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_pulumi_up_waits_for_each_pools_instances_with_ec2_health_checks(
+    graphs: dict[str, Synthesis], name: str
+) -> None:
+    groups = graphs[name].of_type(GROUP)
+    assert groups
+    for group in groups:
+        assert group.inputs["waitForCapacityTimeout"] == "30m", group.name  # the default of the setting
+        assert group.inputs["healthCheckType"] == "EC2"
+        assert not group.inputs.get("ignoreFailedScalingActivities")  # a failed launch fails the update at once
+
+
+def test_the_capacity_wait_is_the_stacks_setting_and_never_zero() -> None:
+    path = STACKS / "Pulumi.dev-decode-us-east-2.yaml"
+    graph = synthesize(path, {"pdstack-infra:capacity_wait_minutes": 45})
+    assert {g.inputs["waitForCapacityTimeout"] for g in graph.of_type(GROUP)} == {"45m"}
+    with pytest.raises(SynthError, match=r"pdstack-infra:capacity_wait_minutes: 0 is not between 1 and 240"):
+        synthesize(path, {"pdstack-infra:capacity_wait_minutes": 0})
+
+
+@pytest.mark.parametrize(
+    ("timeout", "waits"), [(None, True), ("30m", True), ("1h0m", True), ("0", False), ("0s", False)]
+)
+def test_the_policy_refuses_a_group_that_does_not_wait(timeout: str | None, waits: bool) -> None:
+    props = {} if timeout is None else {"waitForCapacityTimeout": timeout}
+    found = rules.evaluate([core.PolicyResource(GROUP, "g", "urn:g", props)])
+    assert [v.policy for v in found if v.policy == "group-waits-for-capacity"] == (
+        [] if waits else ["group-waits-for-capacity"]
+    )

@@ -170,6 +170,13 @@ EDITS = [
         "",
         {"efa-cluster-placement"},
     ),
+    (
+        "group reporting done with no instance",
+        "aws:autoscaling/group:Group",
+        _set("waitForCapacityTimeout", "0"),
+        "",
+        {"group-waits-for-capacity"},
+    ),
     ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
     (
         "bucket versioning suspended",
