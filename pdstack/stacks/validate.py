@@ -11,6 +11,7 @@ from pathlib import Path
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, LinkKind, PoolRole
 from pdstack.plan import link_problems
 from pdstack.plan.catalog import Catalog, load_catalog
+from pdstack.stacks.component_settings import settings_problems
 from pdstack.stacks.files import Problem, StackFile, StackFileError, load_stack_file, stack_name_of
 from pdstack.vllm.checks import vllm_problems
 
@@ -158,6 +159,7 @@ def check_environment(stacks: list[StackFile], complete: bool = True, catalog: C
         problems += _check_roles(where, stacks)
         problems += link_problems(stacks)
         problems += vllm_problems(stacks, catalog or load_catalog())
+        problems += settings_problems(stacks)
     return problems
 
 

@@ -26,6 +26,7 @@ from pdserve.vllm.settings import ConnectorConfig
 from pdstack.contract.components import SECRET_FILES, TLS_DIR, Component, contract
 from pdstack.contract.serving_env import tracing_settings
 from pdstack.model import Engine, Model, PoolRole, Serving, Tracing, Vllm
+from pdstack.stacks.component_settings import NODE_SETTINGS
 from pdstack.vllm.command import engine_args, engine_env
 from pdstack.vllm.deploy import PLACEHOLDERS, side_vars
 
@@ -289,3 +290,10 @@ def test_every_hand_classified_name_is_a_field_of_a_consumer() -> None:
             assert set(fields) <= set(cls.model_fields), (
                 f"{cls.__name__} has no {sorted(set(fields) - set(cls.model_fields))}"
             )
+
+
+def test_validate_stands_in_for_what_each_node_sets() -> None:
+    """`pdstack validate` loads each component with stand-ins for what its node sets (NODE_SETTINGS): the same
+    fields as classified here (a server's role comes from its command line)."""
+    assert set(NODE_SETTINGS[Component.GATEWAY]) == set(SET_PER_NODE[GatewaySettings])
+    assert set(NODE_SETTINGS[Component.PREFILL]) == set(SET_PER_NODE[ServerSettings]) - {"role"}
