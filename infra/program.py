@@ -23,10 +23,11 @@ from infra.network import Network, NetworkArgs
 from infra.node_pool import GpuNodePool, GpuNodePoolArgs
 from infra.pool_names import PoolRecords, PoolRecordsArgs
 from infra.prometheus import DatacenterTarget, alertmanager_yaml, scrape_config
-from infra.registry import ImageRegistry, ImageRegistryArgs
+from infra.registry import ImageRegistry, ImageRegistryArgs, node_images, repository_name
 from infra.secrets import EnvironmentSecrets, EnvironmentSecretsArgs
 from infra.security import NodeAccess, NodeSecurity, NodeSecurityArgs
 from infra.storage import ModelStorage, ModelStorageArgs
+from infra.tags import IMAGES as IMAGES_TAG
 from infra.tags import datacenter_tags, pool_tags
 from infra.workloads import ControlWorkloads
 from infra.workloads.access import ingress_host
@@ -154,6 +155,7 @@ def build_datacenter(
     tls_arns = control.require_output(outputs.TLS_SECRET_ARNS)
     groups = {}
     for pool in dc.pools:
+        images = node_images(_serving(view).engine, pool.role)
         pool_group = GpuNodePool(
             f"{dc.name}-{pool.name}",
             GpuNodePoolArgs(
@@ -169,8 +171,12 @@ def build_datacenter(
                 secrets_key_arn=control.require_output(outputs.ENV_KEY_ARN),
                 secrets_region=view.control.datacenter.region,
                 model_bucket_arn=storage.bucket.arn,
-                repository_arns=[repositories.apply(_item(i)) for i in ("prefill", "decode")],
-                instance_tags=pool_tags(view.env, dc.name, str(pool.role), pool.name),
+                # exactly the images this pool's nodes run (infra/registry.py), and its instances say which
+                repository_arns=[repositories.apply(_item(i)) for i in images],
+                instance_tags={
+                    **pool_tags(view.env, dc.name, str(pool.role), pool.name),
+                    IMAGES_TAG: " ".join(repository_name(view.env, i) for i in images),
+                },
                 capacity_wait_minutes=view.settings.capacity_wait_minutes,
                 ssh_key_name=view.settings.ssh_key_name,
             ),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pdstack.policy.core import IMAGES_TAG
+
 ENV, DC, ROLE, POOL = "pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool"
 INSTANCE_TAG_KEYS = (ENV, DC, ROLE, POOL)
+IMAGES = IMAGES_TAG  # on a GPU pool's instances: the repositories of the images they run, space-separated
 PURPOSE = "pdstack:purpose"  # on security group rules: what the opening is for (the policy pack reads it)
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 INSTANCE_TAGS = ("pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool")
 PURPOSE_TAG = "pdstack:purpose"
+IMAGES_TAG = "pdstack:images"  # a GPU pool's instances: the repositories of the images they run, space-separated
+GPU_ROLES = ("prefill", "decode")
 PRIVATE_NETWORKS = tuple(IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 KV_WIDEST_PREFIX = 16
 
@@ -18,6 +20,7 @@ SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
 SECURITY_GROUP_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 INSTANCE = "aws:ec2/instance:Instance"
+ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
 AUTOSCALING_GROUP = "aws:autoscaling/group:Group"
 PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
 BUCKET = "aws:s3/bucket:Bucket"
@@ -71,6 +74,7 @@ class PolicyResource:
     name: str
     urn: str
     props: dict[str, Any]
+    parent: str = ""  # the parent's URN: a component's resources are its children
 
 
 @dataclass(frozen=True)

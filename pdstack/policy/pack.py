@@ -47,7 +47,10 @@ def resource_policy(rule: core.ResourceRule) -> ResourceValidationPolicy:
 
 def stack_policy(rule: core.StackRule) -> StackValidationPolicy:
     def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
-        graph = [core.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props)) for r in args.resources]
+        graph = [
+            core.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props), r.parent.urn if r.parent else "")
+            for r in args.resources
+        ]
         for resource, message in rule.check(graph, _config(args.get_config())):
             report_violation(message, resource.urn)
 

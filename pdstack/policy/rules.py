@@ -9,6 +9,7 @@ in core.py; here the hardening rules, the registry of every rule, and `evaluate`
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -20,11 +21,14 @@ from pdstack.policy.core import (
     BUCKET_PUBLIC_ACCESS,
     BUCKET_VERSIONING,
     EKS_CLUSTER,
+    GPU_ROLES,
+    IMAGES_TAG,
     INSTANCE,
     INSTANCE_TAGS,
     K8S_WORKLOADS,
     LAUNCH_TEMPLATE,
     PLACEMENT_GROUP,
+    ROLE_POLICY,
     PolicyConfig,
     PolicyResource,
     ResourceRule,
@@ -180,6 +184,70 @@ def check_group_waits_for_capacity(type_: str, props: dict[str, Any], config: Po
     return []
 
 
+# --- node-images-pullable ----------------------------------------------------------------------------------------
+
+ECR_PULL = ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability")
+ECR_LOGIN = "ecr:GetAuthorizationToken"  # ECR's login action, not a credential
+
+
+def _listed(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)] if value is not None else []
+
+
+def _allowed(policies: list[PolicyResource]) -> list[tuple[set[str], list[str]]]:
+    """(actions, resources) of every Allow statement of the role's inline policies."""
+    found = []
+    for policy in policies:
+        try:
+            document = json.loads(str(policy.props.get("policy") or "{}"))
+        except ValueError:
+            continue
+        statements = document.get("Statement", []) if isinstance(document, dict) else []
+        for statement in statements if isinstance(statements, list) else [statements]:
+            if isinstance(statement, dict) and statement.get("Effect") == "Allow":
+                found.append(
+                    ({a.lower() for a in _listed(statement.get("Action"))}, _listed(statement.get("Resource")))
+                )
+    return found
+
+
+def _pull_problems(images: list[str], allowed: list[tuple[set[str], list[str]]]) -> list[str]:
+    problems = []
+    if not any(ECR_LOGIN.lower() in actions and "*" in resources for actions, resources in allowed):
+        problems.append(f"its role may not call {ECR_LOGIN} (on Resource *, as ECR requires): no registry login")
+    for action in ECR_PULL:
+        on = {r for actions, resources in allowed if action.lower() in actions or "ecr:*" in actions for r in resources}
+        repositories = {r.split(":repository/", 1)[1] for r in on if ":repository/" in r}
+        missing = [i for i in images if i not in repositories]
+        if missing:
+            problems.append(f"its role may not {action} on {', '.join(missing)}: its nodes could not pull")
+        extra = sorted((repositories - set(images)) | {r for r in on if ":repository/" not in r})
+        if extra:
+            problems.append(f"its role may {action} on {', '.join(extra)}, which its nodes do not run")
+    return problems
+
+
+def check_node_images_pullable(
+    resources: list[PolicyResource], config: PolicyConfig
+) -> list[tuple[PolicyResource, str]]:
+    """Every image a GPU node runs (its launch template's `pdstack:images`: repository names) has a repository its
+    instance role may pull from (ECR's token on *, the three pull actions on exactly those repositories). The role's
+    policies are the template's siblings: one node pool component holds both."""
+    problems = []
+    for template in (r for r in resources if r.type == LAUNCH_TEMPLATE):
+        specs = [s for s in template.props.get("tagSpecifications", []) or [] if s.get("resourceType") == "instance"]
+        tags = (specs[0].get("tags") or {}) if specs else {}
+        if tags.get("pdstack:role") not in GPU_ROLES:
+            continue
+        images = str(tags.get(IMAGES_TAG) or "").split()
+        if not images:
+            problems.append((template, f"its instances do not say which images they run (tag {IMAGES_TAG})"))
+            continue
+        siblings = [r for r in resources if r.type == ROLE_POLICY and r.parent and r.parent == template.parent]
+        problems += [(template, message) for message in _pull_problems(images, _allowed(siblings))]
+    return problems
+
+
 # --- instance-tags ------------------------------------------------------------------------------------------------
 
 
@@ -270,6 +338,11 @@ STACK_RULES = (
         "efa-cluster-placement",
         "EFA launch templates place instances in a cluster placement group.",
         check_efa_cluster_placement,
+    ),
+    StackRule(
+        "node-images-pullable",
+        "Every image a GPU node runs has a repository its role may pull (ECR's token, pull on exactly those).",
+        check_node_images_pullable,
     ),
 )
 POLICY_NAMES = tuple(r.name for r in RESOURCE_RULES) + tuple(r.name for r in STACK_RULES)

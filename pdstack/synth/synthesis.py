@@ -24,6 +24,7 @@ from pulumi.runtime.mocks import MockMonitor
 from pulumi.runtime.sync_await import _sync_await
 
 from infra.program import main as program_main
+from infra.registry import environment_images
 from pdstack.contract.components import cloud_names, contract
 from pdstack.contract.files import KV_PORT_POLICY, policy_config
 from pdstack.model import LOCAL_REGION, DatacenterRole, StackConfig
@@ -102,7 +103,7 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
     recorder = _run(stack, config, environment, result)
     result.resources = recorder
     result.violations = rules.evaluate(
-        [core.PolicyResource(type=r.type, name=r.name, urn=r.urn, props=r.inputs) for r in result.resources],
+        [core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent) for r in result.resources],
         _policy_config(environment),
     )
     result.policies_checked = len(rules.POLICY_NAMES)
@@ -310,6 +311,6 @@ def peer_outputs(qualified_stack: str, environment: dict[str, StackConfig]) -> d
         }
         values["repository_arns"] = {
             image: f"arn:aws:ecr:{dc.region}:{MOCK_ACCOUNT}:repository/pdstack-{env}/{image}"
-            for image in ("gateway", "scheduler", "prefill", "decode")
+            for image in environment_images()  # what the control stack's registry makes (infra/registry.py)
         }
     return values

@@ -3,13 +3,17 @@ groups that wait for their capacity, images the nodes may pull, a pinned node im
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from infra.registry import VLLM_IMAGE, node_images, repository_name
+from pdstack.model import Engine, PoolRole
 from pdstack.policy import core, rules
 from pdstack.synth.synthesis import SynthError, Synthesis, synthesize
 from tests.support import STACKS
 
-from .conftest import CLOUD_STACKS
+from .conftest import CLOUD_STACKS, stack_config
 
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 GPU_STACKS = [n for n in CLOUD_STACKS if not n.endswith("-control")]
@@ -68,3 +72,54 @@ def test_the_policy_refuses_a_group_that_does_not_wait(timeout: str | None, wait
     assert [v.policy for v in found if v.policy == "group-waits-for-capacity"] == (
         [] if waits else ["group-waits-for-capacity"]
     )
+
+
+def _node_policy(graph: Synthesis, pool_component: str) -> dict[str, dict]:
+    policy = next(p for p in graph.of_type("aws:iam/rolePolicy:RolePolicy") if p.name == f"{pool_component}-node")
+    return {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_every_image_a_node_runs_has_a_repository_its_role_may_pull_and_no_other(
+    graphs: dict[str, Synthesis], env: str
+) -> None:
+    control = graphs[f"{env}-control"]
+    repositories = {r.inputs["name"]: r for r in control.of_type("aws:ecr/repository:Repository")}
+    assert set(repositories) == {f"pdstack-{env}/{i}" for i in ("gateway", "scheduler", "prefill", "decode", "vllm")}
+    region = stack_config(f"{env}-control").datacenter.region
+    engine = stack_config(f"{env}-control").serving.engine
+    for name in (n for n in GPU_STACKS if n.startswith(f"{env}-")):
+        cfg = stack_config(name)
+        for pool in cfg.datacenter.pools:
+            component = f"{cfg.datacenter.name}-{pool.name}"
+            template = next(t for t in graphs[name].of_type(LAUNCH_TEMPLATE) if t.name == f"{component}-template")
+            tags = next(s["tags"] for s in template.inputs["tagSpecifications"] if s["resourceType"] == "instance")
+            runs = tags["pdstack:images"].split()
+            assert runs == [f"pdstack-{env}/{i}" for i in node_images(engine, pool.role)]
+            assert set(runs) <= set(repositories)  # the control stack makes each
+            statements = _node_policy(graphs[name], component)
+            assert statements["EcrLogin"] == {
+                "Sid": "EcrLogin",
+                "Effect": "Allow",
+                "Action": "ecr:GetAuthorizationToken",
+                "Resource": "*",  # ECR's token is not scoped to a repository
+            }
+            pull = statements["PullImages"]
+            assert sorted(pull["Action"]) == sorted(
+                ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
+            )
+            assert pull["Resource"] == [f"arn:aws:ecr:{region}:123456789012:repository/{r}" for r in runs]
+
+
+def test_a_vllm_node_runs_the_vllm_image_and_a_pdserve_node_its_components() -> None:
+    assert node_images(Engine.VLLM, PoolRole.PREFILL) == node_images(Engine.VLLM, PoolRole.DECODE) == ("vllm",)
+    assert node_images(Engine.PDSERVE, PoolRole.DECODE) == ("decode",)
+    assert node_images(Engine.VLLM, PoolRole.CONTROL) == ()
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_the_stacks_vllm_image_lives_in_the_repository_the_registry_makes(env: str) -> None:
+    serving = stack_config(f"{env}-control").serving
+    assert serving.vllm is not None
+    path = serving.vllm.image.split("@", 1)[0].rsplit(":", 1)[0].split("/", 1)[1]  # registry host and tag off
+    assert path == repository_name(env, VLLM_IMAGE)

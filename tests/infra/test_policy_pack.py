@@ -93,9 +93,17 @@ def run_pack(
                 policy.validate(args, report)
         else:
             assert isinstance(policy, StackValidationPolicy)
-            graph = [PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, None, [], {}) for r in resources]
-            policy.validate(StackValidationArgs(graph, config), report)
+            policy.validate(StackValidationArgs(_policy_graph(resources), config), report)
     return found
+
+
+def _policy_graph(resources: list[Resource]) -> list[PolicyResource]:
+    """The graph as the engine hands it to a stack policy: each resource with its parent (registered before it)."""
+    graph: dict[str, PolicyResource] = {}
+    for r in resources:
+        parent = graph.get(r.parent)
+        graph[r.urn] = PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, parent, [], {})
+    return list(graph.values())
 
 
 def test_the_pack_registers_every_rule_as_mandatory(pack: list[Any]) -> None:
@@ -177,6 +185,40 @@ EDITS = [
         "",
         {"group-waits-for-capacity"},
     ),
+    (
+        "the node role's image pull narrowed to another repository",
+        "aws:iam/rolePolicy:RolePolicy",
+        lambda i: i.update(policy=i["policy"].replace("pdstack-prod/vllm", "pdstack-prod/prefill")),
+        "-node$",
+        {"node-images-pullable"},
+    ),
+    (
+        "the node role may pull the gateway's image too",
+        "aws:iam/rolePolicy:RolePolicy",
+        lambda i: i.update(
+            policy=i["policy"].replace(
+                '"arn:aws:ecr:us-east-1:123456789012:repository/pdstack-prod/vllm"',
+                '"arn:aws:ecr:us-east-1:123456789012:repository/pdstack-prod/vllm", '
+                '"arn:aws:ecr:us-east-1:123456789012:repository/pdstack-prod/gateway"',
+            )
+        ),
+        "-node$",
+        {"node-images-pullable"},
+    ),
+    (
+        "the node role without ECR's login",
+        "aws:iam/rolePolicy:RolePolicy",
+        lambda i: i.update(policy=i["policy"].replace("ecr:GetAuthorizationToken", "ecr:DescribeImages")),
+        "-node$",
+        {"node-images-pullable"},
+    ),
+    (
+        "a template not saying which images its nodes run",
+        TEMPLATE,
+        lambda i: [s["tags"].pop("pdstack:images") for s in i["tagSpecifications"]],
+        "",
+        {"node-images-pullable"},
+    ),
     ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
     (
         "bucket versioning suspended",
@@ -208,7 +250,7 @@ def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parame
 ) -> None:
     edited = _edit(graphs["prod-prefill-us-east-1"], type_, change, only)
     assert {policy for policy, _ in run_pack(pack, edited)} == expected
-    direct = rules.evaluate([core.PolicyResource(r.type, r.name, r.urn, r.inputs) for r in edited])
+    direct = rules.evaluate([core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent) for r in edited])
     assert {v.policy for v in direct} == expected
 
 
