@@ -17,6 +17,7 @@ import pulumi
 from pydantic import ValidationError
 
 from infra.dns import dns_domain_problem
+from infra.node_pool import node_image_problem
 from pdstack.contract.components import DNS_DOMAIN
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, Link, Ports, StackConfig
 from pdstack.stacks.validate import validate
@@ -49,6 +50,9 @@ class InfraSettings:
     # How long `pulumi up` waits for each GPU pool's desired instances to be InService (infra/node_pool.py); a
     # pool that cannot get its capacity in that time fails the update instead of reporting success with none.
     capacity_wait_minutes: int = 30
+    # The GPU nodes' image, pinned (infra/node_pool.py): an AMI id, or an SSM parameter naming one image forever.
+    # Required of every stack with GPU pools; the control stack's nodes are EKS's.
+    node_image: str | None = None
     dns_domain: str = DNS_DOMAIN  # the private zones are <env>.<dns_domain> (read by the control-plane stack)
 
 
@@ -162,6 +166,10 @@ def infra_settings() -> InfraSettings:
             f"{CAPACITY_WAIT_MAX_MINUTES}: `pulumi up` waits for each GPU pool's instances, and never reports a pool "
             "without them as done"
         )
+    node_image = config.get("node_image")
+    image_problem = node_image_problem(node_image) if node_image is not None else None
+    if image_problem is not None:
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:node_image: {image_problem}")
     domain = config.get("dns_domain") or DNS_DOMAIN
     problem = dns_domain_problem(domain)
     if problem is not None:
@@ -175,4 +183,5 @@ def infra_settings() -> InfraSettings:
         ssh_key_name=config.get("ssh_key_name"),
         release=config.get("release") or InfraSettings.release,
         capacity_wait_minutes=capacity_wait or InfraSettings.capacity_wait_minutes,
+        node_image=node_image,
     )

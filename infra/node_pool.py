@@ -1,9 +1,11 @@
-"""A GPU node pool: launch template on the NVIDIA GPU AMI, IMDSv2, encrypted volumes, EFA interfaces in a
-cluster placement group when the instance type has them, an Auto Scaling group, and a least-privilege role."""
+"""A GPU node pool: launch template on the stack's pinned node image (Debian 12), IMDSv2, encrypted volumes, EFA
+interfaces in a cluster placement group when the instance type has them, an Auto Scaling group that `pulumi up`
+waits for, and a least-privilege role."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +15,44 @@ import pulumi_aws as aws
 
 from pdstack.model import NodePool
 
-# AWS Deep Learning Base AMI (Ubuntu 22.04): NVIDIA driver, CUDA, EFA installer and NCCL preinstalled.
-# Its public SSM parameter always names the current image; Ansible then pins the driver branch it verifies.
-GPU_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
-ROOT_DEVICE, DATA_DEVICE = "/dev/sda1", "/dev/sdb"
+# The node image is pinned per stack (pdstack-infra:node_image): an AMI id, or an SSM parameter that names one image
+# forever, such as Debian's per-version public parameter /aws/service/debian/release/12/<version>/amd64 (Debian
+# publishes one per image version beside `latest`, and never rewrites it). Never a `latest`-style parameter: every
+# instance the group replaces or adds would boot whatever image is newest that day.
+AMI_ID = re.compile(r"^ami-[0-9a-f]{8,17}$")
+SSM_PARAMETER = re.compile(r"^(/[A-Za-z0-9_.-]+)+(:[1-9][0-9]*)?$")
+MOVING_SEGMENTS = frozenset({"latest", "current", "recommended", "stable-latest"})
+# Debian's official images register their root volume as /dev/xvda (debian-cloud-images, upload_ec2.py): the
+# mapping must name it to size the root volume rather than attach a second one.
+ROOT_DEVICE, DATA_DEVICE = "/dev/xvda", "/dev/sdb"
 ROOT_VOLUME_GIB = 200
+
+
+def node_image_problem(image: str) -> str | None:
+    """Why `image` does not pin one node image, or None: an AMI id, or an SSM parameter path (optionally with a
+    `:version` selector) none of whose segments moves (`latest`, `current`, ...)."""
+    if AMI_ID.match(image):
+        return None
+    if not SSM_PARAMETER.match(image):
+        return (
+            f"{image!r} is neither an AMI id (ami- and 8 to 17 hex digits) nor an SSM parameter path such as "
+            "/aws/service/debian/release/12/<version>/amd64"
+        )
+    moving = sorted(MOVING_SEGMENTS & set(image.split(":", 1)[0].strip("/").split("/")))
+    if moving:
+        return (
+            f"{image!r} names a parameter that moves ({', '.join(moving)}): each replacement would boot a different "
+            "image; name the version (Debian: /aws/service/debian/release/12/<version>/amd64) or an AMI id"
+        )
+    return None
+
+
+def node_image_id(image: str, opts: pulumi.InvokeOutputOptions) -> pulumi.Input[str]:
+    """The AMI the pinned `image` names: itself, or the value of its SSM parameter resolved at `pulumi up`."""
+    if AMI_ID.match(image):
+        return image
+    return aws.ssm.get_parameter_output(name=image, opts=opts).value
+
 
 # Network cards carrying EFA per instance type (EC2 User Guide, "Network cards"); one EFA interface per card
 # reaches the type's full bandwidth. Types not listed get one.
@@ -79,6 +114,7 @@ class GpuNodePoolArgs:
     model_bucket_arn: pulumi.Input[str]
     repository_arns: Sequence[pulumi.Input[str]]
     instance_tags: Mapping[str, str]
+    node_image: str  # pdstack-infra:node_image: an AMI id or a pinned SSM parameter (node_image_problem)
     capacity_wait_minutes: int = 30  # pdstack-infra:capacity_wait_minutes (infra/environment.py)
     ssh_key_name: str | None = None
     # The cloud-init document (base64) a fresh instance boots from; None until the nodes' bootstrap lands (#35).
@@ -103,10 +139,9 @@ class GpuNodePool(pulumi.ComponentResource):
                 tags=tags,
                 opts=child,
             )
-        ami = aws.ssm.get_parameter_output(name=GPU_AMI_PARAMETER, opts=pulumi.InvokeOutputOptions(parent=self))
         self.launch_template = aws.ec2.LaunchTemplate(
             f"{name}-template",
-            image_id=ami.value,
+            image_id=node_image_id(args.node_image, pulumi.InvokeOutputOptions(parent=self)),
             instance_type=args.pool.instance_type,
             key_name=args.ssh_key_name,
             user_data=args.user_data,

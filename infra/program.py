@@ -153,6 +153,12 @@ def build_datacenter(
     secret_arns = control.require_output(outputs.SECRET_ARNS)
     repositories = control.require_output(outputs.REPOSITORY_ARNS)
     tls_arns = control.require_output(outputs.TLS_SECRET_ARNS)
+    node_image = view.settings.node_image
+    if node_image is None:
+        raise environment.ConfigError(
+            f"{environment.SETTINGS_NAMESPACE}:node_image: datacenter {dc.name} runs GPU pools; pin their image "
+            "(an AMI id, or an SSM parameter naming one version, e.g. /aws/service/debian/release/12/<version>/amd64)"
+        )
     groups = {}
     for pool in dc.pools:
         images = node_images(_serving(view).engine, pool.role)
@@ -177,6 +183,7 @@ def build_datacenter(
                     **pool_tags(view.env, dc.name, str(pool.role), pool.name),
                     IMAGES_TAG: " ".join(repository_name(view.env, i) for i in images),
                 },
+                node_image=node_image,
                 capacity_wait_minutes=view.settings.capacity_wait_minutes,
                 ssh_key_name=view.settings.ssh_key_name,
             ),

@@ -2,7 +2,7 @@
 
 The program in infra/ runs in-process against a mock engine: no Pulumi CLI, no cloud, no credentials. Each
 resource registration is recorded (type, name, parent, inputs as the engine receives them); invokes (caller
-identity, availability zones, the GPU AMI parameter) and StackReferences get answers derived from the
+identity, availability zones, the node image's SSM parameter) and StackReferences get answers derived from the
 environment's stack files. The policy pack's rules (pdstack.policy.rules) then judge the recorded graph.
 (pdstack.synth.report prints the result.)
 """
@@ -35,7 +35,6 @@ from pdstack.stacks.files import StackFile, load_stack_file
 PROJECT = "pdstack"
 ORGANIZATION = "organization"
 MOCK_ACCOUNT = "123456789012"
-MOCK_AMI = "ami-0a1b2c3d4e5f60718"
 REDACTED = "[secret]"
 SECRET_SIG = "4dabf18193072939515e22adb298388d"  # noqa: S105 (Pulumi's wire marker of a secret, not one)
 SECRET_VALUE_SIG = "1b47061264138c4ac30d75fd1eb44270"  # noqa: S105 (likewise)
@@ -227,7 +226,8 @@ class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]
             names = [f"{self.region}{z}" for z in "abc"]
             return {"names": names, "zoneIds": [f"use-az{i}" for i in range(3)], "id": self.region}, []
         if function == "aws:ssm/getParameter:getParameter":
-            return {"name": args.args["name"], "value": MOCK_AMI, "type": "String", "id": args.args["name"]}, []
+            name = args.args["name"]
+            return {"name": name, "value": mock_ami(name), "type": "String", "id": name}, []
         raise SynthError(f"the mock engine has no answer for invoke {function}")
 
 
@@ -266,6 +266,11 @@ def _computed(  # noqa: PLR0911 (one answer per resource type whose computed out
     if type_ in TLS_STAND_INS:  # PEM stand-ins for pulumi-tls's outputs: keys marked like generated secrets
         return {out: f"{'mock' if 'Key' in out else 'public'}-{out}-{digest[:40]}" for out in TLS_STAND_INS[type_]}
     return common
+
+
+def mock_ami(parameter: str) -> str:
+    """The AMI an SSM parameter names: one per parameter (and version), so a graph shows which one it read."""
+    return "ami-" + hashlib.sha256(parameter.encode()).hexdigest()[:17]
 
 
 def mock_zone_id(zone: str) -> str:

@@ -4,13 +4,18 @@ groups that wait for their capacity, images the nodes may pull, a pinned node im
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 
+from infra.node_pool import node_image_problem
 from infra.registry import VLLM_IMAGE, node_images, repository_name
 from pdstack.model import Engine, PoolRole
 from pdstack.policy import core, rules
-from pdstack.synth.synthesis import SynthError, Synthesis, synthesize
+from pdstack.stacks.files import load_stack_file
+from pdstack.synth.synthesis import SynthError, Synthesis, mock_ami, synthesize
 from tests.support import STACKS
 
 from .conftest import CLOUD_STACKS, stack_config
@@ -123,3 +128,54 @@ def test_the_stacks_vllm_image_lives_in_the_repository_the_registry_makes(env: s
     assert serving.vllm is not None
     path = serving.vllm.image.split("@", 1)[0].rsplit(":", 1)[0].split("/", 1)[1]  # registry host and tag off
     assert path == repository_name(env, VLLM_IMAGE)
+
+
+DEBIAN_12 = re.compile(r"^/aws/service/debian/release/12/\d{8}-\d{4}/amd64$")
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_each_gpu_stack_pins_its_node_image_to_one_debian_12_version(graphs: dict[str, Synthesis], name: str) -> None:
+    pinned = load_stack_file(STACKS / f"Pulumi.{name}.yaml").pulumi_config["pdstack-infra:node_image"]
+    assert DEBIAN_12.match(pinned), pinned  # the version, never `latest`
+    for template in graphs[name].of_type(LAUNCH_TEMPLATE):
+        assert template.inputs["imageId"] == mock_ami(pinned)  # the parameter's value, read at `pulumi up`
+        root = template.inputs["blockDeviceMappings"][0]
+        assert root["deviceName"] == "/dev/xvda"  # Debian's root device: sized, not a second volume
+        assert root["ebs"]["volumeSize"] == 200
+
+
+def test_an_ami_id_is_taken_as_it_is() -> None:
+    graph = synthesize(
+        STACKS / "Pulumi.dev-prefill-us-east-1.yaml", {"pdstack-infra:node_image": "ami-0123456789abcdef0"}
+    )
+    assert {t.inputs["imageId"] for t in graph.of_type(LAUNCH_TEMPLATE)} == {"ami-0123456789abcdef0"}
+
+
+@pytest.mark.parametrize(
+    ("image", "why"),
+    [
+        ("/aws/service/debian/release/12/latest/amd64", r"moves \(latest\)"),
+        ("/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id", "moves"),
+        ("ami-XYZ", "neither an AMI id"),
+        ("debian-12", "neither an AMI id"),
+    ],
+)
+def test_a_moving_or_malformed_node_image_is_refused(image: str, why: str) -> None:
+    with pytest.raises(SynthError, match=rf"pdstack-infra:node_image: .*{why}"):
+        synthesize(STACKS / "Pulumi.dev-prefill-us-east-1.yaml", {"pdstack-infra:node_image": image})
+    assert node_image_problem(image) is not None
+
+
+def test_a_versioned_parameter_selector_pins_too() -> None:
+    assert node_image_problem("/pdstack/node-image:3") is None
+    assert node_image_problem("/pdstack/node-image/latest:3") is not None
+
+
+def test_a_gpu_stack_without_a_pinned_image_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "stacks"
+    shutil.copytree(STACKS, folder)
+    path = folder / "Pulumi.dev-prefill-us-east-1.yaml"
+    path.write_text("".join(line for line in path.read_text().splitlines(True) if "node_image" not in line))
+    with pytest.raises(SynthError, match="pdstack-infra:node_image: datacenter prefill-us-east-1 runs GPU pools"):
+        synthesize(path)
+    assert synthesize(folder / "Pulumi.dev-control.yaml").resources  # the control stack's nodes are EKS's
