@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host host-test lint typecheck python312 test test-unit test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
+.PHONY: venv host host-test lint typecheck python312 test test-unit test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -33,14 +33,20 @@ python312: venv
 	$(VENV)/bin/mypy --python-version 3.12 --cache-dir .mypy_cache/py312
 
 # Two lanes first, side by side: the vLLM suite (its engines pinned to the two cores, much of its time spent waiting
-# out leases and timeouts) and the suites that drive Ansible and node containers (apt, podman and SSH: mostly waiting
-# on I/O); neither asserts a time, and they share no name, port or network. Then the rest of the main suite, alone,
-# so that the run ends with its summary; it holds the suites that measure latency (the local environment's canaries,
-# the bench's histogram checks), which must not share the machine. --output-sync prints each lane's output whole.
+# out leases and timeouts), then the main suite's untimed tests; beside them the suites that drive Ansible and node
+# containers (apt, podman and SSH: mostly waiting on I/O). None of them asserts a time or a rate, and they share no
+# name, port or network. Then, alone, the suites that measure time (the local environment's canary judges, the bench's
+# latency histograms, the emulated WAN link's rate and delay), so that the run also ends with their summary.
+# --output-sync prints each lane's output whole.
 ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories
+TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
 test: host-test lint typecheck python312
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm test-ansible
-	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES))
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-untimed test-ansible
+	$(VENV)/bin/pytest $(TIMED_SUITES)
+
+# The vLLM suite, then the main suite without the Ansible and the timed suites (one lane of `make test`).
+test-untimed: test-vllm
+	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) $(TIMED_SUITES))
 
 # The Ansible and node-container suites alone (one lane of `make test`).
 test-ansible: venv
