@@ -5,7 +5,6 @@ in for the operator's pager is tests.support.webhook.Webhook."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ import yaml
 
 from pdstack.contract.components import ALERTMANAGER_API
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import run_local_playbook
 
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"
 ALERTS = REPO / "monitoring" / "alerts.yml"
@@ -52,26 +51,11 @@ def render(tmp_path: Path, inventory: dict[str, Any], variables: dict[str, Any])
             ]
         )
     )
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            str(tmp_path / "inventory.yml"),
-            str(tmp_path / "render.yml"),
-            "-e",
-            f"@{CONTRACT_VARS}",
-            "-e",
-            json.dumps(variables),
-            "-e",
-            "ansible_python_interpreter=/usr/bin/python3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
+    inventory = str(tmp_path / "inventory.yml")
+    result = run_local_playbook(
+        tmp_path / "render.yml", tmp_path, f"@{CONTRACT_VARS}", json.dumps(variables), inventory=inventory
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.output
     return tmp_path
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK, assert_lint_clean
+from tests.support.ansible import assert_lint_clean, run_local_playbook
 
 DIGEST_IMAGE = "10.210.255.1:5000/pdstack/pdserve@sha256:" + "ab" * 32
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "local.yml"  # what playbooks/vars/serving.yml loads
@@ -27,31 +27,8 @@ def play(tmp_path: Path, tasks: list[dict[str, object]], variables: dict[str, ob
             [{"name": "test", "hosts": "localhost", "connection": "local", "gather_facts": False, "tasks": tasks}]
         )
     )
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            "localhost,",
-            str(playbook),
-            "-e",
-            f"@{CONTRACT_VARS}",
-            "-e",
-            json.dumps(variables),
-            "-e",
-            "ansible_python_interpreter=/usr/bin/python3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "HOME": str(tmp_path),
-        },
-    )
-    return result.returncode, " ".join((result.stdout + result.stderr).split())
+    result = run_local_playbook(playbook, tmp_path, f"@{CONTRACT_VARS}", json.dumps(variables))
+    return result.returncode, " ".join(result.output.split())
 
 
 def include(role: str, tasks_from: str = "main") -> list[dict[str, object]]:
@@ -176,17 +153,9 @@ def rendered(tmp_path: Path, component: str) -> dict[str, object]:
         "pdserve_component": component,
         "pdserve__engine_id": "node-1-0123abcd",
         "serving_node_release": {"image": DIGEST_IMAGE, "version": "r1", "config_version": "1"},
-        "ansible_python_interpreter": "/usr/bin/python3",
     }
-    result = subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(tmp_path)},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_local_playbook(playbook, tmp_path, json.dumps(variables))
+    assert result.returncode == 0, result.output
     found: dict[str, object] = json.loads(out.read_text())
     return found
 

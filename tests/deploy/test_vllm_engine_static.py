@@ -7,7 +7,6 @@ The role on real node containers with the real vLLM image: tests/deploy_vllm (no
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from pdstack.model import KvConnector, PoolRole
 from pdstack.vllm.command import NodeTls, agent_args, engine_args
 from pdstack.vllm.deploy import ansible_vars
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import run_local_playbook
 
 ROLE = REPO / "roles" / "vllm_engine"
 CONTRACT_VARS = REPO / "playbooks" / "vars" / "contract" / "dev.yml"
@@ -46,30 +45,9 @@ def run(tmp_path: Path, plays: list[dict[str, Any]]) -> tuple[int, str]:
     playbook.write_text(
         yaml.safe_dump([{"hosts": "localhost", "connection": "local", "gather_facts": False, **play} for play in plays])
     )
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            "localhost,",
-            str(playbook),
-            "-e",
-            f"@{CONTRACT_VARS}",
-            "-e",
-            "ansible_python_interpreter=/usr/bin/python3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "HOME": str(tmp_path),
-            "ANSIBLE_FILTER_PLUGINS": str(ROLE / "filter_plugins"),
-        },
-    )
-    return result.returncode, " ".join((result.stdout + result.stderr).split())
+    filters = {"ANSIBLE_FILTER_PLUGINS": str(ROLE / "filter_plugins")}
+    result = run_local_playbook(playbook, tmp_path, f"@{CONTRACT_VARS}", env=filters)
+    return result.returncode, " ".join(result.output.split())
 
 
 CPU_NODE = {"numa_nodes": {"0": {"cpus": "0-3"}}, "gpus": []}

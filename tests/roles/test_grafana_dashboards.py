@@ -4,13 +4,12 @@ and data source, idempotently, and a dashboard no longer shipped removed."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import yaml
 
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import run_local_playbook
 
 DASHBOARDS = sorted((REPO / "monitoring" / "dashboards").glob("*.json"))
 
@@ -36,31 +35,9 @@ def converge(tmp_path: Path, **variables: str) -> str:
         "grafana_dashboards_provisioning_dir": str(tmp_path / "provisioning"),
         **variables,
     }
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            "localhost,",
-            str(playbook),
-            "-e",
-            json.dumps(settings),
-            "-e",
-            "ansible_python_interpreter=/usr/bin/python3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "HOME": str(tmp_path),
-        },
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    return " ".join(output.split())
+    result = run_local_playbook(playbook, tmp_path, json.dumps(settings))
+    assert result.returncode == 0, result.output
+    return " ".join(result.output.split())
 
 
 def test_a_host_without_grafana_is_left_alone(tmp_path: Path) -> None:

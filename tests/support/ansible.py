@@ -1,10 +1,11 @@
-"""ansible-playbook as the tests run it, and what a run says: its exit code, its output and each host's recap;
-the ansible-lint command the repository documents."""
+"""ansible-playbook as the tests run it, and what a run says: its exit code, its output and each host's recap; a
+playbook run on this host (run_local_playbook); the ansible-lint command the repository documents."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,42 @@ class PlaybookRun:
     def changed(self) -> int:
         """Tasks changed, summed over every host's recap."""
         return sum(int(match["changed"]) for match in RECAP.finditer(self.output))
+
+
+def run_local_playbook(
+    playbook: Path,
+    home: Path,
+    *extra_vars: str,
+    inventory: str = "localhost,",
+    env: Mapping[str, str] | None = None,
+) -> PlaybookRun:
+    """`playbook` on this host with the repository's ansible.cfg, each of `extra_vars` as an -e (`@file` or JSON)
+    and the system's Python as the interpreter; HOME is `home`, so nothing of the developer's is read, and `env` is
+    added to the little else the run sees."""
+    extras = [word for value in extra_vars for word in ("-e", value)]
+    result = subprocess.run(
+        [
+            ANSIBLE_PLAYBOOK,
+            "-i",
+            inventory,
+            str(playbook),
+            *extras,
+            "-e",
+            "ansible_python_interpreter=/usr/bin/python3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "HOME": str(home),
+            **(env or {}),
+        },
+    )
+    return PlaybookRun(result.returncode, result.stdout + result.stderr)
 
 
 def documented_lint_command() -> list[str]:

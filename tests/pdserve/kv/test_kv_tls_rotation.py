@@ -8,14 +8,15 @@ import asyncio
 import os
 import socket
 import ssl
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from pdserve.common.kv_tls import kv_client_context, kv_server_context
 from pdserve.kv import KVMetrics, KVTransferError, LeaseStore, SecretKey, pull
+from tests.support.tlsfiles import issue, new_ca, serial_of
 
 from .kvtestlib import make_layers, meta_for, running_server
 
@@ -23,72 +24,9 @@ CHECK_SECONDS = 0.05
 PULLS_ACROSS_ROTATION = 60
 
 
-def openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def ca(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("kv-ca")
-    cert, key = folder / "ca.pem", folder / "ca.key"
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        str(key),
-        "-out",
-        str(cert),
-        "-days",
-        "1",
-        "-subj",
-        "/CN=pdstack test KV CA",
-    )
-    return cert, key
-
-
-def issue(ca: tuple[Path, Path], folder: Path, name: str) -> tuple[Path, Path]:
-    """A leaf for `name` (localhost, 127.0.0.1) signed by the CA, written to folder/name.{pem,key}; its serial is
-    fresh, so a test can tell two issues apart."""
-    cert, key, request = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
-    openssl(
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        str(key),
-        "-out",
-        str(request),
-        "-subj",
-        "/CN=localhost",
-    )
-    extensions = folder / f"{name}.ext"
-    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(request),
-        "-CA",
-        str(ca[0]),
-        "-CAkey",
-        str(ca[1]),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-out",
-        str(cert),
-        "-extfile",
-        str(extensions),
-    )
-    return cert, key
+    return new_ca(tmp_path_factory.mktemp("kv-ca"), "pdstack test KV CA")
 
 
 def replace_file(source: Path, target: Path) -> None:
@@ -108,17 +46,7 @@ def served_serial(port: int, ca: Path, client: tuple[Path, Path]) -> int:
     ):
         der = tls.getpeercert(binary_form=True)
     assert der is not None
-    shown = subprocess.run(
-        ["openssl", "x509", "-inform", "DER", "-noout", "-serial"], input=der, capture_output=True, check=True
-    ).stdout.decode()
-    return int(shown.strip().split("=")[1], 16)
-
-
-def serial_of(cert: Path) -> int:
-    shown = subprocess.run(
-        ["openssl", "x509", "-in", str(cert), "-noout", "-serial"], capture_output=True, text=True, check=True
-    ).stdout
-    return int(shown.strip().split("=")[1], 16)
+    return int(x509.load_der_x509_certificate(der).serial_number)
 
 
 def test_a_rotated_kv_certificate_is_served_without_a_failed_pull(
