@@ -48,11 +48,6 @@ def test_the_documented_ansible_lint_finds_nothing(tmp_path: Path) -> None:
             {"pdserve_component": "decode", "pdserve_restart_policy": "sometimes"},
             "pdserve_restart_policy must be one of",
         ),
-        (
-            "pdserve",
-            {"pdserve_component": "decode", "pdserve_kv_load_failure_policy": "guess"},
-            "pdserve_kv_load_failure_policy must be one of",
-        ),
         ("prometheus", {"prometheus_port": "nine"}, "prometheus_port"),
         ("model_artifacts", {}, "missing required arguments: model_artifacts_source"),
         ("redis", {}, "redis_password_file must name a file on the controller"),
