@@ -27,6 +27,8 @@ TLS_SECRET_ARNS = "tls_secret_arns"  # noqa: S105 (an output name): datacenter -
 # Exported by datacenter stacks only.
 MODEL_BUCKET = "model_bucket"
 NODE_POOLS = "node_pools"
+TRANSFER_BUCKET = "transfer_bucket"  # the aws_ssm connection's file transfers (infra/operator_access.py)
+SESSION_DOCUMENT = "session_document"  # the SSM session document operators and Ansible connect with
 DATA_KEY_ARN = "data_key_arn"
 
 # What a stack reads from a peer it links to, and from the control plane.

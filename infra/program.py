@@ -21,6 +21,7 @@ from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
 from infra.network import Network, NetworkArgs
 from infra.node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.operator_access import OperatorAccess, OperatorAccessArgs
 from infra.pool_names import PoolRecords, PoolRecordsArgs
 from infra.prometheus import DatacenterTarget, alertmanager_yaml, scrape_config
 from infra.registry import ImageRegistry, ImageRegistryArgs, node_images, repository_name
@@ -200,6 +201,11 @@ def build_datacenter(
         )
     pulumi.export(outputs.MODEL_BUCKET, storage.bucket.bucket)
     pulumi.export(outputs.NODE_POOLS, groups)
+    access = OperatorAccess(
+        dc.name, OperatorAccessArgs(env=view.env, dc=dc.name, account_id=account_id, key_arn=key.key.arn, tags=tags)
+    )
+    pulumi.export(outputs.TRANSFER_BUCKET, access.bucket.bucket)
+    pulumi.export(outputs.SESSION_DOCUMENT, access.document.name)
 
 
 def model_storage(

@@ -103,7 +103,7 @@ class ModelStorage(pulumi.ComponentResource):
         aws.s3.BucketPolicy(
             f"{name}-tls-only",
             bucket=self.bucket.bucket,
-            policy=self.bucket.arn.apply(_tls_only_policy),
+            policy=self.bucket.arn.apply(tls_only_policy),
             opts=on_bucket,
         )
         if args.lustre_capacity_gib:
@@ -168,7 +168,7 @@ class ModelStorage(pulumi.ComponentResource):
         return lustre
 
 
-def _tls_only_policy(bucket_arn: str) -> str:
+def tls_only_policy(bucket_arn: str) -> str:
     return json.dumps(
         {
             "Version": "2012-10-17",

@@ -12,6 +12,9 @@ INSTANCE_TAGS = ("pdstack:env", "pdstack:dc", "pdstack:role", "pdstack:pool")
 PURPOSE_TAG = "pdstack:purpose"
 IMAGES_TAG = "pdstack:images"  # a GPU pool's instances: the repositories of the images they run, space-separated
 GPU_ROLES = ("prefill", "decode")
+# A bucket Ansible's aws_ssm connection moves module files through (infra/operator_access.py): never versioned, so
+# no module's arguments outlive their run in its history.
+TRANSFER_PURPOSE = "ansible-transfer"
 PRIVATE_NETWORKS = tuple(IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 KV_WIDEST_PREFIX = 16
 

@@ -28,7 +28,9 @@ from pdstack.policy.core import (
     K8S_WORKLOADS,
     LAUNCH_TEMPLATE,
     PLACEMENT_GROUP,
+    PURPOSE_TAG,
     ROLE_POLICY,
+    TRANSFER_PURPOSE,
     PolicyConfig,
     PolicyResource,
     ResourceRule,
@@ -91,7 +93,8 @@ def check_encryption_at_rest(type_: str, props: dict[str, Any], config: PolicyCo
 
 
 def check_buckets_protected(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
-    """Every bucket has SSE-KMS default encryption, versioning, and all four public-access blocks."""
+    """Every bucket has SSE-KMS default encryption, versioning (a transfer bucket never has it), and all four
+    public-access blocks."""
 
     def named(type_: str) -> dict[Any, PolicyResource]:
         return {r.props.get("bucket"): r for r in resources if r.type == type_}
@@ -104,7 +107,10 @@ def check_buckets_protected(resources: list[PolicyResource], config: PolicyConfi
             problems.append((bucket, "no default server-side encryption configuration"))
         versioned = versioning.get(name)
         status = get(versioned.props, "versioningConfiguration.status") if versioned is not None else None
-        if status != "Enabled":
+        if (bucket.props.get("tags") or {}).get(PURPOSE_TAG) == TRANSFER_PURPOSE:
+            if versioned is not None:
+                problems.append((bucket, "a transfer bucket must never be versioned: its history would keep secrets"))
+        elif status != "Enabled":
             problems.append((bucket, "versioning is not enabled"))
         block = blocks.get(name)
         flags = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
@@ -332,7 +338,9 @@ RESOURCE_RULES = (
 )
 STACK_RULES = (
     StackRule(
-        "s3-buckets-protected", "Buckets are SSE-KMS encrypted, versioned and never public.", check_buckets_protected
+        "s3-buckets-protected",
+        "Buckets are SSE-KMS encrypted, versioned (transfer buckets never) and never public.",
+        check_buckets_protected,
     ),
     StackRule(
         "efa-cluster-placement",

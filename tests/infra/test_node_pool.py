@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.node_pool import node_image_problem
+from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
 from pdstack.model import Engine, PoolRole
 from pdstack.policy import core, rules
@@ -179,3 +180,42 @@ def test_a_gpu_stack_without_a_pinned_image_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SynthError, match="pdstack-infra:node_image: datacenter prefill-us-east-1 runs GPU pools"):
         synthesize(path)
     assert synthesize(folder / "Pulumi.dev-control.yaml").resources  # the control stack's nodes are EKS's
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_operators_come_in_through_ssm_as_the_node_os_user_without_a_key(
+    graphs: dict[str, Synthesis], name: str
+) -> None:
+    graph, cfg = graphs[name], stack_config(name)
+    env, dc = str(cfg.environment), cfg.datacenter.name
+    assert all("keyName" not in t.inputs for t in graph.of_type(LAUNCH_TEMPLATE))  # no key pair nobody made
+    attached = {a.inputs["policyArn"] for a in graph.of_type("aws:iam/rolePolicyAttachment:RolePolicyAttachment")}
+    assert "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore" in attached
+    document = next(d for d in graph.of_type("aws:ssm/document:Document") if d.name == f"{dc}-session")
+    assert document.inputs["name"] == graph.outputs["session_document"] == session_document_name(env, dc)
+    assert document.inputs["documentType"] == "Session"
+    inputs = json.loads(document.inputs["content"])["inputs"]
+    assert (inputs["runAsEnabled"], inputs["runAsDefaultUser"]) == (True, "admin")  # Debian's cloud user
+    bucket = next(b for b in graph.of_type("aws:s3/bucket:Bucket") if b.name == f"{dc}-transfer")
+    name_ = transfer_bucket_name(env, dc, "123456789012")
+    assert bucket.inputs["bucket"] == graph.outputs["transfer_bucket"] == name_
+    on_bucket = {r.type.rsplit(":", 1)[1]: r for r in graph.resources if r.inputs.get("bucket") == name_}
+    assert "BucketVersioning" not in on_bucket  # no module's arguments kept in a version history
+    rule = on_bucket["BucketLifecycleConfiguration"].inputs["rules"][0]
+    assert rule["expiration"] == {"days": 1} and rule["filter"] == {"prefix": ""}
+    assert (
+        on_bucket["BucketServerSideEncryptionConfiguration"].inputs["rules"][0]["applyServerSideEncryptionByDefault"][
+            "sseAlgorithm"
+        ]
+        == "aws:kms"
+    )
+    assert on_bucket["BucketPublicAccessBlock"].inputs["restrictPublicBuckets"] is True
+    # the connection presigns every transfer on the controller: the nodes get no S3 permission on the bucket
+    for policy in graph.of_type("aws:iam/rolePolicy:RolePolicy"):
+        assert name_ not in policy.inputs["policy"], policy.name
+
+
+def test_transfer_bucket_names_fit_s3_for_the_example_datacenters() -> None:
+    for name in GPU_STACKS:
+        cfg = stack_config(name)
+        assert len(transfer_bucket_name(str(cfg.environment), cfg.datacenter.name, "123456789012")) <= 63

@@ -234,6 +234,13 @@ EDITS = [
         "",
         {"encryption-at-rest"},
     ),
+    (
+        "the versioned model bucket passed off as a transfer bucket",
+        "aws:s3/bucket:Bucket",
+        lambda i: i["tags"].update({"pdstack:purpose": "ansible-transfer"}),
+        "-models$",
+        {"s3-buckets-protected"},
+    ),
     ("key rotation off", "aws:kms/key:Key", _set("enableKeyRotation", False), "", {"encryption-at-rest"}),
 ]
 

@@ -313,6 +313,14 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
     result = probe(hashlib.sha256(expected.encode()).hexdigest())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     links = load_environment(REPO / "stacks", "prod").configs
+    datacenter_access = {
+        stack["stack"].removeprefix("prod-"): {
+            "bucket": stack["outputs"]["transfer_bucket"],
+            "document": stack["outputs"]["session_document"],
+        }
+        for stack in synthesised
+        if stack["stack"] != "prod-control"
+    }
     for instance_id, want in ((i, w) for i, w in launched.items() if w["tags"]["pdstack:role"] != "control"):
         dc = want["tags"]["pdstack:dc"]
         seen = json.loads((tmp_path / f"{dc}-{instance_id}.json").read_text())
@@ -321,8 +329,17 @@ def test_host_variables_render_for_the_roles_and_secrets_come_from_secrets_manag
             key=lambda link: link.bandwidth_gbps * link.rtt_ms,
         )
         assert (seen["bandwidth_gbps"], seen["rtt_ms"]) == (widest.bandwidth_gbps, widest.rtt_ms)
-        assert "aws ssm start-session --target %h" in seen["ssh_args"]
-        assert f"--region {want['region']}" in seen["ssh_args"]
+        # through SSM Session Manager, into the names the datacenter's stack gives its session document and transfer
+        # bucket (infra/operator_access.py, as `pdstack synth` makes them)
+        made = datacenter_access[dc]
+        assert seen["connection"] == {
+            "plugin": "amazon.aws.aws_ssm",
+            "instance_id": instance_id,
+            "region": want["region"],
+            "bucket": made["bucket"],
+            "document": made["document"],
+            "become": True,
+        }
         assert seen["time_sync_aws"] is True
 
 
