@@ -59,6 +59,20 @@ PROMETHEUS_URL_PARAMETER_VAR = "pdstack_prometheus_url_parameter"
 # -- and the environment CA's certificate (public: what every client verifies the listeners with), under this name;
 # inventories/aws reads it for the controller's calls (the canary's judge and golden check)
 CA_CERTIFICATE_PARAMETER = "/pdstack/{env}/ca-certificate"
+# -- and the environment's current release (pdstack/node/release.py: images by digest, the model and its manifest, the
+# node bundle), which the deploy flow publishes and every self-joining GPU node reads at boot (#35)
+RELEASE_PARAMETER = "/pdstack/{env}/release"
+# -- what a self-joining GPU node (pdstack/node/) writes on its own disk for the roles it applies to itself: the
+# secrets it read from Secrets Manager (tmpfs: never on disk, read again each boot), one file per stack secret and the
+# pool's TLS files under tls/; the registry credentials, where roles/container_runtime's container_runtime_auth_file
+# points podman; its bootstrap's metrics, in the directory Debian's prometheus-node-exporter reads text files from
+# (its --collector.textfile.directory default, which roles/node_exporter keeps)
+NODE_SECRETS_DIR = "/run/pdstack/secrets"
+REGISTRY_AUTH_FILE = "/etc/containers/auth.json"
+NODE_EXPORTER_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+# The region the local environment's AWS APIs (moto in server mode) are addressed in: its datacenters' region is
+# `local`, which no AWS API (nor moto) accepts
+LOCAL_AWS_REGION = "us-east-1"
 
 # -- names: every environment has one DNS zone, and each component or server pool a name in it,
 # <component or pool>.<datacenter>.<zone>, e.g. gateway.control.prod.pdstack.internal. In the cloud the zone is
@@ -234,6 +248,10 @@ def prometheus_url_parameter(env: str) -> str:
 
 def ca_certificate_parameter(env: str) -> str:
     return CA_CERTIFICATE_PARAMETER.format(env=env)
+
+
+def release_parameter(env: str) -> str:
+    return RELEASE_PARAMETER.format(env=env)
 
 
 def secret_name(env: str, name: str) -> str:

@@ -1,0 +1,105 @@
+"""Phase `apply`: the node applies the bundle's playbook to itself (connection local), with what the bootstrap
+learnt as extra variables: who it is (the names roles/ and inventories/aws already use: pdstack_environment,
+pdstack_datacenter, pdstack_region, pdstack_pool, pdstack_role), what it runs (the release's images by digest, the
+model and where its verified files are) and where its secrets and registry credentials are (files, never values).
+
+The variables go in a file (`-e @FILE`, mode 0600 though it holds only names and paths), so the command line is
+short and the exact input of the last run stays on the node to read. The runner is injectable: tests check the
+command, the node runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdstack.node.config import NodeConfig
+from pdstack.node.files import write_atomic
+from pdstack.node.loader import BootstrapError, Phase
+from pdstack.node.release import ReleaseRecord
+from pdstack.node.secrets import SecretFiles
+
+VARS_FILE = "apply-vars.json"
+
+
+@dataclass(frozen=True)
+class PlaybookRun:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # added to the bootstrap's own environment
+    cwd: Path
+
+
+Runner = Callable[[PlaybookRun], int]
+
+
+def extra_vars(
+    config: NodeConfig,
+    instance_id: str,
+    record: ReleaseRecord,
+    secrets: SecretFiles,
+    registry_auth_file: Path,
+) -> dict[str, Any]:
+    return {
+        "pdstack_environment": str(config.environment),
+        "pdstack_datacenter": config.datacenter,
+        "pdstack_region": config.region,
+        "pdstack_pool": config.pool,
+        "pdstack_role": config.role,
+        "pdstack_instance_id": instance_id,
+        "pdstack_release": record.release,
+        "pdstack_images": dict(record.images),
+        "pdstack_model": {"name": record.model.name, "revision": record.model.revision, "dir": config.model_dir},
+        "pdstack_secret_files": {name: str(path) for name, path in secrets.secrets.items()},
+        "pdstack_tls_files": {name: str(path) for name, path in secrets.tls.items()},
+        "container_runtime_auth_file": str(registry_auth_file),
+    }
+
+
+def playbook_run(bundle_dir: Path, record: ReleaseRecord, vars_file: Path, bin_dir: Path | None = None) -> PlaybookRun:
+    """ansible-playbook of the bundle's play on this host, from the venv the bundle installed (bin_dir)."""
+    bin_dir = bin_dir if bin_dir is not None else Path(sys.executable).parent
+    argv = (
+        str(bin_dir / "ansible-playbook"),
+        "--inventory",
+        "localhost,",
+        "--connection",
+        "local",
+        "--extra-vars",
+        f"@{vars_file}",
+        str(bundle_dir / record.bundle.playbook),
+    )
+    env = {"ANSIBLE_ROLES_PATH": str(bundle_dir / "roles"), "ANSIBLE_CONFIG": str(bundle_dir / "ansible.cfg")}
+    return PlaybookRun(argv, env, bundle_dir)
+
+
+def subprocess_runner(run: PlaybookRun) -> int:
+    """Run the play with its output on the bootstrap's own (the unit's journal)."""
+    return subprocess.run(list(run.argv), env={**os.environ, **run.env}, cwd=run.cwd, check=False).returncode
+
+
+def apply_bundle(
+    bundle_dir: Path,
+    record: ReleaseRecord,
+    variables: Mapping[str, Any],
+    state_dir: Path,
+    *,
+    runner: Runner = subprocess_runner,
+    bin_dir: Path | None = None,
+) -> PlaybookRun:
+    if bundle_dir.name != record.bundle.sha256:  # loader.fetch_bundle unpacks a checked bundle under its sha256
+        raise BootstrapError(Phase.APPLY, f"{bundle_dir} is not the release's bundle {record.bundle.sha256}")
+    if not (bundle_dir / record.bundle.playbook).is_file():
+        raise BootstrapError(Phase.APPLY, f"the bundle {record.bundle.key} has no {record.bundle.playbook}")
+    vars_file = state_dir / VARS_FILE
+    write_atomic(vars_file, (json.dumps(dict(variables), indent=2, sort_keys=True) + "\n").encode(), 0o600)
+    run = playbook_run(bundle_dir, record, vars_file, bin_dir)
+    code = runner(run)
+    if code != 0:
+        raise BootstrapError(Phase.APPLY, f"{Path(run.argv[0]).name} {record.bundle.playbook} exited {code}")
+    return run

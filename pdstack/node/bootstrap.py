@@ -1,0 +1,125 @@
+"""The bootstrap proper: from a fresh instance holding its instance role, node.json and the bundle's venv to a
+node with its secrets, registry credentials and verified model, applying the release's playbook to itself.
+
+Phases, in order, each timed (pdstack_node_bootstrap_phase_seconds) and each idempotent, so a second boot converges
+without repeating work: identity (cloud-init's instance id), release (the SSM record), bundle (downloaded and checked
+once per release; stage 0 did it already when it started this program), secrets, registry, model, apply. Any
+failure is a BootstrapError naming its phase: the node writes the failure metric, marks itself Unhealthy so its
+group replaces it, and exits non-zero. Success writes the per-phase seconds, the release and the model bytes that
+this boot downloaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdstack.contract.components import NODE_EXPORTER_TEXTFILE_DIR, NODE_SECRETS_DIR, REGISTRY_AUTH_FILE
+from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, extra_vars, subprocess_runner
+from pdstack.node.config import NodeConfig
+from pdstack.node.loader import (
+    STATE_DIR,
+    BootstrapError,
+    Phase,
+    aws_client,
+    fetch_bundle,
+    instance_id,
+    metrics_text,
+    report_failure,
+    write_metrics,
+)
+from pdstack.node.model_files import ModelSync, sync_model
+from pdstack.node.registry import registry_auths, write_auth_file
+from pdstack.node.release import ReleaseNotFoundError, ReleaseRecord, read_release, registry_host
+from pdstack.node.secrets import fetch_secrets
+
+ClientFactory = Callable[[str, str], Any]  # (service, region) -> a boto3 client
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where the bootstrap writes on the node (the contract's names; tests point them into a temporary folder)."""
+
+    secrets_dir: Path = Path(NODE_SECRETS_DIR)
+    registry_auth_file: Path = Path(REGISTRY_AUTH_FILE)
+    textfile_dir: Path = Path(NODE_EXPORTER_TEXTFILE_DIR)
+    state_dir: Path = STATE_DIR
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    instance_id: str
+    release: str
+    model: ModelSync
+    playbook: PlaybookRun
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@contextmanager
+def _phase(phase: Phase, seconds: dict[str, float], already: float = 0.0) -> Iterator[None]:
+    """Time one phase; whatever stops it becomes a BootstrapError naming it (the cause's type and message: boto
+    and OS errors name resources, never the secret values this program handles)."""
+    started = time.monotonic()
+    try:
+        yield
+    except BootstrapError:
+        raise
+    except ReleaseNotFoundError as exc:
+        raise BootstrapError(phase, str(exc)) from None
+    except Exception as exc:
+        raise BootstrapError(phase, f"{type(exc).__name__}: {exc}") from None
+    finally:
+        seconds[str(phase)] = already + time.monotonic() - started
+
+
+def bootstrap(
+    config: NodeConfig,
+    *,
+    client: ClientFactory | None = None,
+    identify: Callable[[], str] = instance_id,
+    runner: Runner = subprocess_runner,
+    paths: NodePaths | None = None,
+    bin_dir: Path | None = None,
+    bundle_seconds: float = 0.0,
+) -> BootstrapResult:
+    """Bring this node to its release; BootstrapError (reported as above) when it cannot."""
+    paths = paths or NodePaths()
+    clients: ClientFactory = client or (lambda service, region: aws_client(service, region, config.aws_endpoint_url))
+    seconds: dict[str, float] = {}
+    instance: str | None = None
+    try:
+        with _phase(Phase.IDENTITY, seconds):
+            instance = identify()
+        with _phase(Phase.RELEASE, seconds):
+            ssm = clients("ssm", config.control_region)
+            record: ReleaseRecord = read_release(ssm, str(config.environment), config.release_parameter)
+            bucket = record.bucket(config.datacenter)
+        s3 = clients("s3", config.aws_region)
+        with _phase(Phase.BUNDLE, seconds, bundle_seconds):
+            bundle_dir = fetch_bundle(s3, bucket, record.bundle.key, record.bundle.sha256, paths.state_dir)
+        with _phase(Phase.SECRETS, seconds):
+            files = fetch_secrets(clients("secretsmanager", config.control_region), config, paths.secrets_dir)
+        with _phase(Phase.REGISTRY, seconds):
+            hosts = [registry_host(image) for image in record.images.values()]
+            auths = registry_auths(hosts, config.control_region, lambda region: clients("ecr", region))
+            write_auth_file(paths.registry_auth_file, auths)
+        with _phase(Phase.MODEL, seconds):
+            model = sync_model(s3, bucket, record.model, Path(config.model_dir))
+        with _phase(Phase.APPLY, seconds):
+            variables = extra_vars(config, instance, record, files, paths.registry_auth_file)
+            run = apply_bundle(bundle_dir, record, variables, paths.state_dir, runner=runner, bin_dir=bin_dir)
+    except BootstrapError as exc:
+        report_failure(
+            exc,
+            seconds,
+            autoscaling=clients("autoscaling", config.aws_region),
+            instance=instance,
+            textfile_dir=paths.textfile_dir,
+        )
+        raise
+    write_metrics(metrics_text(seconds, release=record.release, model_bytes=model.downloaded_bytes), paths.textfile_dir)
+    return BootstrapResult(instance, record.release, model, run, seconds)

@@ -1,0 +1,262 @@
+"""Stage 0 of a node's bootstrap: what runs before pdstack is on the node, and how any failure is reported.
+
+The node image is the distribution's own (Debian 12), so pdstack is not on it: the user data carries this module's
+source (pdstack/node/userdata.py) and a systemd unit that runs it at every boot. It reads /etc/pdstack/node.json,
+reads the release record's node bundle from SSM, downloads the bundle from the datacenter's bucket, checks its sha256,
+unpacks it, installs its wheels offline into a venv (pdstack, its dependencies, ansible-core) and replaces itself
+with `python -m pdstack.node bootstrap` from that venv. A second boot of the same release finds the bundle unpacked
+and the venv installed and goes straight on.
+
+It may use only the standard library and boto3 (Debian's python3-boto3): no pydantic, no other pdstack module. The
+bootstrap proper imports the failure reporting from here, so a node reports a failed stage 0 and a failed phase
+the same way: BootstrapError names the phase; the node writes `pdstack_node_bootstrap_failed{phase=...} 1` for
+node_exporter's textfile collector and marks itself Unhealthy in its Auto Scaling group, which replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+NODE_CONFIG = Path("/etc/pdstack/node.json")
+STATE_DIR = Path("/var/lib/pdstack/node")  # unpacked bundles by sha256, the venvs installed from them
+METRICS_FILE = "pdstack_node_bootstrap.prom"
+# Kept equal to pdstack.contract.components.NODE_EXPORTER_TEXTFILE_DIR by a test: this module imports no pdstack
+TEXTFILE_DIR = Path("/var/lib/prometheus/node-exporter")
+CHUNK = 8 << 20
+
+
+class Phase(StrEnum):
+    """The bootstrap's phases in order; each is timed and each failure names one."""
+
+    IDENTITY = "identity"
+    RELEASE = "release"
+    BUNDLE = "bundle"  # the node bundle and the venv it installs (stage 0: this module)
+    SECRETS = "secrets"
+    REGISTRY = "registry"
+    MODEL = "model"
+    APPLY = "apply"
+
+
+class BootstrapError(RuntimeError):
+    """A bootstrap that cannot go on: the phase and the cause, never a secret's value."""
+
+    def __init__(self, phase: Phase, cause: str) -> None:
+        super().__init__(f"bootstrap failed in phase {phase}: {cause}")
+        self.phase = phase
+        self.cause = cause
+
+
+def aws_client(service: str, region: str, endpoint_url: str | None) -> Any:
+    """A boto3 client on the instance role's credentials; `endpoint_url` is the local environment's AWS (moto)."""
+    import boto3  # type: ignore[import-untyped]  # noqa: PLC0415 (Debian's python3-boto3, loaded when first used)
+
+    return boto3.client(service, region_name=region, endpoint_url=endpoint_url)
+
+
+def read_node_config(path: Path = NODE_CONFIG) -> dict[str, Any]:
+    return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def instance_id(run: Any = subprocess.run) -> str:
+    """This instance's id as cloud-init knows it: from EC2's metadata in the cloud, from the NoCloud seed's
+    meta-data locally, through the same command."""
+    answer = run(["cloud-init", "query", "v1.instance_id"], capture_output=True, text=True, check=False)
+    value = answer.stdout.strip()
+    if answer.returncode != 0 or not value:
+        raise BootstrapError(Phase.IDENTITY, f"cloud-init query v1.instance_id failed: {answer.stderr.strip()}")
+    return str(value)
+
+
+# -- reporting ---------------------------------------------------------------------------------------------------
+def write_metrics(text: str, directory: Path = TEXTFILE_DIR) -> Path:
+    """Replace the bootstrap's metrics file atomically (node_exporter never reads half of it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / METRICS_FILE
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{METRICS_FILE}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
+    return target
+
+
+def metrics_text(
+    seconds: Mapping[str, float],
+    *,
+    failed: str | None = None,
+    release: str | None = None,
+    model_bytes: int | None = None,
+    now: float | None = None,
+) -> str:
+    """The bootstrap's metrics in Prometheus' text format: per-phase seconds always; then either the failed phase or
+    the success time, the release and the model bytes downloaded."""
+    lines = [
+        "# HELP pdstack_node_bootstrap_phase_seconds How long each bootstrap phase of this boot took.",
+        "# TYPE pdstack_node_bootstrap_phase_seconds gauge",
+        *(f'pdstack_node_bootstrap_phase_seconds{{phase="{p}"}} {s:.3f}' for p, s in seconds.items()),
+        "# HELP pdstack_node_bootstrap_failed 1 when this boot's bootstrap failed, labelled with the phase.",
+        "# TYPE pdstack_node_bootstrap_failed gauge",
+    ]
+    if failed is not None:
+        lines.append(f'pdstack_node_bootstrap_failed{{phase="{failed}"}} 1')
+    else:
+        lines += [
+            "pdstack_node_bootstrap_failed 0",
+            "# HELP pdstack_node_bootstrap_success_timestamp_seconds When this node's bootstrap last succeeded.",
+            "# TYPE pdstack_node_bootstrap_success_timestamp_seconds gauge",
+            f"pdstack_node_bootstrap_success_timestamp_seconds {time.time() if now is None else now:.3f}",
+        ]
+        if release is not None:
+            lines += [
+                "# HELP pdstack_node_bootstrap_release_info The release this node bootstrapped.",
+                "# TYPE pdstack_node_bootstrap_release_info gauge",
+                f'pdstack_node_bootstrap_release_info{{release="{release}"}} 1',
+            ]
+        if model_bytes is not None:
+            lines += [
+                "# HELP pdstack_node_bootstrap_model_downloaded_bytes Model bytes this boot downloaded.",
+                "# TYPE pdstack_node_bootstrap_model_downloaded_bytes gauge",
+                f"pdstack_node_bootstrap_model_downloaded_bytes {model_bytes}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def mark_unhealthy(autoscaling: Any, instance: str) -> None:
+    """Tell the instance's Auto Scaling group to replace it now (not after the health check grace period)."""
+    autoscaling.set_instance_health(InstanceId=instance, HealthStatus="Unhealthy", ShouldRespectGracePeriod=False)
+
+
+def report_failure(
+    error: BootstrapError,
+    seconds: Mapping[str, float],
+    *,
+    autoscaling: Any,
+    instance: str | None,
+    textfile_dir: Path = TEXTFILE_DIR,
+) -> None:
+    """Say loudly that this node failed: the metric first (it needs nothing), then the group. A failure to report
+    is printed and does not hide the bootstrap's own error."""
+    print(f"pdstack-node: {error}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        write_metrics(metrics_text(seconds, failed=str(error.phase)), textfile_dir)
+    if instance is None:
+        print("pdstack-node: instance id unknown: cannot mark it unhealthy", file=sys.stderr, flush=True)
+        return
+    try:
+        mark_unhealthy(autoscaling, instance)
+    except Exception as exc:
+        print(f"pdstack-node: could not mark {instance} unhealthy: {exc}", file=sys.stderr, flush=True)
+
+
+# -- the bundle --------------------------------------------------------------------------------------------------
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as data:
+        while block := data.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_bundle(s3: Any, bucket: str, key: str, sha256: str, state_dir: Path = STATE_DIR) -> Path:
+    """The bundle unpacked under state_dir/bundles/<sha256>, downloaded and checked only when it is not there yet.
+    Unpacked beside its final place and renamed into it: a directory of that name is always complete."""
+    target = state_dir / "bundles" / sha256
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".partial-") as work:
+        archive = Path(work) / "bundle.tar.gz"
+        try:
+            s3.download_file(bucket, key, str(archive))
+        except Exception as exc:
+            raise BootstrapError(Phase.BUNDLE, f"cannot download s3://{bucket}/{key}: {exc}") from None
+        got = file_sha256(archive)
+        if got != sha256:
+            raise BootstrapError(Phase.BUNDLE, f"s3://{bucket}/{key} has sha256 {got}, the release says {sha256}")
+        unpacked = Path(work) / "unpacked"
+        with tarfile.open(archive) as tar:
+            tar.extractall(unpacked, members=_plain_members(tar, key))  # noqa: S202 (members checked)
+        unpacked.rename(target)
+    return target
+
+
+def _plain_members(tar: tarfile.TarFile, key: str) -> list[tarfile.TarInfo]:
+    """The archive's members when every one is a plain file or folder inside it (Debian 12's Python 3.11.2 has no
+    extraction filters): no absolute path, no .., no link or device."""
+    members = tar.getmembers()
+    for member in members:
+        parts = Path(member.name).parts
+        if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+            raise BootstrapError(Phase.BUNDLE, f"{key}: {member.name!r} is not a plain file or folder inside it")
+        member.mode &= 0o755
+    return members
+
+
+def install_venv(bundle: Path, state_dir: Path = STATE_DIR, run: Any = subprocess.run) -> Path:
+    """The venv of this bundle (its wheels, offline, beside Debian's boto3), installed once; its python."""
+    venv = state_dir / "venvs" / bundle.name
+    python = venv / "bin" / "python"
+    if (venv / ".installed").exists():
+        return python
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)],
+        [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(bundle / "wheels"), "pdstack"],
+    ]
+    for step in steps:
+        answer = run(step, capture_output=True, text=True, check=False)
+        if answer.returncode != 0:
+            raise BootstrapError(Phase.BUNDLE, f"{' '.join(step[:4])} failed: {answer.stderr.strip()[-2000:]}")
+    (venv / ".installed").touch()
+    return python
+
+
+def main(
+    config_path: Path = NODE_CONFIG,
+    *,
+    state_dir: Path = STATE_DIR,
+    textfile_dir: Path = TEXTFILE_DIR,
+    identify: Callable[[], str] = instance_id,
+) -> int:
+    """Stage 0; on success it becomes the bootstrap (exec), on failure it reports and returns 1."""
+    started = time.monotonic()
+    config = read_node_config(config_path)
+    endpoint = config.get("aws_endpoint_url")
+    instance: str | None = None
+    try:
+        instance = identify()
+        ssm = aws_client("ssm", config["control_region"], endpoint)
+        try:
+            record = json.loads(ssm.get_parameter(Name=config["release_parameter"])["Parameter"]["Value"])
+        except ssm.exceptions.ParameterNotFound:
+            raise BootstrapError(Phase.RELEASE, f"SSM parameter {config['release_parameter']} does not exist") from None
+        bundle = record["bundle"]
+        bucket = record["buckets"][config["datacenter"]]
+        s3 = aws_client("s3", config["aws_region"], endpoint)
+        unpacked = fetch_bundle(s3, bucket, bundle["key"], bundle["sha256"], state_dir)
+        python = install_venv(unpacked, state_dir)
+    except Exception as exc:
+        error = exc if isinstance(exc, BootstrapError) else BootstrapError(Phase.BUNDLE, f"{type(exc).__name__}: {exc}")
+        seconds = {str(Phase.BUNDLE): time.monotonic() - started}
+        autoscaling = aws_client("autoscaling", config["aws_region"], endpoint)
+        report_failure(error, seconds, autoscaling=autoscaling, instance=instance, textfile_dir=textfile_dir)
+        return 1
+    argv = [str(python), "-m", "pdstack.node", "bootstrap", "--config", str(config_path)]
+    argv += ["--bundle-seconds", f"{time.monotonic() - started:.3f}"]
+    os.execv(argv[0], argv)  # noqa: S606 (the venv's own python, from the bundle this module checked)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else NODE_CONFIG))
