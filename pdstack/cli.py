@@ -13,6 +13,7 @@ from pdstack.bench.cli import bench_command
 from pdstack.canary.command import canary_app
 from pdstack.dashboards.command import dashboards_command
 from pdstack.local.cli import local_app
+from pdstack.node.cli import node_app
 from pdstack.plan.command import plan_command
 from pdstack.stacks.environment import default_stacks_dir
 from pdstack.stacks.files import stack_name_of
@@ -36,6 +37,7 @@ app.command("bench")(bench_command)
 app.command("dashboards")(dashboards_command)
 app.add_typer(canary_app, name="canary")
 app.add_typer(local_app, name="local")
+app.add_typer(node_app, name="node")
 
 
 def print_version(wanted: bool) -> None:

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from pdstack.cli import app
 from pdstack.contract.components import contract, release_parameter, secret_name
 from pdstack.model import PoolRole
 from pdstack.node import loader
-from pdstack.node.__main__ import app
 from pdstack.node.config import NodeConfig
 from pdstack.node.userdata import USER_DATA_LIMIT, UserDataError, render_user_data
 from pdstack.stacks.environment import EnvironmentStacks, load_environment
@@ -146,11 +146,13 @@ def test_no_user_data_for_what_does_not_bootstrap(
 
 def test_the_command_prints_it() -> None:
     runner = CliRunner()
-    args = ["user-data", "--stacks", str(STACKS), "--stack", "local-dc2", "--pool", "decode"]
+    args = ["node", "user-data", "--stacks", str(STACKS), "--stack", "local-dc2", "--pool", "decode"]
     text = runner.invoke(app, [*args, "--aws-endpoint-url", MOTO])
     assert text.exit_code == 0, text.output
     assert text.output.startswith("#cloud-config\n")
     as_json = runner.invoke(app, [*args, "--json"])
     assert json.loads(as_json.output)["release_parameter"] == "/pdstack/local/release"
-    refused = runner.invoke(app, ["user-data", "--stacks", str(STACKS), "--stack", "local-control", "--pool", "x"])
+    refused = runner.invoke(
+        app, ["node", "user-data", "--stacks", str(STACKS), "--stack", "local-control", "--pool", "x"]
+    )
     assert refused.exit_code == 2

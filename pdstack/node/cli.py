@@ -1,0 +1,77 @@
+"""`pdstack node` (also `python -m pdstack.node`, which stage 0 runs from the bundle's venv): the node's bootstrap
+and the user data a pool boots from (for people and the local environment)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdstack.node.loader import NODE_CONFIG, BootstrapError, Phase, report_failure
+from pdstack.stacks.options import StacksOption, environment, stacks_dir
+
+node_app = typer.Typer(
+    help="A GPU node that joins by itself: its bootstrap and its user data.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+@node_app.command("bootstrap")
+def bootstrap_command(
+    config: Annotated[Path, typer.Option("--config", help="the node's node.json")] = NODE_CONFIG,
+    bundle_seconds: Annotated[
+        float, typer.Option("--bundle-seconds", help="time stage 0 spent on the bundle (its phase's metric)")
+    ] = 0.0,
+) -> None:
+    """Bring this node to the environment's current release; exit 1 after reporting a failure."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from pdstack.node.bootstrap import NodePaths, bootstrap  # noqa: PLC0415
+    from pdstack.node.config import load_node_config  # noqa: PLC0415
+
+    try:
+        node = load_node_config(config)
+    except (OSError, ValidationError) as exc:
+        error = BootstrapError(Phase.IDENTITY, f"cannot read {config}: {exc}")
+        report_failure(error, {}, autoscaling=None, instance=None, textfile_dir=NodePaths().textfile_dir)
+        raise typer.Exit(1) from None
+    try:
+        result = bootstrap(node, bundle_seconds=bundle_seconds)
+    except BootstrapError:
+        raise typer.Exit(1) from None  # reported: the metric, Unhealthy, the message on stderr
+    phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in result.seconds.items())
+    typer.echo(
+        f"pdstack-node: {result.instance_id} ready for release {result.release}: model {result.model.files} files, "
+        f"{result.model.downloaded_bytes} bytes downloaded; {phases}"
+    )
+
+
+@node_app.command("user-data")
+def user_data_command(
+    stack: Annotated[
+        str, typer.Option("--stack", metavar="NAME", help="a datacenter stack, e.g. prod-decode-us-west-2")
+    ],
+    pool: Annotated[str, typer.Option("--pool", metavar="NAME", help="one of its GPU pools")],
+    stacks: StacksOption = None,
+    aws_endpoint_url: Annotated[
+        str | None, typer.Option("--aws-endpoint-url", help="the local environment's AWS APIs (moto)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print node.json instead of the whole user data")] = False,
+) -> None:
+    """Print the `#cloud-config` a pool's instances boot from."""
+    from pdstack.node.userdata import UserDataError, node_config, render_user_data  # noqa: PLC0415
+
+    env = environment(stacks_dir(stacks), stack.split("-", 1)[0])
+    config = env.stack(stack).config
+    try:
+        if as_json:
+            typer.echo(
+                json.dumps(node_config(config, env.control.config, pool, aws_endpoint_url).model_dump(), indent=2)
+            )
+        else:
+            typer.echo(render_user_data(config, env.control.config, pool, aws_endpoint_url), nl=False)
+    except UserDataError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--pool") from None
