@@ -50,7 +50,7 @@ from pdstack.model import PoolRole
 from pdstack.synth.synthesis import Synthesis
 from pdstack.vllm.command import connector_extra_config
 from tests.support import REPO, STACKS
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import run_local_playbook
 from tests.support.ports import free_port
 from tests.support.tlsfiles import relocated, write_tls_dir
 
@@ -313,22 +313,10 @@ def test_the_gateway_reaches_the_scheduler_on_the_port_it_listens_on(graphs: dic
 
 def run_render_play(play_dir: Path, home: Path) -> None:
     """ansible-playbook runs `play_dir`/render.yml on the controller, with the local inventory's variables."""
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            str(REPO / "inventories" / "local" / "hosts.yml"),
-            str(play_dir / "render.yml"),
-            "-e",
-            "ansible_python_interpreter=/usr/bin/python3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "HOME": str(home)},
+    result = run_local_playbook(
+        play_dir / "render.yml", home, inventory=str(REPO / "inventories" / "local" / "hosts.yml")
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.output
 
 
 def local_prometheus_config(tmp_path: Path) -> Path:

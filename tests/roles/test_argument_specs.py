@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import PlaybookRun, run_local_playbook
 
 
-def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subprocess.CompletedProcess[str]:
+def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> PlaybookRun:
     playbook = tmp_path / "play.yml"
     playbook.write_text(
         yaml.safe_dump(
@@ -28,19 +26,7 @@ def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subproc
             ]
         )
     )
-    return subprocess.run(
-        [ANSIBLE_PLAYBOOK, "-i", "localhost,", str(playbook), "-e", json.dumps(variables)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "HOME": str(tmp_path),
-        },
-    )
+    return run_local_playbook(playbook, tmp_path, json.dumps(variables))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +61,7 @@ def run_role(tmp_path: Path, role: str, variables: dict[str, object]) -> subproc
 )
 def test_bad_variable_fails_naming_it(tmp_path: Path, role: str, variables: dict[str, object], message: str) -> None:
     result = run_role(tmp_path, role, variables)
-    output = result.stdout + result.stderr
+    output = result.output
     assert result.returncode != 0
     assert "Validating arguments against arg spec" in output
     assert message in output, output[-3000:]
@@ -84,6 +70,6 @@ def test_bad_variable_fails_naming_it(tmp_path: Path, role: str, variables: dict
 def test_zero_rtt_fails_naming_the_link_settings(tmp_path: Path) -> None:
     # Zero passes the type check; the role's own assertion names the variable before anything is written.
     result = run_role(tmp_path, "kernel_tuning", {"kernel_tuning_link_rtt_ms": 0.0})
-    output = result.stdout + result.stderr
+    output = result.output
     assert result.returncode != 0
     assert "kernel_tuning_link_rtt_ms (0.0) must be positive" in " ".join(output.split())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.scheduler import identity
 from tests.support import REPO
-from tests.support.ansible import ANSIBLE_PLAYBOOK
+from tests.support.ansible import run_local_playbook
 
 PLUGIN = REPO / "roles" / "serving_node" / "filter_plugins" / "pdserve_tokens.py"
 KEYS = st.text(
@@ -109,25 +109,6 @@ def test_ansible_finds_the_filter_through_the_role(tmp_path: Path) -> None:
             ]
         )
     )
-    result = subprocess.run(
-        [
-            ANSIBLE_PLAYBOOK,
-            "-i",
-            "localhost,",
-            str(playbook),
-            "-e",
-            json.dumps({"pdserve_component": "decode", "ansible_python_interpreter": "/usr/bin/python3"}),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1",
-            "HOME": str(tmp_path),
-        },
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert identity.derive_token("k3y", "instance:decode-node-1-0123abcd") in result.stdout
+    result = run_local_playbook(playbook, tmp_path, json.dumps({"pdserve_component": "decode"}))
+    assert result.returncode == 0, result.output
+    assert identity.derive_token("k3y", "instance:decode-node-1-0123abcd") in result.output
