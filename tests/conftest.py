@@ -73,6 +73,7 @@ SLOW = {
 SLOW_FIXTURES = {
     "graphs": "tests/infra: the Pulumi program synthesised for every cloud stack under mocks (about 10 s)",
     "mutual_tls_graph": "tests/infra: the prod control-plane stack synthesised with serving.mutual_tls on",
+    "moto": "tests/pdstack/node: a moto server the node's bootstrap reaches over HTTP (buckets, secrets, SSM, ECR)",
 }
 
 
