@@ -115,10 +115,11 @@ class GpuNodePoolArgs:
     repository_arns: Sequence[pulumi.Input[str]]
     instance_tags: Mapping[str, str]
     node_image: str  # pdstack-infra:node_image: an AMI id or a pinned SSM parameter (node_image_problem)
+    # The `#cloud-config` (base64) a fresh instance boots from to a serving node: pdstack/node/userdata.py's rendering
+    # for this pool (infra/program.py), the same document the local environment's nodes boot with.
+    user_data: str
     capacity_wait_minutes: int = 30  # pdstack-infra:capacity_wait_minutes (infra/environment.py)
     ssh_key_name: str | None = None
-    # The cloud-init document (base64) a fresh instance boots from; None until the nodes' bootstrap lands (#35).
-    user_data: pulumi.Input[str] | None = None
 
 
 class GpuNodePool(pulumi.ComponentResource):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from pdstack.contract.components import (
     scheduler_url_parameter,
 )
 from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
+from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
 
 ALERT_RULES = Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml"
@@ -185,6 +187,7 @@ def build_datacenter(
                     IMAGES_TAG: " ".join(repository_name(view.env, i) for i in images),
                 },
                 node_image=node_image,
+                user_data=pool_user_data(view, pool.name),
                 capacity_wait_minutes=view.settings.capacity_wait_minutes,
                 ssh_key_name=view.settings.ssh_key_name,
             ),
@@ -206,6 +209,16 @@ def build_datacenter(
     )
     pulumi.export(outputs.TRANSFER_BUCKET, access.bucket.bucket)
     pulumi.export(outputs.SESSION_DOCUMENT, access.document.name)
+
+
+def pool_user_data(view: EnvironmentView, pool: str) -> str:
+    """The pool's launch template user data: base64 of the `#cloud-config` pdstack/node/userdata.py renders for it
+    from the stack files, the document the local environment's nodes of that pool boot with (docs/node-bootstrap.md)."""
+    try:
+        text = render_user_data(view.this, view.control, pool)
+    except UserDataError as exc:
+        raise environment.ConfigError(f"pool {pool}: {exc}") from None
+    return base64.b64encode(text.encode()).decode()
 
 
 def model_storage(

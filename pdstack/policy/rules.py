@@ -9,6 +9,8 @@ in core.py; here the hardening rules, the registry of every rule, and `evaluate`
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections.abc import Iterable
@@ -190,6 +192,36 @@ def check_group_waits_for_capacity(type_: str, props: dict[str, Any], config: Po
     return []
 
 
+# --- gpu-template-has-user-data ---------------------------------------------------------------------------------
+
+CLOUD_CONFIG = "#cloud-config"
+USER_DATA_LIMIT = 16 * 1024  # EC2's, before base64 (pdstack/node/userdata.py)
+
+
+def _instance_tags(props: dict[str, Any]) -> dict[str, Any]:
+    specs = [s for s in props.get("tagSpecifications", []) or [] if s.get("resourceType") == "instance"]
+    return (specs[0].get("tags") or {}) if specs else {}
+
+
+def check_gpu_template_user_data(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
+    """A GPU node is cattle: what its group launches must boot by itself to a serving node (pdstack/node/userdata.py).
+    A template without user data launches bare instances that serve nothing until someone runs Ansible."""
+    if type_ != LAUNCH_TEMPLATE or _instance_tags(props).get("pdstack:role") not in GPU_ROLES:
+        return []
+    encoded = props.get("userData")
+    if not encoded:
+        return ["a GPU template without user data: its instances would come up bare, serving nothing"]
+    try:
+        text = base64.b64decode(str(encoded), validate=True)
+    except (binascii.Error, ValueError):
+        return ["its user data is not base64 (EC2 takes a launch template's user data base64-encoded)"]
+    if len(text) > USER_DATA_LIMIT:
+        return [f"its user data is {len(text)} bytes, over EC2's {USER_DATA_LIMIT}"]
+    if not text.startswith(f"{CLOUD_CONFIG}\n".encode()):
+        return [f"its user data is not a {CLOUD_CONFIG} document (the nodes' bootstrap, pdstack/node/userdata.py)"]
+    return []
+
+
 # --- node-images-pullable ----------------------------------------------------------------------------------------
 
 ECR_PULL = ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability")
@@ -241,8 +273,7 @@ def check_node_images_pullable(
     policies are the template's siblings: one node pool component holds both."""
     problems = []
     for template in (r for r in resources if r.type == LAUNCH_TEMPLATE):
-        specs = [s for s in template.props.get("tagSpecifications", []) or [] if s.get("resourceType") == "instance"]
-        tags = (specs[0].get("tags") or {}) if specs else {}
+        tags = _instance_tags(template.props)
         if tags.get("pdstack:role") not in GPU_ROLES:
             continue
         images = str(tags.get(IMAGES_TAG) or "").split()
@@ -321,6 +352,11 @@ RESOURCE_RULES = (
         "group-waits-for-capacity",
         "`pulumi up` waits for an Auto Scaling group's instances to be in service (waitForCapacityTimeout not 0).",
         check_group_waits_for_capacity,
+    ),
+    ResourceRule(
+        "gpu-template-has-user-data",
+        "Every GPU launch template carries user data: base64 of a #cloud-config document within EC2's 16 KB.",
+        check_gpu_template_user_data,
     ),
     ResourceRule(
         "instance-tags",

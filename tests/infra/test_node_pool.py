@@ -3,21 +3,27 @@ groups that wait for their capacity, images the nodes may pull, a pinned node im
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from infra.node_pool import node_image_problem
 from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
+from pdstack.cli import app
 from pdstack.model import Engine, PoolRole
+from pdstack.node.userdata import render_user_data
 from pdstack.policy import core, rules
+from pdstack.stacks.environment import load_environment
 from pdstack.stacks.files import load_stack_file
 from pdstack.synth.synthesis import SynthError, Synthesis, mock_ami, synthesize
-from tests.support import STACKS
+from tests.pdstack.node.test_userdata import ENVIRONMENT_VALUES, MOTO, same_but_for_the_environment
+from tests.support import REPO, STACKS
 
 from .conftest import CLOUD_STACKS, stack_config
 
@@ -219,3 +225,66 @@ def test_transfer_bucket_names_fit_s3_for_the_example_datacenters() -> None:
     for name in GPU_STACKS:
         cfg = stack_config(name)
         assert len(transfer_bucket_name(str(cfg.environment), cfg.datacenter.name, "123456789012")) <= 63
+
+
+def _user_data(template: dict) -> str:
+    return base64.b64decode(template["userData"]).decode()
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_every_gpu_template_carries_its_pools_user_data(graphs: dict[str, Synthesis], name: str) -> None:
+    """Each pool's template boots its instances by themselves: the user data pdstack/node/userdata.py renders for
+    that pool from the stack files, base64 as EC2 takes it."""
+    cfg = stack_config(name)
+    env = load_environment(STACKS, str(cfg.environment))
+    templates = {t.name: t for t in graphs[name].of_type(LAUNCH_TEMPLATE)}
+    for pool in cfg.datacenter.pools:
+        template = templates[f"{cfg.datacenter.name}-{pool.name}-template"]
+        assert _user_data(template.inputs) == render_user_data(cfg, env.control.config, pool.name)
+    assert not [v for v in graphs[name].violations if v.policy == "gpu-template-has-user-data"]
+
+
+def test_synths_user_data_is_what_a_local_dc2_decode_node_boots_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's check: the user data in `pdstack synth --stack prod-decode-us-west-2 --json` is the local dc2
+    decode pool's, once the environment's values (node.json) are substituted."""
+    monkeypatch.chdir(REPO)
+    result = CliRunner().invoke(app, ["synth", "--stack", "prod-decode-us-west-2", "--json"])
+    assert result.exit_code == 0, result.output
+    [stack] = json.loads(result.output)["stacks"]
+    [template] = [
+        r
+        for r in stack["resources"]
+        if r["type"] == LAUNCH_TEMPLATE and r["name"] == "decode-us-west-2-decode-h200-template"
+    ]
+    local = load_environment(STACKS, "local")
+    local_text = render_user_data(local.stack("local-dc2").config, local.control.config, "decode", MOTO)
+    assert same_but_for_the_environment(_user_data(template["inputs"]), local_text) == ENVIRONMENT_VALUES
+
+
+def _template(user_data: object, role: str = "decode") -> core.PolicyResource:
+    props: dict = {"tagSpecifications": [{"resourceType": "instance", "tags": {"pdstack:role": role}}]}
+    if user_data is not None:
+        props["userData"] = user_data
+    return core.PolicyResource(LAUNCH_TEMPLATE, "t", "urn:t", props)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize(
+    ("user_data", "role", "why"),
+    [
+        (_b64("#cloud-config\nruncmd: []\n"), "decode", None),
+        (None, "control", None),  # EKS's nodes: not a GPU template
+        (None, "prefill", "without user data"),
+        ("", "decode", "without user data"),
+        ("#cloud-config\n", "decode", "not base64"),
+        (_b64("#!/bin/sh\necho hi\n"), "decode", "not a #cloud-config document"),
+        (_b64("#cloud-config\n" + "x" * 16 * 1024), "decode", "over EC2's 16384"),
+    ],
+)
+def test_the_policy_refuses_a_gpu_template_without_cloud_config(user_data: object, role: str, why: str | None) -> None:
+    found = [v for v in rules.evaluate([_template(user_data, role)]) if v.policy == "gpu-template-has-user-data"]
+    assert [v.message for v in found if why and why in v.message] == [v.message for v in found]
+    assert len(found) == (0 if why is None else 1)

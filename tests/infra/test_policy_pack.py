@@ -219,6 +219,13 @@ EDITS = [
         "",
         {"node-images-pullable"},
     ),
+    (
+        "a GPU template launching bare instances",
+        TEMPLATE,
+        lambda i: i.pop("userData"),
+        "",
+        {"gpu-template-has-user-data"},
+    ),
     ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
     (
         "bucket versioning suspended",

@@ -24,6 +24,19 @@ from tests.support import STACKS
 
 ENVIRONMENTS = ("local", "dev", "staging", "prod")
 MOTO = "http://10.210.0.1:5000"
+# node.json's fields a prod decode pool's and a local one's differ in: the environment's values
+ENVIRONMENT_VALUES = {
+    "environment",
+    "datacenter",
+    "region",
+    "aws_region",
+    "pool",
+    "release_parameter",
+    "secrets",
+    "tls_secret",
+    "model_dir",
+    "aws_endpoint_url",
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,42 +78,37 @@ def test_every_gpu_pool_has_user_data_ec2_accepts(envs: dict[str, EnvironmentSta
         assert set(document["packages"]) == {"python3-boto3", "python3-venv"}
 
 
-def test_the_local_user_data_is_the_clouds_but_for_the_environments_values(envs: dict[str, EnvironmentStacks]) -> None:
-    """What infra gives prod-decode-us-west-2's template and what a local dc2 decode node boots with (NoCloud):
-    with node.json's values and the header's names substituted, the same document."""
-    cloud_text = user_data(envs, "prod-decode-us-west-2", "decode-h200")
-    local_text = user_data(envs, "local-dc2", "decode", MOTO)
+def same_but_for_the_environment(cloud_text: str, local_text: str) -> set[str]:
+    """Assert that two pools' user data are one document once the local one's node.json and the names in its header
+    are the cloud one's; return the node.json fields whose values differ. The one comparison of a local node's user
+    data with a launch template's (here, and against `pdstack synth` in tests/infra/test_node_pool.py)."""
     (cloud_document, cloud), (local_document, local) = parsed(cloud_text), parsed(local_text)
-    assert local.aws_endpoint_url == MOTO
-    assert cloud.aws_endpoint_url is None
     for entry in local_document["write_files"]:
         if entry["path"] == str(loader.NODE_CONFIG):
             entry["content"] = cloud.to_json()
     assert local_document == cloud_document
     header = [line for line in local_text.splitlines() if line.startswith("#")]
     names = {
-        "pool decode,": "pool decode-h200,",
-        "dc2,": "decode-us-west-2,",
-        "environment local:": "environment prod:",
+        f"pool {local.pool},": f"pool {cloud.pool},",
+        f"datacenter {local.datacenter},": f"datacenter {cloud.datacenter},",
+        f"environment {local.environment}:": f"environment {cloud.environment}:",
     }
     for local_name, cloud_name in names.items():
         header = [line.replace(local_name, cloud_name) for line in header]
     assert header == [line for line in cloud_text.splitlines() if line.startswith("#")]
-    # and what differs is only what the environments differ in (both control planes are addressed in us-east-1:
+    return {k for k, v in local.model_dump().items() if cloud.model_dump()[k] != v}
+
+
+def test_the_local_user_data_is_the_clouds_but_for_the_environments_values(envs: dict[str, EnvironmentStacks]) -> None:
+    """What infra gives prod-decode-us-west-2's template and what a local dc2 decode node boots with (NoCloud):
+    with node.json's values and the header's names substituted, the same document."""
+    cloud_text = user_data(envs, "prod-decode-us-west-2", "decode-h200")
+    local_text = user_data(envs, "local-dc2", "decode", MOTO)
+    assert parsed(local_text)[1].aws_endpoint_url == MOTO
+    assert parsed(cloud_text)[1].aws_endpoint_url is None
+    # what differs is only what the environments differ in (both control planes are addressed in us-east-1:
     # prod's region, and the one the local environment's moto serves)
-    differ = {k for k, v in local.model_dump().items() if cloud.model_dump()[k] != v}
-    assert differ == {
-        "environment",
-        "datacenter",
-        "region",
-        "aws_region",
-        "pool",
-        "release_parameter",
-        "secrets",
-        "tls_secret",
-        "model_dir",
-        "aws_endpoint_url",
-    }
+    assert same_but_for_the_environment(cloud_text, local_text) == ENVIRONMENT_VALUES
 
 
 def test_node_json_names_what_the_contract_names(envs: dict[str, EnvironmentStacks]) -> None:
