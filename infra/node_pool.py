@@ -13,6 +13,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from pdstack.contract.node_lifecycle import NODE_READABLE_PREFIXES
 from pdstack.model import NodePool
 
 # The node image is pinned per stack (pdstack-infra:node_image): an AMI id, or an SSM parameter that names one image
@@ -113,6 +114,10 @@ class GpuNodePoolArgs:
     secrets_region: str
     model_bucket_arn: pulumi.Input[str]
     repository_arns: Sequence[pulumi.Input[str]]
+    release_parameter_arn: pulumi.Input[str]  # the environment's release record (SSM, the control plane's region)
+    account_id: pulumi.Input[str]  # this datacenter's account: its group's ARN
+    group_name: str  # pdstack.contract.node_lifecycle.node_group_name: fixed, so the role can name it before it exists
+    region: str  # the datacenter's: its group's and its model bucket's
     instance_tags: Mapping[str, str]
     node_image: str  # pdstack-infra:node_image: an AMI id or a pinned SSM parameter (node_image_problem)
     # The `#cloud-config` (base64) a fresh instance boots from to a serving node: pdstack/node/userdata.py's rendering
@@ -125,6 +130,7 @@ class GpuNodePoolArgs:
 class GpuNodePool(pulumi.ComponentResource):
     group: aws.autoscaling.Group
     launch_template: aws.ec2.LaunchTemplate
+    role_policy: aws.iam.RolePolicy
     placement_group: aws.ec2.PlacementGroup | None = None
 
     def __init__(self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -174,6 +180,7 @@ class GpuNodePool(pulumi.ComponentResource):
         single_zone = strategy == "cluster"  # a cluster placement group lives in one zone
         self.group = aws.autoscaling.Group(
             f"{name}-group",
+            name=args.group_name,
             min_size=args.pool.min_size,
             desired_capacity=args.pool.desired_size,
             max_size=args.pool.max_size,
@@ -190,7 +197,8 @@ class GpuNodePool(pulumi.ComponentResource):
             # InService proves is an instance, not a serving engine: that is the bootstrap's (user data) to report.
             wait_for_capacity_timeout=f"{args.capacity_wait_minutes}m",
             tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
-            opts=child,
+            # the first instances boot into their bootstrap at once: their role must already allow it
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.role_policy]),
         )
         self.register_outputs({"group_name": self.group.name, "launch_template_id": self.launch_template.id})
 
@@ -210,13 +218,7 @@ class GpuNodePool(pulumi.ComponentResource):
             tags=dict(args.instance_tags),
             opts=opts,
         )
-        aws.iam.RolePolicyAttachment(
-            f"{name}-ssm",
-            role=role.name,
-            policy_arn="arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
-            opts=opts,
-        )
-        aws.iam.RolePolicy(
+        self.role_policy = aws.iam.RolePolicy(
             f"{name}-node",
             role=role.id,
             policy=pulumi.Output.all(
@@ -225,15 +227,53 @@ class GpuNodePool(pulumi.ComponentResource):
                 bucket=args.model_bucket_arn,
                 volume_key=args.volume_key_arn,
                 repositories=list(args.repository_arns),
-            ).apply(lambda a: node_policy(a, args.secrets_region)),
+                release=args.release_parameter_arn,
+                account=args.account_id,
+            ).apply(
+                lambda a: node_policy(
+                    {**a, "group": group_arn(args.region, a["account"], args.group_name)},
+                    secrets_region=args.secrets_region,
+                    region=args.region,
+                )
+            ),
             opts=opts,
         )
         return aws.iam.InstanceProfile(f"{name}-node", role=role.name, tags=dict(args.instance_tags), opts=opts)
 
 
-def node_policy(arns: dict[str, Any], secrets_region: str) -> str:
-    """Read this environment's node secrets, pull its images, read its model bucket: nothing else."""
+def group_arn(region: str, account: str, group_name: str) -> str:
+    """An Auto Scaling group's ARN by its name (the group's id in the ARN is not known before it exists)."""
+    return f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/{group_name}"
+
+
+def parameter_arn(region: str, account: str, name: str) -> str:
+    """An SSM parameter's ARN; a hierarchical name (/a/b) keeps its leading slash after `parameter`."""
+    return f"arn:aws:ssm:{region}:{account}:parameter{name if name.startswith('/') else '/' + name}"
+
+
+# Session Manager's own calls from the agent (AWS's minimal instance permissions for Session Manager), in place of
+# AmazonSSMManagedInstanceCore, which also allows ssm:GetParameter(s) on every parameter of the account
+SESSION_ACTIONS = (
+    "ssm:UpdateInstanceInformation",
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+)
+LIFECYCLE_ACTIONS = (
+    "autoscaling:SetInstanceHealth",  # a failed bootstrap: Unhealthy, the group replaces it
+    "autoscaling:RecordLifecycleActionHeartbeat",  # a drain that needs longer than the hook's timeout
+    "autoscaling:CompleteLifecycleAction",  # a drain done: the group may terminate it
+)
+
+
+def node_policy(arns: dict[str, Any], secrets_region: str, region: str) -> str:
+    """What a node's bootstrap and drain call (docs/node-bootstrap.md), each on exactly its resource: the release
+    record; the node secrets and its pool's certificate; ECR's token and its images; the release's objects in its
+    datacenter's model bucket; its own group's health and lifecycle actions. And the SSM agent's session channel,
+    the operators' way in. Nothing else."""
     statements = [
+        {"Sid": "ReadRelease", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arns["release"]},
         {
             "Sid": "ReadNodeSecrets",
             "Effect": "Allow",
@@ -254,14 +294,22 @@ def node_policy(arns: dict[str, Any], secrets_region: str) -> str:
             "Action": ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"],
             "Resource": arns["repositories"],
         },
-        {"Sid": "ListModels", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": arns["bucket"]},
-        {"Sid": "ReadModels", "Effect": "Allow", "Action": "s3:GetObject", "Resource": f"{arns['bucket']}/*"},
         {
-            "Sid": "DecryptModels",
+            # GET and HEAD (boto3's download_file) of the model's files and the bundle; the bootstrap never lists
+            "Sid": "ReadReleaseObjects",
             "Effect": "Allow",
-            "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
-            "Resource": arns["volume_key"],
+            "Action": "s3:GetObject",
+            "Resource": [f"{arns['bucket']}/{prefix}*" for prefix in NODE_READABLE_PREFIXES],
         },
+        {
+            "Sid": "DecryptReleaseObjects",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": arns["volume_key"],
+            "Condition": {"StringEquals": {"kms:ViaService": f"s3.{region}.amazonaws.com"}},
+        },
+        {"Sid": "OwnGroupLifecycle", "Effect": "Allow", "Action": list(LIFECYCLE_ACTIONS), "Resource": arns["group"]},
+        {"Sid": "SessionManager", "Effect": "Allow", "Action": list(SESSION_ACTIONS), "Resource": "*"},
     ]
     return json.dumps({"Version": "2012-10-17", "Statement": statements})
 

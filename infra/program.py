@@ -21,7 +21,7 @@ from infra.encryption import ManagedKey, ManagedKeyArgs
 from infra.environment import EnvironmentView
 from infra.links import PRIVATE_ASN_BASE, LocalEnd, PeerLink, PeerLinkArgs, TransitHub, TransitHubArgs
 from infra.network import Network, NetworkArgs
-from infra.node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.node_pool import GpuNodePool, GpuNodePoolArgs, parameter_arn
 from infra.operator_access import OperatorAccess, OperatorAccessArgs
 from infra.pool_names import PoolRecords, PoolRecordsArgs
 from infra.prometheus import DatacenterTarget, alertmanager_yaml, scrape_config
@@ -46,8 +46,10 @@ from pdstack.contract.components import (
     contract,
     gateway_keys_file,
     prometheus_url_parameter,
+    release_parameter,
     scheduler_url_parameter,
 )
+from pdstack.contract.node_lifecycle import node_group_name
 from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
 from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
@@ -162,6 +164,10 @@ def build_datacenter(
             f"{environment.SETTINGS_NAMESPACE}:node_image: datacenter {dc.name} runs GPU pools; pin their image "
             "(an AMI id, or an SSM parameter naming one version, e.g. /aws/service/debian/release/12/<version>/amd64)"
         )
+    control_region = view.control.datacenter.region
+    release_arn = control.require_output(outputs.ACCOUNT_ID).apply(
+        lambda account: parameter_arn(control_region, str(account), release_parameter(view.env))
+    )
     groups = {}
     for pool in dc.pools:
         images = node_images(_serving(view).engine, pool.role)
@@ -182,6 +188,10 @@ def build_datacenter(
                 model_bucket_arn=storage.bucket.arn,
                 # exactly the images this pool's nodes run (infra/registry.py), and its instances say which
                 repository_arns=[repositories.apply(_item(i)) for i in images],
+                release_parameter_arn=release_arn,
+                account_id=account_id,
+                group_name=node_group_name(view.env, dc.name, pool.name),
+                region=dc.region,
                 instance_tags={
                     **pool_tags(view.env, dc.name, str(pool.role), pool.name),
                     IMAGES_TAG: " ".join(repository_name(view.env, i) for i in images),

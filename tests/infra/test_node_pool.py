@@ -4,6 +4,7 @@ groups that wait for their capacity, images the nodes may pull, a pinned node im
 from __future__ import annotations
 
 import base64
+import fnmatch
 import json
 import re
 import shutil
@@ -12,16 +13,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from infra.node_pool import node_image_problem
+from infra.node_pool import SESSION_ACTIONS, node_image_problem
 from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
+from infra.storage import bucket_name
 from pdstack.cli import app
+from pdstack.contract.node_lifecycle import BUNDLE_PREFIX, MODEL_PREFIX, node_group_name
 from pdstack.model import Engine, PoolRole
-from pdstack.node.userdata import render_user_data
+from pdstack.node.userdata import node_config, render_user_data
 from pdstack.policy import core, rules
 from pdstack.stacks.environment import load_environment
 from pdstack.stacks.files import load_stack_file
-from pdstack.synth.synthesis import SynthError, Synthesis, mock_ami, synthesize
+from pdstack.synth.synthesis import SynthError, Synthesis, mock_ami, peer_outputs, synthesize
 from tests.pdstack.node.test_userdata import ENVIRONMENT_VALUES, MOTO, same_but_for_the_environment
 from tests.support import REPO, STACKS
 
@@ -195,8 +198,13 @@ def test_operators_come_in_through_ssm_as_the_node_os_user_without_a_key(
     graph, cfg = graphs[name], stack_config(name)
     env, dc = str(cfg.environment), cfg.datacenter.name
     assert all("keyName" not in t.inputs for t in graph.of_type(LAUNCH_TEMPLATE))  # no key pair nobody made
-    attached = {a.inputs["policyArn"] for a in graph.of_type("aws:iam/rolePolicyAttachment:RolePolicyAttachment")}
-    assert "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore" in attached
+    # the agent's session channel, inline: no managed policy (AmazonSSMManagedInstanceCore would allow every
+    # parameter of the account)
+    attached = graph.of_type("aws:iam/rolePolicyAttachment:RolePolicyAttachment")
+    assert not [a for a in attached if a.inputs["role"].endswith("-node")]  # the pool records' Lambda has its own
+    for pool in cfg.datacenter.pools:
+        session = _node_policy(graph, f"{dc}-{pool.name}")["SessionManager"]
+        assert (sorted(session["Action"]), session["Resource"]) == (sorted(SESSION_ACTIONS), "*")
     document = next(d for d in graph.of_type("aws:ssm/document:Document") if d.name == f"{dc}-session")
     assert document.inputs["name"] == graph.outputs["session_document"] == session_document_name(env, dc)
     assert document.inputs["documentType"] == "Session"
@@ -288,3 +296,136 @@ def test_the_policy_refuses_a_gpu_template_without_cloud_config(user_data: objec
     found = [v for v in rules.evaluate([_template(user_data, role)]) if v.policy == "gpu-template-has-user-data"]
     assert [v.message for v in found if why and why in v.message] == [v.message for v in found]
     assert len(found) == (0 if why is None else 1)
+
+
+# --- the node role against what the bootstrap calls ---------------------------------------------------------------
+
+
+def _allows(statements: list[dict], action: str, resource: str, via: str | None = None) -> list[str]:
+    """The Sids of the Allow statements that let `action` on `resource` through (IAM's * and ? in Action and
+    Resource; a kms:ViaService condition holds only for a call made through that service)."""
+    found = []
+    for statement in statements:
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+        condition = statement.get("Condition", {}).get("StringEquals", {})
+        if set(statement.get("Condition", {})) - {"StringEquals"} or set(condition) - {"kms:ViaService"}:
+            raise AssertionError(f"the test reads no such condition: {statement}")
+        if (
+            statement["Effect"] == "Allow"
+            and any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in actions)
+            and any(fnmatch.fnmatchcase(resource, r) for r in resources)
+            and condition.get("kms:ViaService", via) == via
+        ):
+            found.append(statement["Sid"])
+    return found
+
+
+ACCOUNT = "123456789012"
+
+
+def _bootstrap_calls(name: str, pool: str) -> tuple[list[tuple[str, str, str | None]], dict[str, str]]:
+    """Every call a node of `pool` makes to AWS (docs/node-bootstrap.md, pdstack/node): (action, resource, the
+    service a KMS call comes through), from the node.json its user data carries; and the ARNs they name."""
+    cfg = stack_config(name)
+    env = load_environment(STACKS, str(cfg.environment))
+    node = node_config(cfg, env.control.config, pool, None)
+    control = env.control.config.datacenter.region
+    bucket = f"arn:aws:s3:::{bucket_name(str(node.environment), node.datacenter, ACCOUNT)}"
+    group = f"pdstack-{node.environment}-{node.datacenter}-{pool}"
+    assert group == node_group_name(str(node.environment), node.datacenter, pool)
+    secret = f"arn:aws:secretsmanager:{control}:{ACCOUNT}:secret:{{}}-AbCdEf"
+    arns = {
+        "group": f"arn:aws:autoscaling:{node.region}:{ACCOUNT}:autoScalingGroup:"
+        f"0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0:autoScalingGroupName/{group}",
+        "bucket": bucket,
+        "secret": secret,
+        "control": control,
+        # the keys as the mocks name them: the datacenter's (a resource here), the environment's (the control
+        # stack's output)
+        "data_key": f"arn:aws:kms:{node.region}:{ACCOUNT}:{node.datacenter}-data-key",
+        "secrets_key": peer_outputs(f"{node.environment}-control", env.configs)["env_key_arn"],
+    }
+    calls: list[tuple[str, str, str | None]] = [
+        ("ssm:GetParameter", f"arn:aws:ssm:{node.control_region}:{ACCOUNT}:parameter{node.release_parameter}", None),
+        *(("secretsmanager:GetSecretValue", secret.format(n), None) for n in [*node.secrets.values(), node.tls_secret]),
+        ("kms:Decrypt", arns["secrets_key"], f"secretsmanager.{control}.amazonaws.com"),
+        ("ecr:GetAuthorizationToken", "*", None),
+        *(
+            (action, f"arn:aws:ecr:{control}:{ACCOUNT}:repository/pdstack-{node.environment}/{image}", None)
+            for image in node_images(
+                env.control.config.serving.engine, next(p.role for p in cfg.datacenter.pools if p.name == pool)
+            )
+            for action in rules.ECR_PULL
+        ),
+        ("s3:GetObject", f"{bucket}/{BUNDLE_PREFIX}2026-12-06.1.tar.gz", None),  # and HEAD: download_file
+        ("s3:GetObject", f"{bucket}/{MODEL_PREFIX}m/abc123/model-00001-of-00030.safetensors", None),
+        ("kms:Decrypt", arns["data_key"], f"s3.{node.region}.amazonaws.com"),
+        ("autoscaling:SetInstanceHealth", arns["group"], None),
+        ("autoscaling:RecordLifecycleActionHeartbeat", arns["group"], None),
+        ("autoscaling:CompleteLifecycleAction", arns["group"], None),
+        # the SSM agent, for the operators' sessions
+        *((action, "*", None) for action in SESSION_ACTIONS),
+    ]
+    return calls, arns
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_the_node_role_allows_what_the_bootstrap_calls_and_nothing_else(
+    graphs: dict[str, Synthesis], name: str
+) -> None:
+    cfg = stack_config(name)
+    for pool in cfg.datacenter.pools:
+        statements = list(_node_policy(graphs[name], f"{cfg.datacenter.name}-{pool.name}").values())
+        calls, arns = _bootstrap_calls(name, pool.name)
+        used = set()
+        for action, resource, via in calls:
+            allowed = _allows(statements, action, resource, via)
+            assert allowed, (pool.name, action, resource)
+            used.update(allowed)
+        assert used == {s["Sid"] for s in statements}, "a statement no call of the bootstrap needs"
+        # every action a statement names is one the node calls
+        called = {a.lower() for a, _, _ in calls}
+        named = {
+            a.lower() for s in statements for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
+        }
+        assert named == called
+        env, dc = str(cfg.environment), cfg.datacenter.name
+        other_env = "staging" if env == "prod" else "prod"
+        neighbours = [
+            (
+                "ssm:GetParameter",
+                f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{other_env}/release",
+                None,
+            ),
+            (
+                "ssm:GetParameter",
+                f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{env}/scheduler-url",
+                None,
+            ),
+            ("ssm:GetParameters", f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{env}/release", None),
+            ("s3:GetObject", f"{arns['bucket']}/elsewhere/x", None),
+            ("s3:ListBucket", arns["bucket"], None),
+            ("s3:PutObject", f"{arns['bucket']}/{MODEL_PREFIX}x", None),
+            ("s3:GetObject", f"arn:aws:s3:::pdstack-{env}-{dc}-{ACCOUNT}-ssm/x", None),  # the transfer bucket
+            ("kms:Decrypt", arns["data_key"], None),  # only through S3
+            ("kms:GenerateDataKey", arns["data_key"], f"s3.{cfg.datacenter.region}.amazonaws.com"),
+            ("secretsmanager:GetSecretValue", arns["secret"].format(f"pdstack/{env}/scheduler-identity-key"), None),
+            *(
+                ("secretsmanager:GetSecretValue", arns["secret"].format(f"pdstack/{env}/tls/{dc}/{p.name}"), None)
+                for p in cfg.datacenter.pools
+                if p.name != pool.name
+            ),
+            *(
+                (
+                    "autoscaling:SetInstanceHealth",
+                    arns["group"].replace(f"/pdstack-{env}-{dc}-{pool.name}", f"/{g}"),
+                    None,
+                )
+                for g in (f"pdstack-{env}-{dc}-{pool.name}-en", f"pdstack-{other_env}-{dc}-{pool.name}", "other")
+            ),
+            ("autoscaling:UpdateAutoScalingGroup", arns["group"], None),
+            ("autoscaling:TerminateInstanceInAutoScalingGroup", arns["group"], None),
+        ]
+        for action, resource, via in neighbours:
+            assert not _allows(statements, action, resource, via), (pool.name, action, resource)

@@ -281,7 +281,7 @@ def test_nodes_may_read_only_the_kv_key_and_server_token(graphs: dict[str, Synth
         # its own pool's certificate and key (infra/certificates.py), no other pool's
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:pdstack/prod/tls/decode-us-west-2/decode-h200-AbCdEf",
     ]  # never the scheduler's identity key: a node holding it could mint any instance's token
-    assert "*" not in json.dumps(statements["ReadModels"]["Resource"]).replace("/*", "")
+    assert [r.rsplit("/", 2)[-2] for r in statements["ReadReleaseObjects"]["Resource"]] == ["models", "bundles"]
 
 
 def test_prometheus_scrapes_every_datacenters_nodes(graphs: dict[str, Synthesis]) -> None:
