@@ -1,7 +1,13 @@
 """Phase `apply`: the node applies the bundle's playbook to itself (connection local), with what the bootstrap
 learnt as extra variables: who it is (the names roles/ and inventories/aws already use: pdstack_environment,
-pdstack_datacenter, pdstack_region, pdstack_pool, pdstack_role), what it runs (the release's images by digest, the
-model and where its verified files are) and where its secrets and registry credentials are (files, never values).
+pdstack_datacenter, pdstack_region, pdstack_pool, pdstack_role), what it runs (the release's name, images by digest
+and bundle, the model and where its verified files are), where its secrets and registry credentials are (files,
+never values) and where to ask for the scheduler's URL (the control region, the local AWS endpoint, the parameter).
+
+These are facts, not the roles' arguments: playbooks/node.yml maps them onto the variables the operators'
+inventories give (playbooks/vars/node.yml, loaded after the operators' vars/serving.yml), so the mapping is written
+once, in the bundle. `pdstack_release` stays the operators' {version, image, config_version} there: the release's
+name comes as `pdstack_release_name`.
 
 The variables go in a file (`-e @FILE`, mode 0600 though it holds only names and paths), so the command line is
 short and the exact input of the last run stays on the node to read. The runner is injectable: tests check the
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdstack.contract.components import scheduler_url_parameter
 from pdstack.node.config import NodeConfig
 from pdstack.node.files import write_atomic
 from pdstack.node.loader import BootstrapError, Phase
@@ -26,6 +33,12 @@ from pdstack.node.release import ReleaseRecord
 from pdstack.node.secrets import SecretFiles
 
 VARS_FILE = "apply-vars.json"
+# Inside the bundle (pdstack/node/bundle.py writes them there): the roles, and the Ansible collections they use
+# (containers.podman, community.general, ansible.posix; amazon.aws for the scheduler URL's lookup) as
+# collections/ansible_collections/<namespace>/<name>: the venv has ansible-core only.
+ROLES_DIR = "roles"
+COLLECTIONS_DIR = "collections"
+ANSIBLE_CFG = "ansible.cfg"
 
 
 @dataclass(frozen=True)
@@ -52,12 +65,16 @@ def extra_vars(
         "pdstack_pool": config.pool,
         "pdstack_role": config.role,
         "pdstack_instance_id": instance_id,
-        "pdstack_release": record.release,
+        "pdstack_release_name": record.release,
+        "pdstack_bundle_sha256": record.bundle.sha256,
         "pdstack_images": dict(record.images),
         "pdstack_model": {"name": record.model.name, "revision": record.model.revision, "dir": config.model_dir},
         "pdstack_secret_files": {name: str(path) for name, path in secrets.secrets.items()},
         "pdstack_tls_files": {name: str(path) for name, path in secrets.tls.items()},
         "container_runtime_auth_file": str(registry_auth_file),
+        "pdstack_control_region": config.control_region,
+        "pdstack_aws_endpoint_url": config.aws_endpoint_url or "",
+        "pdstack_scheduler_url_parameter": scheduler_url_parameter(str(config.environment)),
     }
 
 
@@ -74,7 +91,11 @@ def playbook_run(bundle_dir: Path, record: ReleaseRecord, vars_file: Path, bin_d
         f"@{vars_file}",
         str(bundle_dir / record.bundle.playbook),
     )
-    env = {"ANSIBLE_ROLES_PATH": str(bundle_dir / "roles"), "ANSIBLE_CONFIG": str(bundle_dir / "ansible.cfg")}
+    env = {
+        "ANSIBLE_ROLES_PATH": str(bundle_dir / ROLES_DIR),
+        "ANSIBLE_COLLECTIONS_PATH": str(bundle_dir / COLLECTIONS_DIR),
+        "ANSIBLE_CONFIG": str(bundle_dir / ANSIBLE_CFG),
+    }
     return PlaybookRun(argv, env, bundle_dir)
 
 

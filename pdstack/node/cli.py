@@ -1,9 +1,11 @@
 """`pdstack node` (also `python -m pdstack.node`, which stage 0 runs from the bundle's venv): the node's bootstrap
-and the user data a pool boots from (for people and the local environment)."""
+and the user data a pool boots from (for people and the local environment); for operators, the node bundle and
+publishing a release (docs/node-bootstrap.md)."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +15,7 @@ from pdstack.node.loader import NODE_CONFIG, BootstrapError, Phase, report_failu
 from pdstack.stacks.options import StacksOption, environment, stacks_dir
 
 node_app = typer.Typer(
-    help="A GPU node that joins by itself: its bootstrap and its user data.",
+    help="A GPU node that joins by itself: its bootstrap, its user data, its bundle and the release it reads.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -75,3 +77,34 @@ def user_data_command(
             typer.echo(render_user_data(config, env.control.config, pool, aws_endpoint_url), nl=False)
     except UserDataError as exc:
         raise typer.BadParameter(str(exc), param_hint="--pool") from None
+
+
+@node_app.command("bundle")
+def bundle_command(
+    env: Annotated[str, typer.Option("--env", metavar="ENV", help="the environment, e.g. prod")],
+    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="where pdstack-node-<env>.tar.gz is written")],
+    wheels: Annotated[
+        bool, typer.Option("--wheels/--no-wheels", help="--no-wheels: leave wheels/ out (no node can install it)")
+    ] = True,
+    repo: Annotated[
+        Path | None, typer.Option("--repo", metavar="DIR", help="the pdstack checkout (default: this one)")
+    ] = None,
+) -> None:
+    """Build the node bundle of an environment (roles, playbooks, collections, wheels) and print its sha256."""
+    from pdstack.node.bundle import BundleError, build_bundle  # noqa: PLC0415
+    from pdstack.stacks.environment import find_project  # noqa: PLC0415
+
+    project = repo or find_project()
+    if project is None:
+        raise typer.BadParameter("not inside a pdstack checkout", param_hint="--repo")
+    started = time.monotonic()
+    try:
+        built = build_bundle(project, env, out, wheels=wheels)
+    except BundleError as exc:
+        typer.echo(f"pdstack node bundle: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"{built.path}: {len(built.members)} files, {built.size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s",
+        err=True,
+    )
+    typer.echo(f"{built.sha256}  {built.path}")

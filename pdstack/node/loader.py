@@ -35,6 +35,10 @@ METRICS_FILE = "pdstack_node_bootstrap.prom"
 # Kept equal to pdstack.contract.components.NODE_EXPORTER_TEXTFILE_DIR by a test: this module imports no pdstack
 TEXTFILE_DIR = Path("/var/lib/prometheus/node-exporter")
 CHUNK = 8 << 20
+# Inside the bundle (pdstack/node/bundle.py): the wheels, and what to install of them (pdstack, pdserve, ansible-core
+# and boto3, pinned; their dependencies come along)
+WHEELS = "wheels"
+REQUIREMENTS = "wheels/requirements.txt"
 
 
 class Phase(StrEnum):
@@ -205,14 +209,24 @@ def _plain_members(tar: tarfile.TarFile, key: str) -> list[tarfile.TarInfo]:
 
 
 def install_venv(bundle: Path, state_dir: Path = STATE_DIR, run: Any = subprocess.run) -> Path:
-    """The venv of this bundle (its wheels, offline, beside Debian's boto3), installed once; its python."""
+    """The venv of this bundle (its wheels' requirements, offline, beside Debian's boto3), installed once."""
     venv = state_dir / "venvs" / bundle.name
     python = venv / "bin" / "python"
     if (venv / ".installed").exists():
         return python
     steps = [
         [sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)],
-        [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(bundle / "wheels"), "pdstack"],
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(bundle / WHEELS),
+            "-r",
+            str(bundle / REQUIREMENTS),
+        ],
     ]
     for step in steps:
         answer = run(step, capture_output=True, text=True, check=False)

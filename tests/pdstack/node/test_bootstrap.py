@@ -72,6 +72,7 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
         str(bundle_dir / "playbooks" / "node.yml"),
     )
     assert run.env["ANSIBLE_ROLES_PATH"] == str(bundle_dir / "roles")
+    assert run.env["ANSIBLE_COLLECTIONS_PATH"] == str(bundle_dir / "collections")
     assert json.loads(vars_file.read_text()) == {
         "pdstack_environment": "local",
         "pdstack_datacenter": "dc2",
@@ -79,12 +80,16 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
         "pdstack_pool": "decode",
         "pdstack_role": "decode",
         "pdstack_instance_id": node.instance_id,
-        "pdstack_release": "2026-12-06.1",
+        "pdstack_release_name": "2026-12-06.1",
+        "pdstack_bundle_sha256": node.record.bundle.sha256,
         "pdstack_images": node.record.images,
         "pdstack_model": {"name": "pdstack-tiny", "revision": "0123abc", "dir": node.config.model_dir},
         "pdstack_secret_files": {name: str(secrets / name) for name in node.config.secrets},
         "pdstack_tls_files": {name: str(secrets / "tls" / name) for name in ("tls.crt", "tls.key", "ca.crt")},
         "container_runtime_auth_file": str(node.paths.registry_auth_file),
+        "pdstack_control_region": node.config.control_region,
+        "pdstack_aws_endpoint_url": node.config.aws_endpoint_url,
+        "pdstack_scheduler_url_parameter": "/pdstack/local/scheduler-url",
     }
     # the metric: success, when, what release, the bytes, each phase's seconds
     metrics = node.metrics()

@@ -122,7 +122,8 @@ def test_the_venv_is_installed_once_offline(tmp_path: Path) -> None:
         "--no-index",
         "--find-links",
         str(bundle / "wheels"),
-        "pdstack",
+        "-r",
+        str(bundle / "wheels" / "requirements.txt"),
     ]
     install_venv(bundle, tmp_path, run)
     assert len(calls) == 2
