@@ -13,7 +13,12 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from pdstack.contract.node_lifecycle import NODE_READABLE_PREFIXES
+from pdstack.contract.node_lifecycle import (
+    DRAIN_DEFAULT_RESULT,
+    DRAIN_HOOK,
+    DRAIN_TRANSITION,
+    NODE_READABLE_PREFIXES,
+)
 from pdstack.model import NodePool
 
 # The node image is pinned per stack (pdstack-infra:node_image): an AMI id, or an SSM parameter that names one image
@@ -118,6 +123,9 @@ class GpuNodePoolArgs:
     account_id: pulumi.Input[str]  # this datacenter's account: its group's ARN
     group_name: str  # pdstack.contract.node_lifecycle.node_group_name: fixed, so the role can name it before it exists
     region: str  # the datacenter's: its group's and its model bucket's
+    # How long a node chosen for scale-in may drain before its group terminates it anyway
+    # (pdstack.contract.node_lifecycle.drain_timeout_seconds of the environment's serving block)
+    drain_timeout_seconds: int
     instance_tags: Mapping[str, str]
     node_image: str  # pdstack-infra:node_image: an AMI id or a pinned SSM parameter (node_image_problem)
     # The `#cloud-config` (base64) a fresh instance boots from to a serving node: pdstack/node/userdata.py's rendering
@@ -131,6 +139,7 @@ class GpuNodePool(pulumi.ComponentResource):
     group: aws.autoscaling.Group
     launch_template: aws.ec2.LaunchTemplate
     role_policy: aws.iam.RolePolicy
+    drain_hook: aws.autoscaling.LifecycleHook
     placement_group: aws.ec2.PlacementGroup | None = None
 
     def __init__(self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions | None = None) -> None:
@@ -158,7 +167,9 @@ class GpuNodePool(pulumi.ComponentResource):
                 http_endpoint="enabled",
                 http_tokens="required",  # IMDSv2 only
                 http_put_response_hop_limit=1,  # containers cannot reach the node's credentials
-                instance_metadata_tags="enabled",  # nodes learn their pdstack:* tags locally
+                # off: a node knows who it is from node.json (its user data) and its instance id from cloud-init;
+                # nothing on it reads tags from the metadata service
+                instance_metadata_tags="disabled",
             ),
             block_device_mappings=[
                 _volume(device, size, args.volume_key_arn)
@@ -199,6 +210,19 @@ class GpuNodePool(pulumi.ComponentResource):
             tags=[aws.autoscaling.GroupTagArgs(key=k, value=v, propagate_at_launch=True) for k, v in tags.items()],
             # the first instances boot into their bootstrap at once: their role must already allow it
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.role_policy]),
+        )
+        # Scale-in is a drain: an instance the group chooses to terminate waits (Terminating:Wait) until its node has
+        # deregistered, finished its requests and ended its KV leases and completes this hook, or until the timeout,
+        # after which the group terminates it anyway (CONTINUE: a dead node still leaves). The node side uses the
+        # names in pdstack.contract.node_lifecycle.
+        self.drain_hook = aws.autoscaling.LifecycleHook(
+            f"{name}-drain",
+            name=DRAIN_HOOK,
+            autoscaling_group_name=args.group_name,  # known at preview, for the policy pack
+            lifecycle_transition=DRAIN_TRANSITION,
+            heartbeat_timeout=args.drain_timeout_seconds,
+            default_result=DRAIN_DEFAULT_RESULT,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.group]),
         )
         self.register_outputs({"group_name": self.group.name, "launch_template_id": self.launch_template.id})
 

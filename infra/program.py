@@ -49,7 +49,7 @@ from pdstack.contract.components import (
     release_parameter,
     scheduler_url_parameter,
 )
-from pdstack.contract.node_lifecycle import node_group_name
+from pdstack.contract.node_lifecycle import drain_timeout_seconds, node_group_name
 from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
 from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
@@ -192,6 +192,7 @@ def build_datacenter(
                 account_id=account_id,
                 group_name=node_group_name(view.env, dc.name, pool.name),
                 region=dc.region,
+                drain_timeout_seconds=drain_timeout_seconds(_serving(view)),
                 instance_tags={
                     **pool_tags(view.env, dc.name, str(pool.role), pool.name),
                     IMAGES_TAG: " ".join(repository_name(view.env, i) for i in images),

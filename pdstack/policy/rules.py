@@ -222,6 +222,50 @@ def check_gpu_template_user_data(type_: str, props: dict[str, Any], config: Poli
     return []
 
 
+# --- gpu-group-drains ----------------------------------------------------------------------------------------------
+
+LIFECYCLE_HOOK = "aws:autoscaling/lifecycleHook:LifecycleHook"
+TERMINATING = "autoscaling:EC2_INSTANCE_TERMINATING"
+HEARTBEAT_BOUNDS = (30, 7200)  # what Auto Scaling takes
+
+
+def _drain_problems(hooks: list[PolicyResource]) -> list[str]:
+    draining = [h for h in hooks if h.props.get("lifecycleTransition") == TERMINATING]
+    if not draining:
+        return ["no termination lifecycle hook: a scale-in would cut its nodes' requests instead of draining them"]
+    problems = []
+    for hook in draining:
+        if hook.props.get("defaultResult") != "CONTINUE":
+            problems.append(
+                f"hook {hook.props.get('name')!r} defaults to {hook.props.get('defaultResult')!r}: a node that dies "
+                "while draining must still be terminated (CONTINUE)"
+            )
+        timeout = hook.props.get("heartbeatTimeout")
+        low, high = HEARTBEAT_BOUNDS
+        if not isinstance(timeout, int | float) or not low <= timeout <= high:
+            problems.append(f"hook {hook.props.get('name')!r} heartbeatTimeout {timeout!r} is not {low} to {high} s")
+    return problems
+
+
+def check_gpu_group_drains(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
+    """Every GPU pool's Auto Scaling group has a termination lifecycle hook (the drain: the node deregisters,
+    finishes its requests, completes the action) that terminates anyway once its heartbeat timeout passes."""
+    hooks: dict[str, list[PolicyResource]] = {}
+    for hook in (r for r in resources if r.type == LIFECYCLE_HOOK):
+        hooks.setdefault(str(hook.props.get("autoscalingGroupName")), []).append(hook)
+    problems = []
+    for group in (r for r in resources if r.type == AUTOSCALING_GROUP):
+        tags = {t.get("key"): t.get("value") for t in group.props.get("tags", []) or []}
+        if tags.get("pdstack:role") not in GPU_ROLES:
+            continue
+        name = group.props.get("name")
+        if not name:
+            problems.append((group, "a GPU group without a fixed name: its nodes and its drain hook cannot name it"))
+            continue
+        problems += [(group, message) for message in _drain_problems(hooks.get(str(name), []))]
+    return problems
+
+
 # --- node-images-pullable ----------------------------------------------------------------------------------------
 
 ECR_PULL = ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability")
@@ -382,6 +426,11 @@ STACK_RULES = (
         "efa-cluster-placement",
         "EFA launch templates place instances in a cluster placement group.",
         check_efa_cluster_placement,
+    ),
+    StackRule(
+        "gpu-group-drains",
+        "Every GPU Auto Scaling group drains on scale-in: a termination lifecycle hook that CONTINUEs on timeout.",
+        check_gpu_group_drains,
     ),
     StackRule(
         "node-images-pullable",

@@ -18,7 +18,14 @@ from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
 from infra.storage import bucket_name
 from pdstack.cli import app
-from pdstack.contract.node_lifecycle import BUNDLE_PREFIX, MODEL_PREFIX, node_group_name
+from pdstack.contract.node_lifecycle import (
+    BUNDLE_PREFIX,
+    DRAIN_HOOK,
+    HEARTBEAT_MAX_S,
+    MODEL_PREFIX,
+    drain_timeout_seconds,
+    node_group_name,
+)
 from pdstack.model import Engine, PoolRole
 from pdstack.node.userdata import node_config, render_user_data
 from pdstack.policy import core, rules
@@ -429,3 +436,71 @@ def test_the_node_role_allows_what_the_bootstrap_calls_and_nothing_else(
         ]
         for action, resource, via in neighbours:
             assert not _allows(statements, action, resource, via), (pool.name, action, resource)
+
+
+# --- scale-in is a drain ------------------------------------------------------------------------------------------
+
+HOOK = "aws:autoscaling/lifecycleHook:LifecycleHook"
+
+
+@pytest.mark.parametrize("name", GPU_STACKS)
+def test_each_gpu_group_drains_its_nodes_on_scale_in(graphs: dict[str, Synthesis], name: str) -> None:
+    """A termination hook per group, by the contract's name, waiting as long as the environment's longest request
+    and KV lease (and a settle) for the node to complete it, and terminating anyway after that."""
+    cfg = stack_config(name)
+    env = str(cfg.environment)
+    serving = stack_config(f"{env}-control").serving
+    groups = {g.inputs["name"]: g for g in graphs[name].of_type(GROUP)}
+    hooks = {h.inputs["autoscalingGroupName"]: h for h in graphs[name].of_type(HOOK)}
+    expected = {node_group_name(env, cfg.datacenter.name, p.name) for p in cfg.datacenter.pools}
+    assert set(groups) == set(hooks) == expected
+    timeout = drain_timeout_seconds(serving)
+    assert timeout >= serving.timeouts.request_s + serving.timeouts.kv_lease_s
+    for hook in hooks.values():
+        assert hook.inputs["name"] == DRAIN_HOOK
+        assert hook.inputs["lifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+        assert (hook.inputs["defaultResult"], hook.inputs["heartbeatTimeout"]) == ("CONTINUE", timeout)
+    # nothing on a node reads its tags from the metadata service: node.json says who it is
+    for template in graphs[name].of_type(LAUNCH_TEMPLATE):
+        assert template.inputs["metadataOptions"]["instanceMetadataTags"] == "disabled"
+
+
+def test_the_drain_timeout_follows_the_stacks_timeouts_within_auto_scalings_bounds() -> None:
+    serving = stack_config("prod-control").serving
+    longer = serving.model_copy(update={"timeouts": serving.timeouts.model_copy(update={"request_s": 900.0})})
+    assert drain_timeout_seconds(longer) == drain_timeout_seconds(serving) + 900 - int(serving.timeouts.request_s)
+    endless = serving.model_copy(update={"timeouts": serving.timeouts.model_copy(update={"request_s": 86400.0})})
+    assert drain_timeout_seconds(endless) == HEARTBEAT_MAX_S
+
+
+@pytest.mark.parametrize(
+    ("hooks", "why"),
+    [
+        ([("autoscaling:EC2_INSTANCE_TERMINATING", "CONTINUE", 720)], None),
+        ([], "no termination lifecycle hook"),
+        ([("autoscaling:EC2_INSTANCE_LAUNCHING", "CONTINUE", 720)], "no termination lifecycle hook"),
+        ([("autoscaling:EC2_INSTANCE_TERMINATING", "ABANDON", 720)], "(CONTINUE)"),
+        ([("autoscaling:EC2_INSTANCE_TERMINATING", "CONTINUE", 0)], "is not 30 to 7200"),
+    ],
+)
+def test_the_policy_refuses_a_gpu_group_that_does_not_drain(hooks: list[tuple], why: str | None) -> None:
+    tags = [{"key": "pdstack:role", "value": "decode", "propagateAtLaunch": True}]
+    graph = [core.PolicyResource(GROUP, "g", "urn:g", {"name": "pdstack-prod-dc-decode", "tags": tags})]
+    graph += [
+        core.PolicyResource(
+            HOOK,
+            f"h{i}",
+            f"urn:h{i}",
+            {
+                "name": DRAIN_HOOK,
+                "autoscalingGroupName": "pdstack-prod-dc-decode",
+                "lifecycleTransition": transition,
+                "defaultResult": result,
+                "heartbeatTimeout": timeout,
+            },
+        )
+        for i, (transition, result, timeout) in enumerate(hooks)
+    ]
+    found = [v.message for v in rules.evaluate(graph) if v.policy == "gpu-group-drains"]
+    assert found == ([] if why is None else [m for m in found if why in m])
+    assert len(found) == (0 if why is None else 1)

@@ -226,6 +226,20 @@ EDITS = [
         "",
         {"gpu-template-has-user-data"},
     ),
+    (
+        "a drain hook that abandons a dead node",
+        "aws:autoscaling/lifecycleHook:LifecycleHook",
+        _set("defaultResult", "ABANDON"),
+        "",
+        {"gpu-group-drains"},
+    ),
+    (
+        "the drain hook moved to launch: scale-in cuts requests",
+        "aws:autoscaling/lifecycleHook:LifecycleHook",
+        _set("lifecycleTransition", "autoscaling:EC2_INSTANCE_LAUNCHING"),
+        "",
+        {"gpu-group-drains"},
+    ),
     ("instance tag dropped", "aws:autoscaling/group:Group", lambda i: i["tags"].pop(0), "", {"instance-tags"}),
     (
         "bucket versioning suspended",
