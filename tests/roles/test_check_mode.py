@@ -8,6 +8,7 @@ real hardware.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,14 +24,18 @@ def extra_vars(values: dict[str, object]) -> tuple[str, str]:
     return "-e", json.dumps(values)
 
 
+def headers_for(kernel: str) -> str:
+    """Debian's headers for the running kernel, and its flavour's metapackage (linux-headers-cloud-amd64 on EC2)."""
+    packages = [f"linux-headers-{kernel}"]
+    flavour = re.match(r"^\d+\.\d+\.\d+-\d+-([a-z0-9-]+)$", kernel)
+    return ", ".join(packages + ([f"linux-headers-{flavour.group(1)}"] if flavour else []))
+
+
 @pytest.mark.parametrize(
-    ("nvswitch", "expected_packages"),
-    [
-        (True, "nvidia-open-570, nvidia-fabricmanager-570, nvidia-container-toolkit"),
-        (False, "nvidia-open-570, nvidia-container-toolkit"),
-    ],
+    ("nvswitch", "expected_extra"),
+    [(True, "nvidia-fabricmanager, nvidia-container-toolkit"), (False, "nvidia-container-toolkit")],
 )
-def test_gpu_path_in_check_mode(cluster: Cluster, nvswitch: bool, expected_packages: str) -> None:
+def test_gpu_path_in_check_mode(cluster: Cluster, nvswitch: bool, expected_extra: str) -> None:
     run = cluster.playbook(
         "--check",
         "--diff",
@@ -41,16 +46,64 @@ def test_gpu_path_in_check_mode(cluster: Cluster, nvswitch: bool, expected_packa
         *extra_vars({"gpu_driver_force_gpu_present": True, "gpu_driver_force_nvswitch_present": nvswitch}),
     )
     assert run.returncode == 0, run.output[-4000:]
-    assert f"check mode: would install {expected_packages} from http://127.0.0.1:9/cuda/" in run.output
-    assert ("fabric manager on (NVSwitch present)" if nvswitch else "fabric manager off (no NVSwitch)") in run.output
+    node = testinfra.get_host(f"podman://{NODE_B}")
+    plan = " ".join(run.output.split("gpu_driver: check mode: would install")[1].split('"')[0].split())
+    # Debian 12: the running kernel's headers first (DKMS builds against them), the branch pin before the driver,
+    # NVIDIA's compute-only packages, then fabric manager (held to the branch by the pin) and the toolkit.
+    assert plan.startswith(
+        f"the kernel headers {headers_for(node.check_output('uname -r'))} (DKMS builds the modules against them), "
+        "then nvidia-driver-pinning-570 (holds every driver package to branch 570), "
+        "then the driver nvidia-driver-cuda, nvidia-kernel-open-dkms, nvidia-persistenced, "
+        f"then {expected_extra} from http://127.0.0.1:9/cuda/"
+    ), plan
+    assert ("fabric manager on (NVSwitch present)" if nvswitch else "fabric manager off (no NVSwitch)") in plan
     assert "no NVIDIA device" not in run.output
-    # --diff shows the repository file and the CDI unit that a GPU node would get.
+    # --diff shows the repository file (with Debian's contrib) and the CDI unit that a GPU node would get.
     assert "+URIs: http://127.0.0.1:9/cuda/" in run.output
     assert "+Signed-By: /etc/apt/keyrings/nvidia-container-toolkit.asc" in run.output
+    assert "+Components: contrib" in run.output and "+Suites: bookworm bookworm-updates" in run.output
     assert "+ExecStart=/usr/bin/nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml" in run.output
-    node = testinfra.get_host(f"podman://{NODE_B}")
+    # A forced GPU is no real one: nothing is loaded and nobody reboots.
+    assert "Reboot into the new NVIDIA driver" not in run.output
     assert not node.file("/etc/apt/sources.list.d/nvidia.sources").exists
     assert not node.file("/etc/systemd/system/pdstack-nvidia-cdi.service").exists
+
+
+@pytest.mark.parametrize("loaded", ["570.133.20", "550.163.01"])
+def test_existing_driver_is_reused_only_on_the_pinned_branch(cluster: Cluster, loaded: str) -> None:
+    # The node image's driver, as the kernel reports a loaded nvidia module (/sys/module/nvidia/version).
+    node = testinfra.get_host(f"podman://{NODE_B}")
+    node.check_output(f"echo {loaded} > /tmp/nvidia-module-version")
+    try:
+        run = cluster.playbook(
+            "--check",
+            "--limit",
+            NODE_B,
+            "--tags",
+            "gpu_driver",
+            *extra_vars(
+                {
+                    "gpu_driver_force_gpu_present": True,
+                    "gpu_driver_force_nvswitch_present": True,
+                    "gpu_driver__module_version_file": "/tmp/nvidia-module-version",
+                }
+            ),
+        )
+    finally:
+        node.check_output("rm -f /tmp/nvidia-module-version")
+    if loaded.startswith("570."):
+        assert run.returncode == 0, run.output[-4000:]
+        plan = " ".join(run.output.split("gpu_driver: check mode: would install")[1].split('"')[0].split())
+        assert plan.startswith(
+            "nothing of the driver: the node's NVIDIA driver 570.133.20 is of the pinned branch 570 and is reused; "
+            "then nvidia-fabricmanager=570.133.20*, nvidia-container-toolkit from"
+        ), plan
+        assert "linux-headers" not in plan and "nvidia-driver-pinning" not in plan
+    else:
+        assert run.returncode != 0
+        assert "this node already has NVIDIA driver 550.163.01, not of the pinned branch gpu_driver_branch=570" in (
+            " ".join(run.output.split())
+        )
 
 
 @pytest.fixture
