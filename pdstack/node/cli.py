@@ -108,3 +108,87 @@ def bundle_command(
         err=True,
     )
     typer.echo(f"{built.sha256}  {built.path}")
+
+
+def _pairs(values: list[str], option: str) -> dict[str, str]:
+    pairs = {}
+    for value in values:
+        key, sep, item = value.partition("=")
+        if not sep or not key or not item:
+            raise typer.BadParameter(f"{value!r} is not NAME=VALUE", param_hint=option)
+        pairs[key] = item
+    return pairs
+
+
+@node_app.command("publish")
+def publish_command(
+    *,
+    env: Annotated[str, typer.Option("--env", metavar="ENV", help="the environment, e.g. prod")],
+    release: Annotated[str, typer.Option("--release", metavar="NAME", help="the release's name, e.g. 2026-12-07.1")],
+    bundle: Annotated[Path, typer.Option("--bundle", metavar="FILE", help="the node bundle (pdstack node bundle)")],
+    model_dir: Annotated[Path, typer.Option("--model-dir", metavar="DIR", help="the model's files")],
+    model_revision: Annotated[
+        str, typer.Option("--model-revision", metavar="REV", help="e.g. the Hugging Face commit they came from")
+    ],
+    image: Annotated[
+        list[str],
+        typer.Option("--image", metavar="COMPONENT=REF", help="an image by digest, e.g. decode=...@sha256:.."),
+    ],
+    model_name: Annotated[
+        str | None, typer.Option("--model-name", help="default: the stack's serving.model.name")
+    ] = None,
+    account: Annotated[
+        str | None, typer.Option("--account", help="the AWS account of the buckets (default: the caller's)")
+    ] = None,
+    bucket: Annotated[
+        list[str] | None,
+        typer.Option("--bucket", metavar="DC=BUCKET", help="a datacenter's bucket, if not the default"),
+    ] = None,
+    aws_endpoint_url: Annotated[
+        str | None, typer.Option("--aws-endpoint-url", help="the local environment's AWS APIs (moto)")
+    ] = None,
+    stacks: StacksOption = None,
+) -> None:
+    """Upload the bundle and the model to each GPU datacenter's bucket, then write the release record to SSM."""
+    from pdstack.node.loader import aws_client  # noqa: PLC0415
+    from pdstack.node.publish import gpu_datacenters, model_bucket, publish  # noqa: PLC0415
+
+    stacks_env = environment(stacks_dir(stacks), env)
+    control = stacks_env.control.config
+    if control.serving is None:
+        raise typer.BadParameter(f"environment {env} serves nothing", param_hint="--env")
+
+    def clients(service: str, region: str) -> object:
+        return aws_client(service, region, aws_endpoint_url)
+
+    buckets = _pairs(bucket or [], "--bucket")
+    missing = [dc for dc in gpu_datacenters(stacks_env) if dc not in buckets]
+    if missing:
+        from pdstack.node.userdata import api_region  # noqa: PLC0415
+
+        owner = account or str(
+            clients("sts", api_region(control.datacenter.region)).get_caller_identity()["Account"]  # type: ignore[attr-defined]
+        )
+        buckets |= {dc: model_bucket(env, dc, owner) for dc in missing}
+    try:
+        published = publish(
+            stacks_env,
+            release=release,
+            bundle=bundle,
+            model_dir=model_dir,
+            model_name=model_name or control.serving.model.name,
+            model_revision=model_revision,
+            images=_pairs(image, "--image"),
+            buckets=buckets,
+            clients=clients,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    for name, sent in published.uploaded.items():
+        typer.echo(f"s3://{name}: {sent} bytes uploaded")
+    record = published.record
+    typer.echo(
+        f"release {record.release} of {env}: version {published.parameter_version} of its record; bundle "
+        f"{record.bundle.sha256}, model {record.model.name}@{record.model.revision} ({len(record.model.files)} "
+        f"files, {record.model.size} bytes)"
+    )

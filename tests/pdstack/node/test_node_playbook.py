@@ -28,6 +28,8 @@ from tests.support.motoserver import CREDENTIALS, client
 
 DIGEST = "sha256:" + "cd" * 32
 SCHEDULER_URL = "https://scheduler.internal.example:8100"
+_LOCAL = load_environment(STACKS, "local")
+LOCAL = node_config(_LOCAL.stack("local-dc2").config, _LOCAL.control.config, "decode", None)
 NODES = {"prod": ("prod-decode-us-west-2", "decode-h200"), "local": ("local-dc2", "decode")}
 
 
@@ -81,10 +83,9 @@ def config_of(env: str, moto: str) -> NodeConfig:
     return node_config(environment.stack(stack).config, environment.control.config, pool, moto)
 
 
-def apply_vars(config: NodeConfig, secrets_dir: Path) -> dict[str, Any]:
-    """What apply.py gives the play of a node of `config` (its secrets as files under secrets_dir)."""
+def release_record(config: NodeConfig, bundle_sha256: str = "0" * 64) -> ReleaseRecord:
     registry = f"123456789012.dkr.ecr.{config.control_region}.amazonaws.com/pdstack-{config.environment}"
-    record = ReleaseRecord(
+    return ReleaseRecord(
         environment=config.environment,
         release="2026-12-07.1",
         images={
@@ -95,9 +96,14 @@ def apply_vars(config: NodeConfig, secrets_dir: Path) -> dict[str, Any]:
         model=ModelRelease(
             name="m", revision="r", prefix="models/m/r/", files=(ModelFile(path="a", size=0, sha256="0" * 64),)
         ),
-        bundle=NodeBundle(key="bundles/x.tar.gz", sha256=hashlib.sha256(b"x").hexdigest()),
+        bundle=NodeBundle(key="bundles/x.tar.gz", sha256=bundle_sha256),
         buckets={config.datacenter: "bucket"},
     )
+
+
+def apply_vars(config: NodeConfig, secrets_dir: Path) -> dict[str, Any]:
+    """What apply.py gives the play of a node of `config` (its secrets as files under secrets_dir)."""
+    record = release_record(config, hashlib.sha256(b"x").hexdigest())
     secrets_dir.mkdir(parents=True, exist_ok=True)
     files = SecretFiles(
         secrets={name: secrets_dir / name for name in config.secrets},
@@ -113,7 +119,7 @@ def run_in_bundle(bundle_dir: Path, playbook: Path, home: Path, variables: dict[
     connection local, the variables as a file), with `args` added; HOME is `home`, the AWS credentials moto's."""
     vars_file = home / "apply-vars.json"
     vars_file.write_text(json.dumps(variables))
-    record = ReleaseRecord.model_construct(bundle=NodeBundle(key="k", sha256=bundle_dir.name))
+    record = release_record(LOCAL, bundle_dir.name)
     run = playbook_run(bundle_dir, record, vars_file, Path(ANSIBLE_PLAYBOOK).parent)
     argv = [*run.argv[:-1], str(playbook), *args, "-e", "ansible_python_interpreter=/usr/bin/python3"]
     env = {"PATH": "/usr/bin:/bin", "ANSIBLE_NOCOLOR": "1", "HOME": str(home), **run.env}
@@ -137,16 +143,7 @@ def test_every_required_argument_is_given() -> None:
 
 
 def apply_vars_keys() -> list[str]:
-    env = load_environment(STACKS, "local")
-    config = node_config(env.stack("local-dc2").config, env.control.config, "decode", None)
-    files = SecretFiles(secrets={}, tls={})
-    record = ReleaseRecord.model_construct(
-        release="r",
-        images={},
-        model=ModelRelease.model_construct(name="m", revision="r"),
-        bundle=NodeBundle.model_construct(sha256="0" * 64),
-    )
-    return list(extra_vars(config, "i-0", record, files, Path("/auth.json")))
+    return list(extra_vars(LOCAL, "i-0", release_record(LOCAL), SecretFiles({}, {}), Path("/auth.json")))
 
 
 def test_the_bundle_has_the_collections_the_roles_use() -> None:
