@@ -270,7 +270,6 @@ def node_security(
                 own_cidr=str(dc.cidr),
                 control_cidr=str(view.control.datacenter.cidr),
                 kv_peer_cidrs=tuple(str(c.datacenter.cidr) for c in pulls_kv),
-                management_cidrs=tuple(str(c) for c in network.plan.management),
                 efa=any(p.efa and _has_efa(catalog, p.instance_type) for p in dc.pools),
             ),
             tags=tags,

@@ -1,7 +1,10 @@
 """Security groups of a datacenter's GPU nodes: each opening names its purpose and its narrowest source.
 
 Serving ports open only to the control plane (gateway, Prometheus), the KV port only to the peer datacenters that
-pull KV, SSH only to the management subnets, EFA traffic only within the group. Nothing opens to 0.0.0.0/0.
+pull KV, EFA traffic only within the group. Nothing opens to 0.0.0.0/0. No SSH: operators and Ansible come in through
+SSM Session Manager (infra/operator_access.py), whose agent connects out; even SSH with the optional key pair
+(pdstack-infra:ssh_key_name) runs inside a session (AWS-StartSSHSession reaches the node's sshd on localhost), so no
+port 22 opens to any network.
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import pulumi_aws as aws
 from infra.tags import PURPOSE
 from pdstack.contract.components import Component, Contract
 from pdstack.model import DatacenterRole, PoolRole
-
-SSH_PORT = 22
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,6 @@ class NodeAccess:
     own_cidr: str
     control_cidr: str
     kv_peer_cidrs: tuple[str, ...]  # linked datacenters that pull KV from this one
-    management_cidrs: tuple[str, ...]
     efa: bool
 
 
@@ -62,7 +62,6 @@ def node_openings(access: NodeAccess) -> list[Opening]:
             openings.append(Opening("kv", kv_ports[0], kv_ports[-1], cidrs=tuple(sorted(set(kv_sources)))))
     metrics = served.node_exporter.port
     openings.append(Opening("metrics", metrics, metrics, cidrs=control))
-    openings.append(Opening("ssh", SSH_PORT, SSH_PORT, cidrs=access.management_cidrs))
     if access.efa:
         # EFA's SRD traffic is not TCP/UDP: the group must admit all protocols from itself.
         openings.append(Opening("efa", -1, -1, protocol="-1", self_only=True))
@@ -85,7 +84,7 @@ class NodeSecurity(pulumi.ComponentResource):
         self.group = aws.ec2.SecurityGroup(
             f"{name}-nodes",
             vpc_id=args.vpc_id,
-            description="pdstack GPU nodes: serving from control, KV from peers, SSH from management",
+            description="pdstack GPU nodes: serving from control, KV from peers",
             tags={**args.tags, "Name": f"{name}-nodes"},
             opts=child,
         )

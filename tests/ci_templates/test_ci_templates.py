@@ -175,3 +175,22 @@ def test_the_setup_action_installs_what_the_aws_inventory_needs() -> None:
     action = yaml.safe_load((TEMPLATES / "actions" / "pdstack-setup" / "action.yml").read_text(encoding="utf-8"))
     script = "\n".join(s.get("run", "") for s in action["runs"]["steps"])
     assert ".[ansible]" in script  # ansible, ansible-core and boto3 at the versions pyproject pins
+
+
+def test_the_deploy_reaches_the_nodes_the_way_the_inventory_does_without_a_key() -> None:
+    """inventories/aws connects through SSM sessions (amazon.aws.aws_ssm), with no key pair: the stage asks for no
+    key secret, writes no key file, and checks for the session-manager-plugin the connection drives."""
+    nodes = yaml.safe_load((REPO / "inventories" / "aws" / "group_vars" / "nodes.yml").read_text())
+    assert nodes["ansible_connection"] == "amazon.aws.aws_ssm"
+    stage = load("pulumi-stage.yml")
+    assert set(stage["on"]["workflow_call"]["secrets"]) == {"PULUMI_ACCESS_TOKEN"}
+    deploy = stage["jobs"]["deploy"]
+    assert not [k for k in deploy.get("env", {}) if "KEY" in k]
+    assert any("session-manager-plugin" in str(s.get("run", "")) for s in steps(deploy))
+    for path in TEMPLATES.rglob("*"):
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            assert not re.search(r"SSH_KEY|ssh-key|private_key_file", text), path.name
+    readme = (TEMPLATES / "README.md").read_text(encoding="utf-8")
+    for permission in ("ssm:StartSession", "s3:PutObject", "s3:GetBucketLocation", "kms:GenerateDataKey"):
+        assert permission in readme

@@ -40,7 +40,6 @@ def _access(role: DatacenterRole, pools: set[PoolRole], peers: tuple[str, ...], 
         own_cidr="10.1.0.0/16",
         control_cidr="10.0.0.0/20",
         kv_peer_cidrs=peers,
-        management_cidrs=("10.1.160.0/20",),
         efa=efa,
     )
 
@@ -51,7 +50,6 @@ def test_prefill_nodes_open_kv_to_their_decode_peers_only() -> None:
     }
     assert openings["kv"].cidrs == ("10.2.0.0/16",) and openings["kv"].from_port == Ports().kv
     assert openings["serving-prefill"].cidrs == ("10.0.0.0/20",)
-    assert openings["ssh"].cidrs == ("10.1.160.0/20",)
     assert "efa" not in openings
 
 
@@ -66,7 +64,7 @@ def test_a_vllm_prefill_opens_one_kv_port_per_worker_to_its_peers() -> None:
 
 def test_decode_nodes_do_not_open_the_kv_port() -> None:
     purposes = {o.purpose for o in node_openings(_access(DatacenterRole.DECODE, {PoolRole.DECODE}, ()))}
-    assert purposes == {"serving-decode", "metrics", "ssh"}
+    assert purposes == {"serving-decode", "metrics"}
 
 
 def test_mixed_datacenters_admit_their_own_decode_to_kv_and_efa_within_the_group() -> None:

@@ -36,6 +36,8 @@ from pdstack.synth.synthesis import Resource, Synthesis
 from tests.support import REPO
 
 PROD = ("prod-control", "prod-prefill-us-east-1", "prod-decode-us-west-2")
+# node_exporter's port, which the GPU nodes open to the control plane (infra/security.py)
+METRICS_PORT = contract(environment_serving(REPO / "stacks", "prod")).node_exporter.port
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +157,7 @@ EDITS = [
         {"no-open-ingress", "kv-port-peers-only"},
     ),
     ("kv port open to all of 10/8", INGRESS, _set("cidrIpv4", "10.0.0.0/8"), "-kv-", {"kv-port-peers-only"}),
-    ("ssh widened to cover the kv port", INGRESS, _set("toPort", 65535), "-ssh-", {"kv-port-peers-only"}),
+    ("metrics widened to cover the kv port", INGRESS, _set("fromPort", 1), "-metrics-", {"kv-port-peers-only"}),
     (
         "root volume unencrypted",
         TEMPLATE,
@@ -365,17 +367,19 @@ def test_the_pack_catches_control_plane_edits(  # noqa: PLR0917 (pytest paramete
 
 
 def test_the_kv_port_comes_from_the_pack_config(pack: list[Any], graphs: dict[str, Synthesis]) -> None:
-    # The SSH rule covers port 22: with the KV port configured as 22 the pack must object to it.
-    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=22)
+    # The metrics rule opens node_exporter's port to the control plane: with the KV port configured as that port
+    # the pack must object to it.
+    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=METRICS_PORT)
     assert {p for p, _ in found} == {"kv-port-peers-only"}
 
 
 def test_every_kv_port_of_the_range_is_checked(pack: list[Any], graphs: dict[str, Synthesis]) -> None:
-    """A vLLM prefill listens on one KV port per worker: SSH's 22 inside a configured 20-23 is caught, not only
-    the range's ends."""
-    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=20, kv_port_last=23)
+    """A vLLM prefill listens on one KV port per worker: the metrics port inside a configured range around it is
+    caught, not only the range's ends."""
+    low, high = METRICS_PORT - 2, METRICS_PORT + 1
+    found = run_pack(pack, graphs["prod-prefill-us-east-1"].resources, kv_port=low, kv_port_last=high)
     assert {p for p, _ in found} == {"kv-port-peers-only"}
-    assert any("KV ports 20-23" in message for _, message in found)
+    assert any(f"KV ports {low}-{high}" in message for _, message in found)
 
 
 @pytest.mark.parametrize("env", ["dev", "staging", "prod"])

@@ -79,7 +79,7 @@ def test_kv_port_opens_only_to_linked_decode_peers(graphs: dict[str, Synthesis],
 
 
 @pytest.mark.parametrize("name", CLOUD_STACKS)
-def test_serving_and_ssh_open_only_to_control_and_management(graphs: dict[str, Synthesis], name: str) -> None:
+def test_serving_opens_only_to_control_and_the_kube_api_to_management(graphs: dict[str, Synthesis], name: str) -> None:
     cfg = stack_config(name)
     control_cidr = next(str(stack_config(n).datacenter.cidr) for n in CLOUD_STACKS if n == f"{cfg.environment}-control")
     management = {
@@ -91,8 +91,30 @@ def test_serving_and_ssh_open_only_to_control_and_management(graphs: dict[str, S
         purpose = rule.inputs["tags"]["pdstack:purpose"]
         if purpose.startswith("serving") or purpose == "metrics":
             assert rule.inputs["cidrIpv4"] == control_cidr
-        if purpose in ("ssh", "kube-api"):
+        if purpose == "kube-api":
             assert rule.inputs["cidrIpv4"] in management
+
+
+def _opens_ssh(graph: Synthesis) -> list[str]:
+    return [
+        r.name
+        for r in graph.of_type(INGRESS)
+        if (r.inputs.get("ipProtocol") == "-1" and "cidrIpv4" in r.inputs)
+        or r.inputs.get("fromPort", 0) <= 22 <= r.inputs.get("toPort", -1)
+    ]
+
+
+@pytest.mark.parametrize("name", CLOUD_STACKS)
+def test_no_network_may_reach_a_nodes_ssh(graphs: dict[str, Synthesis], name: str) -> None:
+    """Operators come in through SSM sessions, which the node's agent opens outwards: port 22 opens to no CIDR."""
+    assert _opens_ssh(graphs[name]) == []
+
+
+def test_not_even_with_the_optional_key_pair() -> None:
+    """SSH with pdstack-infra:ssh_key_name runs inside a session (AWS-StartSSHSession, to the node's own sshd)."""
+    graph = synthesize(STACKS / "Pulumi.dev-decode-us-east-2.yaml", {"pdstack-infra:ssh_key_name": "operators"})
+    assert {t.inputs["keyName"] for t in graph.of_type(LAUNCH_TEMPLATE)} == {"operators"}
+    assert _opens_ssh(graph) == []
 
 
 @pytest.mark.parametrize("name", CLOUD_STACKS)
