@@ -1,9 +1,10 @@
 """Publishing a release: what the environment's GPU nodes will run from their next boot on.
 
 In this order, so that a node never reads a record whose objects are not there yet: the node bundle (by its sha256,
-`bundles/<sha256>.tar.gz`) and the model's files (under `models/<name>/<revision>/`) into every GPU datacenter's
-model bucket (each datacenter's nodes may read only their own), each object skipped when the bucket already holds
-it with the same size and sha256 (kept as the object's `sha256` metadata); then the release record, naming the
+`bundles/<sha256>.tar.gz`) and the model's files (under `models/<name>/<revision>/`: the prefixes the node role may
+read, pdstack.contract.node_lifecycle) into every GPU datacenter's model bucket (each datacenter's nodes may read
+only their own), each object skipped when the bucket already holds it with the same size and sha256 (kept as the
+object's `sha256` metadata); then the release record, naming the
 images by digest, every model file's size and sha256 and each datacenter's bucket, into the environment's SSM
 parameter (pdstack.node.release.publish_release: SSM keeps the versions, a rollback publishes an older record again).
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdstack.contract.node_lifecycle import BUNDLE_PREFIX, MODEL_PREFIX
 from pdstack.model import DatacenterRole
 from pdstack.node.loader import file_sha256
 from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRecord, publish_release
@@ -100,11 +102,11 @@ def publish(
     if unknown:
         raise ValueError(f"buckets must name exactly the GPU datacenters {', '.join(regions)} (not {unknown})")
     bundle_sha = file_sha256(bundle)
-    node_bundle = NodeBundle(key=f"bundles/{bundle_sha}.tar.gz", sha256=bundle_sha)
+    node_bundle = NodeBundle(key=f"{BUNDLE_PREFIX}{bundle_sha}.tar.gz", sha256=bundle_sha)
     model = ModelRelease(
         name=model_name,
         revision=model_revision,
-        prefix=f"models/{model_name}/{model_revision}/",
+        prefix=f"{MODEL_PREFIX}{model_name}/{model_revision}/",
         files=model_manifest(model_dir),
     )
     record = ReleaseRecord(  # checked before anything is uploaded: images by digest, names
