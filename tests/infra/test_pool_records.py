@@ -14,6 +14,7 @@ from moto import mock_aws
 
 from infra.lambdas.pool_records import instance_name, reconcile, record_change
 from pdstack.contract.components import cloud_names
+from pdstack.contract.node_lifecycle import node_group_name
 from pdstack.synth.synthesis import Synthesis
 
 NAME = cloud_names("prod").host("decode-h200", "decode-us-west-2")
@@ -153,7 +154,8 @@ def test_each_pool_has_its_reconciler_allowed_only_its_own_record(graphs: dict[s
     assert set(functions) == {cloud_names("prod").host(p, dc) for p in pools}
     for record, function in functions.items():
         variables = function.inputs["environment"]["variables"]
-        assert variables["GROUP_NAME"].startswith(dc) and variables["ZONE_ID"].startswith("Z")
+        pool = next(p for p in pools if cloud_names("prod").host(p, dc) == record)
+        assert variables["GROUP_NAME"] == node_group_name("prod", dc, pool) and variables["ZONE_ID"].startswith("Z")
         policy = next(p for p in graph.of_type("aws:iam/rolePolicy:RolePolicy") if p.name == function.name)
         write = next(s for s in json.loads(policy.inputs["policy"])["Statement"] if s["Sid"] == "WriteRecord")
         assert write["Resource"] == f"arn:aws:route53:::hostedzone/{variables['ZONE_ID']}"
@@ -165,5 +167,5 @@ def test_each_pool_has_its_reconciler_allowed_only_its_own_record(graphs: dict[s
         for r in graph.of_type("aws:cloudwatch/eventRule:EventRule")
         if "eventPattern" in r.inputs
     ]
-    assert {p["detail"]["AutoScalingGroupName"][0] for p in patterns} == {f"{dc}-{p}-group" for p in pools}
+    assert {p["detail"]["AutoScalingGroupName"][0] for p in patterns} == {node_group_name("prod", dc, p) for p in pools}
     assert len(graph.of_type("aws:lambda/permission:Permission")) == 2 * len(pools)
