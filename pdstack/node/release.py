@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdstack.contract.components import release_parameter
+from pdstack.contract.node_lifecycle import BUNDLE_PREFIX, MODEL_PREFIX, NODE_READABLE_PREFIXES
 from pdstack.model.base import Name
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -94,6 +95,21 @@ class ReleaseRecord(Frozen):
     model: ModelRelease
     bundle: NodeBundle
     buckets: dict[Name, str] = Field(min_length=1, description="datacenter -> its model bucket")
+
+    @model_validator(mode="after")
+    def _readable_by_nodes(self) -> ReleaseRecord:
+        # the node role may read only these prefixes of its bucket (infra/node_pool.py): a record naming objects
+        # elsewhere would fail on every node with AccessDenied, so it is refused where it is made and where it is read
+        for field, key, prefix in (
+            ("model.prefix", self.model.prefix, MODEL_PREFIX),
+            ("bundle.key", self.bundle.key, BUNDLE_PREFIX),
+        ):
+            if not key.startswith(prefix) or key == prefix:
+                raise ValueError(
+                    f"{field} {key!r} is not under {prefix!r}: a node may read only "
+                    f"{', '.join(NODE_READABLE_PREFIXES)} of its datacenter's bucket"
+                )
+        return self
 
     @field_validator("images")
     @classmethod

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdstack.contract.components import release_parameter
+from pdstack.contract.node_lifecycle import NODE_READABLE_PREFIXES
 from pdstack.node.release import (
     ModelFile,
     ModelRelease,
@@ -61,6 +62,27 @@ def test_a_record_round_trips_through_json() -> None:
 def test_a_record_refuses(changes: dict[str, Any], words: str) -> None:
     with pytest.raises(ValidationError, match=words):
         record(**changes)
+
+
+@pytest.mark.parametrize(
+    ("field", "model_prefix", "bundle_key"),
+    [
+        ("model.prefix", "weights/m/abc/", "bundles/r1.tar.gz"),
+        ("model.prefix", "", "bundles/r1.tar.gz"),
+        ("model.prefix", "bundles/m/abc/", "bundles/r1.tar.gz"),
+        ("model.prefix", "models/", "bundles/r1.tar.gz"),
+        ("bundle.key", "models/m/abc/", "r1.tar.gz"),
+        ("bundle.key", "models/m/abc/", "models/r1.tar.gz"),
+        ("bundle.key", "models/m/abc/", "bundles/"),
+    ],
+)
+def test_a_record_outside_what_nodes_may_read_is_refused_naming_the_field(
+    field: str, model_prefix: str, bundle_key: str
+) -> None:
+    model = record().model.model_dump() | {"prefix": model_prefix}
+    with pytest.raises(ValidationError, match=rf"{field} .* is not under '(models|bundles)/'") as refused:
+        record(model=model, bundle={"key": bundle_key, "sha256": SHA})
+    assert ", ".join(NODE_READABLE_PREFIXES) in str(refused.value)
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../x", "a/../../x", "a/./b", ""])
