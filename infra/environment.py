@@ -20,6 +20,7 @@ from infra.dns import dns_domain_problem
 from infra.node_pool import node_image_problem
 from pdstack.contract.components import DNS_DOMAIN
 from pdstack.model import LOCAL_REGION, DatacenterRole, Environment, Link, Ports, StackConfig
+from pdstack.node.config import SsmAgentPin
 from pdstack.stacks.validate import validate
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,10 @@ class InfraSettings:
     # The GPU nodes' image, pinned (infra/node_pool.py): an AMI id, or an SSM parameter naming one image forever.
     # Required of every stack with GPU pools; the control stack's nodes are EKS's.
     node_image: str | None = None
+    # The SSM agent the GPU nodes install at boot (Debian's image has none; docs/cloud.md, "The way in"): AWS's .deb
+    # of pdstack-infra:ssm_agent_version, refused unless its sha256 is pdstack-infra:ssm_agent_sha256. Both or neither;
+    # without them a node installs no agent and no operator's session reaches it (`pulumi up` warns).
+    ssm_agent: SsmAgentPin | None = None
     dns_domain: str = DNS_DOMAIN  # the private zones are <env>.<dns_domain> (read by the control-plane stack)
 
 
@@ -170,6 +175,7 @@ def infra_settings() -> InfraSettings:
     image_problem = node_image_problem(node_image) if node_image is not None else None
     if image_problem is not None:
         raise ConfigError(f"{SETTINGS_NAMESPACE}:node_image: {image_problem}")
+    ssm_agent = ssm_agent_pin(config.get("ssm_agent_version"), config.get("ssm_agent_sha256"))
     domain = config.get("dns_domain") or DNS_DOMAIN
     problem = dns_domain_problem(domain)
     if problem is not None:
@@ -184,4 +190,25 @@ def infra_settings() -> InfraSettings:
         release=config.get("release") or InfraSettings.release,
         capacity_wait_minutes=capacity_wait or InfraSettings.capacity_wait_minutes,
         node_image=node_image,
+        ssm_agent=ssm_agent,
     )
+
+
+def ssm_agent_pin(version: str | None, sha256: str | None) -> SsmAgentPin | None:
+    """pdstack-infra:ssm_agent_version and ssm_agent_sha256 as node.json's pin: both or neither, each checked."""
+    if version is None and sha256 is None:
+        return None
+    if version is None or sha256 is None:
+        missing = "ssm_agent_version" if version is None else "ssm_agent_sha256"
+        raise ConfigError(
+            f"{SETTINGS_NAMESPACE}:{missing}: set with the other (ssm_agent_version and ssm_agent_sha256 pin the SSM "
+            "agent's .deb together; docs/cloud.md says how to find both)"
+        )
+    try:
+        return SsmAgentPin(version=version, sha256=sha256)
+    except ValidationError as exc:
+        field = str(exc.errors()[0]["loc"][0])
+        raise ConfigError(
+            f"{SETTINGS_NAMESPACE}:ssm_agent_{field}: {exc.errors()[0]['input']!r} is not "
+            + ("a version like 3.3.1802.0" if field == "version" else "a sha256 (64 lowercase hex digits)")
+        ) from None

@@ -225,8 +225,13 @@ def build_datacenter(
 def pool_user_data(view: EnvironmentView, pool: str) -> str:
     """The pool's launch template user data: base64 of the `#cloud-config` pdstack/node/userdata.py renders for it
     from the stack files, the document the local environment's nodes of that pool boot with (docs/node-bootstrap.md)."""
+    if view.settings.ssm_agent is None:
+        pulumi.warn(
+            f"pool {pool}: no SSM agent pinned (pdstack-infra:ssm_agent_version and ssm_agent_sha256, docs/cloud.md): "
+            "its nodes install none, so no operator's session (amazon.aws.aws_ssm) reaches them"
+        )
     try:
-        text = render_user_data(view.this, view.control, pool)
+        text = render_user_data(view.this, view.control, pool, ssm_agent=view.settings.ssm_agent)
     except UserDataError as exc:
         raise environment.ConfigError(f"pool {pool}: {exc}") from None
     return base64.b64encode(text.encode()).decode()

@@ -16,6 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdstack.model import Environment
 from pdstack.model.base import Name
+from pdstack.node.loader import SHA256, SSM_AGENT_VERSION
+
+
+class SsmAgentPin(BaseModel):
+    """The SSM agent a cloud node installs (pdstack/node/loader.py): AWS's .deb of this version, this sha256 or
+    nothing (pdstack-infra:ssm_agent_version and ssm_agent_sha256, docs/cloud.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str = Field(pattern=SSM_AGENT_VERSION.pattern, description="e.g. 3.3.1802.0")
+    sha256: str = Field(pattern=SHA256.pattern, description="of amazon-ssm-agent.deb (debian_amd64) of that version")
 
 
 class NodeConfig(BaseModel):
@@ -33,6 +44,9 @@ class NodeConfig(BaseModel):
     tls_secret: str = Field(description="the Secrets Manager name of the pool's certificate, key and CA")
     model_dir: str = Field(pattern=r"^/", description="where the model's files go on the node's disk")
     aws_endpoint_url: str | None = Field(default=None, description="the local environment's AWS (moto); None: AWS")
+    ssm_agent: SsmAgentPin | None = Field(
+        default=None, description="the SSM agent a cloud node installs; None locally (no SSM agent to run there)"
+    )
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"

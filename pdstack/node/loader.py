@@ -19,11 +19,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -38,6 +41,13 @@ CHUNK = 8 << 20
 # Inside the bundle (pdstack/node/bundle.py): the wheels, and what to install of them (pdstack, pdserve, ansible-core
 # and boto3, pinned; their dependencies come along)
 WHEELS = "wheels"
+# The SSM agent (the operators' way in, amazon.aws.aws_ssm): Debian's image has none. AWS's regional S3 distribution
+# of the .deb, by the version and sha256 node.json's `ssm_agent` pins (pdstack-infra:ssm_agent_version and
+# ssm_agent_sha256, docs/cloud.md); a node whose node.json pins none (the local environment's) installs nothing.
+SSM_AGENT_PACKAGE = "amazon-ssm-agent"
+SSM_AGENT_URL = "https://s3.{region}.amazonaws.com/amazon-ssm-{region}/{version}/debian_amd64/amazon-ssm-agent.deb"
+SSM_AGENT_VERSION = re.compile(r"^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 REQUIREMENTS = "wheels/requirements.txt"
 
 
@@ -45,6 +55,7 @@ class Phase(StrEnum):
     """The bootstrap's phases in order; each is timed and each failure names one."""
 
     IDENTITY = "identity"
+    ACCESS = "access"  # the operators' way in: the SSM agent, installed in the cloud (stage 0: this module)
     RELEASE = "release"
     BUNDLE = "bundle"  # the node bundle and the venv it installs (stage 0: this module)
     SECRETS = "secrets"
@@ -164,6 +175,73 @@ def report_failure(
         print(f"pdstack-node: could not mark {instance} unhealthy: {exc}", file=sys.stderr, flush=True)
 
 
+# -- the operators' way in ---------------------------------------------------------------------------------------
+def ssm_agent_url(region: str, version: str) -> str:
+    return SSM_AGENT_URL.format(region=region, version=version)
+
+
+def _download(url: str, target: Path) -> None:
+    if not url.startswith("https://"):
+        raise ValueError(f"{url} is not https")
+    with urllib.request.urlopen(url, timeout=120) as answer, target.open("wb") as out:  # noqa: S310 (https only)
+        shutil.copyfileobj(answer, out, CHUNK)
+
+
+def install_ssm_agent(
+    pin: Mapping[str, str],
+    region: str,
+    state_dir: Path = STATE_DIR,
+    run: Any = subprocess.run,
+    download: Callable[[str, Path], None] = _download,
+) -> bool:
+    """The SSM agent of the pinned version, installed from AWS's regional distribution of the .deb when the node
+    has another version or none, its sha256 checked before dpkg sees it; True when it installed. Any failure, a
+    sha256 mismatch first, is a BootstrapError of phase access."""
+    version, sha256 = pin.get("version", ""), pin.get("sha256", "")
+    if not SSM_AGENT_VERSION.match(version) or not SHA256.match(sha256):
+        raise BootstrapError(Phase.ACCESS, f"node.json's ssm_agent pin {dict(pin)!r} is not a version and a sha256")
+    query = [*("dpkg-query", "--show", "--showformat=${Version}"), SSM_AGENT_PACKAGE]
+    installed = run(query, capture_output=True, text=True, check=False)
+    if installed.returncode == 0 and installed.stdout.strip().split("-", 1)[0] == version:
+        return False
+    url = ssm_agent_url(region, version)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=state_dir, prefix=".ssm-agent-") as work:
+        deb = Path(work) / "amazon-ssm-agent.deb"
+        try:
+            download(url, deb)
+        except Exception as exc:
+            raise BootstrapError(Phase.ACCESS, f"cannot download {url}: {exc}") from None
+        got = file_sha256(deb)
+        if got != sha256:
+            raise BootstrapError(
+                Phase.ACCESS,
+                f"{url} has sha256 {got}, node.json's ssm_agent pin (pdstack-infra:ssm_agent_sha256) "
+                f"says {sha256}: not installed",
+            )
+        for step in (["dpkg", "--install", str(deb)], ["systemctl", "enable", "--now", SSM_AGENT_PACKAGE]):
+            answer = run(step, capture_output=True, text=True, check=False)
+            if answer.returncode != 0:
+                raise BootstrapError(Phase.ACCESS, f"{' '.join(step)} failed: {answer.stderr.strip()[-2000:]}")
+    return True
+
+
+def operators_access(config: Mapping[str, Any], state_dir: Path = STATE_DIR, **install: Any) -> None:
+    """In the cloud (no aws_endpoint_url), the SSM agent node.json pins; locally nothing (no SSM to register with)."""
+    pin = config.get("ssm_agent")
+    if config.get("aws_endpoint_url") is not None:
+        return
+    if pin is None:
+        print(
+            "pdstack-node: node.json pins no SSM agent (pdstack-infra:ssm_agent_version, ssm_agent_sha256): "
+            "no operator's session can reach this node",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    install_ssm_agent(pin, config["aws_region"], state_dir, **install)
+
+
 # -- the bundle --------------------------------------------------------------------------------------------------
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -250,6 +328,7 @@ def main(
     instance: str | None = None
     try:
         instance = identify()
+        operators_access(config, state_dir)
         ssm = aws_client("ssm", config["control_region"], endpoint)
         try:
             record = json.loads(ssm.get_parameter(Name=config["release_parameter"])["Parameter"]["Value"])

@@ -2,7 +2,8 @@
 
 One document per pool of a datacenter stack: infra/ hands it to the pool's launch template, and the local
 environment gives the same text to its node containers through cloud-init's NoCloud seed. The two differ only in
-the environment's values (node.json), the local one adding `aws_endpoint_url` (its AWS APIs, moto). It:
+the environment's values (node.json), the local one adding `aws_endpoint_url` (its AWS APIs, moto), the cloud one
+`ssm_agent` (the SSM agent stage 0 installs, when the stack pins one). It:
 
 - writes /etc/pdstack/node.json (NodeConfig: who the node is and which names to ask for, no secret),
 - writes stage 0 (pdstack/node/loader.py's own source, gzip+base64) and a systemd unit that runs it at every boot,
@@ -31,7 +32,7 @@ from pdstack.contract.components import (
 )
 from pdstack.model import LOCAL_REGION, DatacenterRole, PoolRole, StackConfig
 from pdstack.node import loader
-from pdstack.node.config import NodeConfig
+from pdstack.node.config import NodeConfig, SsmAgentPin
 
 USER_DATA_LIMIT = 16 * 1024
 LOADER_PATH = "/usr/local/lib/pdstack/node_loader.py"
@@ -64,8 +65,15 @@ def api_region(region: str) -> str:
     return LOCAL_AWS_REGION if region == LOCAL_REGION else region
 
 
-def node_config(stack: StackConfig, control: StackConfig, pool_name: str, aws_endpoint_url: str | None) -> NodeConfig:
-    """node.json of one pool of `stack`; `control` is the environment's control-plane stack (serving, secrets)."""
+def node_config(
+    stack: StackConfig,
+    control: StackConfig,
+    pool_name: str,
+    aws_endpoint_url: str | None,
+    ssm_agent: SsmAgentPin | None = None,
+) -> NodeConfig:
+    """node.json of one pool of `stack`; `control` is the environment's control-plane stack (serving, secrets);
+    `ssm_agent` the cloud's pin of the SSM agent (pdstack-infra settings), which stage 0 installs."""
     dc = stack.datacenter
     if dc.role is DatacenterRole.CONTROL or control.serving is None:
         raise UserDataError(f"datacenter {dc.name} is the control plane's: its nodes do not bootstrap themselves")
@@ -87,6 +95,7 @@ def node_config(stack: StackConfig, control: StackConfig, pool_name: str, aws_en
         tls_secret=tls_secret_name(env, dc.name, pool.name),
         model_dir=control.serving.model.path,
         aws_endpoint_url=aws_endpoint_url,
+        ssm_agent=ssm_agent,
     )
 
 
@@ -129,10 +138,14 @@ def cloud_config(config: NodeConfig) -> dict[str, Any]:
 
 
 def render_user_data(
-    stack: StackConfig, control: StackConfig, pool_name: str, aws_endpoint_url: str | None = None
+    stack: StackConfig,
+    control: StackConfig,
+    pool_name: str,
+    aws_endpoint_url: str | None = None,
+    ssm_agent: SsmAgentPin | None = None,
 ) -> str:
     """The `#cloud-config` document of one pool; UserDataError when it would exceed EC2's limit."""
-    config = node_config(stack, control, pool_name, aws_endpoint_url)
+    config = node_config(stack, control, pool_name, aws_endpoint_url, ssm_agent)
     header = (
         f"#cloud-config\n# pdstack node of pool {config.pool}, datacenter {config.datacenter}, environment "
         f"{config.environment}: rendered by pdstack/node/userdata.py from the stack files; do not edit\n"

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from infra.node_pool import SESSION_ACTIONS, node_image_problem
@@ -27,6 +28,7 @@ from pdstack.contract.node_lifecycle import (
     node_group_name,
 )
 from pdstack.model import Engine, PoolRole
+from pdstack.node import loader
 from pdstack.node.userdata import node_config, render_user_data
 from pdstack.policy import core, rules
 from pdstack.stacks.environment import load_environment
@@ -504,3 +506,31 @@ def test_the_policy_refuses_a_gpu_group_that_does_not_drain(hooks: list[tuple], 
     found = [v.message for v in rules.evaluate(graph) if v.policy == "gpu-group-drains"]
     assert found == ([] if why is None else [m for m in found if why in m])
     assert len(found) == (0 if why is None else 1)
+
+
+SSM_AGENT = {"pdstack-infra:ssm_agent_version": "3.3.1802.0", "pdstack-infra:ssm_agent_sha256": "b" * 64}
+
+
+def test_a_pinned_ssm_agent_reaches_every_gpu_templates_node_json() -> None:
+    """pdstack-infra:ssm_agent_version and ssm_agent_sha256 become node.json's ssm_agent, which stage 0 installs."""
+    graph = synthesize(STACKS / "Pulumi.dev-decode-us-east-2.yaml", SSM_AGENT)
+    templates = [t for t in graph.of_type(LAUNCH_TEMPLATE) if "userData" in t.inputs]
+    assert templates
+    for template in templates:
+        document = yaml.safe_load(_user_data(template.inputs))
+        [node_json] = [f["content"] for f in document["write_files"] if f["path"] == str(loader.NODE_CONFIG)]
+        assert json.loads(node_json)["ssm_agent"] == {"version": "3.3.1802.0", "sha256": "b" * 64}
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"pdstack-infra:ssm_agent_version": "3.3.1802.0"}, "ssm_agent_sha256: set with the other"),
+        ({"pdstack-infra:ssm_agent_sha256": "b" * 64}, "ssm_agent_version: set with the other"),
+        (SSM_AGENT | {"pdstack-infra:ssm_agent_version": "latest"}, "ssm_agent_version: 'latest' is not a version"),
+        (SSM_AGENT | {"pdstack-infra:ssm_agent_sha256": "TODO"}, "ssm_agent_sha256: 'TODO' is not a sha256"),
+    ],
+)
+def test_a_half_or_malformed_ssm_agent_pin_is_refused(settings: dict[str, str], why: str) -> None:
+    with pytest.raises(SynthError, match=f"pdstack-infra:{why}"):
+        synthesize(STACKS / "Pulumi.dev-decode-us-east-2.yaml", settings)

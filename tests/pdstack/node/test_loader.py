@@ -149,3 +149,92 @@ def test_stage_0_reports_an_absent_release_as_the_bootstrap_does(
     assert 'pdstack_node_bootstrap_failed{phase="release"} 1' in node.metrics()
     assert node.health() == "Unhealthy"
     assert json.loads(config.read_text())["release_parameter"] == node.config.release_parameter
+
+
+# -- the SSM agent (the operators' way in) ------------------------------------------------------------------------
+DEB = b"!<arch>\nnot really a deb"
+PIN = {"version": "3.3.1802.0", "sha256": hashlib.sha256(DEB).hexdigest()}
+
+
+class FakeHost:
+    """dpkg-query, dpkg and systemctl as run() sees them, and AWS's S3 distribution as download() does."""
+
+    def __init__(self, installed: str | None = None, body: bytes = DEB) -> None:
+        self.installed, self.body = installed, body
+        self.calls: list[list[str]] = []
+        self.urls: list[str] = []
+
+    def run(self, argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        self.calls.append(argv)
+        if argv[0] == "dpkg-query":
+            if self.installed is None:
+                return subprocess.CompletedProcess(argv, 1, "", "no packages found matching amazon-ssm-agent")
+            return subprocess.CompletedProcess(argv, 0, self.installed, "")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    def download(self, url: str, target: Path) -> None:
+        self.urls.append(url)
+        target.write_bytes(self.body)
+
+
+def test_a_cloud_node_installs_the_pinned_ssm_agent_from_its_regions_distribution(tmp_path: Path) -> None:
+    host = FakeHost()
+    assert loader.install_ssm_agent(PIN, "us-west-2", tmp_path, run=host.run, download=host.download)
+    assert host.urls == [
+        "https://s3.us-west-2.amazonaws.com/amazon-ssm-us-west-2/3.3.1802.0/debian_amd64/amazon-ssm-agent.deb"
+    ]
+    assert [c[:2] for c in host.calls[1:]] == [["dpkg", "--install"], ["systemctl", "enable"]]
+    assert host.calls[-1][-2:] == ["--now", "amazon-ssm-agent"]
+    assert list(tmp_path.iterdir()) == []  # the .deb does not stay
+
+
+def test_a_second_boot_finds_the_agent_installed(tmp_path: Path) -> None:
+    host = FakeHost(installed="3.3.1802.0-1")
+    assert not loader.install_ssm_agent(PIN, "us-west-2", tmp_path, run=host.run, download=host.download)
+    assert host.urls == []
+    assert len(host.calls) == 1
+
+
+def test_an_agent_whose_sha256_is_not_the_pins_is_never_installed(tmp_path: Path) -> None:
+    host = FakeHost(installed="3.2.0.0-1", body=b"something else")
+    with pytest.raises(
+        BootstrapError, match=r"phase access: .*amazon-ssm-agent.deb has sha256 .*ssm_agent_sha256"
+    ) as e:
+        loader.install_ssm_agent(PIN, "us-west-2", tmp_path, run=host.run, download=host.download)
+    assert e.value.phase is Phase.ACCESS
+    assert not any(c[0] == "dpkg" for c in host.calls)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_download_or_dpkg_fails_the_phase(tmp_path: Path) -> None:
+    def unreachable(url: str, target: Path) -> None:
+        raise OSError("connection timed out")
+
+    with pytest.raises(BootstrapError, match=r"phase access: cannot download https://s3.us-west-2"):
+        loader.install_ssm_agent(PIN, "us-west-2", tmp_path, run=FakeHost().run, download=unreachable)
+
+    def dpkg_fails(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        code = 1 if argv[0] in ("dpkg-query", "dpkg") else 0
+        return subprocess.CompletedProcess(argv, code, "", "dpkg: error processing archive")
+
+    with pytest.raises(BootstrapError, match=r"phase access: dpkg --install .* failed: dpkg: error"):
+        loader.install_ssm_agent(PIN, "us-west-2", tmp_path, run=dpkg_fails, download=FakeHost().download)
+
+
+@pytest.mark.parametrize("pin", [{"version": "latest", "sha256": PIN["sha256"]}, {"version": "3.3.1802.0"}])
+def test_a_malformed_pin_fails_the_phase(tmp_path: Path, pin: dict[str, str]) -> None:
+    with pytest.raises(BootstrapError, match=r"phase access: .*not a version and a sha256"):
+        loader.install_ssm_agent(pin, "us-west-2", tmp_path, run=FakeHost().run, download=FakeHost().download)
+
+
+def test_only_a_cloud_node_installs_the_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = FakeHost()
+    cloud = {"aws_region": "us-west-2", "aws_endpoint_url": None, "ssm_agent": PIN}
+    local = cloud | {"aws_endpoint_url": "http://10.210.0.1:5000"}
+    loader.operators_access(local, tmp_path, run=host.run, download=host.download)
+    assert host.calls == []
+    loader.operators_access(cloud | {"ssm_agent": None}, tmp_path, run=host.run, download=host.download)
+    assert host.calls == []
+    assert "pins no SSM agent" in capsys.readouterr().err
+    loader.operators_access(cloud, tmp_path, run=host.run, download=host.download)
+    assert host.urls and host.calls[-1][0] == "systemctl"

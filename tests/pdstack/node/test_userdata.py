@@ -17,7 +17,7 @@ from pdstack.cli import app
 from pdstack.contract.components import contract, release_parameter, secret_name
 from pdstack.model import PoolRole
 from pdstack.node import loader
-from pdstack.node.config import NodeConfig
+from pdstack.node.config import NodeConfig, SsmAgentPin
 from pdstack.node.userdata import USER_DATA_LIMIT, UserDataError, render_user_data
 from pdstack.stacks.environment import EnvironmentStacks, load_environment
 from tests.support import STACKS
@@ -164,3 +164,20 @@ def test_the_command_prints_it() -> None:
         app, ["node", "user-data", "--stacks", str(STACKS), "--stack", "local-control", "--pool", "x"]
     )
     assert refused.exit_code == 2
+
+
+def test_a_cloud_pool_pinning_the_ssm_agent_differs_from_a_local_node_only_in_node_json(
+    envs: dict[str, EnvironmentStacks],
+) -> None:
+    """The SSM agent is the cloud's alone (stage 0 installs it when node.json pins one and names no local AWS): the
+    pin is one more node.json value, the document otherwise the local one's."""
+    env = envs["prod"]
+    pin = SsmAgentPin(version="3.3.1802.0", sha256="a" * 64)
+    cloud_text = render_user_data(
+        env.stack("prod-decode-us-west-2").config, env.control.config, "decode-h200", None, pin
+    )
+    local_text = user_data(envs, "local-dc2", "decode", MOTO)
+    assert parsed(cloud_text)[1].ssm_agent == pin
+    assert parsed(local_text)[1].ssm_agent is None
+    assert same_but_for_the_environment(cloud_text, local_text) == ENVIRONMENT_VALUES | {"ssm_agent"}
+    assert len(cloud_text.encode()) <= USER_DATA_LIMIT
