@@ -9,12 +9,13 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from infra.node_pool import SESSION_ACTIONS, node_image_problem
+from infra.node_pool import SESSION_ACTIONS, node_image_problem, node_policy
 from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
 from infra.storage import bucket_name
@@ -24,6 +25,7 @@ from pdstack.contract.node_lifecycle import (
     DRAIN_HOOK,
     HEARTBEAT_MAX_S,
     MODEL_PREFIX,
+    NODE_READABLE_PREFIXES,
     drain_timeout_seconds,
     node_group_name,
 )
@@ -534,3 +536,33 @@ def test_a_pinned_ssm_agent_reaches_every_gpu_templates_node_json() -> None:
 def test_a_half_or_malformed_ssm_agent_pin_is_refused(settings: dict[str, str], why: str) -> None:
     with pytest.raises(SynthError, match=f"pdstack-infra:{why}"):
         synthesize(STACKS / "Pulumi.dev-decode-us-east-2.yaml", settings)
+
+
+def _documented_node_permissions() -> dict[str, tuple[set[str], str]]:
+    """docs/node-bootstrap.md's "What the node's role must allow": statement -> (actions, what it is on)."""
+    text = (REPO / "docs" / "node-bootstrap.md").read_text(encoding="utf-8")
+    section = text.split("## What the node's role must allow", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    return {sid.strip(" `"): ({a.strip(" `") for a in actions.split(",")}, on.strip()) for sid, actions, on in rows}
+
+
+def test_the_docs_list_exactly_what_the_node_role_allows() -> None:
+    """The manual's table of the node role is infra's node_policy, statement by statement and action by action:
+    the release objects' prefixes the contract's, and no ListBucket."""
+    arns: dict[str, Any] = {
+        "release": "arn:aws:ssm:us-east-1:1:parameter/pdstack/dev/release",
+        "secrets": ["arn:aws:secretsmanager:us-east-1:1:secret:pdstack/dev/x"],
+        "secrets_key": "arn:aws:kms:us-east-1:1:key/s",
+        "bucket": "arn:aws:s3:::b",
+        "volume_key": "arn:aws:kms:us-west-2:1:key/v",
+        "repositories": ["arn:aws:ecr:us-east-1:1:repository/pdstack-dev/decode"],
+        "group": "arn:aws:autoscaling:us-west-2:1:autoScalingGroup:*:autoScalingGroupName/g",
+    }
+    statements = json.loads(node_policy(arns, secrets_region="us-east-1", region="us-west-2"))["Statement"]
+    granted = {s["Sid"]: {s["Action"]} if isinstance(s["Action"], str) else set(s["Action"]) for s in statements}
+    documented = _documented_node_permissions()
+    assert {sid: actions for sid, (actions, _) in documented.items()} == granted
+    [objects] = [s for s in statements if s["Sid"] == "ReadReleaseObjects"]
+    assert objects["Resource"] == [f"arn:aws:s3:::b/{prefix}*" for prefix in NODE_READABLE_PREFIXES]
+    assert all(f"`{prefix}*`" in documented["ReadReleaseObjects"][1] for prefix in NODE_READABLE_PREFIXES)
+    assert not any("ListBucket" in action for actions in granted.values() for action in actions)
