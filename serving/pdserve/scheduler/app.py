@@ -9,6 +9,8 @@ Instances:  POST /v1/instances (register; principal instance:<body.instance_id>)
             (principal instance:{id}, or admin)
 Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)  GET /v1/instances  GET /v1/advice
             GET /v1/admin/weights (principal gateway, or admin)
+Nodes:      POST /v1/join (no token: a signed sts:GetCallerIdentity buys the node's own instance token; only when
+            join_node_roles is set, pdserve.scheduler.join)
 Operators:  PUT /v1/admin/weights (admin only)
             POST /v1/admin/canary/verdicts (admin only: the deploy records each canary step's verdict)
 Health:     /health/live  /health/ready  /metrics
@@ -39,8 +41,9 @@ from pdserve.common.routes import probe_routes
 from .advisor import Advice, advise
 from .client import read_token
 from .identity import GATEWAY, instance_principal, principal_of
+from .join import Joiner, JoinRefused
 from .metrics import SchedulerMetrics
-from .protocol import CanaryVerdict, Heartbeat, InstanceInfo, RoutingTable, WeightsUpdate
+from .protocol import JOIN_PATH, CanaryVerdict, Heartbeat, InstanceInfo, JoinRequest, RoutingTable, WeightsUpdate
 from .registry import Registry, UnknownInstanceError
 from .settings import SchedulerSettings
 from .weights import WeightsError, WeightsStore
@@ -95,6 +98,7 @@ class SchedulerState:
             on_transition=lambda state: self.metrics.transitions.labels(state).inc(),
         )
         self.metrics = SchedulerMetrics(self.registry, lambda: self.weights.weights, self.advice)
+        self.joiner = Joiner(settings, self.identity_key) if settings.join_node_roles else None
 
     def advice(self) -> Advice:
         s = self.settings
@@ -276,6 +280,54 @@ async def record_verdict(request: Request) -> Response:
     return JSONResponse(verdict.model_dump())
 
 
+# A signed GetCallerIdentity is under 4 KiB; the join's body is read before anything authenticates it.
+JOIN_MAX_BODY_BYTES = 16_384
+
+
+async def join(request: Request) -> Response:
+    """A node's signed sts:GetCallerIdentity for its own instance token (pdserve.scheduler.join)."""
+    state = state_of(request)
+    joiner = state.joiner
+    assert joiner is not None  # the route exists only with join_node_roles
+    if joiner.in_flight >= state.settings.join_max_concurrent:
+        state.metrics.joins.labels("busy").inc()
+        return JSONResponse(
+            {"error": {"message": "too many joins at once: retry", "field": None}},
+            status_code=429,
+            headers={"Retry-After": "1"},
+        )
+    joiner.in_flight += 1
+    try:
+        parsed = await parse_join(request)
+        forwarded = joiner.check(parsed)
+        answer = joiner.answer(await joiner.caller(parsed, forwarded), parsed.engine_id)
+    except JoinRefused as exc:
+        state.metrics.joins.labels(exc.reason).inc()
+        log.debug("join refused", extra={"fields": {"reason": exc.reason, "field": exc.field}})
+        return error(exc.status, str(exc), exc.field)
+    finally:
+        joiner.in_flight -= 1
+    state.metrics.joins.labels("ok").inc()
+    log.info("node joined", extra={"fields": {"instance_id": answer.instance_id}})
+    return JSONResponse(answer.model_dump())
+
+
+async def parse_join(request: Request) -> JoinRequest:
+    """The join's body, at most JOIN_MAX_BODY_BYTES; JoinRefused naming the field otherwise."""
+    limit = min(JOIN_MAX_BODY_BYTES, state_of(request).settings.max_body_bytes)
+    try:
+        payload = jsonbody.loads(await jsonbody.read_body(request, limit) or b"{}")
+    except jsonbody.BodyError as exc:
+        raise JoinRefused(exc.status, "body", exc.field, str(exc)) from None
+    try:
+        return JoinRequest.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        reason = "engine_id" if field == "engine_id" else "body"
+        raise JoinRefused(400, reason, field, f"{field}: {first['msg']}") from None
+
+
 async def no_route(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     if status == 405:
@@ -312,6 +364,8 @@ def create_app(settings: SchedulerSettings) -> Starlette:
             yield {}
         finally:
             sweeper.cancel()
+            if state.joiner is not None:
+                await state.joiner.aclose()
 
     routes = [
         Route("/v1/instances", guarded("register", any_principal, register), methods=["POST"]),
@@ -326,6 +380,7 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),
         Route("/v1/admin/weights", guarded("put_weights", admin_only, put_weights), methods=["PUT"]),
         Route("/v1/admin/canary/verdicts", guarded("record_verdict", admin_only, record_verdict), methods=["POST"]),
+        *([Route(JOIN_PATH, join, methods=["POST"])] if state.joiner is not None else []),
         *probe_routes(live, ready, metrics),
     ]
     app = Starlette(

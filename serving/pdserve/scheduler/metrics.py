@@ -64,6 +64,13 @@ class SchedulerMetrics:
             ["endpoint", "reason"],
             registry=self.prometheus,
         )
+        self.joins = Counter(
+            "pdserve_scheduler_joins",
+            "Nodes' joins (POST /v1/join), by result: ok, or the fixed reason of a refusal (busy, body, method, url, "
+            "action, headers, audience, engine_id, sts_refused, sts_unavailable, identity, role, session)",
+            ["result"],
+            registry=self.prometheus,
+        )
         self.prometheus.register(_StateCollector(registry, weights, advice))
 
 

@@ -137,3 +137,47 @@ class CanaryVerdict(BaseModel):
     baseline: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$", description="compared with")
     step_percent: int = Field(ge=0, le=100, description="the canary's share of traffic at this step")
     outcome: Literal["pass", "fail", "inconclusive"]
+
+
+# -- A node joining by itself (pdserve.scheduler.join): its instance role's signed sts:GetCallerIdentity, replayed by
+# the scheduler to STS, buys the token of its own principal. The node's side is pdstack.node.join.
+JOIN_PATH = "/v1/join"
+# The header naming the scheduler a signed request is meant for (as Vault's X-Vault-AWS-IAM-Server-ID): the node
+# signs it, so a request one scheduler received cannot be replayed to another that expects a different audience.
+AUDIENCE_HEADER = "X-Pdstack-Scheduler-Audience"
+STS_ACTION_BODY = "Action=GetCallerIdentity&Version=2011-06-15"
+# pdserve's server registers as <role>-<engine id[:24]> (pdserve.server.heartbeat): a longer engine id would
+# register under another id than its token's.
+ENGINE_ID_MAX = 24
+
+
+def sts_regional_url(region: str) -> str:
+    """STS's regional endpoint, where a node signs and the scheduler replays (never the global one)."""
+    return f"https://sts.{region}.amazonaws.com/"
+
+
+class JoinRequest(BaseModel):
+    """The parts of a signed sts:GetCallerIdentity request (never the credentials that signed it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = Field(max_length=8, description="POST")
+    url: str = Field(max_length=512, description="the STS endpoint the request was signed for")
+    headers: dict[str, str] = Field(
+        max_length=32, description="the signed request's headers: Authorization, X-Amz-Date, the audience header..."
+    )
+    body: str = Field(max_length=256, description=STS_ACTION_BODY)
+    engine_id: str | None = Field(
+        None,
+        max_length=ENGINE_ID_MAX,
+        pattern=r"^i-[0-9a-f]{8,17}(-[a-z0-9]{1,8})?$",
+        description="the engine id to be named by: the instance id, or <instance id>-<tag>; default the instance id",
+    )
+
+
+class JoinAnswer(BaseModel):
+    """What a node that joined gets: its instance id at the scheduler and that principal's token."""
+
+    instance_id: str
+    principal: str
+    token: str

@@ -157,6 +157,14 @@ PDSERVE_DEFAULT: dict[type[BaseModel], dict[str, str]] = {
         "scale_down_utilisation": "the P:D advice's threshold: pdserve's default",
         "max_body_bytes": "bounded before parsing by pdserve: no stack choice",
         "log_level": "info everywhere; debugging changes it by hand",
+        # Nodes joining with their instance role (pdserve.scheduler.join): off until the control plane renders the
+        # node roles' ARNs, the audience and the region (#35)
+        "join_node_roles": "join is off until the control plane renders its node roles",
+        "join_audience": "join is off until the control plane renders its node roles",
+        "join_region": "join is off until the control plane renders its node roles",
+        "join_sts_url": "join is off until the control plane renders its node roles",
+        "join_sts_timeout": "the bound on STS's answer: pdserve's default",
+        "join_max_concurrent": "the bound on joins at once: pdserve's default",
     },
     ServerSettings: {
         "max_body_bytes": "bounded before parsing by pdserve; the gateway's limit plus room",

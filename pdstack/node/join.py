@@ -1,0 +1,92 @@
+"""A node's own scheduler token, bought with its instance role (the scheduler's side: pdserve.scheduler.join).
+
+    request = signed_join_request(credentials, region="us-west-2", audience="pdstack-prod-scheduler")
+    answer = join(scheduler_url, request)        # JoinAnswer: instance_id decode-i-0123..., principal, token
+
+The node signs an sts:GetCallerIdentity request for STS's regional endpoint (or the local environment's AWS) with
+SigV4 (botocore's SigV4Auth on the instance role's credentials), the audience header among the signed headers, and
+sends the signed request's method, URL, headers and body, never the credentials; the scheduler replays it to its own
+STS endpoint and answers the token of instance:<component>-<engine id>, the engine id being this instance's id (or
+`<instance id>-<tag>`). A signature is good for about 15 minutes (STS's window for X-Amz-Date): sign just before
+joining.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import httpx
+
+from pdserve.scheduler.protocol import (
+    AUDIENCE_HEADER,
+    JOIN_PATH,
+    STS_ACTION_BODY,
+    JoinAnswer,
+    JoinRequest,
+    sts_regional_url,
+)
+
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # the scheduler waits for STS (join_sts_timeout) before it answers
+
+
+class JoinError(RuntimeError):
+    """The scheduler refused the join, or could not be reached: the status and the field it named."""
+
+    def __init__(self, message: str, status: int | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.field = status, field
+
+
+def signed_join_request(
+    credentials: Any, region: str, audience: str, *, sts_url: str | None = None, engine_id: str | None = None
+) -> JoinRequest:
+    """A GetCallerIdentity request signed with `credentials` (botocore's, e.g. `Session().get_credentials()`) for
+    STS in `region` (at `sts_url` when given: the local environment's AWS), carrying `audience` signed."""
+    from botocore.auth import SigV4Auth  # type: ignore[import-untyped]  # noqa: PLC0415 (the node's boto3)
+    from botocore.awsrequest import AWSRequest  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    url = sts_url or sts_regional_url(region)
+    frozen = credentials.get_frozen_credentials() if hasattr(credentials, "get_frozen_credentials") else credentials
+    request = AWSRequest(
+        method="POST",
+        url=url,
+        data=STS_ACTION_BODY,
+        headers={"Content-Type": "application/x-www-form-urlencoded; charset=utf-8", AUDIENCE_HEADER: audience},
+    )
+    SigV4Auth(frozen, "sts", region).add_auth(request)
+    headers = {str(name): str(value) for name, value in request.headers.items()}
+    return JoinRequest(method="POST", url=url, headers=headers, body=STS_ACTION_BODY, engine_id=engine_id)
+
+
+def join(
+    scheduler_url: str,
+    request: JoinRequest,
+    *,
+    verify: ssl.SSLContext | bool = True,
+    timeout: httpx.Timeout = TIMEOUT,
+) -> JoinAnswer:
+    """The scheduler's answer to `request`: this instance's id and token; JoinError naming the refusal."""
+    try:
+        answer = httpx.post(
+            scheduler_url.rstrip("/") + JOIN_PATH,
+            json=request.model_dump(exclude_none=True),
+            verify=verify,
+            timeout=timeout,
+        )
+    except httpx.HTTPError as exc:
+        raise JoinError(f"join: the scheduler at {scheduler_url} did not answer: {exc}") from None
+    if answer.status_code != 200:
+        try:
+            found = answer.json().get("error")
+        except (ValueError, AttributeError):
+            found = None
+        refusal: dict[str, Any] = found if isinstance(found, dict) else {}
+        message = str(refusal.get("message") or answer.text[:200])
+        field = refusal.get("field")
+        raise JoinError(
+            f"join: the scheduler refused ({answer.status_code}): {message}",
+            answer.status_code,
+            field if isinstance(field, str) else None,
+        )
+    return JoinAnswer.model_validate(answer.json())
