@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.storage import BUCKET_NAME_MAX, tls_only_policy
+from infra.buckets import checked_bucket_name, make_private
 from infra.tags import PURPOSE
 from pdstack.policy.core import TRANSFER_PURPOSE
 
@@ -31,10 +31,7 @@ LEFTOVER_DAYS = 1
 
 def transfer_bucket_name(env: str, dc: str, account_id: str) -> str:
     """`pdstack-<env>-<dc>-<account>-ssm`: what inventories/aws/group_vars/nodes.yml composes from each host."""
-    name = f"pdstack-{env}-{dc}-{account_id}-ssm"
-    if len(name) > BUCKET_NAME_MAX:
-        raise ValueError(f"bucket name {name!r} exceeds {BUCKET_NAME_MAX} characters; shorten the datacenter name")
-    return name
+    return checked_bucket_name(f"pdstack-{env}-{dc}-{account_id}-ssm")
 
 
 def session_document_name(env: str, dc: str) -> str:
@@ -94,36 +91,7 @@ class OperatorAccess(pulumi.ComponentResource):
             tags={**tags, PURPOSE: TRANSFER_PURPOSE},
             opts=child,
         )
-        on_bucket = pulumi.ResourceOptions(parent=self.bucket)
-        aws.s3.BucketOwnershipControls(
-            f"{name}-transfer-ownership",
-            bucket=self.bucket.bucket,
-            rule={"object_ownership": "BucketOwnerEnforced"},
-            opts=on_bucket,
-        )
-        aws.s3.BucketPublicAccessBlock(
-            f"{name}-transfer-public-access",
-            bucket=self.bucket.bucket,
-            block_public_acls=True,
-            block_public_policy=True,
-            ignore_public_acls=True,
-            restrict_public_buckets=True,
-            opts=on_bucket,
-        )
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-transfer-encryption",
-            bucket=self.bucket.bucket,
-            rules=[
-                {
-                    "apply_server_side_encryption_by_default": {
-                        "sse_algorithm": "aws:kms",
-                        "kms_master_key_id": args.key_arn,
-                    },
-                    "bucket_key_enabled": True,
-                }
-            ],
-            opts=on_bucket,
-        )
+        make_private(f"{name}-transfer", self.bucket, args.key_arn)
         aws.s3.BucketLifecycleConfiguration(
             f"{name}-transfer-lifecycle",
             bucket=self.bucket.bucket,
@@ -136,12 +104,6 @@ class OperatorAccess(pulumi.ComponentResource):
                     "abort_incomplete_multipart_upload": {"days_after_initiation": LEFTOVER_DAYS},
                 }
             ],
-            opts=on_bucket,
-        )
-        aws.s3.BucketPolicy(
-            f"{name}-transfer-tls-only",
-            bucket=self.bucket.bucket,
-            policy=self.bucket.arn.apply(tls_only_policy),
-            opts=on_bucket,
+            opts=pulumi.ResourceOptions(parent=self.bucket),
         )
         self.register_outputs({"bucket": self.bucket.bucket, "document": self.document.name})

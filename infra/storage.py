@@ -3,17 +3,16 @@ an FSx for Lustre file system linked to it for fast parallel loading of the weig
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
 
+from infra.buckets import checked_bucket_name, make_private
 from infra.tags import PURPOSE
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
-BUCKET_NAME_MAX = 63
 
 
 @dataclass(frozen=True)
@@ -30,10 +29,7 @@ class ModelStorageArgs:
 
 
 def bucket_name(env: str, dc: str, account_id: str) -> str:
-    name = f"pdstack-{env}-{dc}-{account_id}"
-    if len(name) > BUCKET_NAME_MAX:
-        raise ValueError(f"bucket name {name!r} exceeds {BUCKET_NAME_MAX} characters; shorten the datacenter name")
-    return name
+    return checked_bucket_name(f"pdstack-{env}-{dc}-{account_id}")
 
 
 class ModelStorage(pulumi.ComponentResource):
@@ -50,40 +46,12 @@ class ModelStorage(pulumi.ComponentResource):
             tags={**tags, PURPOSE: "model-weights"},
             opts=child,
         )
+        make_private(name, self.bucket, args.key_arn)
         on_bucket = pulumi.ResourceOptions(parent=self.bucket)
-        aws.s3.BucketOwnershipControls(
-            f"{name}-ownership",
-            bucket=self.bucket.bucket,
-            rule={"object_ownership": "BucketOwnerEnforced"},
-            opts=on_bucket,
-        )
-        aws.s3.BucketPublicAccessBlock(
-            f"{name}-public-access",
-            bucket=self.bucket.bucket,
-            block_public_acls=True,
-            block_public_policy=True,
-            ignore_public_acls=True,
-            restrict_public_buckets=True,
-            opts=on_bucket,
-        )
         aws.s3.BucketVersioning(
             f"{name}-versioning",
             bucket=self.bucket.bucket,
             versioning_configuration={"status": "Enabled"},
-            opts=on_bucket,
-        )
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-encryption",
-            bucket=self.bucket.bucket,
-            rules=[
-                {
-                    "apply_server_side_encryption_by_default": {
-                        "sse_algorithm": "aws:kms",
-                        "kms_master_key_id": args.key_arn,
-                    },
-                    "bucket_key_enabled": True,  # one KMS call per object, not per GET range of a 100 GB checkpoint
-                }
-            ],
             opts=on_bucket,
         )
         aws.s3.BucketLifecycleConfiguration(
@@ -98,12 +66,6 @@ class ModelStorage(pulumi.ComponentResource):
                     "abort_incomplete_multipart_upload": {"days_after_initiation": 7},
                 }
             ],
-            opts=on_bucket,
-        )
-        aws.s3.BucketPolicy(
-            f"{name}-tls-only",
-            bucket=self.bucket.bucket,
-            policy=self.bucket.arn.apply(tls_only_policy),
             opts=on_bucket,
         )
         if args.lustre_capacity_gib:
@@ -166,21 +128,3 @@ class ModelStorage(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=lustre),
         )
         return lustre
-
-
-def tls_only_policy(bucket_arn: str) -> str:
-    return json.dumps(
-        {
-            "Version": "2012-10-17",
-            "Statement": [
-                {
-                    "Sid": "DenyPlainHttp",
-                    "Effect": "Deny",
-                    "Principal": "*",
-                    "Action": "s3:*",
-                    "Resource": [bucket_arn, f"{bucket_arn}/*"],
-                    "Condition": {"Bool": {"aws:SecureTransport": "false"}},
-                }
-            ],
-        }
-    )
