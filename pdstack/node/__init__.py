@@ -9,6 +9,8 @@ to a node of the environment's current release. docs/node-bootstrap.md tells the
 - bootstrap.py: the phases in order, timed and idempotent; one module per phase beside it: secrets.py (Secrets
   Manager to files), registry.py (ECR's token to podman's auth file), model_files.py (S3 to disk, parallel,
   resumable, checked), apply.py (the bundle's playbook on the node itself)
+- join.py: the node's scheduler token, asked for with its instance role (a signed sts:GetCallerIdentity the
+  scheduler replays to STS: pdserve.scheduler.join); the bootstrap does not call it yet
 - cli.py: `pdstack node bootstrap` (what the node runs, as `python -m pdstack.node bootstrap`) and `pdstack node
   user-data` (what a pool boots from)
 """
