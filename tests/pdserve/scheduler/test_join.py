@@ -193,6 +193,9 @@ def test_a_url_elsewhere_is_refused_without_a_connection(world: World) -> None:
         refused(post(world, same_host), 400, "url")
         query = signed(world.node, sts_url=world.moto + "/?Action=AssumeRole")
         refused(post(world, query), 400, "url")
+        right_url = sign(world, world.node)
+        host_elsewhere = {**right_url.headers, "Host": f"127.0.0.1:{listener.getsockname()[1]}"}
+        refused(post(world, right_url.model_copy(update={"headers": host_elsewhere})), 400, "headers.host")
         time.sleep(0.2)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
