@@ -2,7 +2,8 @@
 node with its secrets, registry credentials and verified model, applying the release's playbook to itself.
 
 Phases, in order, each timed (pdstack_node_bootstrap_phase_seconds) and each idempotent, so a second boot converges
-without repeating work: identity (cloud-init's instance id), release (the SSM record), bundle (downloaded and checked
+without repeating work: identity (cloud-init's instance id), access (the SSM agent node.json pins, in the cloud:
+stage 0 installed it, this checks it), release (the SSM record), bundle (downloaded and checked
 once per release; stage 0 did it already when it started this program), secrets, registry, model, apply. Any
 failure is a BootstrapError naming its phase: the node writes the failure metric, marks itself Unhealthy so its
 group replaces it, and exits non-zero. Success writes the per-phase seconds, the release and the model bytes that
@@ -29,6 +30,7 @@ from pdstack.node.loader import (
     fetch_bundle,
     instance_id,
     metrics_text,
+    operators_access,
     report_failure,
     write_metrics,
 )
@@ -94,6 +96,10 @@ def bootstrap(
     try:
         with _phase(Phase.IDENTITY, seconds):
             instance = identify()
+        with _phase(Phase.ACCESS, seconds):
+            # stage 0 installed the pinned SSM agent before anything else could fail; here only the check that
+            # it is that version (nothing to do on a second run), so the phase is timed like every other
+            operators_access(config.model_dump(mode="json"), paths.state_dir)
         with _phase(Phase.RELEASE, seconds):
             ssm = clients("ssm", config.control_region)
             record: ReleaseRecord = read_release(ssm, str(config.environment), config.release_parameter)
