@@ -117,6 +117,8 @@ def check_stack(stack: StackFile, catalog: Catalog) -> list[Problem]:
             )
         if pool.efa and not inst.efa:
             problems.append(Problem(where, f"{at}.efa", f"{pool.instance_type} does not support EFA"))
+    if cfg.environment is Environment.PROD and dc.role is DatacenterRole.CONTROL:
+        problems += _alert_receiver_problems(stack)
     for i, link in enumerate(dc.links):
         if (link.kind is LinkKind.EMULATED) != is_local_env:
             problems.append(
@@ -127,6 +129,22 @@ def check_stack(stack: StackFile, catalog: Catalog) -> list[Problem]:
                 )
             )
     return problems
+
+
+def _alert_receiver_problems(stack: StackFile) -> list[Problem]:
+    """prod's alerts must reach someone: its control stack, which holds the environment-wide settings, names the
+    webhook Alertmanager posts to (pdstack/contract/alerting.py); without one every alert is only listed."""
+    alerting = stack.config.alerting
+    if alerting is not None and alerting.webhook_url is not None:
+        return []
+    return [
+        Problem(
+            str(stack.path),
+            "pdstack:alerting.webhook_url",
+            "a prod environment needs an alert receiver: set the webhook Alertmanager posts to (a secret if it "
+            "holds a token: `pulumi config set --secret --path pdstack:alerting.webhook_url URL`; docs/alerts.md)",
+        )
+    ]
 
 
 def check_environment(stacks: list[StackFile], complete: bool = True, catalog: Catalog | None = None) -> list[Problem]:

@@ -85,6 +85,23 @@ def test_a_stage_goes_up_control_then_prefill_then_decode_then_deploys() -> None
         assert (REPO / "playbooks" / playbook).is_file()
 
 
+def test_the_stage_releases_only_through_deploy_yml_after_site_yml() -> None:
+    """Every ansible-playbook the stage runs, in order: site.yml (baseline; serving only on a first install, which
+    tests/ci_templates/test_release_path.py checks), then deploy.yml (the canary), both with the release; nothing
+    else that could start servers (serving.yml, rollback.yml) and no override making site.yml roll out a release."""
+    jobs = load("pulumi-stage.yml")["jobs"]
+    playbooks = []
+    for job in jobs.values():
+        for step in steps(job):
+            words = shlex.split(step.get("run", "").replace("${{", "").replace("}}", ""))
+            if any(w.endswith("ansible-playbook") for w in words):
+                (playbook,) = [w for w in words if w.startswith("playbooks/")]
+                playbooks.append(playbook)
+                assert "pdstack_site_serving" not in step["run"], step["run"]
+                assert "-e" in words and any("release-vars" in w for w in words), step["run"]
+    assert playbooks == ["playbooks/site.yml", "playbooks/deploy.yml"]
+
+
 def test_promotion_runs_dev_then_staging_then_prod_each_gated_on_the_last() -> None:
     workflow = load("pulumi-promote.yml")
     assert workflow["on"]["push"]["branches"] == ["main"]

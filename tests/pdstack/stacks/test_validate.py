@@ -236,3 +236,26 @@ def test_missing_path_exits_2() -> None:
     result = run_cli("validate", "/nonexistent/stacks")
     assert result.returncode == 2
     assert "no such file or folder: /nonexistent/stacks" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda c: c.pop("pdstack:alerting"), lambda c: c["pdstack:alerting"].pop("webhook_url")],
+    ids=["no alerting", "no webhook"],
+)
+def test_a_prod_stack_without_an_alert_receiver_is_refused_naming_the_field(stacks_dir: Path, change: Any) -> None:
+    edit(stacks_dir / "Pulumi.prod-control.yaml", change)
+    found = problems_of(stacks_dir)
+    assert len(found) == 1, found
+    assert found[0].startswith(
+        f"{stacks_dir}/Pulumi.prod-control.yaml: pdstack:alerting.webhook_url: "
+        "a prod environment needs an alert receiver"
+    )
+
+
+def test_a_prod_receiver_may_be_a_pulumi_secret_and_other_environments_need_none(stacks_dir: Path) -> None:
+    edit(
+        stacks_dir / "Pulumi.prod-control.yaml", lambda c: c["pdstack:alerting"].update(webhook_url={"secure": "v1:x"})
+    )
+    edit(stacks_dir / "Pulumi.dev-control.yaml", lambda c: c.pop("pdstack:alerting", None))
+    assert problems_of(stacks_dir) == []
