@@ -21,6 +21,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_tls as tls
 
+from infra.protection import stateful
 from pdstack.contract.components import (
     TLS_CA_FILE,
     TLS_CERT_FILE,
@@ -144,7 +145,7 @@ class EnvironmentCertificates(pulumi.ComponentResource):
             kms_key_id=a.secrets_key_arn,
             recovery_window_in_days=a.recovery_window_days,
             tags=dict(a.tags),
-            opts=self.child,
+            opts=stateful(self.child, retain=True),
         )
         aws.secretsmanager.SecretVersion(
             resource,

@@ -1,5 +1,11 @@
-"""The control plane's Kubernetes: an EKS cluster with private API endpoint, KMS envelope encryption of Secrets,
-a CPU managed node group on an IMDSv2 launch template, the add-ons the workloads need, and a provider for them."""
+"""The control plane's Kubernetes: an EKS cluster with KMS envelope encryption of Secrets, a CPU managed node group on
+an IMDSv2 launch template, the add-ons the workloads need (metrics-server for the gateway's HPA among them), and a
+provider for them.
+
+The API endpoint is private, and public only to the named CIDRs of pdstack-infra:eks_public_access_cidrs (where the
+pipeline's runners egress from; docs/cloud.md, "Reaching the cluster"). Who may use it is EKS access entries only
+(authentication mode API): the pipeline's deploy role is cluster admin, its plan role (preview, nightly refresh) a
+viewer that can read Secrets, which a refresh of the workloads' Secrets needs, and nothing else."""
 
 from __future__ import annotations
 
@@ -17,6 +23,11 @@ from pdstack.model import NodePool
 
 PROMETHEUS_SERVICE_ACCOUNT = "prometheus"
 EBS_CSI_SERVICE_ACCOUNT = "ebs-csi-controller-sa"
+METRICS_SERVER = "metrics-server"
+CLUSTER_ADMIN_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+# AmazonEKSViewPolicy hides Secrets, which `pulumi refresh` and preview of the workloads read: the admin view reads
+# every resource (Secrets too) and changes none.
+READ_ONLY_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSAdminViewPolicy"
 
 
 def assume_policy(service: str, tag_session: bool = False) -> str:
@@ -39,11 +50,14 @@ class ControlPlaneArgs:
     subnet_ids: Sequence[pulumi.Input[str]]
     management_cidrs: Sequence[str]
     public_access_cidrs: Sequence[str]  # empty: the API endpoint is private only
+    deploy_role_arn: str  # the pipeline's `pulumi up` role: cluster admin
+    plan_role_arn: str  # the pipeline's preview and refresh role: read-only
     secrets_key_arn: pulumi.Input[str]
     volume_key_arn: pulumi.Input[str]
     namespace: str
     tags: Mapping[str, str]
     node_tags: Mapping[str, str]
+    protect: bool = True  # the cluster is protected (infra/protection.py)
 
 
 class ControlPlane(pulumi.ComponentResource):
@@ -88,11 +102,17 @@ class ControlPlane(pulumi.ComponentResource):
                 "public_access_cidrs": list(args.public_access_cidrs) or None,
             },
             encryption_config={"provider": {"key_arn": args.secrets_key_arn}, "resources": ["secrets"]},
-            access_config={"authentication_mode": "API", "bootstrap_cluster_creator_admin_permissions": True},
+            # Whoever creates the cluster gets no implicit admin: the deploy role's access entry below is the one
+            # way in, managed here (an implicit creator entry for the same role would make that entry fail).
+            access_config={"authentication_mode": "API", "bootstrap_cluster_creator_admin_permissions": False},
             enabled_cluster_log_types=["api", "audit", "authenticator"],
             tags=tags,
-            opts=child,
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(protect=args.protect or None)),
         )
+        self.access = [
+            self._access(f"{name}-deploy", args.deploy_role_arn, CLUSTER_ADMIN_POLICY, child),
+            self._access(f"{name}-plan", args.plan_role_arn, READ_ONLY_POLICY, child),
+        ]
         nodes = self._node_group(name, args, child)
         self._addons(name, nodes, child)
         self.prometheus_role = self._pod_role(
@@ -117,7 +137,8 @@ class ControlPlane(pulumi.ComponentResource):
                 self.cluster.name, self.cluster.endpoint, self.cluster.certificate_authority.data
             ).apply(lambda a: kubeconfig(a[0], a[1], a[2], args.region)),
             enable_server_side_apply=True,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[nodes]),
+            # the deploy role's access must exist before the provider talks to the API as that role
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[nodes, *self.access]),
         )
         self.register_outputs({"cluster_name": self.cluster.name})
 
@@ -128,6 +149,26 @@ class ControlPlane(pulumi.ComponentResource):
                 f"{name}-{policy}", role=role.name, policy_arn=f"arn:aws:iam::aws:policy/{policy}", opts=opts
             )
         return role
+
+    def _access(
+        self, name: str, principal_arn: str, policy_arn: str, opts: pulumi.ResourceOptions
+    ) -> aws.eks.AccessPolicyAssociation:
+        entry = aws.eks.AccessEntry(
+            name,
+            cluster_name=self.cluster.name,
+            principal_arn=principal_arn,
+            type="STANDARD",
+            tags=dict(self.args.tags),
+            opts=opts,
+        )
+        return aws.eks.AccessPolicyAssociation(
+            name,
+            cluster_name=self.cluster.name,
+            principal_arn=entry.principal_arn,
+            policy_arn=policy_arn,
+            access_scope={"type": "cluster"},
+            opts=opts,
+        )
 
     def _node_group(self, name: str, args: ControlPlaneArgs, opts: pulumi.ResourceOptions) -> aws.eks.NodeGroup:
         role = self._role(
@@ -147,7 +188,9 @@ class ControlPlane(pulumi.ComponentResource):
                 "http_endpoint": "enabled",
                 "http_tokens": "required",
                 "http_put_response_hop_limit": 1,
-                "instance_metadata_tags": "enabled",
+                # no instance tags in the metadata: EKS documents them as incompatible with its nodes (a tag key
+                # with characters the metadata service refuses breaks the node's bootstrap)
+                "instance_metadata_tags": "disabled",
             },
             block_device_mappings=[
                 {
@@ -201,7 +244,8 @@ class ControlPlane(pulumi.ComponentResource):
             configuration_values=json.dumps({"enableNetworkPolicy": "true"}),
             opts=opts,
         )
-        for addon in ("coredns", "kube-proxy"):
+        # metrics-server: the resource metrics API the gateway's HorizontalPodAutoscaler reads (EKS's add-on)
+        for addon in ("coredns", "kube-proxy", METRICS_SERVER):
             aws.eks.Addon(f"{name}-{addon}", cluster_name=self.cluster.name, addon_name=addon, opts=after_nodes)
         ebs_role = aws.iam.Role(
             f"{name}-ebs-csi",

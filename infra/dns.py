@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from infra.protection import stateful
+
 RECORD_TTL_S = 60  # short: a load balancer's or a pool's addresses change without the name changing
 DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 MAX_ZONE_LENGTH = 200  # a 253-character name leaves room for <pool>.<datacenter>. under the zone
@@ -52,7 +54,7 @@ class PrivateZone(pulumi.ComponentResource):
             vpcs=[aws.route53.ZoneVpcArgs(vpc_id=args.vpc_id, vpc_region=args.region)],
             tags=dict(args.tags),
             # the datacenter stacks add their VPCs with ZoneAssociation (module docstring)
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["vpcs"]),
+            opts=stateful(pulumi.ResourceOptions(parent=self, ignore_changes=["vpcs"])),
         )
         self.register_outputs({"zone_id": self.zone.zone_id, "name": self.zone.name})
 

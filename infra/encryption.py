@@ -11,6 +11,8 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from infra.protection import stateful
+
 AUTOSCALING_ROLE = "aws-service-role/autoscaling.amazonaws.com/AWSServiceRoleForAutoScaling"
 KEY_USE = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
 
@@ -72,7 +74,7 @@ class ManagedKey(pulumi.ComponentResource):
             deletion_window_in_days=30,
             policy=pulumi.Output.from_input(args.account_id).apply(lambda a: key_policy(a, args.allow_autoscaling)),
             tags=dict(args.tags),
-            opts=child,
+            opts=stateful(child, retain=True),  # without the key nothing it encrypted can be read
         )
         aws.kms.Alias(f"{name}-alias", name=f"alias/{args.alias}", target_key_id=self.key.key_id, opts=child)
         self.register_outputs({"arn": self.key.arn})

@@ -9,6 +9,7 @@ is known before anything is deployed. Cloud identifiers (VPC, route tables, keys
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -59,6 +60,13 @@ class InfraSettings:
     # without them a node installs no agent and no operator's session reaches it (`pulumi up` warns).
     ssm_agent: SsmAgentPin | None = None
     dns_domain: str = DNS_DOMAIN  # the private zones are <env>.<dns_domain> (read by the control-plane stack)
+    # The pipeline's roles (docs/cloud.md, "Reaching the cluster"): EKS access entries make the deploy role cluster
+    # admin and the plan role (preview, nightly refresh) a viewer. Required of every control stack.
+    deploy_role_arn: str | None = None
+    plan_role_arn: str | None = None
+    # Stateful resources (KMS keys, the zone, the cluster, buckets, secrets) are protected: `pulumi destroy` or a
+    # replacement stops at them. Only a dev stack may turn it off (pdstack-infra:protect false).
+    protect: bool = True
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,36 @@ def string_list(value: object) -> list[str] | None:
     return [str(item) for item in cast("list[object]", value)]
 
 
+IAM_ROLE_ARN = re.compile(r"^arn:aws(-[a-z]+)*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
+
+
+def role_arn_problem(value: str) -> str | None:
+    """Why `value` is not an IAM role's ARN (arn:<partition>:iam::<12-digit account>:role/<path and name>)."""
+    if IAM_ROLE_ARN.match(value):
+        return None
+    return f"{value!r} is not an IAM role ARN (arn:aws:iam::<12-digit account>:role/<name>)"
+
+
+def pipeline_role_arn(config: pulumi.Config, key: str) -> str | None:
+    value = config.get(key) or None
+    problem = role_arn_problem(value) if value is not None else None
+    if problem is not None:
+        raise ConfigError(f"{SETTINGS_NAMESPACE}:{key}: {problem}")
+    return value
+
+
+def protect_setting(config: pulumi.Config) -> bool:
+    """pdstack-infra:protect, true unless a dev stack turns it off; staging and prod are always protected."""
+    protect = config.get_bool("protect")
+    environment = pulumi.Config(NAMESPACE).get("environment")
+    if protect is False and environment != Environment.DEV:
+        raise ConfigError(
+            f"{SETTINGS_NAMESPACE}:protect: only a dev stack may leave its stateful resources (KMS keys, the zone, "
+            f"the cluster, buckets, secrets) unprotected, not {environment}"
+        )
+    return protect is not False
+
+
 def infra_settings() -> InfraSettings:
     config = pulumi.Config(SETTINGS_NAMESPACE)
     zones_given = config.get_object("availability_zones")
@@ -191,6 +229,9 @@ def infra_settings() -> InfraSettings:
         capacity_wait_minutes=capacity_wait or InfraSettings.capacity_wait_minutes,
         node_image=node_image,
         ssm_agent=ssm_agent,
+        deploy_role_arn=pipeline_role_arn(config, "deploy_role_arn"),
+        plan_role_arn=pipeline_role_arn(config, "plan_role_arn"),
+        protect=protect_setting(config),
     )
 
 

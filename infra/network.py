@@ -12,6 +12,13 @@ import pulumi
 import pulumi_aws as aws
 
 AZ_COUNT = 2
+# Where Kubernetes' load balancers land (the AWS Load Balancer Controller and the in-tree controller choose subnets
+# by these tags): internal ones in the service subnets, whose route tables reach the peer VPCs, so the GPU nodes'
+# heartbeats get to the scheduler. No subnet carries kubernetes.io/role/elb: the public subnets hold the NAT
+# gateways only, and no internet-facing load balancer is intended.
+INTERNAL_ELB_TAG = "kubernetes.io/role/internal-elb"
+PUBLIC_ELB_TAG = "kubernetes.io/role/elb"
+SUBNET_ROLE_TAGS: dict[str, dict[str, str]] = {"service": {INTERNAL_ELB_TAG: "1"}}
 FLOW_LOG_RETENTION_DAYS = 365
 
 
@@ -107,7 +114,12 @@ class Network(pulumi.ComponentResource):
                 cidr_block=str(cidr),
                 availability_zone=self.zones[i],
                 map_public_ip_on_launch=False,
-                tags={**self.args.tags, "Name": f"pdstack-{self.args.dc}-{tier}-{i}", "pdstack:tier": tier},
+                tags={
+                    **self.args.tags,
+                    "Name": f"pdstack-{self.args.dc}-{tier}-{i}",
+                    "pdstack:tier": tier,
+                    **SUBNET_ROLE_TAGS.get(tier, {}),
+                },
                 opts=opts,
             )
             for i, cidr in enumerate(cidrs)

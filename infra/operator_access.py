@@ -22,6 +22,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.buckets import checked_bucket_name, make_private
+from infra.protection import stateful
 from infra.tags import PURPOSE
 from pdstack.policy.core import TRANSFER_PURPOSE
 
@@ -89,7 +90,7 @@ class OperatorAccess(pulumi.ComponentResource):
             ),
             force_destroy=True,  # it holds nothing but files in flight
             tags={**tags, PURPOSE: TRANSFER_PURPOSE},
-            opts=child,
+            opts=stateful(child),  # protected, not retained: it holds nothing but files in flight
         )
         make_private(f"{name}-transfer", self.bucket, args.key_arn)
         aws.s3.BucketLifecycleConfiguration(

@@ -13,7 +13,6 @@ TRANSIT_GATEWAY_ROUTE_TABLE_ID = "transit_gateway_route_table_id"
 # Exported by the control-plane stack only.
 ENV_KEY_ARN = "env_key_arn"
 SECRET_ARNS = "secret_arns"  # noqa: S105 (an output name)
-SECRET_VALUES = "secret_values"  # noqa: S105 (an output name)
 REPOSITORY_ARNS = "repository_arns"
 REPOSITORY_URLS = "repository_urls"
 CLUSTER_NAME = "cluster_name"

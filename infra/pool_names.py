@@ -93,7 +93,9 @@ class PoolRecords(pulumi.ComponentResource):
             role=role.arn,
             code=pulumi.AssetArchive({"pool_records.py": pulumi.FileAsset(str(HANDLER))}),
             timeout=30,
-            reserved_concurrent_executions=1,  # one reconciliation at a time
+            # No reserved concurrency: reserving any fails on accounts with the default quota of 10 (AWS keeps 10
+            # unreserved), and none is needed: each run reconciles all of the pool's records in one change batch
+            # from the group's state then, so concurrent runs converge and the scheduled run heals a stale write.
             logging_config={"log_format": "JSON", "log_group": logs.name},
             environment={
                 "variables": {

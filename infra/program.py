@@ -399,6 +399,21 @@ def kubernetes_cluster(site: ControlSite, secrets: EnvironmentSecrets) -> Contro
     """The EKS cluster the control plane's workloads run on, on the stack's one (control) pool."""
     dc, network = site.dc, site.network
     control_pool = dc.pools[0]
+    settings = site.view.settings
+    missing = [
+        key
+        for key, value in (
+            ("eks_public_access_cidrs", settings.eks_public_access_cidrs),
+            ("deploy_role_arn", settings.deploy_role_arn),
+            ("plan_role_arn", settings.plan_role_arn),
+        )
+        if not value
+    ]
+    if missing or settings.deploy_role_arn is None or settings.plan_role_arn is None:
+        raise environment.ConfigError(
+            f"pdstack-infra:{', '.join(missing)}: required of a control stack: the pipeline reaches the EKS API from "
+            "those CIDRs with those roles (docs/cloud.md, 'Reaching the cluster')"
+        )
     return ControlPlane(
         "eks",
         ControlPlaneArgs(
@@ -409,7 +424,10 @@ def kubernetes_cluster(site: ControlSite, secrets: EnvironmentSecrets) -> Contro
             vpc_id=network.vpc.id,
             subnet_ids=[s.id for s in network.service_subnets],
             management_cidrs=[str(c) for c in network.plan.management],
-            public_access_cidrs=site.view.settings.eks_public_access_cidrs,
+            public_access_cidrs=settings.eks_public_access_cidrs,
+            deploy_role_arn=settings.deploy_role_arn,
+            plan_role_arn=settings.plan_role_arn,
+            protect=settings.protect,
             secrets_key_arn=secrets.key.key.arn,
             volume_key_arn=site.key.key.arn,
             namespace=site.namespace,
@@ -523,7 +541,6 @@ def export_control_plane(
     )
     pulumi.export(outputs.ENV_KEY_ARN, secrets.key.key.arn)
     pulumi.export(outputs.SECRET_ARNS, secrets.arns)
-    pulumi.export(outputs.SECRET_VALUES, pulumi.Output.secret(secrets.values))
     pulumi.export(outputs.REPOSITORY_ARNS, {k: r.arn for k, r in registry.repositories.items()})
     pulumi.export(outputs.REPOSITORY_URLS, {k: r.repository_url for k, r in registry.repositories.items()})
     pulumi.export(outputs.CLUSTER_NAME, plane.cluster.name)

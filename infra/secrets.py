@@ -14,6 +14,7 @@ import pulumi_aws as aws
 import pulumi_random as random
 
 from infra.encryption import ManagedKey, ManagedKeyArgs
+from infra.protection import stateful
 from pdstack.contract.components import secret_name
 from pdstack.model import Secret
 
@@ -83,7 +84,7 @@ class EnvironmentSecrets(pulumi.ComponentResource):
                 kms_key_id=self.key.key.arn,
                 recovery_window_in_days=args.recovery_window_days,
                 tags={**args.tags, "pdstack:rotation-days": str(spec.rotation_days)},
-                opts=child,
+                opts=stateful(child, retain=True),
             )
             aws.secretsmanager.SecretVersion(
                 f"{name}-{spec.name}",

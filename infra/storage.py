@@ -10,6 +10,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.buckets import checked_bucket_name, make_private
+from infra.protection import stateful
 from infra.tags import PURPOSE
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
@@ -44,7 +45,7 @@ class ModelStorage(pulumi.ComponentResource):
             f"{name}-models",
             bucket=pulumi.Output.from_input(args.account_id).apply(lambda a: bucket_name(args.env, args.dc, a)),
             tags={**tags, PURPOSE: "model-weights"},
-            opts=child,
+            opts=stateful(child, retain=True),
         )
         make_private(name, self.bucket, args.key_arn)
         on_bucket = pulumi.ResourceOptions(parent=self.bucket)

@@ -31,6 +31,19 @@ BUCKET_ENCRYPTION = "aws:s3/bucketServerSideEncryptionConfiguration:BucketServer
 BUCKET_PUBLIC_ACCESS = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
 BUCKET_VERSIONING = "aws:s3/bucketVersioning:BucketVersioning"
 EKS_CLUSTER = "aws:eks/cluster:Cluster"
+EKS_ACCESS_POLICY = "aws:eks/accessPolicyAssociation:AccessPolicyAssociation"
+EKS_ADDON = "aws:eks/addon:Addon"
+KMS_KEY = "aws:kms/key:Key"
+ZONE = "aws:route53/zone:Zone"
+SECRET = "aws:secretsmanager/secret:Secret"  # noqa: S105 (a type name)
+SUBNET = "aws:ec2/subnet:Subnet"
+LAMBDA_FUNCTION = "aws:lambda/function:Function"
+HPA = "kubernetes:autoscaling/v2:HorizontalPodAutoscaler"
+STACK = "pulumi:pulumi:Stack"  # its props are the stack's outputs
+# How a secret value travels in Pulumi's property maps (the SDK's rpc signature), as the stack's outputs carry one.
+SECRET_SIGNATURE = ("4dabf18193072939515e22adb298388d", "1b47061264138c4ac30d75fd1eb44270")
+# What losing loses data or access to it: protected, so that no destroy or replacement removes it unasked.
+STATEFUL_TYPES = (KMS_KEY, ZONE, EKS_CLUSTER, BUCKET, SECRET)
 K8S_SERVICE = "kubernetes:core/v1:Service"
 K8S_INGRESS = "kubernetes:networking.k8s.io/v1:Ingress"
 LB_LISTENERS = ("aws:lb/listener:Listener", "aws:alb/listener:Listener")
@@ -55,6 +68,7 @@ K8S_WORKLOADS = ("kubernetes:apps/v1:Deployment", "kubernetes:apps/v1:StatefulSe
 class PolicyConfig:
     kv_port: int = 8400
     kv_port_last: int | None = None  # a vLLM prefill listens on one KV port per worker: kv_port..kv_port_last
+    protect_stateful: bool = True  # false only for a dev stack with pdstack-infra:protect false
 
     @property
     def kv_ports(self) -> range:
@@ -64,7 +78,11 @@ class PolicyConfig:
     def from_pack_config(cls, raw: Mapping[str, Any]) -> PolicyConfig:
         """From the pack's config for the KV rule (policy/config/<env>.json, pdstack.contract.files.policy_config)."""
         last = raw.get("kvPortLast")
-        return cls(kv_port=int(raw.get("kvPort", cls.kv_port)), kv_port_last=None if last is None else int(last))
+        return cls(
+            kv_port=int(raw.get("kvPort", cls.kv_port)),
+            kv_port_last=None if last is None else int(last),
+            protect_stateful=bool(raw.get("protectStateful", True)),
+        )
 
     def describe_kv_ports(self) -> str:
         ports = self.kv_ports
@@ -78,6 +96,7 @@ class PolicyResource:
     urn: str
     props: dict[str, Any]
     parent: str = ""  # the parent's URN: a component's resources are its children
+    protect: bool = False  # the resource option: no destroy or replacement removes it unasked
 
 
 @dataclass(frozen=True)

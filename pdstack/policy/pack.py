@@ -23,6 +23,11 @@ CONFIG_SCHEMA = PolicyConfigSchema(
     properties={
         "kvPort": {"type": "integer", "default": 8400, "description": "the environment's first KV channel port"},
         "kvPortLast": {"type": "integer", "description": "its last KV port (a vLLM prefill: one per worker)"},
+        "protectStateful": {
+            "type": "boolean",
+            "default": True,
+            "description": "stateful resources must be protected (false only for a dev stack with protect off)",
+        },
     }
 )
 
@@ -48,7 +53,14 @@ def resource_policy(rule: core.ResourceRule) -> ResourceValidationPolicy:
 def stack_policy(rule: core.StackRule) -> StackValidationPolicy:
     def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
         graph = [
-            core.PolicyResource(r.resource_type, r.name, r.urn, dict(r.props), r.parent.urn if r.parent else "")
+            core.PolicyResource(
+                r.resource_type,
+                r.name,
+                r.urn,
+                dict(r.props),
+                r.parent.urn if r.parent else "",
+                protect=bool(r.opts.protect),
+            )
             for r in args.resources
         ]
         for resource, message in rule.check(graph, _config(args.get_config())):

@@ -22,16 +22,25 @@ from pdstack.policy.core import (
     BUCKET_ENCRYPTION,
     BUCKET_PUBLIC_ACCESS,
     BUCKET_VERSIONING,
+    EKS_ACCESS_POLICY,
+    EKS_ADDON,
     EKS_CLUSTER,
     GPU_ROLES,
+    HPA,
     IMAGES_TAG,
     INSTANCE,
     INSTANCE_TAGS,
+    K8S_SERVICE,
     K8S_WORKLOADS,
+    LAMBDA_FUNCTION,
     LAUNCH_TEMPLATE,
     PLACEMENT_GROUP,
     PURPOSE_TAG,
     ROLE_POLICY,
+    SECRET_SIGNATURE,
+    STACK,
+    STATEFUL_TYPES,
+    SUBNET,
     TRANSFER_PURPOSE,
     PolicyConfig,
     PolicyResource,
@@ -42,6 +51,111 @@ from pdstack.policy.core import (
     is_true,
 )
 from pdstack.policy.network_rules import check_kv_port_peers_only, check_no_open_ingress, check_tls_listeners
+
+# --- control plane: protection, outputs, reachability, load balancers, metrics --------------------------------------
+
+CLUSTER_ADMIN_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+READ_ONLY_POLICIES = (
+    "arn:aws:eks::aws:cluster-access-policy/AmazonEKSAdminViewPolicy",
+    "arn:aws:eks::aws:cluster-access-policy/AmazonEKSViewPolicy",
+)
+ACCESS_ENTRY_MODES = ("API", "API_AND_CONFIG_MAP")
+INTERNAL_ELB = "kubernetes.io/role/internal-elb"
+PUBLIC_ELB = "kubernetes.io/role/elb"
+LB_INTERNAL_ANNOTATIONS = (
+    "service.beta.kubernetes.io/aws-load-balancer-internal",
+    "service.beta.kubernetes.io/aws-load-balancer-scheme",
+)
+
+
+def check_stateful_protected(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
+    if not config.protect_stateful:
+        return []
+    return [
+        (r, "a stateful resource is not protected (protect=True): a destroy or replacement would remove it")
+        for r in resources
+        if r.type in STATEFUL_TYPES and not r.protect
+    ]
+
+
+def _is_secret(value: Any) -> bool:
+    return isinstance(value, dict) and value.get(SECRET_SIGNATURE[0]) == SECRET_SIGNATURE[1]
+
+
+def check_no_secret_outputs(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
+    return [
+        (r, f"stack output {key!r} holds a secret value")
+        for r in resources
+        if r.type == STACK
+        for key, value in sorted(r.props.items())
+        if _is_secret(value)
+    ]
+
+
+def _cluster_reachability(cluster: PolicyResource) -> list[str]:
+    problems = []
+    if get(cluster.props, "accessConfig.authenticationMode") not in ACCESS_ENTRY_MODES:
+        problems.append("authentication mode is not API or API_AND_CONFIG_MAP: access entries are not used")
+    vpc = cluster.props.get("vpcConfig") or {}
+    cidrs = vpc.get("publicAccessCidrs") or []
+    if not is_true(vpc.get("endpointPublicAccess")) or not cidrs:
+        problems.append("the API endpoint is private only: the pipeline's runners cannot reach it")
+    elif "0.0.0.0/0" in cidrs:
+        problems.append("the API endpoint is public to 0.0.0.0/0, not to the pipeline's named CIDRs")
+    return problems
+
+
+def check_eks_reachable(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
+    clusters = [r for r in resources if r.type == EKS_CLUSTER]
+    policies = {str(r.props.get("policyArn")) for r in resources if r.type == EKS_ACCESS_POLICY}
+    problems = [(c, message) for c in clusters for message in _cluster_reachability(c)]
+    for cluster in clusters:
+        if CLUSTER_ADMIN_POLICY not in policies:
+            problems.append((cluster, "no access entry makes the pipeline's deploy role cluster admin"))
+        if not policies.intersection(READ_ONLY_POLICIES):
+            problems.append((cluster, "no access entry gives the pipeline's plan role read-only access"))
+    return problems
+
+
+def check_internal_load_balancers(
+    resources: list[PolicyResource], config: PolicyConfig
+) -> list[tuple[PolicyResource, str]]:
+    clusters = [r for r in resources if r.type == EKS_CLUSTER]
+    subnets = [r for r in resources if r.type == SUBNET]
+    problems: list[tuple[PolicyResource, str]] = [
+        (s, "a subnet is tagged for internet-facing load balancers (kubernetes.io/role/elb)")
+        for s in subnets
+        if PUBLIC_ELB in (s.props.get("tags") or {})
+    ]
+    if clusters and not any((s.props.get("tags") or {}).get(INTERNAL_ELB) == "1" for s in subnets):
+        problems += [
+            (c, "no subnet is tagged kubernetes.io/role/internal-elb=1 for its load balancers") for c in clusters
+        ]
+    for service in (r for r in resources if r.type == K8S_SERVICE and get(r.props, "spec.type") == "LoadBalancer"):
+        annotations = get(service.props, "metadata.annotations") or {}
+        internal = (
+            annotations.get(LB_INTERNAL_ANNOTATIONS[0]) == "true"
+            or annotations.get(LB_INTERNAL_ANNOTATIONS[1]) == "internal"
+        )
+        if not internal:
+            problems.append((service, "a LoadBalancer Service is not annotated internal"))
+    return problems
+
+
+def check_hpa_has_metrics(resources: list[PolicyResource], config: PolicyConfig) -> list[tuple[PolicyResource, str]]:
+    if any(r.type == EKS_ADDON and r.props.get("addonName") == "metrics-server" for r in resources):
+        return []
+    return [
+        (r, "nothing serves the metrics API it reads: no metrics-server add-on") for r in resources if r.type == HPA
+    ]
+
+
+def check_no_reserved_concurrency(type_: str, props: dict[str, Any], config: PolicyConfig) -> list[str]:
+    reserved = props.get("reservedConcurrentExecutions")
+    if type_ != LAMBDA_FUNCTION or reserved is None or int(reserved) < 0:
+        return []
+    return [f"reserves {reserved} concurrent executions: accounts with the default quota of 10 refuse any"]
+
 
 # --- encryption-at-rest -------------------------------------------------------------------------------------------
 
@@ -370,7 +484,7 @@ def check_probes(type_: str, props: dict[str, Any], config: PolicyConfig) -> lis
     return problems
 
 
-RESOURCE_RULES = (
+RESOURCE_RULES: tuple[ResourceRule, ...] = (
     ResourceRule(
         "no-open-ingress",
         "Nothing admits 0.0.0.0/0: security groups, load balancers, API endpoints.",
@@ -416,7 +530,7 @@ RESOURCE_RULES = (
         "probes-distinct", "Workloads have distinct liveness and readiness probes and resource requests.", check_probes
     ),
 )
-STACK_RULES = (
+STACK_RULES: tuple[StackRule, ...] = (
     StackRule(
         "s3-buckets-protected",
         "Buckets are SSE-KMS encrypted, versioned (transfer buckets never) and never public.",
@@ -436,6 +550,42 @@ STACK_RULES = (
         "node-images-pullable",
         "Every image a GPU node runs has a repository its role may pull (ECR's token, pull on exactly those).",
         check_node_images_pullable,
+    ),
+)
+STACK_RULES += (
+    StackRule(
+        "stateful-resources-protected",
+        "KMS keys, private zones, EKS clusters, buckets and secrets are protected (a dev stack may opt out).",
+        check_stateful_protected,
+    ),
+    StackRule(
+        "no-secret-outputs",
+        "No stack output holds a secret value: nothing reads one, and the state would carry it once more.",
+        check_no_secret_outputs,
+    ),
+    StackRule(
+        "eks-reachable-by-pipeline",
+        "An EKS cluster authenticates by access entries, admits the pipeline's deploy role as cluster admin and its "
+        "plan role read-only, and its API is reachable from named CIDRs only.",
+        check_eks_reachable,
+    ),
+    StackRule(
+        "internal-load-balancers",
+        "Beside an EKS cluster, subnets tagged kubernetes.io/role/internal-elb exist, none kubernetes.io/role/elb, "
+        "and every LoadBalancer Service is internal.",
+        check_internal_load_balancers,
+    ),
+    StackRule(
+        "hpa-has-metrics",
+        "A HorizontalPodAutoscaler's cluster runs metrics-server (the EKS add-on).",
+        check_hpa_has_metrics,
+    ),
+)
+RESOURCE_RULES += (
+    ResourceRule(
+        "no-reserved-concurrency",
+        "No Lambda reserves concurrency: reserving fails on accounts with the default concurrency quota of 10.",
+        check_no_reserved_concurrency,
     ),
 )
 POLICY_NAMES = tuple(r.name for r in RESOURCE_RULES) + tuple(r.name for r in STACK_RULES)

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class Resource:
     parent: str
     inputs: dict[str, Any]
     secret_inputs: frozenset[str]  # top-level input names that arrived as secrets
+    protect: bool = False  # the resource option protect
 
     def prop(self, path: str, default: Any = None) -> Any:
         value: Any = self.inputs
@@ -101,12 +102,22 @@ def synthesize(path: Path, config_overrides: dict[str, Any] | None = None) -> Sy
     environment = _environment(path.parent, stack)
     recorder = _run(stack, config, environment, result)
     result.resources = recorder
-    result.violations = rules.evaluate(
-        [core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent) for r in result.resources],
-        _policy_config(environment),
-    )
+    graph = [core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent, r.protect) for r in result.resources]
+    graph.append(_stack_resource(result))
+    protect = config.get("pdstack-infra:protect", True) not in (False, "false")
+    result.violations = rules.evaluate(graph, replace(_policy_config(environment), protect_stateful=protect))
     result.policies_checked = len(rules.POLICY_NAMES)
     return result
+
+
+def _stack_resource(result: Synthesis) -> core.PolicyResource:
+    """The stack itself as the policy pack sees it: its outputs as props, a secret one in Pulumi's secret envelope."""
+    sig, value_sig = core.SECRET_SIGNATURE
+    props = {
+        key: {sig: value_sig, "value": "[secret]"} if key in result.secret_outputs else value
+        for key, value in result.outputs.items()
+    }
+    return core.PolicyResource(core.STACK, result.stack, f"urn:pulumi:{result.stack}::stack", props)
 
 
 def _environment(stacks_dir: Path, stack: StackFile) -> dict[str, StackConfig]:
@@ -203,7 +214,10 @@ class RecordingMonitor(MockMonitor):  # type: ignore[misc]
             inputs[key], is_secret = _unwrap(value)
             if is_secret:
                 secret.add(key)
-        self.recorded.append(Resource(urn, request.type, request.name, request.parent, inputs, frozenset(secret)))
+        protect = bool(getattr(request, "protect", False))
+        self.recorded.append(
+            Resource(urn, request.type, request.name, request.parent, inputs, frozenset(secret), protect)
+        )
 
 
 class GraphMocks(pulumi.runtime.Mocks):  # type: ignore[misc]

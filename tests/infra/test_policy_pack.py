@@ -66,10 +66,10 @@ def test_the_packs_entry_serves_every_rule_from_a_virtualenv_without_pdstack(tmp
     assert {p.enforcementLevel for p in info.policies} == {analyzer_pb2.MANDATORY}
 
 
-def _options() -> PolicyResourceOptions:
+def _options(protect: bool = False) -> PolicyResourceOptions:
     timeouts = PolicyCustomTimeouts(0, 0, 0)
     return PolicyResourceOptions(
-        protect=False,
+        protect=protect,
         ignore_changes=[],
         delete_before_replace=None,
         aliases=[],
@@ -104,7 +104,7 @@ def _policy_graph(resources: list[Resource]) -> list[PolicyResource]:
     graph: dict[str, PolicyResource] = {}
     for r in resources:
         parent = graph.get(r.parent)
-        graph[r.urn] = PolicyResource(r.type, r.inputs, r.urn, r.name, _options(), None, parent, [], {})
+        graph[r.urn] = PolicyResource(r.type, r.inputs, r.urn, r.name, _options(r.protect), None, parent, [], {})
     return list(graph.values())
 
 
@@ -125,7 +125,7 @@ def _edit(graph: Synthesis, type_: str, change: Callable[[dict[str, Any]], None]
         if not done and r.type == type_ and re.search(only, r.name):
             inputs = copy.deepcopy(r.inputs)
             change(inputs)
-            edited.append(Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs))
+            edited.append(Resource(r.urn, r.type, r.name, r.parent, inputs, r.secret_inputs, r.protect))
             done = True
         else:
             edited.append(r)
@@ -280,7 +280,7 @@ def test_the_pack_and_the_rules_catch_each_edit(  # noqa: PLR0917 (pytest parame
 ) -> None:
     edited = _edit(graphs["prod-prefill-us-east-1"], type_, change, only)
     assert {policy for policy, _ in run_pack(pack, edited)} == expected
-    direct = rules.evaluate([core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent) for r in edited])
+    direct = rules.evaluate([core.PolicyResource(r.type, r.name, r.urn, r.inputs, r.parent, r.protect) for r in edited])
     assert {v.policy for v in direct} == expected
 
 
@@ -297,7 +297,7 @@ CONTROL_EDITS = [
         "kubernetes:core/v1:Service",
         lambda i: i["metadata"]["annotations"].pop("service.beta.kubernetes.io/aws-load-balancer-internal"),
         "-gateway$",
-        {"no-open-ingress"},
+        {"no-open-ingress", "internal-load-balancers"},
     ),
     (
         "gateway load balancer without its TLS certificate",
@@ -336,9 +336,9 @@ CONTROL_EDITS = [
     (
         "EKS API opened publicly",
         "aws:eks/cluster:Cluster",
-        _set("vpcConfig.endpointPublicAccess", True),
+        _set("vpcConfig.publicAccessCidrs", ["0.0.0.0/0"]),
         "",
-        {"no-open-ingress"},
+        {"no-open-ingress", "eks-reachable-by-pipeline"},
     ),
     (
         "secret without the environment key",
