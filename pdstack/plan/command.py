@@ -16,6 +16,7 @@ from pdstack.plan.link import LinkSpec
 from pdstack.plan.models import ModelError, ModelSpec, resolve_model
 from pdstack.plan.parallel import Parallelism
 from pdstack.plan.planner import PlanInputs, Slo, make_plan
+from pdstack.plan.quotas import quota_needs, render_quotas
 from pdstack.plan.render import plan_json, render_plan
 from pdstack.plan.stacks import control_of, kv_links, link_checks, model_for
 from pdstack.plan.timing import Efficiency
@@ -229,7 +230,11 @@ def plan_command(
         out = plan_json(plan)
         if defaults.stacks:
             out["link_checks"] = [c.as_json() for c in link_checks(defaults.stacks)]
+            out["quotas"] = [n.as_json() for n in quota_needs(defaults.stacks)]
         typer.echo(json.dumps(out, indent=2))
     else:
-        render_plan(plan, Console())
+        console = Console()
+        render_plan(plan, console)
+        if defaults.stacks:
+            console.print(render_quotas(quota_needs(defaults.stacks)))
     raise typer.Exit(0 if plan.viable else 1)
