@@ -21,6 +21,10 @@ from typing import Any
 from pdstack.model import webhook_url_problem
 
 SEVERITIES = ("critical", "warning")
+# The capacity plan as a series (monitoring/alerts.yml's PdstackThroughputBelowPlan compares generated tokens with
+# it): one definition, plan_rules, for every Prometheus that loads the alerts.
+PLAN_RECORD = "pdstack:plan_generation_tokens_per_second"
+PLAN_GROUP = "pdstack-plan"
 LINK_DOWN_ALERT = "PdstackDatacenterLinkDown"
 # What a datacenter that cannot be reached also fires: its transfers fail and its targets are down.
 INHIBITED_BY_LINK_DOWN = (
@@ -107,3 +111,21 @@ def alertmanager_config(env: str, webhook_url: str | None = None, timing: Timing
             *(_receiver(name, webhook_url) for name in webhook_receivers(env)),
         ],
     }
+
+
+def plan_generation_tokens_per_second(requests_per_second: float, mean_output_tokens: int) -> float:
+    """The tokens per second the stack's capacity target (pdstack:capacity) plans decode to generate."""
+    return float(requests_per_second) * mean_output_tokens
+
+
+def plan_rules(tokens_per_second: float) -> dict[str, Any]:
+    """The rule group recording the plan as PLAN_RECORD; empty when there is no plan (nothing to compare with)."""
+    rules = [{"record": PLAN_RECORD, "expr": f"vector({float(tokens_per_second)!r})"}] if tokens_per_second > 0 else []
+    return {"name": PLAN_GROUP, "rules": rules}
+
+
+def rules_with_plan(alert_rules: dict[str, Any], tokens_per_second: float) -> dict[str, Any]:
+    """The alerting rules (monitoring/alerts.yml, loaded) with the plan's group added: the one rules file a
+    Prometheus that has no separate plan file loads (the cloud's)."""
+    groups = [g for g in alert_rules["groups"] if g.get("name") != PLAN_GROUP]
+    return {**alert_rules, "groups": [*groups, plan_rules(tokens_per_second)]}
