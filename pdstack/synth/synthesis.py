@@ -49,6 +49,7 @@ class Resource:
     inputs: dict[str, Any]
     secret_inputs: frozenset[str]  # top-level input names that arrived as secrets
     protect: bool = False  # the resource option protect
+    retain_on_delete: bool = False  # the resource option retain_on_delete
 
     def prop(self, path: str, default: Any = None) -> Any:
         value: Any = self.inputs
@@ -214,9 +215,9 @@ class RecordingMonitor(MockMonitor):  # type: ignore[misc]
             inputs[key], is_secret = _unwrap(value)
             if is_secret:
                 secret.add(key)
-        protect = bool(getattr(request, "protect", False))
+        protect, retain = bool(getattr(request, "protect", False)), bool(getattr(request, "retainOnDelete", False))
         self.recorded.append(
-            Resource(urn, request.type, request.name, request.parent, inputs, frozenset(secret), protect)
+            Resource(urn, request.type, request.name, request.parent, inputs, frozenset(secret), protect, retain)
         )
 
 

@@ -69,6 +69,10 @@ def test_stateful_resources_protected_and_no_secret_outputs(graphs: dict[str, Sy
     graph = graphs[name]
     stateful = [r for r in graph.resources if r.type in core.STATEFUL_TYPES]
     assert stateful and all(r.protect for r in stateful), [r.name for r in stateful if not r.protect]
+    # what holds data is also retained if a replacement gets past protection: keys, model buckets, secrets
+    retained = {r.type for r in graph.resources if r.retain_on_delete}
+    assert retained == {t for t in (core.KMS_KEY, core.SECRET, core.BUCKET) if graph.of_type(t)}
+    assert not any(r.retain_on_delete for r in graph.of_type(core.BUCKET) if "transfer" in r.name)
     assert graph.secret_outputs == set() and "secret_values" not in graph.outputs
     assert graph.violations == []
     for template in graph.of_type(core.LAUNCH_TEMPLATE):
