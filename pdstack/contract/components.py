@@ -51,6 +51,9 @@ RATELIMIT_STORE_DB = 0
 # -- where the cloud's scheduler is: its load balancer's URL, which the control-plane stack writes to SSM Parameter
 # Store under this name (infra/program.py) and inventories/aws reads for the GPU nodes (pdstack_scheduler_endpoint)
 SCHEDULER_URL_PARAMETER = "/pdstack/{env}/scheduler-url"
+# -- the audience a self-joining node signs its join for (X-Pdstack-Scheduler-Audience, pdserve.scheduler.join): the
+# scheduler's join_audience (infra/workloads) and what pdstack/node/bootstrap.py's join phase signs, one per environment
+SCHEDULER_AUDIENCE = "pdstack-{env}-scheduler"
 # -- and the cloud's Prometheus, which the controller's canary judge queries: its internal load balancer's URL, under
 # this name (infra/program.py), read by inventories/aws as pdstack_prometheus_endpoint; the name reaches Ansible in
 # the cloud environments' rendered contract vars (PROMETHEUS_URL_PARAMETER_VAR)
@@ -240,6 +243,10 @@ SECRET_FILES: dict[Component, tuple[SecretFile, ...]] = {
 
 def scheduler_url_parameter(env: str) -> str:
     return SCHEDULER_URL_PARAMETER.format(env=env)
+
+
+def scheduler_audience(env: str) -> str:
+    return SCHEDULER_AUDIENCE.format(env=env)
 
 
 def prometheus_url_parameter(env: str) -> str:

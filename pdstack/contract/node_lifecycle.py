@@ -39,6 +39,17 @@ def node_group_name(env: str, datacenter: str, pool: str) -> str:
     return f"pdstack-{env}-{datacenter}-{pool}"
 
 
+def node_role_name(env: str, datacenter: str, pool: str) -> str:
+    """The instance role of one GPU pool's nodes: fixed, so the control plane's scheduler can name it in join_node_roles
+    (its ARN from the datacenter's account alone) without reading the datacenter stack's outputs. IAM role names are
+    at most 64 characters."""
+    return f"{node_group_name(env, datacenter, pool)}-node"[:64]
+
+
+def node_role_arn(account: str, env: str, datacenter: str, pool: str, partition: str = "aws") -> str:
+    return f"arn:{partition}:iam::{account}:role/{node_role_name(env, datacenter, pool)}"
+
+
 def drain_timeout_seconds(serving: Serving) -> int:
     """How long the drain hook waits for a node to complete it: a request admitted just before the drain may run for
     serving.timeouts.request_s, KV prefill handed out is held for kv_lease_s, then DRAIN_SETTLE_S to deregister

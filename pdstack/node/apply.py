@@ -28,6 +28,7 @@ from typing import Any
 from pdstack.contract.components import scheduler_url_parameter
 from pdstack.node.config import NodeConfig
 from pdstack.node.files import write_atomic
+from pdstack.node.join import Joined
 from pdstack.node.loader import BootstrapError, Phase
 from pdstack.node.release import ReleaseRecord
 from pdstack.node.secrets import SecretFiles
@@ -57,6 +58,8 @@ def extra_vars(
     record: ReleaseRecord,
     secrets: SecretFiles,
     registry_auth_file: Path,
+    *,
+    joined: Joined,
 ) -> dict[str, Any]:
     return {
         "pdstack_environment": str(config.environment),
@@ -71,6 +74,9 @@ def extra_vars(
         "pdstack_model": {"name": record.model.name, "revision": record.model.revision, "dir": config.model_dir},
         "pdstack_secret_files": {name: str(path) for name, path in secrets.secrets.items()},
         "pdstack_tls_files": {name: str(path) for name, path in secrets.tls.items()},
+        # the join phase's: the node's own scheduler token and the engine id it joined as (instance:<role>-<it>)
+        "pdstack_instance_token_file": str(joined.token_file),
+        "pdstack_engine_id": joined.engine_id,
         "container_runtime_auth_file": str(registry_auth_file),
         "pdstack_control_region": config.control_region,
         "pdstack_aws_endpoint_url": config.aws_endpoint_url or "",

@@ -4,7 +4,9 @@ node with its secrets, registry credentials and verified model, applying the rel
 Phases, in order, each timed (pdstack_node_bootstrap_phase_seconds) and each idempotent, so a second boot converges
 without repeating work: identity (cloud-init's instance id), access (the SSM agent node.json pins, in the cloud:
 stage 0 installed it, this checks it), release (the SSM record), bundle (downloaded and checked
-once per release; stage 0 did it already when it started this program), secrets, registry, model, apply. Any
+once per release; stage 0 did it already when it started this program), secrets, join (the node's own scheduler
+token, bought with its instance role: pdstack.node.join; joining again answers the same token), registry, model,
+apply. Any
 failure is a BootstrapError naming its phase: the node writes the failure metric, marks itself Unhealthy so its
 group replaces it, and exits non-zero. Success writes the per-phase seconds, the release and the model bytes that
 this boot downloaded.
@@ -19,9 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdstack.contract.components import NODE_EXPORTER_TEXTFILE_DIR, NODE_SECRETS_DIR, REGISTRY_AUTH_FILE
+from pdstack.contract.components import (
+    INSTANCE_TOKEN,
+    NODE_EXPORTER_TEXTFILE_DIR,
+    NODE_SECRETS_DIR,
+    REGISTRY_AUTH_FILE,
+    scheduler_audience,
+    scheduler_url_parameter,
+)
 from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, extra_vars, subprocess_runner
 from pdstack.node.config import NodeConfig
+from pdstack.node.join import Joined, JoinError, join_scheduler
 from pdstack.node.loader import (
     STATE_DIR,
     BootstrapError,
@@ -40,6 +50,15 @@ from pdstack.node.release import ReleaseNotFoundError, ReleaseRecord, read_relea
 from pdstack.node.secrets import fetch_secrets
 
 ClientFactory = Callable[[str, str], Any]  # (service, region) -> a boto3 client
+CredentialsSource = Callable[[], Any]  # -> botocore credentials: the instance role's
+
+
+def instance_role_credentials() -> Any:
+    """The instance role's credentials, as boto3 finds them on the instance (IMDS; the local environment's nodes:
+    their environment)."""
+    import boto3  # type: ignore[import-untyped]  # noqa: PLC0415 (the node venv has it; imports stay light)
+
+    return boto3.Session().get_credentials()
 
 
 @dataclass(frozen=True)
@@ -70,7 +89,7 @@ def _phase(phase: Phase, seconds: dict[str, float], already: float = 0.0) -> Ite
         yield
     except BootstrapError:
         raise
-    except ReleaseNotFoundError as exc:
+    except (ReleaseNotFoundError, JoinError) as exc:
         raise BootstrapError(phase, str(exc)) from None
     except Exception as exc:
         raise BootstrapError(phase, f"{type(exc).__name__}: {exc}") from None
@@ -87,6 +106,7 @@ def bootstrap(
     paths: NodePaths | None = None,
     bin_dir: Path | None = None,
     bundle_seconds: float = 0.0,
+    credentials: CredentialsSource = instance_role_credentials,
 ) -> BootstrapResult:
     """Bring this node to its release; BootstrapError (reported as above) when it cannot."""
     paths = paths or NodePaths()
@@ -109,6 +129,21 @@ def bootstrap(
             bundle_dir = fetch_bundle(s3, bucket, record.bundle.key, record.bundle.sha256, paths.state_dir)
         with _phase(Phase.SECRETS, seconds):
             files = fetch_secrets(clients("secretsmanager", config.control_region), config, paths.secrets_dir)
+        with _phase(Phase.JOIN, seconds):
+            # the node's own scheduler token (instance:<role>-<instance id>), which it cannot derive: it never reads
+            # the identity key. Signed for the control region's STS (the local environment's: its AWS endpoint)
+            environment = str(config.environment)
+            joined: Joined = join_scheduler(
+                clients("ssm", config.control_region),
+                scheduler_url_parameter(environment),
+                credentials(),
+                region=config.control_region,
+                audience=scheduler_audience(environment),
+                component=config.role,
+                token_file=paths.secrets_dir / INSTANCE_TOKEN.file,
+                sts_url=config.aws_endpoint_url.rstrip("/") + "/" if config.aws_endpoint_url else None,
+                ca_file=files.tls.get("ca.crt"),
+            )
         with _phase(Phase.REGISTRY, seconds):
             hosts = [registry_host(image) for image in record.images.values()]
             auths = registry_auths(hosts, config.control_region, lambda region: clients("ecr", region))
@@ -116,7 +151,7 @@ def bootstrap(
         with _phase(Phase.MODEL, seconds):
             model = sync_model(s3, bucket, record.model, Path(config.model_dir))
         with _phase(Phase.APPLY, seconds):
-            variables = extra_vars(config, instance, record, files, paths.registry_auth_file)
+            variables = extra_vars(config, instance, record, files, paths.registry_auth_file, joined=joined)
             run = apply_bundle(bundle_dir, record, variables, paths.state_dir, runner=runner, bin_dir=bin_dir)
     except BootstrapError as exc:
         report_failure(

@@ -14,6 +14,8 @@ joining.
 from __future__ import annotations
 
 import ssl
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +28,7 @@ from pdserve.scheduler.protocol import (
     JoinRequest,
     sts_regional_url,
 )
+from pdstack.node.files import write_atomic
 
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # the scheduler waits for STS (join_sts_timeout) before it answers
 
@@ -90,3 +93,51 @@ def join(
             field if isinstance(field, str) else None,
         )
     return JoinAnswer.model_validate(answer.json())
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What the bootstrap's join phase leaves: the token's file and the engine id the node joined as."""
+
+    token_file: Path
+    engine_id: str
+    instance_id: str  # at the scheduler: <component>-<engine id>
+
+
+def scheduler_url(ssm: Any, parameter: str) -> str:
+    """The scheduler's URL the control plane wrote to SSM (pdstack.contract.components.scheduler_url_parameter)."""
+    try:
+        value = str(ssm.get_parameter(Name=parameter)["Parameter"]["Value"]).strip()
+    except ssm.exceptions.ParameterNotFound:
+        raise JoinError(f"join: no scheduler URL at {parameter} (the control plane writes it)") from None
+    if not value.startswith(("https://", "http://")):
+        raise JoinError(f"join: {parameter} holds {value[:80]!r}, not a URL")
+    return value
+
+
+def join_scheduler(
+    ssm: Any,
+    parameter: str,
+    credentials: Any,
+    *,
+    region: str,
+    audience: str,
+    component: str,
+    token_file: Path,
+    sts_url: str | None = None,
+    ca_file: Path | None = None,
+) -> Joined:
+    """Join the scheduler named by `parameter` with the instance role's `credentials` and write the token (0600,
+    atomically) to `token_file`. Joining again is harmless: the scheduler answers the same token."""
+    if credentials is None:
+        raise JoinError("join: no AWS credentials (the instance role's) to sign with")
+    url = scheduler_url(ssm, parameter)
+    verify: ssl.SSLContext | bool = True
+    if ca_file is not None and ca_file.is_file() and url.startswith("https://"):
+        verify = ssl.create_default_context(cafile=str(ca_file))
+    answer = join(url, signed_join_request(credentials, region, audience, sts_url=sts_url), verify=verify)
+    prefix = f"{component}-"
+    if not answer.instance_id.startswith(prefix) or answer.principal != f"instance:{answer.instance_id}":
+        raise JoinError(f"join: the scheduler named this node {answer.principal}, not a {component} instance")
+    write_atomic(token_file, answer.token.encode(), 0o600)
+    return Joined(token_file, answer.instance_id.removeprefix(prefix), answer.instance_id)

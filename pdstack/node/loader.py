@@ -59,6 +59,7 @@ class Phase(StrEnum):
     RELEASE = "release"
     BUNDLE = "bundle"  # the node bundle and the venv it installs (stage 0: this module)
     SECRETS = "secrets"
+    JOIN = "join"  # the node's own scheduler token, bought with its instance role (pdstack.node.join)
     REGISTRY = "registry"
     MODEL = "model"
     APPLY = "apply"

@@ -11,7 +11,6 @@ refusal of a tampered signature is moto's own SigV4 check, and turns it off agai
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -32,8 +31,9 @@ from pdserve.scheduler.client import bearer
 from pdserve.scheduler.protocol import AUDIENCE_HEADER, JoinRequest
 from pdserve.scheduler.settings import SchedulerSettings
 from pdstack.node.join import JoinError, join, signed_join_request
+from tests.support.joining import assume, ensure_role, join_scheduler, role_arn
 from tests.support.motoserver import ACCOUNT, client, moto_server
-from tests.support.services import Service, identity_key_file, write_secret
+from tests.support.services import Service, write_secret
 
 pytestmark = pytest.mark.slow  # a scheduler process and a moto server
 
@@ -46,10 +46,6 @@ AUDIENCE_FIELD = f"headers.{AUDIENCE_HEADER.lower()}"
 FORM = "application/x-www-form-urlencoded; charset=utf-8"
 
 
-def role_arn(name: str) -> str:
-    return f"arn:aws:iam::{ACCOUNT}:role/{name}"
-
-
 @dataclass
 class World:
     moto: str
@@ -59,39 +55,21 @@ class World:
     not_an_instance: Credentials  # the node role, a session name no instance has
 
 
-def assume(sts: Any, role: str, session: str) -> Credentials:
-    found = sts.assume_role(RoleArn=role_arn(role), RoleSessionName=session)["Credentials"]
-    return Credentials(found["AccessKeyId"], found["SecretAccessKey"], found["SessionToken"])
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("join")
     with moto_server() as moto:
         iam, sts = client(moto, "iam", REGION), client(moto, "sts", REGION)
-        trust = {"Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "*"}]}
         for name in (NODE_ROLE, OTHER_ROLE):
-            iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
+            ensure_role(iam, name)
         node = assume(sts, NODE_ROLE, INSTANCE)
         other = assume(sts, OTHER_ROLE, INSTANCE)
         stranger = assume(sts, NODE_ROLE, "ci-runner")
         # From here every request to moto must carry a valid signature of known credentials
         httpx.post(f"{moto}/moto-api/reset-auth", content=b"0").raise_for_status()
         try:
-            admin = tmp / "admin.token"
-            write_secret(admin)
-            env = {
-                "PDSERVE_JOIN_NODE_ROLES": f"{role_arn(NODE_ROLE)}=decode",
-                "PDSERVE_JOIN_AUDIENCE": AUDIENCE,
-                "PDSERVE_JOIN_STS_URL": moto + "/",
-            }
-            args = ["--state-file", str(tmp / "state.json"), "--admin-token-file", str(admin)]
-            args += ["--identity-key-file", str(identity_key_file(tmp)), "--heartbeat-interval", "10"]
-            scheduler = Service("pdserve.scheduler", args, tmp / "scheduler.log", env=env).start()
-            try:
+            with join_scheduler(moto, tmp, {role_arn(NODE_ROLE): "decode"}, AUDIENCE) as scheduler:
                 yield World(moto, scheduler, node, other, stranger)
-            finally:
-                scheduler.stop()
         finally:  # moto's authentication is process-wide: off again for every other moto server of the session
             httpx.post(f"{moto}/moto-api/reset-auth", content=b"inf").raise_for_status()
 

@@ -1,7 +1,9 @@
 """The AWS a node bootstraps against, for real over HTTP: one moto server for the whole folder, reset and seeded
 for each test with what the deploy flow and the Pulumi program leave there (the release record, the environment's
 secrets and the pool's certificate, the model and the node bundle in the datacenter's bucket, the pool's Auto
-Scaling group with this instance in it)."""
+Scaling group with this instance in it), and the scheduler a node joins: one process for the folder with join on for
+the pool's node role, moto as its STS, its URL in the environment's scheduler-url parameter; each node's instance role
+credentials are moto's AssumeRole of that role in a session named by its instance id."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from pdstack.contract.components import scheduler_audience, scheduler_url_parameter
+from pdstack.contract.node_lifecycle import node_role_arn, node_role_name
 from pdstack.node.apply import PlaybookRun
 from pdstack.node.bootstrap import BootstrapResult, NodePaths, bootstrap
 from pdstack.node.config import NodeConfig
@@ -24,7 +28,9 @@ from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRec
 from pdstack.node.userdata import node_config
 from pdstack.stacks.environment import load_environment
 from tests.support import STACKS
-from tests.support.motoserver import client, moto_server
+from tests.support.joining import assume, ensure_role, join_scheduler
+from tests.support.motoserver import ACCOUNT, client, moto_server
+from tests.support.services import Service
 
 DIGEST = "sha256:" + "ab" * 32
 # the model: a few small files, one in a sub-folder, one empty
@@ -63,6 +69,8 @@ class Node:
     bucket: str
     paths: NodePaths
     runs: list[PlaybookRun] = field(default_factory=list)
+    credentials: Any = None  # the instance role's: moto's AssumeRole of the pool's node role, session = instance id
+    scheduler: Service | None = None
 
     def client(self, service: str, region: str | None = None) -> Any:
         return client(self.url, service, region or self.config.aws_region)
@@ -82,6 +90,7 @@ class Node:
             runner=self.runner,
             paths=self.paths,
             bin_dir=Path("/opt/venv/bin"),
+            credentials=kwargs.pop("credentials", lambda: self.credentials),
             **kwargs,
         )
 
@@ -101,6 +110,17 @@ class Node:
 def moto() -> Iterator[str]:
     with moto_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def scheduler(moto: str, local_config: NodeConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The environment's scheduler with join on for the local dc2 decode pool's node role (its fixed name), as the
+    control plane configures it; its URL in the scheduler-url parameter every node of the folder reads."""
+    env, dc, pool = str(local_config.environment), local_config.datacenter, local_config.pool
+    ensure_role(client(moto, "iam"), node_role_name(env, dc, pool))
+    roles = {node_role_arn(ACCOUNT, env, dc, pool): local_config.role}
+    with join_scheduler(moto, tmp_path_factory.mktemp("scheduler"), roles, scheduler_audience(env)) as service:
+        yield service
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +148,7 @@ _NODES = itertools.count()
 
 
 @pytest.fixture
-def node(moto: str, image: str, local_config: NodeConfig, tmp_path: Path) -> Node:
+def node(moto: str, image: str, local_config: NodeConfig, scheduler: Service, tmp_path: Path) -> Node:
     """A node of its own: the shared moto server holds every test's resources side by side, each named with the
     test's own suffix (no reset between tests: EC2's first use after one costs a second)."""
     n = next(_NODES)
@@ -168,6 +188,11 @@ def node(moto: str, image: str, local_config: NodeConfig, tmp_path: Path) -> Nod
     tls = {"tls.crt": "CERT PEM", "tls.key": "KEY PEM", "ca.crt": "CA PEM"}
     secrets.create_secret(Name=config.tls_secret, SecretString=json.dumps(tls))
     seeded.publish(record)
+    # the scheduler's URL, as the control plane writes it (each node again: another test of the folder may write
+    # another URL to the same moto)
+    seeded.client("ssm", config.control_region).put_parameter(
+        Name=scheduler_url_parameter(str(config.environment)), Value=scheduler.url, Type="String", Overwrite=True
+    )
     ec2, autoscaling = seeded.client("ec2"), seeded.client("autoscaling")
     template = f"pool-template-{n}"
     ec2.create_launch_template(
@@ -184,4 +209,7 @@ def node(moto: str, image: str, local_config: NodeConfig, tmp_path: Path) -> Nod
     )
     group = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[seeded.group])["AutoScalingGroups"][0]
     seeded.instance_id = group["Instances"][0]["InstanceId"]
+    role = node_role_name(str(config.environment), config.datacenter, config.pool)
+    seeded.credentials = assume(seeded.client("sts", config.control_region), role, seeded.instance_id)
+    seeded.scheduler = scheduler
     return seeded

@@ -32,7 +32,7 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
     assert (result.instance_id, result.release) == (node.instance_id, "2026-12-06.1")
     # secrets: one file per stack secret the node reads, and the pool's certificate, key and CA; 0600 each
     secrets = node.paths.secrets_dir
-    assert sorted(p.name for p in secrets.iterdir() if p.is_file()) == sorted(node.config.secrets)
+    assert sorted(p.name for p in secrets.iterdir() if p.is_file()) == sorted([*node.config.secrets, "scheduler.token"])
     for name in node.config.secrets:
         assert (secrets / name).read_text() == f"value of {name}"
         assert mode(secrets / name) == 0o600
@@ -90,6 +90,8 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
         "pdstack_control_region": node.config.control_region,
         "pdstack_aws_endpoint_url": node.config.aws_endpoint_url,
         "pdstack_scheduler_url_parameter": "/pdstack/local/scheduler-url",
+        "pdstack_instance_token_file": str(secrets / "scheduler.token"),
+        "pdstack_engine_id": node.instance_id,
     }
     # the metric: success, when, what release, the bytes, each phase's seconds
     metrics = node.metrics()

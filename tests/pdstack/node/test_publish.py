@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 
 from infra.storage import bucket_name
 from pdstack.cli import app
+from pdstack.contract.components import scheduler_url_parameter
+from pdstack.contract.node_lifecycle import node_role_name
 from pdstack.node.apply import PlaybookRun
 from pdstack.node.bootstrap import NodePaths, bootstrap
 from pdstack.node.bundle import COLLECTIONS, NODE_PLATFORMS, PLAYBOOK, build_bundle, node_requirements, wheel_commands
@@ -27,7 +29,9 @@ from pdstack.node.loader import REQUIREMENTS, _plain_members, fetch_bundle
 from pdstack.node.publish import model_bucket
 from pdstack.node.release import read_release
 from tests.support import REPO, STACKS
+from tests.support.joining import assume
 from tests.support.motoserver import ACCOUNT, CREDENTIALS, client
+from tests.support.services import Service
 
 MODEL = {"config.json": b"{}\n", "weights/model.safetensors": bytes(range(256)) * 300, "tokenizer.json": b"{}"}
 DIGEST = "sha256:" + "ef" * 32
@@ -81,8 +85,13 @@ def test_the_bucket_is_the_one_infra_makes() -> None:
     assert model_bucket("prod", "decode-us-west-2", ACCOUNT) == bucket_name("prod", "decode-us-west-2", ACCOUNT)
 
 
-def test_a_published_release_bootstraps_a_node(
-    bundle: Path, moto: str, local_config: NodeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_published_release_bootstraps_a_node(  # noqa: PLR0917 (fixtures)
+    bundle: Path,
+    moto: str,
+    local_config: NodeConfig,
+    scheduler: Service,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDENTIALS["aws_access_key_id"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["aws_secret_access_key"])
@@ -138,10 +147,17 @@ def test_a_published_release_bootstraps_a_node(
         textfile_dir=tmp_path / "textfile",
         state_dir=tmp_path / "state",
     )
+    # the scheduler it joins, and its instance role's credentials (conftest's)
+    client(moto, "ssm", config.control_region).put_parameter(
+        Name=scheduler_url_parameter("local"), Value=scheduler.url, Type="String", Overwrite=True
+    )
+    role = node_role_name("local", config.datacenter, config.pool)
+    credentials = assume(client(moto, "sts", config.control_region), role, "i-0123456789abcdef0")
     result = bootstrap(
         config,
         client=lambda service, region: client(moto, service, region),
         identify=lambda: "i-0123456789abcdef0",
+        credentials=lambda: credentials,
         runner=recorded,
         paths=paths,
         bin_dir=tmp_path / "venv" / "bin",

@@ -1,0 +1,84 @@
+"""Phase `join` against the folder's moto server and a scheduler process with join on: a node's own scheduler token
+written where the serving roles mount it, for the engine id apply passes on; the same token on a second boot; a
+refusal, an unknown role or an unreachable scheduler a BootstrapError naming the phase, the node Unhealthy."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import httpx
+import pytest
+
+from pdserve.scheduler.client import bearer
+from pdstack.contract.components import INSTANCE_TOKEN
+from pdstack.node.loader import BootstrapError, Phase
+from tests.pdstack.node.conftest import Node
+from tests.support.joining import assume, ensure_role
+from tests.support.services import principal_token
+
+pytestmark = pytest.mark.slow  # a scheduler process and a moto server
+
+
+def token_of(node: Node) -> str:
+    """What the scheduler's identity key makes of this node's principal (the roles would derive it so)."""
+    assert node.scheduler is not None
+    return principal_token(node.scheduler.log_path.parent, f"instance:{node.config.role}-{node.instance_id}")
+
+
+def test_a_node_joins_and_its_token_is_the_one_the_roles_mount(node: Node) -> None:
+    node.boot()
+    token_file = node.paths.secrets_dir / INSTANCE_TOKEN.file
+    assert token_file.name == "scheduler.token"
+    assert token_file.read_text() == token_of(node)
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    variables = json.loads((node.paths.state_dir / "apply-vars.json").read_text())
+    assert variables["pdstack_instance_token_file"] == str(token_file)
+    assert variables["pdstack_engine_id"] == node.instance_id
+    # the token is the instance's own: it heartbeats as decode-<instance id> and no other instance
+    assert node.scheduler is not None
+    instance = f"decode-{node.instance_id}"
+    headers = bearer(token_file.read_text())
+    own = httpx.post(f"{node.scheduler.url}/v1/instances/{instance}/heartbeat", headers=headers, json={}, timeout=10)
+    assert own.status_code != 403, own.text
+    other = httpx.post(f"{node.scheduler.url}/v1/instances/decode-i-0/heartbeat", headers=headers, json={}, timeout=10)
+    assert other.status_code == 403, other.text
+
+
+def test_a_second_boot_joins_again_to_the_same_token(node: Node) -> None:
+    node.boot()
+    token_file = node.paths.secrets_dir / INSTANCE_TOKEN.file
+    first = token_file.read_text()
+    token_file.unlink()  # the secrets dir is a tmpfs: gone after a reboot
+    result = node.boot()
+    assert token_file.read_text() == first == token_of(node)
+    assert "join" in result.seconds
+
+
+def refused(node: Node, *words: str, **kwargs: object) -> None:
+    with pytest.raises(BootstrapError) as caught:
+        node.boot(**kwargs)
+    error = caught.value
+    assert error.phase is Phase.JOIN, error
+    for word in words:
+        assert word in str(error), error
+    assert node.health() == "Unhealthy"
+    assert 'pdstack_node_bootstrap_failed{phase="join"} 1' in node.metrics()
+    assert not (node.paths.secrets_dir / INSTANCE_TOKEN.file).exists()
+    assert not node.runs  # nothing applied
+
+
+def test_a_session_that_is_no_instance_id_is_refused(node: Node) -> None:
+    role = f"pdstack-local-{node.config.datacenter}-{node.config.pool}-node"
+    stranger = assume(node.client("sts", node.config.control_region), role, "ci-runner")
+    refused(node, "join: the scheduler refused (403)", credentials=lambda: stranger)
+
+
+def test_a_role_that_is_no_pools_node_role_is_refused(node: Node) -> None:
+    ensure_role(node.client("iam"), "pdstack-local-builder")
+    other = assume(node.client("sts", node.config.control_region), "pdstack-local-builder", node.instance_id)
+    refused(node, "join: the scheduler refused (403)", credentials=lambda: other)
+
+
+def test_no_credentials_fail_the_phase(node: Node) -> None:
+    refused(node, "no AWS credentials", credentials=lambda: None)
