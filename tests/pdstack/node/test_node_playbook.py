@@ -2,7 +2,8 @@
 unpacks it (roles and collections only from the bundle); the variables apply.py gives cover every required argument
 of every role it calls, and what the play and the vars files it loads make of them passes each role's own argument
 spec (ansible's validate_argument_spec, rendered for a prod decode node and a local one, the scheduler's URL read from
-a moto SSM); and a server's scheduler token, which no node may derive, fails the play naming it."""
+a moto SSM); and a server's scheduler token, which no node may derive, fails the play naming it unless the
+bootstrap's join phase gave it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import yaml
 from pdstack.node.apply import extra_vars, playbook_run
 from pdstack.node.bundle import PLAYBOOK, build_bundle
 from pdstack.node.config import NodeConfig
+from pdstack.node.join import Joined
 from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRecord
 from pdstack.node.secrets import SecretFiles
 from pdstack.node.userdata import node_config
@@ -111,7 +113,10 @@ def apply_vars(config: NodeConfig, secrets_dir: Path) -> dict[str, Any]:
     )
     for path in [*files.secrets.values(), *files.tls.values()]:
         path.write_text(f"value of {path.name}\n")
-    return extra_vars(config, "i-0123456789abcdef0", record, files, secrets_dir / "auth.json")
+    token = secrets_dir / "scheduler.token"
+    token.write_text("pds1.joined-token\n")
+    joined = Joined(token, "i-0123456789abcdef0", f"{config.role}-i-0123456789abcdef0")
+    return extra_vars(config, "i-0123456789abcdef0", record, files, secrets_dir / "auth.json", joined=joined)
 
 
 def run_in_bundle(bundle_dir: Path, playbook: Path, home: Path, variables: dict[str, Any], *args: str) -> PlaybookRun:
@@ -143,7 +148,8 @@ def test_every_required_argument_is_given() -> None:
 
 
 def apply_vars_keys() -> list[str]:
-    return list(extra_vars(LOCAL, "i-0", release_record(LOCAL), SecretFiles({}, {}), Path("/auth.json")))
+    joined = Joined(Path("/scheduler.token"), "i-0", "decode-i-0")
+    return list(extra_vars(LOCAL, "i-0", release_record(LOCAL), SecretFiles({}, {}), Path("/auth.json"), joined=joined))
 
 
 def test_the_bundle_has_the_collections_the_roles_use() -> None:
@@ -225,9 +231,18 @@ def test_each_role_takes_what_the_node_gives(env: str, bundle_dir: Path, moto: s
 
 def test_a_server_without_its_scheduler_token_fails_naming_it(bundle_dir: Path, moto: str, tmp_path: Path) -> None:
     config = config_of("local", moto)
-    run = run_in_bundle(
-        bundle_dir, bundle_dir / PLAYBOOK, tmp_path, apply_vars(config, tmp_path / "s"), "--tags", "always"
-    )
+    variables = apply_vars(config, tmp_path / "s")
+    variables["pdstack_instance_token_file"] = ""  # a bootstrap that did not join
+    run = run_in_bundle(bundle_dir, bundle_dir / PLAYBOOK, tmp_path, variables, "--tags", "always")
     assert run.returncode != 0
     assert "needs its scheduler token for principal instance:decode-<engine id>" in run.output, run.output
     assert "derived from the stack secret scheduler-identity-key, which a node must not read" in run.output
+    assert "the bootstrap's join phase gives a node its own (pdstack_instance_token_file)" in run.output
+
+
+def test_a_server_with_the_token_it_joined_for_passes_the_check(bundle_dir: Path, moto: str, tmp_path: Path) -> None:
+    config = config_of("local", moto)
+    variables = apply_vars(config, tmp_path / "s")
+    run = run_in_bundle(bundle_dir, bundle_dir / PLAYBOOK, tmp_path, variables, "--tags", "always")
+    assert run.returncode == 0, run.output
+    assert run.recap("localhost")["failed"] == 0
