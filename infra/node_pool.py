@@ -120,8 +120,10 @@ class GpuNodePoolArgs:
     model_bucket_arn: pulumi.Input[str]
     repository_arns: Sequence[pulumi.Input[str]]
     release_parameter_arn: pulumi.Input[str]  # the environment's release record (SSM, the control plane's region)
+    scheduler_url_parameter_arn: pulumi.Input[str]  # the scheduler's URL (SSM, likewise): what a node joins
     account_id: pulumi.Input[str]  # this datacenter's account: its group's ARN
     group_name: str  # pdstack.contract.node_lifecycle.node_group_name: fixed, so the role can name it before it exists
+    role_name: str  # pdstack.contract.node_lifecycle.node_role_name: fixed, the scheduler's join_node_roles names it
     region: str  # the datacenter's: its group's and its model bucket's
     # How long a node chosen for scale-in may drain before its group terminates it anyway
     # (pdstack.contract.node_lifecycle.drain_timeout_seconds of the environment's serving block)
@@ -231,6 +233,7 @@ class GpuNodePool(pulumi.ComponentResource):
     ) -> aws.iam.InstanceProfile:
         role = aws.iam.Role(
             f"{name}-node",
+            name=args.role_name,
             assume_role_policy=json.dumps(
                 {
                     "Version": "2012-10-17",
@@ -252,6 +255,7 @@ class GpuNodePool(pulumi.ComponentResource):
                 volume_key=args.volume_key_arn,
                 repositories=list(args.repository_arns),
                 release=args.release_parameter_arn,
+                scheduler_url=args.scheduler_url_parameter_arn,
                 account=args.account_id,
             ).apply(
                 lambda a: node_policy(
@@ -293,11 +297,13 @@ LIFECYCLE_ACTIONS = (
 
 def node_policy(arns: dict[str, Any], secrets_region: str, region: str) -> str:
     """What a node's bootstrap and drain call (docs/node-bootstrap.md), each on exactly its resource: the release
-    record; the node secrets and its pool's certificate; ECR's token and its images; the release's objects in its
-    datacenter's model bucket; its own group's health and lifecycle actions. And the SSM agent's session channel,
-    the operators' way in. Nothing else."""
+    record and the scheduler's URL; the node secrets and its pool's certificate; ECR's token and its images; the
+    release's objects in its datacenter's model bucket; its own group's health and lifecycle actions. And the SSM
+    agent's session channel, the operators' way in. Nothing else."""
     statements = [
         {"Sid": "ReadRelease", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arns["release"]},
+        # the scheduler's URL: the bootstrap joins it (phase join), the node's play heartbeats to it
+        {"Sid": "ReadSchedulerUrl", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arns["scheduler_url"]},
         {
             "Sid": "ReadNodeSecrets",
             "Effect": "Allow",

@@ -47,9 +47,11 @@ from pdstack.contract.components import (
     gateway_keys_file,
     prometheus_url_parameter,
     release_parameter,
+    scheduler_audience,
     scheduler_url_parameter,
+    setting,
 )
-from pdstack.contract.node_lifecycle import drain_timeout_seconds, node_group_name
+from pdstack.contract.node_lifecycle import drain_timeout_seconds, node_group_name, node_role_arn, node_role_name
 from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
 from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
@@ -168,6 +170,10 @@ def build_datacenter(
     release_arn = control.require_output(outputs.ACCOUNT_ID).apply(
         lambda account: parameter_arn(control_region, str(account), release_parameter(view.env))
     )
+    # the scheduler's URL: a node reads it to join (its bootstrap's join phase) as its play does to heartbeat
+    scheduler_url_arn = control.require_output(outputs.ACCOUNT_ID).apply(
+        lambda account: parameter_arn(control_region, str(account), scheduler_url_parameter(view.env))
+    )
     groups = {}
     for pool in dc.pools:
         images = node_images(_serving(view).engine, pool.role)
@@ -189,8 +195,10 @@ def build_datacenter(
                 # exactly the images this pool's nodes run (infra/registry.py), and its instances say which
                 repository_arns=[repositories.apply(_item(i)) for i in images],
                 release_parameter_arn=release_arn,
+                scheduler_url_parameter_arn=scheduler_url_arn,
                 account_id=account_id,
                 group_name=node_group_name(view.env, dc.name, pool.name),
+                role_name=node_role_name(view.env, dc.name, pool.name),
                 region=dc.region,
                 drain_timeout_seconds=drain_timeout_seconds(_serving(view)),
                 instance_tags={
@@ -480,9 +488,30 @@ def control_workloads(
             load_balancer_certificates={app: certificates.load_balancer_certificate(app).arn for app in LOAD_BALANCED},
             dns_names={app: names.host(app, dc.name) for app in LOAD_BALANCED},
             tls={app: certificates.issued[app] for app in IN_CLUSTER_TLS},
+            scheduler_join=scheduler_join_settings(site),
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
+
+
+def scheduler_join_settings(site: ControlSite) -> dict[str, pulumi.Input[str]]:
+    """How the GPU nodes join the scheduler by themselves (pdserve.scheduler.join): every serving pool's node role
+    (its fixed name, pdstack.contract.node_lifecycle.node_role_name, in the environment's account: the datacenters'
+    stacks run in it, as their nodes' access to the control plane's secrets and images assumes) -> the component its
+    instances are named by; the environment's audience; STS in the control plane's region."""
+    pools = [(d.name, p.name, str(p.role)) for d in site.serving_dcs for p in d.pools]
+    roles = site.account_id.apply(
+        lambda account: ",".join(
+            f"{node_role_arn(str(account), site.env, dc, pool)}={role}" for dc, pool, role in pools
+        )
+    )
+    if not pools:
+        return {}
+    return {
+        setting("join_node_roles"): roles,
+        setting("join_audience"): scheduler_audience(site.env),
+        setting("join_region"): site.dc.region,
+    }
 
 
 def config_files(site: ControlSite) -> dict[str, str]:

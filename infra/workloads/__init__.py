@@ -89,7 +89,7 @@ class ControlWorkloads(pulumi.ComponentResource):
             1,
             "500m",
             "512Mi",
-            env={**scheduler_contract.env(), **scheduler_contract.tls_env()},
+            env={**scheduler_contract.env(), **scheduler_contract.tls_env(), **args.scheduler_join},
         )
         for app in (gateway, scheduler):
             deployment(name, args, app, recreate=app is scheduler, opts=self.opts)

@@ -5,7 +5,7 @@ and the one-replica pod the non-pdserve services run as (Alertmanager, the rate-
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
@@ -60,6 +60,9 @@ class ControlWorkloadsArgs:
     dns_names: Mapping[str, str]
     # app -> its certificate, key (secret) and CA: a kubernetes.io/tls Secret mounted at TLS_DIR
     tls: Mapping[str, TlsFiles]
+    # The scheduler's join settings (PDSERVE_JOIN_*: node roles -> component, audience, region): how a self-joining
+    # GPU node gets its own token (pdserve.scheduler.join); empty: join off
+    scheduler_join: Mapping[str, pulumi.Input[str]] = field(default_factory=dict[str, "pulumi.Input[str]"])
 
 
 def tls_secret(app: str) -> str:

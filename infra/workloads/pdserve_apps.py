@@ -43,7 +43,7 @@ class AppSpec:
     replicas: int
     cpu: str
     memory: str
-    env: Mapping[str, str]  # PDSERVE_* settings, the secret files among them
+    env: Mapping[str, pulumi.Input[str]]  # PDSERVE_* settings, the secret files among them
     shared_store: bool = True
 
     @property

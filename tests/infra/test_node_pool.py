@@ -20,6 +20,7 @@ from infra.operator_access import session_document_name, transfer_bucket_name
 from infra.registry import VLLM_IMAGE, node_images, repository_name
 from infra.storage import bucket_name
 from pdstack.cli import app
+from pdstack.contract.components import scheduler_audience, scheduler_url_parameter
 from pdstack.contract.node_lifecycle import (
     BUNDLE_PREFIX,
     DRAIN_HOOK,
@@ -28,6 +29,7 @@ from pdstack.contract.node_lifecycle import (
     NODE_READABLE_PREFIXES,
     drain_timeout_seconds,
     node_group_name,
+    node_role_name,
 )
 from pdstack.model import Engine, PoolRole
 from pdstack.node import loader
@@ -359,6 +361,12 @@ def _bootstrap_calls(name: str, pool: str) -> tuple[list[tuple[str, str, str | N
     }
     calls: list[tuple[str, str, str | None]] = [
         ("ssm:GetParameter", f"arn:aws:ssm:{node.control_region}:{ACCOUNT}:parameter{node.release_parameter}", None),
+        # the join phase: the scheduler's URL (pdstack.node.join.scheduler_url)
+        (
+            "ssm:GetParameter",
+            f"arn:aws:ssm:{node.control_region}:{ACCOUNT}:parameter{scheduler_url_parameter(str(node.environment))}",
+            None,
+        ),
         *(("secretsmanager:GetSecretValue", secret.format(n), None) for n in [*node.secrets.values(), node.tls_secret]),
         ("kms:Decrypt", arns["secrets_key"], f"secretsmanager.{control}.amazonaws.com"),
         ("ecr:GetAuthorizationToken", "*", None),
@@ -411,7 +419,12 @@ def test_the_node_role_allows_what_the_bootstrap_calls_and_nothing_else(
             ),
             (
                 "ssm:GetParameter",
-                f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{env}/scheduler-url",
+                f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{other_env}/scheduler-url",
+                None,
+            ),
+            (
+                "ssm:GetParameter",
+                f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{env}/ca-certificate",
                 None,
             ),
             ("ssm:GetParameters", f"arn:aws:ssm:{arns['control']}:{ACCOUNT}:parameter/pdstack/{env}/release", None),
@@ -551,6 +564,7 @@ def test_the_docs_list_exactly_what_the_node_role_allows() -> None:
     the release objects' prefixes the contract's, and no ListBucket."""
     arns: dict[str, Any] = {
         "release": "arn:aws:ssm:us-east-1:1:parameter/pdstack/dev/release",
+        "scheduler_url": "arn:aws:ssm:us-east-1:1:parameter/pdstack/dev/scheduler-url",
         "secrets": ["arn:aws:secretsmanager:us-east-1:1:secret:pdstack/dev/x"],
         "secrets_key": "arn:aws:kms:us-east-1:1:key/s",
         "bucket": "arn:aws:s3:::b",
@@ -566,3 +580,41 @@ def test_the_docs_list_exactly_what_the_node_role_allows() -> None:
     assert objects["Resource"] == [f"arn:aws:s3:::b/{prefix}*" for prefix in NODE_READABLE_PREFIXES]
     assert all(f"`{prefix}*`" in documented["ReadReleaseObjects"][1] for prefix in NODE_READABLE_PREFIXES)
     assert not any("ListBucket" in action for actions in granted.values() for action in actions)
+
+
+# --- joining the scheduler ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", ["dev", "staging", "prod"])
+def test_the_scheduler_admits_the_joins_of_exactly_the_node_roles_the_datacenter_stacks_make(
+    graphs: dict[str, Synthesis], env: str
+) -> None:
+    """The control stack's scheduler runs with join on: join_node_roles names each GPU pool's node role (its fixed
+    name, which the datacenter stack gives the role) with the pool's role, the environment's audience, STS in the
+    control region; what the node's bootstrap signs for (scheduler_audience, the control region)."""
+    from pdserve.common.settings import load_settings  # noqa: PLC0415
+    from pdserve.scheduler.settings import SchedulerSettings  # noqa: PLC0415
+
+    control = graphs[f"{env}-control"]
+    [scheduler] = [
+        d for d in control.of_type("kubernetes:apps/v1:Deployment") if d.inputs["metadata"]["name"] == "scheduler"
+    ]
+    container = scheduler.inputs["spec"]["template"]["spec"]["containers"][0]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    settings = load_settings(SchedulerSettings, list(container["args"])[1:], prog="pdserve scheduler", env=environ)
+    expected = {}
+    for name in [n for n in GPU_STACKS if n.startswith(f"{env}-")]:
+        cfg = stack_config(name)
+        for pool in cfg.datacenter.pools:
+            role = next(
+                r
+                for r in graphs[name].of_type("aws:iam/role:Role")
+                if r.name == f"{cfg.datacenter.name}-{pool.name}-node"
+            )
+            assert role.inputs["name"] == node_role_name(env, cfg.datacenter.name, pool.name)
+            expected[("aws", ACCOUNT, role.inputs["name"])] = str(pool.role)
+    assert expected
+    assert settings.node_roles() == expected
+    assert settings.join_audience == scheduler_audience(env) == f"pdstack-{env}-scheduler"
+    control_region = load_environment(STACKS, env).control.config.datacenter.region
+    assert settings.sts_url() == f"https://sts.{control_region}.amazonaws.com/"
