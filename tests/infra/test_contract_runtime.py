@@ -45,7 +45,7 @@ from pdstack.contract.components import (
     prometheus_url_parameter,
     scheduler_url_parameter,
 )
-from pdstack.contract.files import environment_serving
+from pdstack.contract.files import environment_alerting, environment_serving
 from pdstack.model import PoolRole
 from pdstack.synth.synthesis import Synthesis
 from pdstack.vllm.command import connector_extra_config
@@ -528,7 +528,10 @@ def test_the_cloud_prometheus_sends_alerts_to_the_alertmanager_beside_it(graphs:
     assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
     secret = _objects(graph, "kubernetes:core/v1:Secret")["alertmanager"]
     am_config = yaml.safe_load(secret["stringData"]["alertmanager.yml"])
-    assert am_config == alertmanager_config("prod")  # the same routing as the local Alertmanager's, no webhook
+    alerting = environment_alerting(STACKS, "prod")
+    assert alerting is not None and isinstance(alerting.webhook_url, str)
+    # the same routing as the local Alertmanager's, with the prod stack's receiver webhook
+    assert am_config == alertmanager_config("prod", alerting.webhook_url)
     volume = deployment["spec"]["template"]["spec"]["volumes"][0]
     assert volume["secret"] == {"secretName": "alertmanager", "optional": False, "defaultMode": 0o444}
 

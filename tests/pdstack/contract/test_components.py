@@ -22,7 +22,13 @@ from pdstack.contract.components import (
     Component,
     contract,
 )
-from pdstack.contract.files import environment_serving, environments, main, render_ansible_vars
+from pdstack.contract.files import (
+    environment_alerting,
+    environment_serving,
+    environments,
+    main,
+    render_ansible_vars,
+)
 from pdstack.model import REQUIRED_SECRETS, Model, Ports, Serving
 from tests.support import REPO, STACKS
 
@@ -43,7 +49,7 @@ def test_every_environment_has_an_example() -> None:
 @pytest.mark.parametrize("env", ["local", "dev", "staging", "prod"])
 def test_the_committed_ansible_vars_are_what_the_stacks_render_to(env: str) -> None:
     committed = (REPO / "playbooks" / "vars" / "contract" / f"{env}.yml").read_text()
-    assert committed == render_ansible_vars(env, environment_serving(STACKS, env)), (
+    assert committed == render_ansible_vars(env, environment_serving(STACKS, env), environment_alerting(STACKS, env)), (
         "run `python -m pdstack.contract.files`"
     )
 
