@@ -11,6 +11,7 @@ from typing import Any
 
 import pulumi
 import pulumi_aws as aws
+import yaml
 
 from infra import environment, outputs
 from infra.certificates import CertificateSpec, EnvironmentCertificates, EnvironmentCertificatesArgs
@@ -35,6 +36,7 @@ from infra.workloads import ControlWorkloads
 from infra.workloads.access import ingress_host
 from infra.workloads.common import GATEWAY_TOKEN, ControlWorkloadsArgs
 from infra.workloads.ratelimit_store import RATELIMIT_STORE, RATELIMIT_STORE_CONFIG, ratelimit_store_config
+from pdstack.contract.alerting import plan_generation_tokens_per_second, rules_with_plan
 from pdstack.contract.components import (
     GATEWAY_API_KEYS,
     RATELIMIT_PASSWORD,
@@ -52,7 +54,7 @@ from pdstack.contract.components import (
     setting,
 )
 from pdstack.contract.node_lifecycle import drain_timeout_seconds, node_group_name, node_role_arn, node_role_name
-from pdstack.model import Datacenter, DatacenterRole, Environment, Serving
+from pdstack.model import Datacenter, DatacenterRole, Environment, Serving, StackConfig
 from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
 
@@ -480,7 +482,7 @@ def control_workloads(
                 [DatacenterTarget(d.name, d.region, tuple(sorted({p.role for p in d.pools}))) for d in serving_dcs],
                 names.zone,
             ),
-            alert_rules=ALERT_RULES.read_text(),
+            alert_rules=alert_rules(view.control),
             alertmanager_config=alertmanager_yaml(site.env),
             volume_key_arn=site.key.key.arn,
             gateway_replicas=replicas,
@@ -492,6 +494,15 @@ def control_workloads(
         ),
         opts=pulumi.ResourceOptions(providers=[plane.provider]),
     )
+
+
+def alert_rules(control: StackConfig) -> str:
+    """monitoring/alerts.yml with the plan's recording rule (pdstack:capacity), the one rules file the cloud's
+    Prometheus loads; the rule group is empty without a capacity target."""
+    planned = 0.0
+    if (capacity := control.capacity) is not None:
+        planned = plan_generation_tokens_per_second(capacity.requests_per_second, capacity.mean_output_tokens)
+    return yaml.safe_dump(rules_with_plan(yaml.safe_load(ALERT_RULES.read_text()), planned), sort_keys=False)
 
 
 def scheduler_join_settings(site: ControlSite) -> dict[str, pulumi.Input[str]]:

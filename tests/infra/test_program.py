@@ -13,6 +13,7 @@ import yaml
 from infra import outputs
 from infra.workloads.common import SECRET_NAME
 from pdserve.scheduler import identity
+from pdstack.contract.alerting import PLAN_GROUP, PLAN_RECORD
 from pdstack.model import REQUIRED_SECRETS, DatacenterRole
 from pdstack.synth.synthesis import SynthError, Synthesis, synthesize
 from tests.support import REPO, STACKS
@@ -332,7 +333,22 @@ def test_prometheus_scrapes_every_datacenters_nodes(graphs: dict[str, Synthesis]
     sd = jobs["pdserve-decode"]["ec2_sd_configs"][0]
     assert sd["region"] == "us-west-2" and sd["port"] == 8300
     assert {"name": "tag:pdstack:dc", "values": ["decode-us-west-2"]} in sd["filters"]
-    assert config_map.inputs["data"]["alerts.yml"] == (REPO / "monitoring" / "alerts.yml").read_text()
+
+
+def test_the_cloud_prometheus_loads_the_alert_rules_and_the_plans_recording_rule(graphs: dict[str, Synthesis]) -> None:
+    config_map = next(
+        c
+        for c in graphs["prod-control"].of_type("kubernetes:core/v1:ConfigMap")
+        if c.inputs["metadata"]["name"] == "prometheus"
+    )
+    loaded = yaml.safe_load(config_map.inputs["data"]["alerts.yml"])
+    alerts = yaml.safe_load((REPO / "monitoring" / "alerts.yml").read_text())
+    assert [g for g in loaded["groups"] if g["name"] != PLAN_GROUP] == alerts["groups"]
+    capacity = stack_config("prod-control").capacity
+    assert capacity is not None
+    [plan] = [g for g in loaded["groups"] if g["name"] == PLAN_GROUP]
+    planned = capacity.requests_per_second * capacity.mean_output_tokens
+    assert plan["rules"] == [{"record": PLAN_RECORD, "expr": f"vector({float(planned)!r})"}]
 
 
 def test_gateway_is_an_internal_nlb_open_only_to_the_environment(graphs: dict[str, Synthesis]) -> None:
