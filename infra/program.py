@@ -54,6 +54,7 @@ from pdstack.contract.components import (
     setting,
 )
 from pdstack.contract.node_lifecycle import drain_timeout_seconds, node_group_name, node_role_arn, node_role_name
+from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.model import Datacenter, DatacenterRole, Environment, Serving, StackConfig
 from pdstack.node.userdata import UserDataError, render_user_data
 from pdstack.plan.catalog import Catalog, load_catalog
@@ -502,7 +503,7 @@ def alert_rules(control: StackConfig) -> str:
     planned = 0.0
     if (capacity := control.capacity) is not None:
         planned = plan_generation_tokens_per_second(capacity.requests_per_second, capacity.mean_output_tokens)
-    return yaml.safe_dump(rules_with_plan(yaml.safe_load(ALERT_RULES.read_text()), planned), sort_keys=False)
+    return dump_yaml(rules_with_plan(yaml.safe_load(ALERT_RULES.read_text()), planned), width=120)
 
 
 def scheduler_join_settings(site: ControlSite) -> dict[str, pulumi.Input[str]]:
