@@ -7,6 +7,8 @@ principal the endpoint does not serve.
 Instances:  POST /v1/instances (register; principal instance:<body.instance_id>)
             POST /v1/instances/{id}/heartbeat  POST /v1/instances/{id}/drain  DELETE /v1/instances/{id}
             (principal instance:{id}, or admin)
+            GET /v1/instances/{id} (principal instance:{id}, gateway, or admin: a node reads its own entry, e.g. to
+            wait until it is routed or, draining, idle, without the gateway's token)
 Gateways:   GET /v1/routing (ETag; If-None-Match answers 304)  GET /v1/instances  GET /v1/advice
             GET /v1/admin/weights (principal gateway, or admin)
 Nodes:      POST /v1/join (no token: a signed sts:GetCallerIdentity buys the node's own instance token; only when
@@ -163,6 +165,10 @@ def path_instance(request: Request) -> frozenset[str]:
     return frozenset({instance_principal(request.path_params["instance_id"])})
 
 
+def path_instance_or_gateway(request: Request) -> frozenset[str]:
+    return path_instance(request) | gateway(request)
+
+
 def gateway(request: Request) -> frozenset[str]:
     return frozenset({GATEWAY})
 
@@ -227,6 +233,13 @@ async def deregister(request: Request) -> Response:
     except UnknownInstanceError:
         return error(404, "unknown instance", "instance_id")
     return Response(status_code=204)
+
+
+async def get_instance(request: Request) -> Response:
+    instance = state_of(request).registry.find(request.path_params["instance_id"])
+    if instance is None:
+        return error(404, "unknown instance", "instance_id")
+    return JSONResponse(instance.routed().model_dump())
 
 
 async def list_instances(request: Request) -> Response:
@@ -375,6 +388,11 @@ def create_app(settings: SchedulerSettings) -> Starlette:
         ),
         Route("/v1/instances/{instance_id}/drain", guarded("drain", path_instance, drain), methods=["POST"]),
         Route("/v1/instances/{instance_id}", guarded("deregister", path_instance, deregister), methods=["DELETE"]),
+        Route(
+            "/v1/instances/{instance_id}",
+            guarded("get_instance", path_instance_or_gateway, get_instance),
+            methods=["GET"],
+        ),
         Route("/v1/routing", guarded("routing", gateway, routing), methods=["GET"]),
         Route("/v1/advice", guarded("advice", gateway, advice), methods=["GET"]),
         Route("/v1/admin/weights", guarded("get_weights", gateway, get_weights), methods=["GET"]),

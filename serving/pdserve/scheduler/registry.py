@@ -102,6 +102,9 @@ class Registry:
     def all(self) -> list[Instance]:
         return sorted(self._instances.values(), key=lambda i: i.instance_id)
 
+    def find(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
     def in_state(self, state: State) -> list[Instance]:
         return [i for i in self.all() if i.state == state]
 

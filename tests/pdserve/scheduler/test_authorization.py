@@ -24,7 +24,8 @@ from tests.support.services import Service, identity_key_file, principal_token, 
 VICTIM = "decode-victim"
 READS = ("routing", "list_instances", "advice", "get_weights")
 WRITES = ("register", "heartbeat", "drain", "deregister")
-ENDPOINTS = (*WRITES, *READS, "put_weights")
+OWN_READS = ("get_instance",)  # the instance itself, the gateway and the admin
+ENDPOINTS = (*WRITES, *READS, *OWN_READS, "put_weights")
 
 
 def victim_info(url: str = "http://127.0.0.1:9") -> dict[str, Any]:
@@ -40,6 +41,7 @@ def call(base: str, endpoint: str, headers: dict[str, str]) -> httpx.Response:
         "deregister": ("DELETE", f"/v1/instances/{VICTIM}", None),
         "routing": ("GET", "/v1/routing", None),
         "list_instances": ("GET", "/v1/instances", None),
+        "get_instance": ("GET", f"/v1/instances/{VICTIM}", None),
         "advice": ("GET", "/v1/advice", None),
         "get_weights": ("GET", "/v1/admin/weights", None),
         "put_weights": ("PUT", "/v1/admin/weights", {"weights": {"v9": 1}}),
@@ -106,8 +108,13 @@ def test_every_endpoint_refuses_every_caller_it_does_not_serve(scheduler: tuple[
     for endpoint in READS:
         assert call(base, endpoint, gateway).status_code == 200, endpoint
         assert call(base, endpoint, bearer(admin)).status_code == 200, endpoint
+    for headers in (own, gateway, bearer(admin)):
+        entry = call(base, "get_instance", headers)
+        assert entry.status_code == 200 and entry.json()["instance_id"] == VICTIM, entry.text
     for headers in (own, bearer(admin)):
         assert [call(base, endpoint, headers).status_code for endpoint in WRITES] == [201, 200, 200, 204]
+    gone = call(base, "get_instance", own)
+    assert (gone.status_code, gone.json()["error"]["field"]) == (404, "instance_id")
     assert call(base, "put_weights", bearer(admin)).status_code == 200
 
 
