@@ -714,9 +714,9 @@ def test_the_clouds_prometheus_scrapes_each_node_over_https_by_its_own_name(
         while len(targets) < len(wanted) and time.monotonic() < deadline:
             assert server.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             with contextlib.suppress(httpx.TransportError):
-                targets = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2).json()["data"][
-                    "activeTargets"
-                ]
+                answer = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=2)
+                if answer.status_code == 200:  # 503 while Prometheus is still starting
+                    targets = answer.json()["data"]["activeTargets"]
             time.sleep(0.5)
     finally:
         server.terminate()
