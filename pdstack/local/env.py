@@ -134,7 +134,7 @@ class LocalEnv:
         self.replace_nodes_of_other_engine(topology, chosen, say)
         say("nodes: starting node containers in their datacenter namespaces")
         key = nodes.ensure_ssh_key(self.ssh_key)
-        for node in topology.nodes:
+        for node in topology.converged_nodes:
             ensure_node(node, key.with_suffix(".pub").read_text(), say)
         write_inventory(topology, self.inventory)
         say("names: the environment's *.local.pdstack names in this machine's /etc/hosts")
@@ -153,7 +153,7 @@ class LocalEnv:
     def converge_nodes(self, topology: Topology, model: Path, converge: bool, say: Callable[[str], None]) -> None:
         """Run playbooks/site.yml, unless nothing it reads changed since it last ran and every node still runs the
         containers it left (pdstack.local.converged)."""
-        names = [node.name for node in topology.nodes]
+        names = [node.name for node in topology.converged_nodes]
         digest = inputs_digest(self.project, self.converge_inputs(model))
         if not converge and self.converge_record.unchanged(digest, running_containers(names)):
             say(

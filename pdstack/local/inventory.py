@@ -57,10 +57,10 @@ def inventory(topology: Topology) -> dict[str, Any]:
             "pdstack_role": str(node.role),
             "pdstack_pool": node.pool,
         }
-        for node in topology.nodes
+        for node in topology.converged_nodes
     }
     children: dict[str, Any] = {
-        str(role): {"hosts": {n.name: None for n in topology.nodes_with_role(role)}} for role in PoolRole
+        str(role): {"hosts": {n.name: None for n in topology.converged_nodes if n.role is role}} for role in PoolRole
     }
     time_server = str(topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip)
     children[str(PoolRole.CONTROL)]["vars"] = {
@@ -84,7 +84,10 @@ def inventory(topology: Topology) -> dict[str, Any]:
                 "kernel_tuning_peer_links": peer_links(topology, dc.name),
                 "kernel_tuning_link_mtu": int(LINK_MTU),  # node, router and WAN devices all carry it
             }
-        children[f"dc_{dc.name}"] = {"hosts": {n.name: None for n in dc.nodes}, "vars": group_vars}
+        children[f"dc_{dc.name}"] = {
+            "hosts": {n.name: None for n in dc.nodes if not n.launched},
+            "vars": group_vars,
+        }
     return {
         "all": {
             "vars": {

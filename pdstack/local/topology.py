@@ -19,6 +19,10 @@ SERVICE_ADDRESS = IPv4Address("10.210.255.1")  # the host as every node sees it:
 UPLINK_NET = IPv4Network("10.211.0.0/24")  # host <-> datacenter router, a /30 each
 WAN_NET = IPv4Network("10.212.0.0/24")  # datacenter router <-> datacenter router, a /30 per link
 FIRST_NODE_HOST = 10  # node i of a datacenter gets the network's address .10 + i
+# Nodes a pool's group launched beyond the stack's desired size (`pdstack local scale`) boot from the pool's user data;
+# pool p of a datacenter gives them .100 + LAUNCHED_PER_POOL * p + j, so growing one pool never moves another's nodes.
+FIRST_LAUNCHED_HOST = 100
+LAUNCHED_PER_POOL = 20
 PREFIX = "pds"
 
 
@@ -37,6 +41,7 @@ class Node:
     role: PoolRole
     pool: str
     address: IPv4Interface
+    launched: bool = False  # booted from its pool's user data (pdstack local scale), not converged by site.yml
 
     @property
     def namespace(self) -> str:
@@ -105,22 +110,40 @@ class Topology:
     def nodes_with_role(self, role: PoolRole) -> list[Node]:
         return [node for node in self.nodes if node.role is role]
 
+    @property
+    def converged_nodes(self) -> tuple[Node, ...]:
+        """The nodes the operators' playbooks converge (the local inventory's): not those launched from user data."""
+        return tuple(node for node in self.nodes if not node.launched)
+
+    def pool_nodes(self, datacenter: str, pool: str) -> list[Node]:
+        return [node for node in self.nodes if node.datacenter == datacenter and node.pool == pool]
+
 
 class TopologyError(ValueError):
     pass
 
 
-def load_topology(stacks_dir: Path) -> Topology:
+Capacity = dict[tuple[str, str], int]  # (datacenter, pool) -> the group's desired capacity, where `scale` set one
+
+
+def load_topology(stacks_dir: Path, capacity: Capacity | None = None) -> Topology:
     """The local environment of `stacks_dir`, validated first (pdstack.stacks.environment): an invalid stack never
     reaches the machine."""
     try:
         local = load_environment(stacks_dir, Environment.LOCAL)
     except EnvironmentLoadError as exc:
         raise TopologyError(str(exc)) from None
-    return topology_of(list(local.stacks))
+    return topology_of(list(local.stacks), capacity)
 
 
-def topology_of(stacks: list[StackFile]) -> Topology:
+def _launched_address(network: IPv4Network, pool_index: int, j: int) -> IPv4Interface:
+    if j >= LAUNCHED_PER_POOL:
+        raise TopologyError(f"a local pool launches at most {LAUNCHED_PER_POOL} nodes beyond its stack's desired size")
+    address = network.network_address + FIRST_LAUNCHED_HOST + LAUNCHED_PER_POOL * pool_index + j
+    return IPv4Interface(f"{address}/{network.prefixlen}")
+
+
+def topology_of(stacks: list[StackFile], capacity: Capacity | None = None) -> Topology:
     ordered = sorted(stacks, key=lambda s: s.config.datacenter.name)
     datacenters: list[LocalDatacenter] = []
     for index, stack in enumerate(ordered):
@@ -128,9 +151,12 @@ def topology_of(stacks: list[StackFile]) -> Topology:
         if not dc.cidr.subnet_of(LOCAL_SUPERNET):
             raise TopologyError(f"{stack.path}: pdstack:datacenter.cidr: local datacenters live in {LOCAL_SUPERNET}")
         nodes: list[Node] = []
-        for pool in dc.pools:
-            for i in range(1, pool.desired_size + 1):
-                address = dc.cidr.network_address + FIRST_NODE_HOST + len(nodes)
+        launched: list[Node] = []
+        first = FIRST_NODE_HOST  # a pool's stack nodes keep their addresses when an earlier pool is scaled in
+        for p, pool in enumerate(dc.pools):
+            wanted = (capacity or {}).get((dc.name, pool.name), pool.desired_size)
+            for i in range(1, min(wanted, pool.desired_size) + 1):
+                address = dc.cidr.network_address + first + i - 1
                 nodes.append(
                     Node(
                         f"{dc.name}-{pool.name}-{i}",
@@ -140,6 +166,11 @@ def topology_of(stacks: list[StackFile]) -> Topology:
                         IPv4Interface(f"{address}/{dc.cidr.prefixlen}"),
                     )
                 )
+            first += pool.desired_size
+            for j, i in enumerate(range(pool.desired_size + 1, wanted + 1)):
+                address = _launched_address(dc.cidr, p, j)
+                launched.append(Node(f"{dc.name}-{pool.name}-{i}", dc.name, pool.role, pool.name, address, True))
+        nodes += launched
         datacenters.append(LocalDatacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes)))
     links: dict[frozenset[str], LocalLink] = {}
     for stack in ordered:

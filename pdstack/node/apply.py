@@ -84,8 +84,8 @@ def extra_vars(
     }
 
 
-def playbook_run(bundle_dir: Path, record: ReleaseRecord, vars_file: Path, bin_dir: Path | None = None) -> PlaybookRun:
-    """ansible-playbook of the bundle's play on this host, from the venv the bundle installed (bin_dir)."""
+def playbook_run(bundle_dir: Path, playbook: str, vars_file: Path, bin_dir: Path | None = None) -> PlaybookRun:
+    """ansible-playbook of one of the bundle's plays on this host, from the venv the bundle installed (bin_dir)."""
     bin_dir = bin_dir if bin_dir is not None else Path(sys.executable).parent
     argv = (
         str(bin_dir / "ansible-playbook"),
@@ -95,7 +95,7 @@ def playbook_run(bundle_dir: Path, record: ReleaseRecord, vars_file: Path, bin_d
         "local",
         "--extra-vars",
         f"@{vars_file}",
-        str(bundle_dir / record.bundle.playbook),
+        str(bundle_dir / playbook),
     )
     env = {
         "ANSIBLE_ROLES_PATH": str(bundle_dir / ROLES_DIR),
@@ -125,7 +125,7 @@ def apply_bundle(
         raise BootstrapError(Phase.APPLY, f"the bundle {record.bundle.key} has no {record.bundle.playbook}")
     vars_file = state_dir / VARS_FILE
     write_atomic(vars_file, (json.dumps(dict(variables), indent=2, sort_keys=True) + "\n").encode(), 0o600)
-    run = playbook_run(bundle_dir, record, vars_file, bin_dir)
+    run = playbook_run(bundle_dir, record.bundle.playbook, vars_file, bin_dir)
     code = runner(run)
     if code != 0:
         raise BootstrapError(Phase.APPLY, f"{Path(run.argv[0]).name} {record.bundle.playbook} exited {code}")

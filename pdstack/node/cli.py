@@ -51,6 +51,59 @@ def bootstrap_command(
     )
 
 
+@node_app.command("drain")
+def drain_command(
+    config: Annotated[Path, typer.Option("--config", help="the node's node.json")] = NODE_CONFIG,
+    complete_lifecycle: Annotated[
+        bool,
+        typer.Option(
+            "--complete-lifecycle", help="then let the pool's group terminate this instance (the cloud's hook)"
+        ),
+    ] = False,
+) -> None:
+    """Drain this node's server (no new requests, in-flight ones finish, deregistered, stopped); exit 1 if it cannot."""
+    from pdstack.node.drain import DrainError, drain_node  # noqa: PLC0415
+
+    try:
+        drain_node()
+    except DrainError as exc:
+        typer.echo(f"pdstack-node: drain: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo("pdstack-node: drained")
+    if complete_lifecycle:
+        _complete_lifecycle(config)
+
+
+@node_app.command("watch-termination")
+def watch_termination_command(
+    config: Annotated[Path, typer.Option("--config", help="the node's node.json")] = NODE_CONFIG,
+) -> None:
+    """Wait until the pool's group chooses this instance for scale-in (its metadata's target lifecycle state), then
+    drain and complete the lifecycle action; a failed drain still completes it (the group must not wait for a dead
+    server) and exits 1."""
+    from pdstack.node.drain import DrainError, drain_node, wait_for_termination  # noqa: PLC0415
+
+    wait_for_termination()
+    try:
+        drain_node()
+    except DrainError as exc:
+        typer.echo(f"pdstack-node: drain: {exc}", err=True)
+        _complete_lifecycle(config)
+        raise typer.Exit(1) from None
+    _complete_lifecycle(config)
+
+
+def _complete_lifecycle(config_path: Path) -> None:
+    from pdstack.node.config import load_node_config  # noqa: PLC0415
+    from pdstack.node.drain import complete_termination  # noqa: PLC0415
+    from pdstack.node.loader import aws_client, instance_id  # noqa: PLC0415
+
+    config = load_node_config(config_path)
+    autoscaling = aws_client("autoscaling", config.aws_region, config.aws_endpoint_url)
+    complete_termination(autoscaling, config, instance_id())
+    typer.echo("pdstack-node: lifecycle action completed: the group terminates this instance")
+
+
 @node_app.command("user-data")
 def user_data_command(
     stack: Annotated[

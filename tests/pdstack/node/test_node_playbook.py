@@ -19,6 +19,7 @@ import yaml
 from pdstack.node.apply import extra_vars, playbook_run
 from pdstack.node.bundle import PLAYBOOK, build_bundle
 from pdstack.node.config import NodeConfig
+from pdstack.node.drain import DRAIN_PLAYBOOK
 from pdstack.node.join import Joined
 from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRecord
 from pdstack.node.secrets import SecretFiles
@@ -125,7 +126,7 @@ def run_in_bundle(bundle_dir: Path, playbook: Path, home: Path, variables: dict[
     vars_file = home / "apply-vars.json"
     vars_file.write_text(json.dumps(variables))
     record = release_record(LOCAL, bundle_dir.name)
-    run = playbook_run(bundle_dir, record, vars_file, Path(ANSIBLE_PLAYBOOK).parent)
+    run = playbook_run(bundle_dir, record.bundle.playbook, vars_file, Path(ANSIBLE_PLAYBOOK).parent)
     argv = [*run.argv[:-1], str(playbook), *args, "-e", "ansible_python_interpreter=/usr/bin/python3"]
     env = {"PATH": "/usr/bin:/bin", "ANSIBLE_NOCOLOR": "1", "HOME": str(home), **run.env}
     env |= {
@@ -166,8 +167,10 @@ def test_the_bundle_has_the_collections_the_roles_use() -> None:
     assert used <= set(COLLECTIONS)
 
 
-def test_syntax(bundle_dir: Path, tmp_path: Path) -> None:
-    run = run_in_bundle(bundle_dir, bundle_dir / PLAYBOOK, tmp_path, {}, "--syntax-check")
+@pytest.mark.parametrize("playbook", [PLAYBOOK, DRAIN_PLAYBOOK])
+def test_syntax(playbook: str, bundle_dir: Path, tmp_path: Path) -> None:
+    """The bootstrap's play and the drain's (pdstack node drain), from the bundle alone."""
+    run = run_in_bundle(bundle_dir, bundle_dir / playbook, tmp_path, {}, "--syntax-check")
     assert run.returncode == 0, run.output
 
 
