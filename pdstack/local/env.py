@@ -25,7 +25,7 @@ from pdstack.local.commands import CommandError, run_captured
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
 from pdstack.local.engine_choice import resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.images import Images, build_and_push, push_vllm_image
-from pdstack.local.inventory import write_inventory
+from pdstack.local.inventory import write_inventory, write_node_platform
 from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model
 from pdstack.local.network import LocalNetwork
 from pdstack.local.registry import Registry
@@ -137,6 +137,7 @@ class LocalEnv:
         for node in topology.converged_nodes:
             ensure_node(node, key.with_suffix(".pub").read_text(), say)
         write_inventory(topology, self.inventory)
+        write_node_platform(topology, self.project)
         say("names: the environment's *.local.pdstack names in this machine's /etc/hosts")
         transport.name_hosts(topology)
         extra = {**extra, **transport.release_vars(topology, self.state_dir)}

@@ -11,12 +11,19 @@ from typing import Any
 
 import yaml
 
+from pdstack.contract.yamlfiles import dump_yaml
+from pdstack.local.names import host_entries
 from pdstack.local.network import MTU as LINK_MTU
 from pdstack.local.registry import PORT as REGISTRY_PORT
 from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Topology
 from pdstack.model import PoolRole
 
 HEADER = "# Rendered by `pdstack local inventory` from stacks/Pulumi.local-*.yaml; do not edit by hand.\n"
+PLATFORM_HEADER = (
+    "# What the local platform gives a node booting from its user data (pdstack.local.inventory.node_platform),\n"
+    "# rendered by `pdstack local up` from stacks/Pulumi.local-*.yaml (a test keeps it current); do not edit by hand.\n"
+)
+PLATFORM_FILE = Path("playbooks/vars/platform/local.yml")
 SSH_KEY = "{{ inventory_dir }}/../../.cache/local/ssh/id_ed25519"  # made by `pdstack local up`
 
 # Ansible reaches the nodes over SSH at their datacenter addresses, as it reaches cloud nodes.
@@ -42,6 +49,57 @@ NESTED_NODE_VARS: dict[str, Any] = {
     "numa_serving_nics": ["eth0"],
     "time_sync_pools": [],
 }
+
+
+def _registry_vars() -> dict[str, Any]:
+    return {
+        "pdstack_registry": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}",
+        "container_runtime_registries": [{"location": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}", "insecure": True}],
+    }
+
+
+def _link_vars(topology: Topology, name: str) -> dict[str, Any]:
+    """Socket buffers sized for the longest fat pipe a datacenter's nodes use (none: the roles' defaults)."""
+    widest = max(
+        (link for link in topology.links if name in (link.a, link.b)),
+        key=lambda link: link.rate_mbit * link.rtt_ms,
+        default=None,
+    )
+    if widest is None:
+        return {}
+    return {
+        "kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
+        "kernel_tuning_link_rtt_ms": widest.rtt_ms,
+        "kernel_tuning_peer_links": peer_links(topology, name),
+        "kernel_tuning_link_mtu": int(LINK_MTU),  # node, router and WAN devices all carry it
+    }
+
+
+def node_platform(topology: Topology) -> dict[str, Any]:
+    """What the local environment's platform gives a node that boots from its user data (playbooks/node.yml loads it
+    as vars/platform/local.yml from the node bundle): what the operators' inventory gives its converged nodes beyond
+    the stacks, so both kinds of node are configured alike. By datacenter where it differs."""
+    return {
+        "pdstack_platform": "local",
+        **_registry_vars(),
+        **NESTED_NODE_VARS,
+        "time_sync_servers": [str(topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip)],
+        # as the cloud's stacks.yml gives them (playbooks/vars/node.yml's pdstack_node_links): node.yml sizes the
+        # kernel's buffers from the node's datacenter's entry
+        "kernel_tuning_link_mtu": int(LINK_MTU),
+        "pdstack_platform_links": {
+            dc.name: {
+                k.removeprefix("kernel_tuning_"): v for k, v in _link_vars(topology, dc.name).items() if "mtu" not in k
+            }
+            for dc in topology.datacenters
+        },
+        "pdstack_node_links": "{{ pdstack_platform_links[pdstack_datacenter] | default({}) }}",
+        "pdstack_hosts": host_entries(topology),
+    }
+
+
+def render_node_platform(topology: Topology) -> str:
+    return PLATFORM_HEADER + "---\n" + dump_yaml(node_platform(topology), width=120)
 
 
 def render_inventory(topology: Topology) -> str:
@@ -71,32 +129,13 @@ def inventory(topology: Topology) -> dict[str, Any]:
         "prometheus_scrape_interval": "1s",
     }
     for dc in topology.datacenters:
-        widest = max(
-            (link for link in topology.links if dc.name in (link.a, link.b)),
-            key=lambda link: link.rate_mbit * link.rtt_ms,
-            default=None,
-        )
-        group_vars: dict[str, Any] = {}
-        if widest is not None:  # size socket buffers for the longest fat pipe this datacenter's nodes use
-            group_vars = {
-                "kernel_tuning_link_bandwidth_gbps": widest.rate_mbit / 1000,
-                "kernel_tuning_link_rtt_ms": widest.rtt_ms,
-                "kernel_tuning_peer_links": peer_links(topology, dc.name),
-                "kernel_tuning_link_mtu": int(LINK_MTU),  # node, router and WAN devices all carry it
-            }
         children[f"dc_{dc.name}"] = {
             "hosts": {n.name: None for n in dc.nodes if not n.launched},
-            "vars": group_vars,
+            "vars": _link_vars(topology, dc.name),
         }
     return {
         "all": {
-            "vars": {
-                "pdstack_environment": "local",
-                "pdstack_registry": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}",
-                "container_runtime_registries": [
-                    {"location": f"{SERVICE_ADDRESS}:{REGISTRY_PORT}", "insecure": True},
-                ],
-            },
+            "vars": {"pdstack_environment": "local", **_registry_vars()},
             "children": {
                 "nodes": {
                     # on `nodes`, not `all`: the playbooks' controller plays (implicit localhost) stay local
@@ -125,7 +164,14 @@ def peer_links(topology: Topology, name: str) -> list[dict[str, Any]]:
 
 def write_inventory(topology: Topology, path: Path) -> bool:
     """Write the inventory if it differs; True when the file changed."""
-    text = render_inventory(topology)
+    return _write_if_changed(path, render_inventory(topology))
+
+
+def write_node_platform(topology: Topology, project: Path) -> bool:
+    return _write_if_changed(project / PLATFORM_FILE, render_node_platform(topology))
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
     if path.is_file() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)

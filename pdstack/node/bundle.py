@@ -43,6 +43,7 @@ COLLECTIONS = ("amazon.aws", "ansible.posix", "community.general", "containers.p
 # The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
 CLOUD_FACTS = "inventories/aws/group_vars/all/stacks.yml"
 ENV_VARS_DIRS = ("playbooks/vars/contract", "playbooks/vars/vllm")  # one file per environment, <env>.yml
+PLATFORM_DIR = "playbooks/vars/platform"  # the local platform's local.yml, and cloud.yml for every other
 SKIP = {"__pycache__", ".pytest_cache", "tests", ".git"}
 SOURCE_DATE_EPOCH = 0  # the members' mtime
 WHEEL_EPOCH = 315532800  # 1980-01-01, the earliest time a zip (a wheel) stores
@@ -97,6 +98,8 @@ def tree_files(repo: Path, env: str, collections_from: Path) -> dict[str, Path]:
         folder, _, file = name.rpartition("/")
         if folder in ENV_VARS_DIRS and file != f"{env}.yml":
             del playbooks[name]  # another environment's rendered values
+        elif folder == PLATFORM_DIR and file not in (f"{env}.yml", "cloud.yml"):
+            del playbooks[name]
     for folder in ENV_VARS_DIRS:
         if f"{folder}/{env}.yml" not in playbooks:
             raise BundleError(f"no {folder}/{env}.yml: render the environment first (docs/node-bootstrap.md)")

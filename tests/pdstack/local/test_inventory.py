@@ -12,7 +12,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from pdstack.cli import app
-from pdstack.local.inventory import render_inventory
+from pdstack.local.inventory import PLATFORM_FILE, render_inventory, render_node_platform
 from pdstack.local.topology import load_topology
 from tests.support import REPO, STACKS
 
@@ -21,6 +21,11 @@ INVENTORY = REPO / "inventories" / "local" / "hosts.yml"
 
 def test_committed_inventory_matches_the_stacks() -> None:
     assert INVENTORY.read_text() == render_inventory(load_topology(STACKS)), "run `pdstack local inventory`"
+
+
+def test_committed_node_platform_matches_the_stacks() -> None:
+    """What the node bundle carries for nodes booting from user data (playbooks/vars/platform/local.yml)."""
+    assert (REPO / PLATFORM_FILE).read_text() == render_node_platform(load_topology(STACKS)), "run `pdstack local up`"
 
 
 def test_ansible_groups_nodes_by_role_and_datacenter() -> None:

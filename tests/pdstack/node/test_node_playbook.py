@@ -50,12 +50,19 @@ def argument_spec(role: str) -> dict[str, Any]:
     return dict(specs["argument_specs"]["main"]["options"])
 
 
-def vars_file_keys(play: dict[str, Any]) -> set[str]:
+def vars_file_keys(play: dict[str, Any], env: str = "prod") -> set[str]:
     """The variables the play's vars files define."""
     keys: set[str] = set()
-    for name in play["vars_files"]:
+    for entry in play["vars_files"]:
+        # a list is the first of its files that exists: the environment's platform file, else the cloud's
+        name = entry if isinstance(entry, str) else platform_file(env)
         keys |= set(yaml.safe_load((REPO / "playbooks" / name).read_text()))
     return keys
+
+
+def platform_file(env: str) -> str:
+    local = REPO / "playbooks" / "vars" / "platform" / f"{env}.yml"
+    return f"vars/platform/{env}.yml" if local.is_file() else "vars/platform/cloud.yml"
 
 
 def set_fact_keys(play: dict[str, Any]) -> set[str]:
@@ -73,7 +80,7 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with tarfile.open(built.path) as tar:
         tar.extractall(target, filter="data")
     # the local environment's rendered values beside prod's (a local bundle carries them instead)
-    for folder in ("contract", "vllm"):
+    for folder in ("contract", "vllm", "platform"):
         (target / "playbooks" / "vars" / folder / "local.yml").write_bytes(
             (REPO / "playbooks" / "vars" / folder / "local.yml").read_bytes()
         )
@@ -186,7 +193,7 @@ def test_each_role_takes_what_the_node_gives(env: str, bundle_dir: Path, moto: s
     variables = apply_vars(config, tmp_path / "secrets")
     plays = []
     for index, play in enumerate(node_playbook()):
-        defined = vars_file_keys(play) | set(variables)
+        defined = vars_file_keys(play, env) | set(variables)
         checks = []
         for entry in play.get("roles", []):
             spec = argument_spec(entry["role"])
@@ -227,6 +234,8 @@ def test_each_role_takes_what_the_node_gives(env: str, bundle_dir: Path, moto: s
     assert run.returncode == 0, run.output
     assert run.recap("localhost")["failed"] == 0
     assert SCHEDULER_URL in run.output, run.output
+    if env == "local":  # the local platform's link (dc2's: 1 Gbit/s), as the inventory gives its converged nodes
+        assert '"bandwidth": 1.0}' in run.output, run.output
     if env == "prod":  # the instance's name in the private zone, the Time Sync Service, the datacenter's link
         assert "i-0123456789abcdef0.decode-h200.decode-us-west-2.prod.pdstack.internal" in run.output
         assert '\\"time_sync_aws\\": true' in run.output or "time_sync_aws" in run.output
