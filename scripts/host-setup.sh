@@ -2,8 +2,8 @@
 # Install and configure what this machine needs, idempotently: a second run installs nothing and rewrites nothing.
 #   host-setup.sh          what `make up` needs on a Debian 12 host: podman with Debian's runc, debootstrap (to build
 #                          the node base image without a public image registry), the losetup/mkfs tools, the image
-#                          registry, the network tools of the emulated WAN and git (images are tagged by a hash of
-#                          their sources);
+#                          registry and htpasswd (apache2-utils: the registry's login), the network tools of the
+#                          emulated WAN and git (images are tagged by a hash of their sources);
 #   host-setup.sh --tests  that and what the tests run for real (`make test`, `make test-unit`, CI): Prometheus and
 #                          promtool, Alertmanager and amtool with node_exporter (tests/alerting runs them on loopback),
 #                          iperf3, ping, openssl and redis-server (the gateways' shared rate-limit store; tests start
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 PACKAGES=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs util-linux e2fsprogs xfsprogs openssh-client
-  docker-registry iproute2 iptables git)
+  docker-registry apache2-utils iproute2 iptables git)
 TEST_PACKAGES=(make python3-venv prometheus prometheus-alertmanager prometheus-node-exporter iperf3 iputils-ping
   openssl redis-server)
 if [[ "${1:-}" == "--tests" ]]; then
