@@ -2,12 +2,15 @@
 
 No public image registry is reachable from these machines, so the base image is built from Debian packages with
 `debootstrap --variant=minbase` and imported into podman; a node image adds systemd (as PID 1, so services such as
-chrony really run), python3 for Ansible and nothing else a role is expected to install. Both builds are skipped when
-the image already exists, since debootstrap is the slow step.
+chrony really run), python3 for Ansible, cloud-init (as a cloud image has it: a node booted with a NoCloud seed runs
+its pool's user data, pdstack.local.cloud_seed; one without a seed leaves cloud-init disabled) and nothing else a
+role is expected to install. Both builds are skipped when the image already exists, since debootstrap is the slow
+step; the node image's tag is a hash of what it is built from (NODE_IMAGE), so a changed recipe builds a new one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import tempfile
@@ -19,13 +22,14 @@ from pathlib import Path
 from pdstack.local.commands import CommandError, run_captured
 
 BASE_IMAGE = "localhost/pdstack-debian12-base:latest"
-NODE_IMAGE = "localhost/pdstack-node:latest"
+NODE_REPOSITORY = "localhost/pdstack-node"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SUITE = "bookworm"
 
 # What a freshly provisioned Debian 12 cloud node has: an init system, python3 for Ansible and the basic tools.
 # openssh-server: Ansible reaches nodes over SSH as it reaches real ones (and SSH pipelining is several times faster
-# than a podman exec per step). Everything the baseline roles configure (chrony, podman, mdadm, ...) is left out.
+# than a podman exec per step). cloud-init: a cloud image's, which runs the user data (here from a NoCloud seed).
+# Everything the baseline roles configure (chrony, podman, mdadm, ...) is left out.
 NODE_PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -39,7 +43,24 @@ NODE_PACKAGES = (
     "util-linux",
     "ca-certificates",
     "openssh-server",
+    "cloud-init",
 )
+
+# cloud-init looks for a NoCloud seed only (/var/lib/cloud/seed/nocloud, what pdstack.local.cloud_seed mounts), never
+# for a metadata service. ds-identify takes a list of one datasource (with or without None) as found without looking,
+# and cloud-init would then run every module on an empty configuration (a default user, new SSH host keys, ...); with
+# two entries it searches, and finding neither seed disables cloud-init for that boot (notfound=disabled, which
+# ds-identify.cfg makes the policy on every architecture): a node without a seed boots as it did before cloud-init.
+# The container's network is podman's and the image's apt sources are the reachable mirror: cloud-init changes
+# neither (Debian's cloud.cfg already preserves sources.list).
+NODE_CLOUD_CFG = """\
+# pdstack/local/nodes.py: a node container's datasource is its NoCloud seed, if it has one
+datasource_list: [NoCloud, ConfigDrive]
+network: {config: disabled}
+"""
+NODE_DS_IDENTIFY_CFG = """\
+policy: search,found=all,maybe=none,notfound=disabled
+"""
 
 NODE_CONTAINERFILE = """\
 FROM {base}
@@ -53,9 +74,23 @@ RUN printf 'deb {mirror} {suite} main\\ndeb {mirror} {suite}-updates main\\n' > 
 # Units that make no sense in a container and only slow the boot down.
 RUN systemctl mask systemd-udevd.service systemd-udevd-kernel.socket systemd-udevd-control.socket \\
     getty.target console-getty.service systemd-logind.service
+COPY 90-pdstack.cfg /etc/cloud/cloud.cfg.d/90-pdstack.cfg
+COPY ds-identify.cfg /etc/cloud/ds-identify.cfg
 STOPSIGNAL SIGRTMIN+3
 CMD ["/sbin/init"]
 """
+
+
+def node_image_tag() -> str:
+    """The node image's reference: NODE_REPOSITORY tagged `src-` and 12 hex digits of a hash of its recipe (the
+    Containerfile, the packages, the files it copies; not the mirror, which differs by host and not in content)."""
+    digest = hashlib.sha256()
+    for part in (NODE_CONTAINERFILE, " ".join(NODE_PACKAGES), NODE_CLOUD_CFG, NODE_DS_IDENTIFY_CFG):
+        digest.update(part.encode() + b"\0")
+    return f"{NODE_REPOSITORY}:src-{digest.hexdigest()[:12]}"
+
+
+NODE_IMAGE = node_image_tag()
 
 
 class NodeError(RuntimeError):
@@ -123,7 +158,8 @@ def _import_tree(root: str, image: str) -> None:
 
 
 def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: str | None = None) -> str:
-    """Build the node image (systemd, python3) on top of the base image; both are skipped when they exist."""
+    """Build the node image (systemd, python3, cloud-init) on top of the base image; both are skipped when they
+    exist. Building NODE_IMAGE untags the repository's other builds (an image a container still runs stays)."""
     if image_exists(image):
         return image
     build_base_image(base, mirror)
@@ -132,12 +168,24 @@ def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: st
     )
     with tempfile.TemporaryDirectory(prefix="pdstack-node-build-") as context:
         (Path(context) / "Containerfile").write_text(containerfile)
+        (Path(context) / "90-pdstack.cfg").write_text(NODE_CLOUD_CFG)
+        (Path(context) / "ds-identify.cfg").write_text(NODE_DS_IDENTIFY_CFG)
         run_captured(["podman", "build", "--network", "host", "-t", image, context])
+    if image == NODE_IMAGE:
+        _untag_older_node_images(image)
     return image
 
 
-def create_node(spec: NodeSpec) -> str:
-    """Start a privileged node container running systemd as PID 1; returns its name."""
+def _untag_older_node_images(image: str) -> None:
+    listed = run_captured(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", NODE_REPOSITORY], check=False)
+    older = [tag for tag in listed.stdout.split() if tag != image and tag.startswith(f"{NODE_REPOSITORY}:")]
+    for tag in older:  # one at a time: podman refuses an image a container uses, and would skip the rest with it
+        run_captured(["podman", "rmi", tag], check=False)
+
+
+def create_node(spec: NodeSpec, *, wait: bool = True) -> str:
+    """Start a privileged node container running systemd as PID 1; returns its name once systemd finished booting,
+    or at once without `wait` (a node whose boot runs long jobs, such as cloud-init's, is waited for otherwise)."""
     remove_node(spec.name)
     run_captured(
         [
@@ -156,7 +204,8 @@ def create_node(spec: NodeSpec) -> str:
             spec.image,
         ]
     )
-    wait_for_systemd(spec.name)
+    if wait:
+        wait_for_systemd(spec.name)
     return spec.name
 
 
