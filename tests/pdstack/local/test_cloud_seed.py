@@ -211,6 +211,7 @@ def test_a_node_without_a_seed_leaves_cloud_init_disabled(image: str) -> None:
         nodes.create_node(nodes.NodeSpec(name, image=image, extra_args=("--network", "none")))
         assert cloud_seed.cloud_init_status(name) == "disabled"
         assert sh(name, "test -e /root/.aws || echo none") == "none\n"
+        assert sh(name, "id debian 2>/dev/null || echo none") == "none\n"  # no module ran: not even the users'
         with pytest.raises(nodes.NodeError, match="cloud-init in node seedtest-noseed: disabled"):
             cloud_seed.wait_for_cloud_init(name, timeout=10)
     finally:
