@@ -37,8 +37,12 @@ from pdstack.contract.components import (
     TLS_CA_FILE,
     TLS_CERT_FILE,
     TLS_KEY_FILE,
+    Component,
+    contract,
+    scheduler_audience,
     scheduler_url_parameter,
     secret_name,
+    setting,
 )
 from pdstack.contract.node_lifecycle import (
     DRAIN_DEFAULT_RESULT,
@@ -48,10 +52,12 @@ from pdstack.contract.node_lifecycle import (
     node_role_arn,
     node_role_name,
 )
-from pdstack.local.names import NAMES
+from pdstack.local.names import NAMES, service_name
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.tls import Leaf, LocalCA
-from pdstack.local.topology import SERVICE_ADDRESS
+from pdstack.local.topology import SERVICE_ADDRESS, Topology
+from pdstack.local.transport import local_ca
+from pdstack.model import PoolRole
 from pdstack.node.publish import Published, gpu_datacenters, model_bucket, publish
 from pdstack.stacks.environment import EnvironmentStacks
 
@@ -333,3 +339,37 @@ def publish_local_release(
         buckets=buckets,
         clients=aws.clients,
     )
+
+
+def gpu_pools(topology: Topology) -> list[Pool]:
+    return [(dc.name, pool) for dc in topology.datacenters for pool, role in dc.pools if role is not PoolRole.CONTROL]
+
+
+def seed_local_aws(aws: LocalAws, topology: Topology, secrets: LocalSecrets, state_dir: Path) -> dict[str, str]:
+    """Everything a node booting from user data reads before the release (`up`, every time: moto forgets): the node
+    secrets and each pool's certificate (every address the pool's nodes may have), the scheduler's URL, the model
+    buckets and the node roles. Returns the scheduler's join settings for those roles."""
+    env = "local"
+    pools = gpu_pools(topology)
+    served = contract(topology.serving)
+    values = local_secret_values(secrets, served.node_secrets())
+    addresses = {(dc, pool): topology.pool_addresses(dc, pool) for dc, pool in pools}
+    values |= pool_tls_values(local_ca(state_dir), addresses)
+    seed_secrets(aws.client("secretsmanager"), env, values)
+    scheduler = f"https://{service_name(topology, 'scheduler')}:{served[Component.SCHEDULER].port}"
+    seed_scheduler_url(aws.client("ssm"), env, scheduler)
+    ensure_buckets(aws.client("s3"), env, sorted({dc for dc, _ in pools}))
+    roles = ensure_node_roles(aws.client("iam"), env, pools)
+    components = {(dc, pool): str(topology.datacenter(dc).pool_role(pool)) for dc, pool in pools}
+    return scheduler_join_env({arn: components[pool] for pool, arn in roles.items()}, aws.endpoint)
+
+
+def scheduler_join_env(node_roles: Mapping[str, str], aws_endpoint: str) -> dict[str, str]:
+    """The scheduler's join settings for the local nodes (pdserve.scheduler.join; the cloud's are infra's
+    scheduler_join_settings): each node role's ARN -> its component, the environment's audience, STS at the local
+    AWS."""
+    return {
+        setting("join_node_roles"): ",".join(f"{arn}={component}" for arn, component in sorted(node_roles.items())),
+        setting("join_audience"): scheduler_audience("local"),
+        setting("join_sts_url"): aws_endpoint + "/",
+    }

@@ -21,6 +21,7 @@ from openai import OpenAI
 from pdstack.contract.components import contract
 from pdstack.contract.files import ansible_vars, environment_alerting, write_ansible_vars
 from pdstack.local import nodes, transport
+from pdstack.local.aws import LocalAws, seed_local_aws
 from pdstack.local.commands import CommandError, run_captured
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
 from pdstack.local.engine_choice import resolve_engine, vllm_release_vars, vllm_serving
@@ -28,7 +29,7 @@ from pdstack.local.images import Images, build_and_push, push_vllm_image
 from pdstack.local.inventory import write_inventory, write_node_platform
 from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model
 from pdstack.local.network import LocalNetwork
-from pdstack.local.registry import Registry
+from pdstack.local.registry import Registry, registry_auth_vars
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.topology import Node, Topology, load_topology
 from pdstack.model import Engine, PoolRole, Serving
@@ -80,8 +81,12 @@ class LocalEnv:
     def network(self, topology: Topology) -> LocalNetwork:
         return LocalNetwork(topology, self.state_dir / "network")
 
-    def registry(self) -> Registry:
-        return Registry(self.state_dir)
+    def registry(self, aws: LocalAws | None = None) -> Registry:
+        """The local registry; given the local AWS, it takes ECR's login from it (and refuses anonymous pulls)."""
+        return Registry(self.state_dir, credentials=aws.registry_credentials() if aws is not None else None)
+
+    def aws(self) -> LocalAws:
+        return LocalAws(self.state_dir)
 
     # -- up / down ------------------------------------------------------------------------------------------------
 
@@ -115,8 +120,11 @@ class LocalEnv:
         transport.ensure_certificates(topology, self.state_dir)
         say("network: router and node namespaces, emulated WAN links")
         self.network(topology).up()
-        say("registry: starting")
-        registry = self.registry()
+        say(f"aws: the local AWS APIs (moto) at {self.aws().endpoint}")
+        aws = self.aws()
+        aws.start()
+        say("registry: starting (it refuses anonymous pulls and takes ECR's login, as ECR does)")
+        registry = self.registry(aws)
         registry.start()
         say("images: node, runtime and Prometheus images (built when their sources changed), pushed to the registry")
         nodes.build_node_image()
@@ -140,7 +148,10 @@ class LocalEnv:
         write_node_platform(topology, self.project)
         say("names: the environment's *.local.pdstack names in this machine's /etc/hosts")
         transport.name_hosts(topology)
-        extra = {**extra, **transport.release_vars(topology, self.state_dir)}
+        extra = {**extra, **transport.release_vars(topology, self.state_dir), **registry_auth_vars(registry)}
+        say("aws: the node secrets, pool certificates, scheduler URL, model buckets and node roles")
+        join = seed_local_aws(aws, topology, self.secrets, self.state_dir)
+        extra["pdserve_env"] = {**LOCAL_RATE_LIMITS, **join}
         write_ansible_vars(self.project, "local", topology.serving)
         self.write_release(serving, images, model, extra)
         self.converge_nodes(topology, model, converge, say)
@@ -251,6 +262,8 @@ class LocalEnv:
             nodes.remove_node(node.name)
         say("registry: stopping")
         self.registry().stop()
+        say("aws: stopping")
+        self.aws().stop()
         say("network: removing namespaces, links and rules")
         self.network(topology).down()
         say("names: removing the environment's block from /etc/hosts")

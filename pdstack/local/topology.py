@@ -55,6 +55,10 @@ class LocalDatacenter:
     network: IPv4Network
     index: int
     nodes: tuple[Node, ...]
+    pools: tuple[tuple[str, PoolRole], ...] = ()  # its pools in the stack's order (their launched addresses follow it)
+
+    def pool_role(self, pool: str) -> PoolRole:
+        return dict(self.pools)[pool]
 
     @property
     def router_namespace(self) -> str:
@@ -118,6 +122,15 @@ class Topology:
     def pool_nodes(self, datacenter: str, pool: str) -> list[Node]:
         return [node for node in self.nodes if node.datacenter == datacenter and node.pool == pool]
 
+    def pool_addresses(self, datacenter: str, pool: str) -> list[str]:
+        """Every address a node of the pool may have: its converged nodes' and the whole launched range (a pool's
+        certificate carries them all, so scaling never reissues it)."""
+        dc = self.datacenter(datacenter)
+        index = [name for name, _ in dc.pools].index(pool)
+        launched = [_launched_address(dc.network, index, j) for j in range(LAUNCHED_PER_POOL)]
+        converged = [n.address for n in self.pool_nodes(datacenter, pool) if not n.launched]
+        return [str(a.ip) for a in [*converged, *launched]]
+
 
 class TopologyError(ValueError):
     pass
@@ -171,7 +184,8 @@ def topology_of(stacks: list[StackFile], capacity: Capacity | None = None) -> To
                 address = _launched_address(dc.cidr, p, j)
                 launched.append(Node(f"{dc.name}-{pool.name}-{i}", dc.name, pool.role, pool.name, address, True))
         nodes += launched
-        datacenters.append(LocalDatacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes)))
+        pools = tuple((p.name, p.role) for p in dc.pools)
+        datacenters.append(LocalDatacenter(dc.name, dc.role, dc.cidr, index, tuple(nodes), pools))
     links: dict[frozenset[str], LocalLink] = {}
     for stack in ordered:
         here = stack.config.datacenter.name

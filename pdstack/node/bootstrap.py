@@ -31,6 +31,7 @@ from pdstack.contract.components import (
 )
 from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, extra_vars, subprocess_runner
 from pdstack.node.config import NodeConfig
+from pdstack.node.drain import install_termination_watch
 from pdstack.node.join import Joined, JoinError, join_scheduler
 from pdstack.node.loader import (
     STATE_DIR,
@@ -107,6 +108,7 @@ def bootstrap(
     bin_dir: Path | None = None,
     bundle_seconds: float = 0.0,
     credentials: CredentialsSource = instance_role_credentials,
+    watch_termination: Callable[[Path], None] = install_termination_watch,
 ) -> BootstrapResult:
     """Bring this node to its release; BootstrapError (reported as above) when it cannot."""
     paths = paths or NodePaths()
@@ -153,6 +155,8 @@ def bootstrap(
         with _phase(Phase.APPLY, seconds):
             variables = extra_vars(config, instance, record, files, paths.registry_auth_file, joined=joined)
             run = apply_bundle(bundle_dir, record, variables, paths.state_dir, runner=runner, bin_dir=bin_dir)
+            if config.aws_endpoint_url is None:  # the cloud's scale-in: its group's lifecycle hook, seen in IMDS
+                watch_termination(paths.state_dir)
     except BootstrapError as exc:
         report_failure(
             exc,

@@ -14,6 +14,7 @@ runs the same `pdstack node drain` in the node before it removes it.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,12 +25,16 @@ import httpx
 from pdstack.contract.node_lifecycle import DRAIN_DEFAULT_RESULT, DRAIN_HOOK, node_group_name
 from pdstack.node.apply import VARS_FILE, PlaybookRun, Runner, playbook_run, subprocess_runner
 from pdstack.node.config import NodeConfig
-from pdstack.node.loader import STATE_DIR
+from pdstack.node.loader import CURRENT_VENV, STATE_DIR
 
 DRAIN_PLAYBOOK = "playbooks/node_drain.yml"
 IMDS = "http://169.254.169.254"
 TARGET_STATE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 TERMINATED = "Terminated"
+
+
+WATCH_UNIT = "pdstack-node-termination-watch.service"
+UNIT_DIR = Path("/etc/systemd/system")
 
 
 class DrainError(RuntimeError):
@@ -84,3 +89,30 @@ def wait_for_termination(
     """Return once the instance's group has chosen it for termination."""
     while read_state() != TERMINATED:
         sleep(poll_s)
+
+
+def watch_unit_text(state_dir: Path = STATE_DIR) -> str:
+    python = state_dir / CURRENT_VENV / "bin" / "python"
+    return f"""\
+[Unit]
+Description=pdstack node: drain when the group chooses this instance for scale-in (pdstack/node/drain.py)
+After=pdstack-node-bootstrap.service
+
+[Service]
+Type=simple
+ExecStart={python} -m pdstack.node watch-termination
+Restart=on-failure
+RestartSec=10
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def install_termination_watch(
+    state_dir: Path = STATE_DIR, unit_dir: Path = UNIT_DIR, run: Callable[..., Any] = subprocess.run
+) -> None:
+    """A cloud node, once serving, watches for its group's scale-in (started now, and at every boot)."""
+    (unit_dir / WATCH_UNIT).write_text(watch_unit_text(state_dir))
+    for argv in (["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", WATCH_UNIT]):
+        run(argv, check=True, capture_output=True)

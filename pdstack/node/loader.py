@@ -49,6 +49,9 @@ SSM_AGENT_URL = "https://s3.{region}.amazonaws.com/amazon-ssm-{region}/{version}
 SSM_AGENT_VERSION = re.compile(r"^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 REQUIREMENTS = "wheels/requirements.txt"
+# STATE_DIR/venv: the venv of the bundle this node runs, for what runs pdstack on the node after the bootstrap
+# (`venv/bin/python -m pdstack.node drain`: the termination watch in the cloud, `pdstack local scale` locally)
+CURRENT_VENV = "venv"
 
 
 class Phase(StrEnum):
@@ -292,6 +295,7 @@ def install_venv(bundle: Path, state_dir: Path = STATE_DIR, run: Any = subproces
     venv = state_dir / "venvs" / bundle.name
     python = venv / "bin" / "python"
     if (venv / ".installed").exists():
+        _point(state_dir / CURRENT_VENV, venv)
         return python
     steps = [
         [sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(venv)],
@@ -312,7 +316,16 @@ def install_venv(bundle: Path, state_dir: Path = STATE_DIR, run: Any = subproces
         if answer.returncode != 0:
             raise BootstrapError(Phase.BUNDLE, f"{' '.join(step[:4])} failed: {answer.stderr.strip()[-2000:]}")
     (venv / ".installed").touch()
+    _point(state_dir / CURRENT_VENV, venv)
     return python
+
+
+def _point(link: Path, target: Path) -> None:
+    """`link` -> `target`, replaced atomically (a reader finds the old venv or the new one, never none)."""
+    fresh = link.with_name(f".{link.name}.new")
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(target)
+    fresh.replace(link)
 
 
 def main(

@@ -24,6 +24,7 @@ import yaml
 from cryptography import x509
 
 from pdserve.scheduler.join import _ASSUMED_ROLE
+from pdserve.scheduler.settings import SchedulerSettings
 from pdstack.contract.components import contract, scheduler_url_parameter, secret_name, tls_secret_name
 from pdstack.contract.node_lifecycle import node_group_name, node_role_arn, node_role_name
 from pdstack.local.aws import (
@@ -36,12 +37,15 @@ from pdstack.local.aws import (
     node_credentials,
     pool_tls_values,
     publish_local_release,
+    seed_local_aws,
     seed_scheduler_url,
     seed_secrets,
 )
 from pdstack.local.registry import NODE_AUTH_FILE, Registry, registry_auth_vars
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.tls import LocalCA
+from pdstack.local.topology import load_topology
+from pdstack.local.transport import local_ca
 from pdstack.model import Environment
 from pdstack.node.join import scheduler_url
 from pdstack.node.loader import mark_unhealthy
@@ -302,3 +306,27 @@ def test_a_registry_started_again_keeps_running_and_an_anonymous_one_takes_the_l
         assert logged.pid() != pid and httpx.get(catalog, timeout=5).status_code == 401
     finally:
         anonymous.stop()
+
+
+def test_up_seeds_what_a_node_reads_and_the_scheduler_admits_the_pools_roles(aws: LocalAws, tmp_path: Path) -> None:
+    """seed_local_aws (what `up` runs): the node secrets and each pool's certificate in Secrets Manager, the
+    scheduler's URL, the buckets and roles; its join settings are ones the scheduler loads, naming each GPU pool's
+    role as the component its nodes are."""
+    topology = load_topology(ROOT / "stacks")
+    LocalSecrets(tmp_path / "secrets").ensure()
+    local_ca(tmp_path).ensure([])
+    join = seed_local_aws(aws, topology, LocalSecrets(tmp_path / "secrets"), tmp_path)
+    names = {s["Name"] for s in aws.client("secretsmanager").list_secrets()["SecretList"]}
+    assert {"pdstack/local/tls/dc1/prefill", "pdstack/local/tls/dc2/decode"} <= names
+    fields = {name.removeprefix("PDSERVE_").lower(): value for name, value in join.items()}
+    admin, key = tmp_path / "admin.token", tmp_path / "identity.key"
+    admin.write_text("a" * 40)
+    key.write_text("k" * 40)
+    scheduler = SchedulerSettings(
+        state_file=tmp_path / "state.json", admin_token_file=admin, identity_key_file=key, **fields
+    )
+    assert scheduler.join_sts_url == aws.endpoint + "/"
+    assert {f"{arn}={component}" for arn, component in scheduler.join_node_roles.items()} == {
+        f"arn:aws:iam::{ACCOUNT}:role/pdstack-local-dc1-prefill-node=prefill",
+        f"arn:aws:iam::{ACCOUNT}:role/pdstack-local-dc2-decode-node=decode",
+    }

@@ -239,3 +239,11 @@ def test_a_corrupt_bundle_fails_the_bundle_phase(node: Node) -> None:
     expect_failure(node, Phase.BUNDLE, node.record.bundle.key, node.record.bundle.sha256)
 
     assert not list((node.paths.state_dir / "bundles").iterdir())
+
+
+def test_a_local_node_leaves_scale_in_to_the_local_platform(node: Node) -> None:
+    """No metadata service to watch here: `pdstack local scale` drains the node itself (the cloud's node installs
+    the termination watch, tests/pdstack/node/test_drain.py)."""
+    watched: list[Path] = []
+    node.boot(watch_termination=watched.append)
+    assert node.config.aws_endpoint_url and watched == []

@@ -13,10 +13,12 @@ from pdstack.node.apply import VARS_FILE, PlaybookRun
 from pdstack.node.drain import (
     DRAIN_PLAYBOOK,
     TERMINATED,
+    WATCH_UNIT,
     DrainError,
     complete_termination,
     drain_node,
     imds_target_state,
+    install_termination_watch,
     wait_for_termination,
 )
 from tests.pdstack.node.test_node_playbook import LOCAL
@@ -90,3 +92,11 @@ def test_the_watch_waits_until_the_group_chose_the_instance() -> None:
 
 def test_no_metadata_service_is_no_state() -> None:
     assert imds_target_state("http://127.0.0.1:9", timeout_s=0.5) is None
+
+
+def test_a_cloud_node_watches_for_its_scale_in_from_the_venv_it_runs(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    install_termination_watch(tmp_path / "state", tmp_path, lambda argv, **_: calls.append(argv))
+    unit = (tmp_path / WATCH_UNIT).read_text()
+    assert f"ExecStart={tmp_path / 'state' / 'venv' / 'bin' / 'python'} -m pdstack.node watch-termination" in unit
+    assert calls == [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", WATCH_UNIT]]

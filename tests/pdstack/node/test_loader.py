@@ -125,8 +125,10 @@ def test_the_venv_is_installed_once_offline(tmp_path: Path) -> None:
         "-r",
         str(bundle / "wheels" / "requirements.txt"),
     ]
+    assert (tmp_path / "venv").resolve() == python.parent.parent  # what runs pdstack on the node after the bootstrap
     install_venv(bundle, tmp_path, run)
     assert len(calls) == 2
+    assert (tmp_path / "venv").resolve() == python.parent.parent
 
 
 def test_stage_0_reports_an_absent_release_as_the_bootstrap_does(
