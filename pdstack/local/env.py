@@ -22,13 +22,14 @@ from pdstack.contract.components import contract
 from pdstack.contract.files import ansible_vars, environment_alerting, write_ansible_vars
 from pdstack.local import nodes, transport
 from pdstack.local.aws import LocalAws, seed_local_aws
-from pdstack.local.commands import CommandError, run_captured
+from pdstack.local.commands import CommandError
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
 from pdstack.local.engine_choice import resolve_engine, vllm_release_vars, vllm_serving
 from pdstack.local.images import Images, build_and_push, push_vllm_image
 from pdstack.local.inventory import write_inventory, write_node_platform
 from pdstack.local.model import MANIFEST, ensure_model, ensure_vllm_model
 from pdstack.local.network import LocalNetwork
+from pdstack.local.pools import load_capacity
 from pdstack.local.registry import Registry, registry_auth_vars
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.topology import Node, Topology, load_topology
@@ -75,8 +76,13 @@ class LocalEnv:
     def secrets(self) -> LocalSecrets:
         return LocalSecrets(self.state_dir / "secrets")
 
+    @property
+    def capacity_file(self) -> Path:
+        """The local pools' desired capacities (pdstack local scale; pdstack.local.pools)."""
+        return self.state_dir / "pools.json"
+
     def topology(self) -> Topology:
-        return load_topology(self.stacks_dir)
+        return load_topology(self.stacks_dir, load_capacity(self.capacity_file))
 
     def network(self, topology: Topology) -> LocalNetwork:
         return LocalNetwork(topology, self.state_dir / "network")
@@ -268,6 +274,8 @@ class LocalEnv:
         self.network(topology).down()
         say("names: removing the environment's block from /etc/hosts")
         transport.unname_hosts()
+        for launched in (self.capacity_file, self.state_dir / "instances.json"):  # the groups went with the AWS
+            launched.unlink(missing_ok=True)
 
     # -- status ---------------------------------------------------------------------------------------------------
 
@@ -304,7 +312,7 @@ def ensure_node(node: Node, public_key: str, say: Callable[[str], None] = print)
     A node that stops right after booting (seen once in CI: systemd up, then the container gone before the key went
     in) is started once more, and what its console said is printed; a second stop fails with that console."""
     for attempt in (1, 2):
-        if not (nodes.node_exists(node.name) and _running(node.name)):
+        if not nodes.node_running(node.name):
             nodes.create_node(nodes.NodeSpec(node.name, extra_args=("--network", f"ns:/run/netns/{node.namespace}")))
         try:
             nodes.authorize_ssh_key(node.name, public_key)
@@ -329,8 +337,3 @@ def smoke_completion(base_url: str, api_key_file: Path, model: str, ca_file: Pat
         model=model, prompt="Prefill in one datacenter, decode in the other: " * 3, max_tokens=8, temperature=0
     )
     return completion.choices[0].text
-
-
-def _running(name: str) -> bool:
-    out = run_captured(["podman", "inspect", "--format", "{{.State.Running}}", name], check=False).stdout
-    return out.strip() == "true"

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdstack.local import procs
 from pdstack.local.commands import CommandError, run_captured
 
 BASE_IMAGE = "localhost/pdstack-debian12-base:latest"
@@ -219,16 +220,25 @@ def wait_for_systemd(name: str, attempts: int = 120) -> None:
     raise NodeError(f"systemd in node {name} did not finish booting")
 
 
+def node_running(name: str) -> bool:
+    """Whether the node's init runs: podman says so and its process exists. podman's record alone outlives a node
+    whose processes were killed without podman (its conmon with them, as when a session's processes all end): such
+    a node is "running" to `podman ps` while every exec in it fails with "cannot exec in a stopped container"."""
+    state = run_captured(["podman", "inspect", "--format", "{{.State.Running}} {{.State.Pid}}", name], check=False)
+    running, _, pid = state.stdout.strip().partition(" ")
+    return running == "true" and pid.isdigit() and procs.alive(int(pid))
+
+
 def stopped_reason(name: str) -> str | None:
     """None while the node runs; otherwise its exit state and the tail of its console (systemd's boot and shutdown
     messages), for an error that says why it stopped."""
-    template = "{{.State.Running}} exit={{.State.ExitCode}} oom={{.State.OOMKilled}} error={{.State.Error}}"
-    state = run_captured(["podman", "inspect", "--format", template, name], check=False).stdout.strip()
-    if state.startswith("true"):
+    if node_running(name):
         return None
+    template = "running={{.State.Running}} exit={{.State.ExitCode}} oom={{.State.OOMKilled}} error={{.State.Error}}"
+    state = run_captured(["podman", "inspect", "--format", template, name], check=False).stdout.strip()
     logs = run_captured(["podman", "logs", "--tail", "25", name], check=False)
     console = (logs.stdout + logs.stderr).strip()
-    return f"{state.removeprefix('false ') or 'no such container'}; its console ends:\n{console}"
+    return f"{state or 'no such container'}; its console ends:\n{console}"
 
 
 def node_exists(name: str) -> bool:
@@ -238,7 +248,9 @@ def node_exists(name: str) -> bool:
 def remove_node(name: str) -> None:
     """Remove the node container and its containers volume if they exist."""
     if node_exists(name):
-        run_captured(["podman", "rm", "-f", "-t", "5", name])
+        removed = run_captured(["podman", "rm", "-f", "-t", "5", name], check=False)
+        if removed.returncode != 0:  # a node killed behind podman's back: the failed stop marked it stopped
+            run_captured(["podman", "rm", "-f", "-t", "0", name])
     run_captured(["podman", "volume", "rm", "-f", f"{name}-containers"], check=False)
 
 
