@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pdstack.local import nodes
+from pdstack.local.registry import NODE_AUTH_FILE
 from tests.support import REPO
 from tests.support.ansible import ANSIBLE_PLAYBOOK, PlaybookRun
 
@@ -52,6 +53,7 @@ TEST_VARS: dict[str, Any] = {
     "container_runtime_registry_auths": [
         {"registry": "registry.pdstack.test:5000", "username": "pdstack", "password": "test-only-password"}
     ],
+    "container_runtime_auth_file": NODE_AUTH_FILE,  # as `up` gives it: a folder the node image does not have
     # Any accidental fetch from the NVIDIA repositories goes to a closed loopback port, never out.
     "gpu_driver_cuda_repo_url": "http://127.0.0.1:9/cuda/",
     "gpu_driver_cuda_repo_key_url": "http://127.0.0.1:9/cuda/key.pub",

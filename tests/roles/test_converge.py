@@ -7,6 +7,7 @@ import json
 import pytest
 import testinfra
 
+from pdstack.local.registry import NODE_AUTH_FILE
 from tests.roles.conftest import NODE_A, NODE_B, Cluster
 
 pytestmark = pytest.mark.timeout(1500)
@@ -191,7 +192,7 @@ def test_registry_mirror_and_credentials(cluster: Cluster) -> None:
     registries = node.file("/etc/containers/registries.conf.d/60-pdstack.conf").content_string
     assert 'location = "registry.pdstack.test:5000"' in registries
     assert 'location = "mirror.pdstack.test:5000"' in registries
-    auth = node.file("/etc/containers/auth.json")
+    auth = node.file(NODE_AUTH_FILE)
     assert auth.mode == 0o600
     assert "registry.pdstack.test:5000" in json.loads(auth.content_string)["auths"]
     assert "test-only-password" not in cluster.first_run.output  # credentials never reach the log
