@@ -26,6 +26,9 @@ from pdstack.contract.components import (
     NODE_EXPORTER_TEXTFILE_DIR,
     NODE_SECRETS_DIR,
     REGISTRY_AUTH_FILE,
+    TLS_CA_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
     scheduler_audience,
     scheduler_url_parameter,
 )
@@ -144,7 +147,8 @@ def bootstrap(
                 component=config.role,
                 token_file=paths.secrets_dir / INSTANCE_TOKEN.file,
                 sts_url=config.aws_endpoint_url.rstrip("/") + "/" if config.aws_endpoint_url else None,
-                ca_file=files.tls.get("ca.crt"),
+                ca_file=files.tls[TLS_CA_FILE],
+                client_pair=(files.tls[TLS_CERT_FILE], files.tls[TLS_KEY_FILE]),
             )
         with _phase(Phase.REGISTRY, seconds):
             hosts = [registry_host(image) for image in record.images.values()]

@@ -126,15 +126,20 @@ def join_scheduler(
     token_file: Path,
     sts_url: str | None = None,
     ca_file: Path | None = None,
+    client_pair: tuple[Path, Path] | None = None,
 ) -> Joined:
     """Join the scheduler named by `parameter` with the instance role's `credentials` and write the token (0600,
-    atomically) to `token_file`. Joining again is harmless: the scheduler answers the same token."""
+    atomically) to `token_file`. Joining again is harmless: the scheduler answers the same token. Over https the
+    scheduler is verified against `ca_file`, and the pool's certificate and key (`client_pair`) are presented: a
+    scheduler with mutual TLS (serving.mutual_tls) closes the connection on a caller without one."""
     if credentials is None:
         raise JoinError("join: no AWS credentials (the instance role's) to sign with")
     url = scheduler_url(ssm, parameter)
     verify: ssl.SSLContext | bool = True
-    if ca_file is not None and ca_file.is_file() and url.startswith("https://"):
-        verify = ssl.create_default_context(cafile=str(ca_file))
+    if url.startswith("https://") and (ca_file is not None or client_pair is not None):
+        verify = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+        if client_pair is not None:
+            verify.load_cert_chain(str(client_pair[0]), str(client_pair[1]))
     answer = join(url, signed_join_request(credentials, region, audience, sts_url=sts_url), verify=verify)
     prefix = f"{component}-"
     if not answer.instance_id.startswith(prefix) or answer.principal != f"instance:{answer.instance_id}":

@@ -9,15 +9,19 @@ node role with the instance id as the session name, as EC2 names an instance rol
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from botocore.credentials import Credentials
 
+from pdstack.contract.components import TLS_CA_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 from tests.support.motoserver import ACCOUNT
 from tests.support.services import Service, identity_key_file, write_secret
+from tests.support.tlsfiles import write_tls_dir
 
 # what a node role trusts: EC2 (moto's AssumeRole checks nothing of it)
 EC2_TRUST = {"Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "*"}]}
@@ -40,10 +44,35 @@ def assume(sts: Any, role: str, session: str) -> Credentials:
     return Credentials(found["AccessKeyId"], found["SecretAccessKey"], found["SessionToken"])
 
 
+@dataclass
+class MutualTlsService(Service):
+    """A service on https that requires a client certificate (serving.mutual_tls): its pair and CA are the files of
+    `tls_dir`, which its callers present too (a pool's certificate is from the same CA)."""
+
+    tls_dir: Path = Path()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def context(self) -> ssl.SSLContext:
+        """A caller's: the CA, and the pair to present."""
+        context = ssl.create_default_context(cafile=str(self.tls_dir / TLS_CA_FILE))
+        context.load_cert_chain(self.tls_dir / TLS_CERT_FILE, self.tls_dir / TLS_KEY_FILE)
+        return context
+
+    def wait(self, ready_path: str = "/health/live", timeout: float = 60.0) -> MutualTlsService:
+        self.wait_http(self.url + ready_path, what=self.module, timeout=timeout, interval=0.05, verify=self.context())
+        return self
+
+
 @contextmanager
-def join_scheduler(moto: str, tmp: Path, node_roles: Mapping[str, str], audience: str) -> Iterator[Service]:
+def join_scheduler(
+    moto: str, tmp: Path, node_roles: Mapping[str, str], audience: str, *, mutual_tls: bool = False
+) -> Iterator[Service]:
     """A scheduler process (in `tmp`: its identity key, identity_key_file(tmp)) admitting joins of `node_roles`
-    (role ARN -> component) for `audience`, replaying them to moto as STS."""
+    (role ARN -> component) for `audience`, replaying them to moto as STS; with `mutual_tls`, on https requiring a
+    client certificate from its CA, as the local environment runs it (a MutualTlsService)."""
     admin = tmp / "admin.token"
     write_secret(admin)
     env = {
@@ -53,7 +82,19 @@ def join_scheduler(moto: str, tmp: Path, node_roles: Mapping[str, str], audience
     }
     args = ["--state-file", str(tmp / "state.json"), "--admin-token-file", str(admin)]
     args += ["--identity-key-file", str(identity_key_file(tmp)), "--heartbeat-interval", "10"]
-    scheduler = Service("pdserve.scheduler", args, tmp / "scheduler.log", env=env).start()
+    log = tmp / "scheduler.log"
+    scheduler: Service
+    if mutual_tls:
+        tls = write_tls_dir(tmp / "tls", ["localhost", "127.0.0.1"])
+        env |= {
+            "PDSERVE_TLS_CERT": str(tls / TLS_CERT_FILE),
+            "PDSERVE_TLS_KEY": str(tls / TLS_KEY_FILE),
+            "PDSERVE_TLS_CA": str(tls / TLS_CA_FILE),
+            "PDSERVE_TLS_CLIENT_AUTH": "required",
+        }
+        scheduler = MutualTlsService("pdserve.scheduler", args, log, env=env, tls_dir=tls).start()
+    else:
+        scheduler = Service("pdserve.scheduler", args, log, env=env).start()
     try:
         yield scheduler
     finally:

@@ -2,8 +2,9 @@
 for each test with what the deploy flow and the Pulumi program leave there (the release record, the environment's
 secrets and the pool's certificate, the model and the node bundle in the datacenter's bucket, the pool's Auto
 Scaling group with this instance in it), and the scheduler a node joins: one process for the folder with join on for
-the pool's node role, moto as its STS, its URL in the environment's scheduler-url parameter; each node's instance role
-credentials are moto's AssumeRole of that role in a session named by its instance id."""
+the pool's node role, moto as its STS, its URL in the environment's scheduler-url parameter, on https requiring a client
+certificate as the local environment runs it (serving.mutual_tls: the node presents its pool's); each node's instance
+role credentials are moto's AssumeRole of that role in a session named by its instance id."""
 
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRec
 from pdstack.node.userdata import node_config
 from pdstack.stacks.environment import load_environment
 from tests.support import STACKS
-from tests.support.joining import assume, ensure_role, join_scheduler
+from tests.support.joining import MutualTlsService, assume, ensure_role, join_scheduler
 from tests.support.motoserver import ACCOUNT, client, moto_server
-from tests.support.services import Service
 
 DIGEST = "sha256:" + "ab" * 32
 # the model: a few small files, one in a sub-folder, one empty
@@ -70,7 +70,7 @@ class Node:
     paths: NodePaths
     runs: list[PlaybookRun] = field(default_factory=list)
     credentials: Any = None  # the instance role's: moto's AssumeRole of the pool's node role, session = instance id
-    scheduler: Service | None = None
+    scheduler: MutualTlsService | None = None
 
     def client(self, service: str, region: str | None = None) -> Any:
         return client(self.url, service, region or self.config.aws_region)
@@ -113,14 +113,23 @@ def moto() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def scheduler(moto: str, local_config: NodeConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def scheduler(
+    moto: str, local_config: NodeConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MutualTlsService]:
     """The environment's scheduler with join on for the local dc2 decode pool's node role (its fixed name), as the
     control plane configures it; its URL in the scheduler-url parameter every node of the folder reads."""
     env, dc, pool = str(local_config.environment), local_config.datacenter, local_config.pool
     ensure_role(client(moto, "iam"), node_role_name(env, dc, pool))
     roles = {node_role_arn(ACCOUNT, env, dc, pool): local_config.role}
-    with join_scheduler(moto, tmp_path_factory.mktemp("scheduler"), roles, scheduler_audience(env)) as service:
+    folder = tmp_path_factory.mktemp("scheduler")
+    with join_scheduler(moto, folder, roles, scheduler_audience(env), mutual_tls=True) as service:
+        assert isinstance(service, MutualTlsService)
         yield service
+
+
+def pool_certificate(scheduler: MutualTlsService) -> dict[str, str]:
+    """The pool's certificate secret (JSON by file name), from the scheduler's CA: what a node presents to join."""
+    return {name: (scheduler.tls_dir / name).read_text() for name in ("tls.crt", "tls.key", "ca.crt")}
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +157,7 @@ _NODES = itertools.count()
 
 
 @pytest.fixture
-def node(moto: str, image: str, local_config: NodeConfig, scheduler: Service, tmp_path: Path) -> Node:
+def node(moto: str, image: str, local_config: NodeConfig, scheduler: MutualTlsService, tmp_path: Path) -> Node:
     """A node of its own: the shared moto server holds every test's resources side by side, each named with the
     test's own suffix (no reset between tests: EC2's first use after one costs a second)."""
     n = next(_NODES)
@@ -185,8 +194,7 @@ def node(moto: str, image: str, local_config: NodeConfig, scheduler: Service, tm
     secrets = seeded.client("secretsmanager", config.control_region)
     for name, secret_id in config.secrets.items():
         secrets.create_secret(Name=secret_id, SecretString=f"value of {name}")
-    tls = {"tls.crt": "CERT PEM", "tls.key": "KEY PEM", "ca.crt": "CA PEM"}
-    secrets.create_secret(Name=config.tls_secret, SecretString=json.dumps(tls))
+    secrets.create_secret(Name=config.tls_secret, SecretString=json.dumps(pool_certificate(scheduler)))
     seeded.publish(record)
     # the scheduler's URL, as the control plane writes it (each node again: another test of the folder may write
     # another URL to the same moto)

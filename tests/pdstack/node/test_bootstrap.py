@@ -16,7 +16,7 @@ from botocore.stub import Stubber
 
 from pdstack.node.loader import BootstrapError, Phase
 from pdstack.node.release import ModelFile
-from tests.pdstack.node.conftest import MODEL_FILES, Node
+from tests.pdstack.node.conftest import MODEL_FILES, Node, pool_certificate
 from tests.support.motoserver import ACCOUNT
 
 PHASES = [str(p) for p in Phase]
@@ -36,11 +36,8 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
     for name in node.config.secrets:
         assert (secrets / name).read_text() == f"value of {name}"
         assert mode(secrets / name) == 0o600
-    assert {p.name: p.read_text() for p in (secrets / "tls").iterdir()} == {
-        "tls.crt": "CERT PEM",
-        "tls.key": "KEY PEM",
-        "ca.crt": "CA PEM",
-    }
+    assert node.scheduler is not None
+    assert {p.name: p.read_text() for p in (secrets / "tls").iterdir()} == pool_certificate(node.scheduler)
     # registry: podman's auth file for the images' registry, from ECR's token (moto's: AWS:<account>-auth-token)
     host = f"{ACCOUNT}.dkr.ecr.{node.config.control_region}.amazonaws.com"
     auth = json.loads(node.paths.registry_auth_file.read_text())

@@ -1,21 +1,24 @@
 """Phase `join` against the folder's moto server and a scheduler process with join on: a node's own scheduler token
 written where the serving roles mount it, for the engine id apply passes on; the same token on a second boot; a
-refusal, an unknown role or an unreachable scheduler a BootstrapError naming the phase, the node Unhealthy."""
+refusal, an unknown role, a certificate the scheduler's CA never issued or an unreachable scheduler a BootstrapError
+naming the phase, the node Unhealthy."""
 
 from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.scheduler.client import bearer
-from pdstack.contract.components import INSTANCE_TOKEN
+from pdstack.contract.components import INSTANCE_TOKEN, TLS_CERT_FILE, TLS_KEY_FILE
 from pdstack.node.loader import BootstrapError, Phase
-from tests.pdstack.node.conftest import Node
+from tests.pdstack.node.conftest import Node, pool_certificate
 from tests.support.joining import assume, ensure_role
 from tests.support.services import principal_token
+from tests.support.tlsfiles import write_tls_dir
 
 pytestmark = pytest.mark.slow  # a scheduler process and a moto server
 
@@ -39,9 +42,10 @@ def test_a_node_joins_and_its_token_is_the_one_the_roles_mount(node: Node) -> No
     assert node.scheduler is not None
     instance = f"decode-{node.instance_id}"
     headers = bearer(token_file.read_text())
-    own = httpx.post(f"{node.scheduler.url}/v1/instances/{instance}/heartbeat", headers=headers, json={}, timeout=10)
-    assert own.status_code != 403, own.text
-    other = httpx.post(f"{node.scheduler.url}/v1/instances/decode-i-0/heartbeat", headers=headers, json={}, timeout=10)
+    with httpx.Client(base_url=node.scheduler.url, headers=headers, verify=node.scheduler.context(), timeout=10) as api:
+        own = api.post(f"/v1/instances/{instance}/heartbeat", json={})
+        assert own.status_code != 403, own.text
+        other = api.post("/v1/instances/decode-i-0/heartbeat", json={})
     assert other.status_code == 403, other.text
 
 
@@ -82,3 +86,17 @@ def test_a_role_that_is_no_pools_node_role_is_refused(node: Node) -> None:
 
 def test_no_credentials_fail_the_phase(node: Node) -> None:
     refused(node, "no AWS credentials", credentials=lambda: None)
+
+
+def test_a_certificate_from_another_ca_cannot_join(node: Node, tmp_path: Path) -> None:
+    """The scheduler requires a client certificate from its CA (serving.mutual_tls): a node whose pool certificate is
+    not from it gets no token, though its instance role is right; the joins above presented their pool's."""
+    other = write_tls_dir(tmp_path / "other-ca", ["localhost", "127.0.0.1"])
+    forged = {name: (other / name).read_text() for name in (TLS_CERT_FILE, TLS_KEY_FILE)}
+    assert node.scheduler is not None
+    pool = pool_certificate(node.scheduler)
+    secret = json.dumps(pool | forged)  # the right CA to verify the scheduler by, a pair it never issued
+    node.client("secretsmanager", node.config.control_region).put_secret_value(
+        SecretId=node.config.tls_secret, SecretString=secret
+    )
+    refused(node, "did not answer")

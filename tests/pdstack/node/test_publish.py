@@ -28,10 +28,10 @@ from pdstack.node.config import NodeConfig
 from pdstack.node.loader import REQUIREMENTS, _plain_members, fetch_bundle
 from pdstack.node.publish import model_bucket
 from pdstack.node.release import read_release
+from tests.pdstack.node.conftest import pool_certificate
 from tests.support import REPO, STACKS
-from tests.support.joining import assume
+from tests.support.joining import MutualTlsService, assume
 from tests.support.motoserver import ACCOUNT, CREDENTIALS, client
-from tests.support.services import Service
 
 MODEL = {"config.json": b"{}\n", "weights/model.safetensors": bytes(range(256)) * 300, "tokenizer.json": b"{}"}
 DIGEST = "sha256:" + "ef" * 32
@@ -89,7 +89,7 @@ def test_a_published_release_bootstraps_a_node(  # noqa: PLR0917 (fixtures)
     bundle: Path,
     moto: str,
     local_config: NodeConfig,
-    scheduler: Service,
+    scheduler: MutualTlsService,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -103,8 +103,7 @@ def test_a_published_release_bootstraps_a_node(  # noqa: PLR0917 (fixtures)
     secrets = client(moto, "secretsmanager", config.control_region)
     for name, secret_id in config.secrets.items():
         secrets.create_secret(Name=secret_id, SecretString=f"value of {name}")
-    tls = {"tls.crt": "CERT", "tls.key": "KEY", "ca.crt": "CA"}
-    secrets.create_secret(Name=config.tls_secret, SecretString=json.dumps(tls))
+    secrets.create_secret(Name=config.tls_secret, SecretString=json.dumps(pool_certificate(scheduler)))
     model_dir = tmp_path / "model"
     for path, data in MODEL.items():
         (model_dir / path).parent.mkdir(parents=True, exist_ok=True)
