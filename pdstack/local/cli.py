@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -118,6 +119,39 @@ def status_command(stacks: StacksOption = None, project: ProjectOption = None, a
     for dc, members in status["nodes"].items():
         listed = ", ".join(f"{n['name']} ({n['address']}, {'up' if n['running'] else 'down'})" for n in members)
         typer.echo(f"{dc}: {listed}")
+
+
+@local_app.command("scale")
+def scale_command(
+    datacenter: Annotated[str, typer.Argument(metavar="DATACENTER", help="a local datacenter, e.g. dc2")],
+    pool: Annotated[str, typer.Argument(metavar="POOL", help="one of its GPU pools, e.g. decode")],
+    desired: Annotated[int, typer.Argument(metavar="N", help="the pool's node count, within its min and max")],
+    *,
+    stacks: StacksOption = None,
+    project: ProjectOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Set a pool's desired capacity, as its Auto Scaling group does: a node added boots from the pool's user data
+    and joins by itself; a node removed is drained first (docs/local.md)."""
+    from pdstack.local.aws import LocalAwsError  # noqa: PLC0415 (see _env)
+    from pdstack.local.groups import ScaleError, scale  # noqa: PLC0415
+    from pdstack.local.pools import CapacityError  # noqa: PLC0415
+
+    errors = (CapacityError, ScaleError, LocalAwsError, CommandError, NetworkError, NodeError)
+    try:
+        report = scale(_env(stacks, project), datacenter, pool, desired, say=_progress)
+    except errors as error:
+        typer.echo(f"pdstack local scale: {error}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(report), indent=2))
+        return
+    typer.echo(f"{datacenter}/{pool}: {desired} nodes (release {report.release or 'unchanged'})")
+    for node in report.launched:
+        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in node.seconds.items())
+        typer.echo(f"  launched {node.node} ({node.instance_id}): {phases}")
+    for name in report.removed:
+        typer.echo(f"  drained and removed {name}")
 
 
 @local_app.command("inventory")

@@ -177,6 +177,11 @@ class LocalNetwork:
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "route", "add", "default", "via", str(dc.gateway.ip))
 
+    def remove_node(self, node: Node) -> None:
+        """A node's namespace gone (its veth pair with it): a node the group no longer has."""
+        if node.namespace in namespaces():
+            sh("ip", "netns", "delete", node.namespace)
+
     def _nat_rules(self) -> list[list[str]]:
         net = str(LOCAL_SUPERNET)
         tag = ["-m", "comment", "--comment", NAT_COMMENT]
