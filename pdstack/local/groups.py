@@ -11,8 +11,9 @@ requests, in-flight ones and KV leases finish, deregistered, stopped), then its 
 container goes. In the cloud the same drain is triggered by the group's lifecycle hook (pdstack.node.drain); the
 local platform has no metadata service to carry the hook, so it asks the node directly.
 
-The release the nodes boot into is `up`'s: its images by digest, the node bundle of this checkout and the model,
-published to the local AWS (pdstack.node.publish) when any of them changed.
+The release the nodes boot into is `up`'s, by its version (what the scheduler's weights route to): its images by
+digest, the node bundle of this checkout and the model, published to the local AWS (pdstack.node.publish) when any of
+them changed.
 """
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def scale(env: LocalEnv, datacenter: str, pool: str, desired: int, say: Callable
 
 # -- the release --------------------------------------------------------------------------------------------------
 def publish_release(env: LocalEnv, aws: LocalAws, say: Callable[[str], None]) -> str:
-    """The release `up` deployed, as a record nodes boot into: published when its bundle, images or model changed."""
+    """The release `up` deployed, as a record nodes boot into, named by its version (the version the scheduler's
+    weights route to: a node of another name would be ready and get no traffic); published again when this
+    checkout's bundle, the images or the model changed."""
     deployed = json.loads(env.release_file.read_text())
+    name = str(deployed["pdstack_release"]["version"])
     runtime = deployed["pdstack_release"]["image"]
     images = {"prefill": runtime, "decode": runtime}
     if "vllm_image" in deployed["pdstack_release"]:
@@ -128,10 +132,14 @@ def publish_release(env: LocalEnv, aws: LocalAws, say: Callable[[str], None]) ->
     revision = hashlib.sha256((model / MANIFEST).read_bytes()).hexdigest()[:12]
     say("scale: the node bundle of this checkout (pdstack node bundle --env local)")
     bundle = build_bundle(env.project, ENV, env.state_dir / "bundle")
-    identity = json.dumps([bundle.sha256, images, revision], sort_keys=True).encode()
-    name = f"local-{hashlib.sha256(identity).hexdigest()[:12]}"
     try:
-        if read_release(aws.client("ssm"), ENV).release == name:
+        current = read_release(aws.client("ssm"), ENV)
+        if (current.release, current.bundle.sha256, current.images, current.model.revision) == (
+            name,
+            bundle.sha256,
+            images,
+            revision,
+        ):
             return name
     except ReleaseNotFoundError:
         pass

@@ -1,6 +1,7 @@
 """End to end on the local environment, in the order an operator meets it: `pdstack local up` from the stacks, a
 completion across the emulated WAN, `up` again (nothing changes), a good canary promoted and bad ones rolled back
-under client load, a killed decode container, a loss spike on the WAN, and `down` leaving nothing behind.
+under client load, a killed decode container, a loss spike on the WAN, a decode node added from its pool's user data
+and removed through a drain under load, and `down` leaving nothing behind.
 
 These tests own the machine's local environment (fixed names and addresses from stacks/Pulumi.local-*.yaml).
 """
@@ -542,6 +543,33 @@ def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Lo
         assert result.ok or result.error in ("timeout", "http_5xx", "stream_error", "overload"), result.detail
     last = [r for r in load.results if r.start_s >= load.results[-1].start_s - 10]
     assert last and all(r.ok for r in last), [r.detail for r in last if not r.ok]
+
+
+def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_a_drain(local: Local) -> None:
+    """Under load, `pdstack local scale dc2 decode 3`: the pool's group gives an instance id, the node boots from the
+    pool's user data alone, joins, and the gateway routes to it; then `scale dc2 decode 2` drains it on itself and
+    removes it. No request fails at any point."""
+    decode = local.contract[Component.DECODE].port
+    with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
+        out = pdstack("local", "scale", "dc2", "decode", "3", "--json")
+        assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+        launched = json.loads(out.stdout)["launched"]
+        assert [n["node"] for n in launched] == ["dc2-decode-3"], launched
+        assert {"boot", "release", "secrets", "join", "registry", "model", "apply"} <= set(launched[0]["seconds"])
+        instance = f"decode-{launched[0]['instance_id']}"
+        routed = {i["instance_id"]: i for i in local.instances()}
+        assert routed[instance]["state"] == "ready" and routed[instance]["info"]["url"].endswith(f":{decode}")
+        deadline = time.monotonic() + 120
+        while metric_sum(local.gateway_metrics(), "pdserve_gateway_routing_decisions_total", instance=instance) < 3:
+            assert time.monotonic() < deadline, f"the gateway sent {instance} no share of the load"
+            time.sleep(2)
+        out = pdstack("local", "scale", "dc2", "decode", "2", "--json")
+        assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+        assert json.loads(out.stdout)["removed"] == ["dc2-decode-3"]
+        time.sleep(5)
+    assert instance not in {i["instance_id"] for i in local.instances()}  # deregistered by its drain
+    assert not nodes.node_exists("dc2-decode-3")
+    assert load.completed() > 50 and not load.failures(), load.failures()
 
 
 def test_every_dashboard_query_returns_series_after_the_traffic(local: Local) -> None:
