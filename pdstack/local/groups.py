@@ -11,9 +11,9 @@ requests, in-flight ones and KV leases finish, deregistered, stopped), then its 
 container goes. In the cloud the same drain is triggered by the group's lifecycle hook (pdstack.node.drain); the
 local platform has no metadata service to carry the hook, so it asks the node directly.
 
-The release the nodes boot into is `up`'s, by its version (what the scheduler's weights route to): its images by
-digest, the node bundle of this checkout and the model, published to the local AWS (pdstack.node.publish) when any of
-them changed.
+The release the nodes boot into is the one the pool's converged servers run now (`up`'s, or the canary deploy.yml
+promoted last), by its version (what the scheduler's weights route to): its images by digest, the node bundle of this
+checkout and the model, published to the local AWS (pdstack.node.publish) when any of them changed.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 ENV = str(Environment.LOCAL)
 METRICS = f"{NODE_EXPORTER_TEXTFILE_DIR}/{METRICS_FILE}"
+SERVER_STATE_DIR = "/var/lib/pdstack/pdserve"  # roles/pdserve's pdserve_state_dir, vllm_engine's default alike
 BOOT_TIMEOUT_S = 1200.0  # packages, a 100 MB bundle, a venv installed offline, the model and the roles on 2 cores
 
 
@@ -106,7 +107,7 @@ def scale(env: LocalEnv, datacenter: str, pool: str, desired: int, say: Callable
     wanted = [n for n in after.pool_nodes(datacenter, pool) if n.launched and not nodes.node_exists(n.name)]
     if not wanted:
         return report
-    release = publish_release(env, aws, say)
+    release = publish_release(env, aws, before, str(wanted[0].role), say)
     ids = instance_ids(env, aws, after, datacenter, pool)
     env.network(after).up()
     for node in wanted:
@@ -118,16 +119,16 @@ def scale(env: LocalEnv, datacenter: str, pool: str, desired: int, say: Callable
 
 
 # -- the release --------------------------------------------------------------------------------------------------
-def publish_release(env: LocalEnv, aws: LocalAws, say: Callable[[str], None]) -> str:
-    """The release `up` deployed, as a record nodes boot into, named by its version (the version the scheduler's
-    weights route to: a node of another name would be ready and get no traffic); published again when this
-    checkout's bundle, the images or the model changed."""
+def publish_release(env: LocalEnv, aws: LocalAws, topology: Topology, role: str, say: Callable[[str], None]) -> str:
+    """The release the pool's servers run now (up's, or the last canary deploy.yml promoted), as a record nodes boot
+    into, named by its version: the version the scheduler's weights route to (a node of another name would be ready
+    and get no traffic). Published again when it, this checkout's bundle, the images or the model changed."""
     deployed = json.loads(env.release_file.read_text())
-    name = str(deployed["pdstack_release"]["version"])
-    runtime = deployed["pdstack_release"]["image"]
-    images = {"prefill": runtime, "decode": runtime}
-    if "vllm_image" in deployed["pdstack_release"]:
-        images["vllm"] = deployed["pdstack_release"]["vllm_image"]
+    running = serving_release(topology, role)
+    name = str(running["version"])
+    images = {"prefill": running["image"], "decode": running["image"]}
+    if "vllm_image" in running:
+        images["vllm"] = running["vllm_image"]
     model = Path(deployed["pdstack_model"]["source"])
     revision = hashlib.sha256((model / MANIFEST).read_bytes()).hexdigest()[:12]
     say("scale: the node bundle of this checkout (pdstack node bundle --env local)")
@@ -155,6 +156,15 @@ def publish_release(env: LocalEnv, aws: LocalAws, say: Callable[[str], None]) ->
         images=images,
     )
     return name
+
+
+def serving_release(topology: Topology, role: str) -> dict[str, Any]:
+    """{version, image[, vllm_image]} a converged server of `role` runs now: the record its role keeps on the node
+    (serving_node's record.yml, under pdserve_state_dir / vllm_engine_state_dir)."""
+    node = next(n for n in topology.converged_nodes if str(n.role) == role)
+    record = nodes.exec_in_node(node.name, ["cat", f"{SERVER_STATE_DIR}/{role}.release.json"])
+    current: dict[str, Any] = json.loads(record)["current"]
+    return current
 
 
 # -- instances ----------------------------------------------------------------------------------------------------

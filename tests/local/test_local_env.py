@@ -547,7 +547,8 @@ def test_a_loss_spike_on_the_wan_ends_every_request_within_its_timeout(local: Lo
 
 def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_a_drain(local: Local) -> None:
     """Under load, `pdstack local scale dc2 decode 3`: the pool's group gives an instance id, the node boots from the
-    pool's user data alone, joins, and the gateway routes to it; then `scale dc2 decode 2` drains it on itself and
+    pool's user data alone into the release the fleet runs (the canary promoted above), joins, and the gateway routes
+    to it; then `scale dc2 decode 2` drains it on itself and
     removes it. No request fails at any point."""
     decode = local.contract[Component.DECODE].port
     with ClientLoad(local.endpoint(), rate_per_s=LOAD_RATE) as load:
@@ -559,6 +560,7 @@ def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_
         instance = f"decode-{launched[0]['instance_id']}"
         routed = {i["instance_id"]: i for i in local.instances()}
         assert routed[instance]["state"] == "ready" and routed[instance]["info"]["url"].endswith(f":{decode}")
+        assert routed[instance]["info"]["version"] == local.baseline()  # the release the fleet runs, canaries included
         deadline = time.monotonic() + 120
         while metric_sum(local.gateway_metrics(), "pdserve_gateway_routing_decisions_total", instance=instance) < 3:
             assert time.monotonic() < deadline, f"the gateway sent {instance} no share of the load"
