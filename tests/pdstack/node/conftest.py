@@ -26,6 +26,7 @@ from pdstack.node.apply import PlaybookRun
 from pdstack.node.bootstrap import BootstrapResult, NodePaths, bootstrap
 from pdstack.node.config import NodeConfig
 from pdstack.node.release import ModelFile, ModelRelease, NodeBundle, ReleaseRecord, publish_release
+from pdstack.node.secrets import TLS_FILES
 from pdstack.node.userdata import node_config
 from pdstack.stacks.environment import load_environment
 from tests.support import STACKS
@@ -129,7 +130,7 @@ def scheduler(
 
 def pool_certificate(scheduler: MutualTlsService) -> dict[str, str]:
     """The pool's certificate secret (JSON by file name), from the scheduler's CA: what a node presents to join."""
-    return {name: (scheduler.tls_dir / name).read_text() for name in ("tls.crt", "tls.key", "ca.crt")}
+    return {name: (scheduler.tls_dir / name).read_text() for name in TLS_FILES}
 
 
 @pytest.fixture(scope="session")
