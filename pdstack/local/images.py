@@ -8,6 +8,7 @@ and a second `up` pushes the same digest (the release does not change, so nothin
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,17 +56,15 @@ def source_hash(root: Path, paths: list[str]) -> str:
 def build_runtime_image(project: Path) -> str:
     """The pdserve runtime image (serving/build-image.sh), tagged by the hash of serving/."""
     image = f"localhost/pdserve:src-{source_hash(project, ['serving'])}"
-    if not nodes.image_exists(image):
-        run_captured(["bash", str(project / "serving" / "build-image.sh"), image])
-        remove_older_builds(image)
-    return image
+    return built(image, lambda: run_captured(["bash", str(project / "serving" / "build-image.sh"), image]))
 
 
 def build_prometheus_image(project: Path) -> str:
     """Prometheus from Debian's package on the debootstrap base (roles/prometheus/files/Containerfile)."""
     context = project / "roles" / "prometheus" / "files"
     image = f"localhost/pdstack-prometheus:src-{source_hash(project, ['roles/prometheus/files'])}"
-    if not nodes.image_exists(image):
+
+    def build() -> None:
         base = nodes.build_base_image()
         run_captured(
             [
@@ -82,7 +81,17 @@ def build_prometheus_image(project: Path) -> str:
                 str(context),
             ]
         )
-        remove_older_builds(image)
+
+    return built(image, build)
+
+
+def built(image: str, build: Callable[[], object]) -> str:
+    """`image`, made by `build` unless it exists, one build at a time on this machine (a second builder waits, then
+    finds it); a new build untags the repository's older ones."""
+    with nodes.build_lock(image):
+        if not nodes.image_exists(image):
+            build()
+            remove_older_builds(image)
     return image
 
 
@@ -100,10 +109,7 @@ def build_vllm_image(project: Path) -> str:
     tagged by the hash of its sources. The first build downloads vLLM's closure (~10 min here); later ones reuse the
     wheelhouse and podman's cached wheel layer, and rebuild only pdserve's."""
     image = f"localhost/pdstack-vllm-cpu:src-{source_hash(project, VLLM_SOURCES)}"
-    if not nodes.image_exists(image):
-        run_captured(["bash", str(project / "serving" / "build-vllm-image.sh"), image])
-        remove_older_builds(image)
-    return image
+    return built(image, lambda: run_captured(["bash", str(project / "serving" / "build-vllm-image.sh"), image]))
 
 
 def push_vllm_image(project: Path, registry: Registry) -> str:

@@ -10,12 +10,14 @@ step; the node image's tag is a hash of what it is built from (NODE_IMAGE), so a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,16 +132,30 @@ def image_exists(image: str) -> bool:
     return run_captured(["podman", "image", "exists", image], check=False).returncode == 0
 
 
+@contextmanager
+def build_lock(image: str) -> Iterator[None]:
+    """Held while `image` is built: a second builder on this machine (another test lane, a second `up`) waits, then
+    finds the image there instead of building it again beside the first."""
+    name = hashlib.sha256(image.encode()).hexdigest()[:16]
+    with (Path(tempfile.gettempdir()) / f"pdstack-build-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_base_image(image: str = BASE_IMAGE, mirror: str | None = None) -> str:
     """Debootstrap a minimal Debian 12 root and import it as `image`; skipped when the image exists."""
-    if image_exists(image):
-        return image
+    with build_lock(image):
+        if not image_exists(image):
+            _debootstrap(image, mirror)
+    return image
+
+
+def _debootstrap(image: str, mirror: str | None) -> None:
     if shutil.which("debootstrap") is None:
         raise NodeError("debootstrap is not installed; run scripts/host-setup.sh first")
     with tempfile.TemporaryDirectory(prefix="pdstack-rootfs-") as root:
         run_captured(["debootstrap", "--variant=minbase", SUITE, root, mirror or host_mirror()])
         _import_tree(root, image)
-    return image
 
 
 def _import_tree(root: str, image: str) -> None:
@@ -161,8 +177,13 @@ def _import_tree(root: str, image: str) -> None:
 def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: str | None = None) -> str:
     """Build the node image (systemd, python3, cloud-init) on top of the base image; both are skipped when they
     exist. Building NODE_IMAGE untags the repository's other builds (an image a container still runs stays)."""
-    if image_exists(image):
-        return image
+    with build_lock(image):
+        if not image_exists(image):
+            _build_node_image(image, base, mirror)
+    return image
+
+
+def _build_node_image(image: str, base: str, mirror: str | None) -> None:
     build_base_image(base, mirror)
     containerfile = NODE_CONTAINERFILE.format(
         base=base, mirror=mirror or host_mirror(), suite=SUITE, packages=" ".join(NODE_PACKAGES)
@@ -174,7 +195,6 @@ def build_node_image(image: str = NODE_IMAGE, base: str = BASE_IMAGE, mirror: st
         run_captured(["podman", "build", "--network", "host", "-t", image, context])
     if image == NODE_IMAGE:
         _untag_older_node_images(image)
-    return image
 
 
 def _untag_older_node_images(image: str) -> None:
