@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host host-test lint typecheck python312 test test-unit test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
+.PHONY: venv host host-test lint typecheck python312 test test-unit test-checks-vllm test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -32,21 +32,32 @@ python312: venv
 		--target $(VENV)/py312 '.[infra,ansible,plot,dev]' './serving[parity]'
 	$(VENV)/bin/mypy --python-version 3.12 --cache-dir .mypy_cache/py312
 
-# Two lanes first, side by side: the vLLM suite (its engines pinned to the two cores, much of its time spent waiting
-# out leases and timeouts), then the main suite's untimed tests; beside them the suites that drive Ansible and node
-# containers (apt, podman and SSH: mostly waiting on I/O). None of them asserts a time or a rate, and they share no
-# name, port or network. Then, alone, the suites that measure time (the local environment's canary judges, the bench's
-# latency histograms, the emulated WAN link's rate and delay), so that the run also ends with their summary.
-# --output-sync prints each lane's output whole.
+# Three lanes side by side (make's -j3; --output-sync prints each lane's output whole), none of which asserts a time
+# or a rate, and which share no name, port or network: the checks (lint, type checks, python312) then the vLLM suite
+# (its engines pinned to the two cores); the suites that drive Ansible and node containers (apt, podman and SSH:
+# mostly waiting on I/O); the local environment's untimed half (`up` from nothing, TLS, a certificate rotated, a
+# decode killed, a node scaled out and in under client load: mostly waiting on Ansible), which leaves the environment
+# up, then the main suite's untimed tests. Then, alone, the suites that measure time (on the environment left up:
+# the canary judges and a WAN loss spike, then `down`; the bench's latency histograms; the emulated WAN link's rate
+# and delay), so that the run also ends with their summary.
 ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories
-TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
-test: host-test lint typecheck python312
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-untimed test-ansible
+LOCAL_UNTIMED := tests/local/test_local_env.py
+TIMED_SUITES := tests/local/test_local_timed.py tests/pdstack/bench tests/pdstack/local
+test: host-test venv
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-checks-vllm test-ansible test-untimed
 	$(VENV)/bin/pytest $(TIMED_SUITES)
 
-# The vLLM suite, then the main suite without the Ansible and the timed suites (one lane of `make test`).
-test-untimed: test-vllm
-	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) $(TIMED_SUITES))
+# lint, type checks, python312, then the vLLM suite (one lane of `make test`).
+test-checks-vllm: venv
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory typecheck
+	$(MAKE) --no-print-directory python312
+	$(MAKE) --no-print-directory test-vllm
+
+# The local environment's untimed half, then the main suite without the Ansible, local and timed suites (one lane).
+test-untimed: venv
+	$(VENV)/bin/pytest $(LOCAL_UNTIMED)
+	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) tests/local $(filter-out tests/local/%,$(TIMED_SUITES)))
 
 # The Ansible and node-container suites alone (one lane of `make test`).
 test-ansible: venv

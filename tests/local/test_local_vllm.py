@@ -27,9 +27,7 @@ from pdstack.local.engine_choice import vllm_serving
 from pdstack.local.model import VLLM_MODEL_NAME
 from pdstack.model import PoolRole
 from pdstack.vllm import deploy as vllm_deploy
-from tests.local.load import ClientLoad
-from tests.local.operator import operator_context
-from tests.local.test_local_env import (
+from tests.local.environment import (
     LOAD_RATE,
     Local,
     assert_a_killed_decode_recovers,
@@ -39,6 +37,8 @@ from tests.local.test_local_env import (
     assert_promoted_under_load,
     brought_up,
 )
+from tests.local.load import ClientLoad
+from tests.local.operator import operator_context
 
 # About 1.9K tokens of the checkpoint's word-level tokenizer: well past the offload threshold (remote prefill), and
 # past the 512-token context of the pdserve model, within vLLM's 4K.
