@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 ENV = str(Environment.LOCAL)
 METRICS = f"{NODE_EXPORTER_TEXTFILE_DIR}/{METRICS_FILE}"
 SERVER_STATE_DIR = "/var/lib/pdstack/pdserve"  # roles/pdserve's pdserve_state_dir, vllm_engine's default alike
+PENDING = {"activating", "inactive", ""}  # the bootstrap unit not finished yet, or its state not read
 BOOT_TIMEOUT_S = 1200.0  # packages, a 100 MB bundle, a venv installed offline, the model and the roles on 2 cores
 
 
@@ -208,7 +209,9 @@ def wait_ready(node: Node, instance_id: str, say: Callable[[str], None], timeout
     booted = time.monotonic() - started
     deadline = started + timeout
     state = _unit_state(node.name)
-    while state in {"activating", "inactive"} and time.monotonic() < deadline:
+    while state in PENDING and time.monotonic() < deadline:
+        if not state and not nodes.node_running(node.name):
+            break
         time.sleep(2)
         state = _unit_state(node.name)
     if state != "active":
@@ -252,6 +255,8 @@ def _in_group(asg: Any, group: str, instance_id: str) -> bool:
 
 
 def _unit_state(name: str) -> str:
+    """systemctl's word for the bootstrap unit; empty when the exec itself failed (a busy machine: CI saw it end a
+    wait on a node that went on to come up), which the caller tells from a node that stopped."""
     return run_captured(["podman", "exec", name, "systemctl", "is-active", UNIT], check=False).stdout.strip()
 
 
