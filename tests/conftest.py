@@ -67,12 +67,17 @@ SLOW = {
     "pdserve/server/test_vllm_proxy_flow.py": "a prefill/decode pair of processes behind vLLM's proxy flow",
     "pdserve/server/test_scheduler_registration.py": "a scheduler and model-server processes",
     "pdserve/test_pdserve_tls.py": "every component's process over TLS",
+    "roles/test_container_runtime_cdi.py": "container_runtime converged on a node container (the node image built)",
+    "pdstack/local/test_aws.py": "a moto server and a docker-registry process, podman pulls",
+    "infra/test_ratelimit_store_tls.py": "redis-server processes over TLS",
+    "ci_templates/test_release_path.py": "ansible-playbook runs the release path's plays",
 }
 
 # Fixtures that make every test using them slow: what they start or compute, once per session.
 SLOW_FIXTURES = {
     "graphs": "tests/infra: the Pulumi program synthesised for every cloud stack under mocks (about 10 s)",
     "mutual_tls_graph": "tests/infra: the prod control-plane stack synthesised with serving.mutual_tls on",
+    "node_image": "tests/pdstack/local: the node image built (debootstrap, apt) and node containers booted from it",
     "moto": "tests/pdstack/node: a moto server the node's bootstrap reaches over HTTP (buckets, secrets, SSM, ECR)",
 }
 

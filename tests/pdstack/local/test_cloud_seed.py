@@ -64,12 +64,12 @@ def sh(name: str, script: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
+def node_image() -> str:
     return nodes.build_node_image()
 
 
 @pytest.fixture(scope="module")
-def booted(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+def booted(node_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
     seed = cloud_seed.InstanceSeed(
         instance_id=cloud_seed.new_instance_id(),
         hostname=HOSTNAME,
@@ -78,7 +78,7 @@ def booted(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Boo
     )
     folder = cloud_seed.write_seed(seed, tmp_path_factory.mktemp("seed") / "nocloud")
     try:
-        cloud_seed.launch_instance(nodes.NodeSpec(NODE, image=image, extra_args=("--network", "none")), folder)
+        cloud_seed.launch_instance(nodes.NodeSpec(NODE, image=node_image, extra_args=("--network", "none")), folder)
         cloud_seed.wait_for_cloud_init(NODE, timeout=120)
         first = sh(NODE, "cat /var/lib/seedtest-runcmd.log")
         subprocess.run(["podman", "restart", "-t", "5", NODE], check=True, capture_output=True)
@@ -205,10 +205,10 @@ def test_cloud_init_accepts_the_real_user_data(booted: Booted) -> None:
     assert (status["status"], status["errors"]) == ("done", [])
 
 
-def test_a_node_without_a_seed_leaves_cloud_init_disabled(image: str) -> None:
+def test_a_node_without_a_seed_leaves_cloud_init_disabled(node_image: str) -> None:
     name = "seedtest-noseed"
     try:
-        nodes.create_node(nodes.NodeSpec(name, image=image, extra_args=("--network", "none")))
+        nodes.create_node(nodes.NodeSpec(name, image=node_image, extra_args=("--network", "none")))
         assert cloud_seed.cloud_init_status(name) == "disabled"
         assert sh(name, "test -e /root/.aws || echo none") == "none\n"
         assert sh(name, "id debian 2>/dev/null || echo none") == "none\n"  # no module ran: not even the users'
@@ -218,14 +218,15 @@ def test_a_node_without_a_seed_leaves_cloud_init_disabled(image: str) -> None:
         nodes.remove_node(name)
 
 
-def test_a_failing_user_data_is_reported_with_its_output(image: str, tmp_path: Path) -> None:
+def test_a_failing_user_data_is_reported_with_its_output(node_image: str, tmp_path: Path) -> None:
     name = "seedtest-failing"
     seed = cloud_seed.InstanceSeed(
         cloud_seed.new_instance_id(), name, "#cloud-config\nruncmd:\n  - echo seedtest-broken >&2; exit 3\n"
     )
     try:
         cloud_seed.launch_instance(
-            nodes.NodeSpec(name, image=image, extra_args=("--network", "none")), cloud_seed.write_seed(seed, tmp_path)
+            nodes.NodeSpec(name, image=node_image, extra_args=("--network", "none")),
+            cloud_seed.write_seed(seed, tmp_path),
         )
         with pytest.raises(nodes.NodeError) as failed:
             cloud_seed.wait_for_cloud_init(name, timeout=120)

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from pdstack.local import nodes
 
 
@@ -40,6 +42,7 @@ def inspect(name: str, template: str) -> str:
     ).stdout.strip()
 
 
+@pytest.mark.slow
 def test_a_node_killed_behind_podmans_back_is_not_running_and_is_replaced() -> None:
     """As after a session whose processes all ended: podman still says "running" (its conmon died with the node),
     every exec fails; `up` must see it as stopped and start a new node in its place."""
