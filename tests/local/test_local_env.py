@@ -14,7 +14,6 @@ import json
 import re
 import ssl
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -31,7 +30,6 @@ from tests.local.environment import (
     Local,
     assert_a_killed_decode_recovers,
     assert_a_warm_up_changes_nothing,
-    brought_up,
     metric_sum,
     pdstack,
     wan_bytes,
@@ -42,11 +40,6 @@ from tests.pdstack.local.test_model import WORDS
 from tests.support.otlp import Span, receiving
 
 pytestmark = pytest.mark.timeout(3600)
-
-
-@pytest.fixture(scope="module")
-def local() -> Iterator[Local]:
-    yield from brought_up()
 
 
 def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> None:

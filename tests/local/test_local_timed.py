@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 from cryptography import x509
@@ -28,7 +27,6 @@ from tests.local.environment import (
     assert_back_on,
     assert_down_leaves_nothing,
     assert_promoted_under_load,
-    brought_up,
     pdstack,
 )
 from tests.local.load import ClientLoad
@@ -36,11 +34,6 @@ from tests.local.operator import operator_context
 from tests.support.dashboardcheck import query_problems
 
 pytestmark = pytest.mark.timeout(3600)
-
-
-@pytest.fixture(scope="module")
-def local() -> Iterator[Local]:
-    yield from brought_up()
 
 
 def test_a_good_canary_is_promoted_to_all_traffic_with_no_failed_request(local: Local) -> None:
