@@ -107,6 +107,7 @@ class LocalEnv:
             self.release_file,
             self.inventory,
             p / "ansible.cfg",
+            p / "plugins",
             p / "playbooks",
             p / "roles",
             transport.local_ca(self.state_dir).folder,

@@ -2,14 +2,15 @@
 and release, published by sha256 (pdstack/node/publish.py) and unpacked by stage 0 (pdstack/node/loader.py).
 
 It holds, at the paths loader.py and apply.py read:
-- `ansible.cfg`, `roles/` and `playbooks/` (node.yml and the files it loads: vars/serving.yml, vars/node.yml and the
-  environment's rendered vars/contract/<env>.yml and vars/vllm/<env>.yml; no other environment's);
+- `ansible.cfg`, `plugins/` (the strategy ansible.cfg names), `roles/` and `playbooks/` (node.yml and the files it
+  loads: vars/serving.yml, vars/node.yml and the environment's rendered vars/contract/<env>.yml and
+  vars/vllm/<env>.yml; no other environment's);
 - `inventories/aws/group_vars/all/stacks.yml`: the cloud environments' facts node.yml maps as inventories/aws does;
 - `collections/ansible_collections/<namespace>/<name>/` (apply.COLLECTIONS_DIR): the collections the roles and
   node.yml use, copied from the installed `ansible` package without their tests (the node's venv has ansible-core);
-- `wheels/`: pdstack and pdserve built as wheels, their runtime dependencies and ansible-core, boto3 and botocore
-  at the pins of the pyproject files (pip download for Debian 12's CPython 3.11 on x86_64, binary wheels only), and
-  `wheels/requirements.txt` (loader.REQUIREMENTS), what stage 0 installs of them offline.
+- `wheels/`: pdstack and pdserve built as wheels, their runtime dependencies and ansible-core, mitogen, boto3 and
+  botocore at the pins of the pyproject files (pip download for Debian 12's CPython 3.11 on x86_64, binary wheels
+  only), and `wheels/requirements.txt` (loader.REQUIREMENTS), what stage 0 installs of them offline.
 
 Reproducible: members sorted, plain files only, owner 0:0, mtime SOURCE_DATE_EPOCH (0), modes 0644 or 0755, gzip
 without a name or a time; the two wheels built here take SOURCE_DATE_EPOCH too. The same tree gives the same sha256.
@@ -41,6 +42,7 @@ PLAYBOOK = "playbooks/node.yml"
 # scheduler URL's SSM lookup) use; a test checks every collection named under roles/ and playbooks/ is here.
 COLLECTIONS = ("amazon.aws", "ansible.posix", "community.general", "containers.podman")
 # The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
+PLUGINS_DIR = "plugins"  # ansible.cfg's strategy_plugins, relative to it here and in the bundle
 CLOUD_FACTS = "inventories/aws/group_vars/all/stacks.yml"
 ENV_VARS_DIRS = ("playbooks/vars/contract", "playbooks/vars/vllm")  # one file per environment, <env>.yml
 PLATFORM_DIR = "playbooks/vars/platform"  # the local platform's local.yml, and cloud.yml for every other
@@ -93,6 +95,7 @@ def tree_files(repo: Path, env: str, collections_from: Path) -> dict[str, Path]:
     """Every file of the bundle but the wheels: archive name -> source file."""
     files = {ANSIBLE_CFG: repo / ANSIBLE_CFG, CLOUD_FACTS: repo / CLOUD_FACTS}
     files.update(_files_under(repo / ROLES_DIR, ROLES_DIR))
+    files.update(_files_under(repo / PLUGINS_DIR, PLUGINS_DIR))
     playbooks = _files_under(repo / "playbooks", "playbooks")
     for name in list(playbooks):
         folder, _, file = name.rpartition("/")
@@ -134,8 +137,9 @@ def _pins(requirements: Iterable[str]) -> list[str]:
 
 
 def node_requirements(repo: Path) -> tuple[list[str], list[str]]:
-    """(what stage 0 installs: pdstack, pdserve, ansible-core, boto3 and botocore pinned; what is downloaded: every
-    runtime dependency of pdstack and pdserve and those three, at the pyproject files' pins)."""
+    """(what stage 0 installs: pdstack, pdserve and the `ansible` extra but the `ansible` package (ansible-core,
+    mitogen, boto3, botocore), pinned; what is downloaded: every runtime dependency of pdstack and pdserve and
+    those, at the pyproject files' pins)."""
     pdstack, pdserve = _project(repo / "pyproject.toml"), _project(repo / "serving" / "pyproject.toml")
     extra = dict(pdstack.get("optional-dependencies", {}))  # type: ignore[call-overload]
     ansible = _pins(list(extra[ANSIBLE_EXTRA]))

@@ -8,6 +8,7 @@ requirements stage 0 installs, is checked as such."""
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import json
 import tarfile
@@ -50,6 +51,11 @@ def test_the_bundle_is_what_the_loader_accepts_and_the_play_needs(bundle: Path, 
     assert {(m.uid, m.gid, m.mtime, m.uname) for m in infos} == {(0, 0, 0, "")}
     assert PLAYBOOK in names and "ansible.cfg" in names
     assert "inventories/aws/group_vars/all/stacks.yml" in names
+    # the strategy the bundle's ansible.cfg names is in the bundle where that file points (relative to itself)
+    config = configparser.ConfigParser()
+    config.read_string((REPO / "ansible.cfg").read_text())
+    plugins = config["defaults"]["strategy_plugins"].removeprefix("./")
+    assert f"{plugins}/{config['defaults']['strategy']}.py" in names
     play = yaml.safe_load((REPO / PLAYBOOK).read_text())
     for role in {entry["role"] for p in play for entry in p.get("roles", [])} | {"serving_node", "model_artifacts"}:
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
@@ -67,7 +73,7 @@ def test_the_bundle_is_what_the_loader_accepts_and_the_play_needs(bundle: Path, 
 def test_the_wheels_are_pinned_for_the_node() -> None:
     install, download = node_requirements(REPO)
     assert install[:2] == ["pdstack==0.1.0", "pdserve==0.1.0"]
-    assert {"ansible-core==2.19.14", "boto3==1.44.8", "botocore==1.44.8"} <= set(install)
+    assert {"ansible-core==2.19.14", "mitogen==0.3.54", "boto3==1.44.8", "botocore==1.44.8"} <= set(install)
     assert not [r for r in install + download if r.startswith("ansible==")]  # the collections come as files
     assert "async-timeout==5.0.1" in download  # Debian 12's Python 3.11.2 needs it, whatever builds the bundle
     assert not [r for r in download if ";" in r]
