@@ -41,8 +41,8 @@ PLAYBOOK = "playbooks/node.yml"
 # The collections the roles (containers.podman, community.general, ansible.posix) and node.yml (amazon.aws: the
 # scheduler URL's SSM lookup) use; a test checks every collection named under roles/ and playbooks/ is here.
 COLLECTIONS = ("amazon.aws", "ansible.posix", "community.general", "containers.podman")
-# The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
 PLUGINS_DIR = "plugins"  # ansible.cfg's strategy_plugins, relative to it here and in the bundle
+# The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
 CLOUD_FACTS = "inventories/aws/group_vars/all/stacks.yml"
 ENV_VARS_DIRS = ("playbooks/vars/contract", "playbooks/vars/vllm")  # one file per environment, <env>.yml
 PLATFORM_DIR = "playbooks/vars/platform"  # the local platform's local.yml, and cloud.yml for every other
