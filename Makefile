@@ -35,12 +35,10 @@ python312: venv
 # Two lanes side by side (make's -j2; --output-sync prints each lane's output whole), none of which asserts a time or
 # a rate, and which share no name, port or network: the vLLM suite (its engines pinned to the two cores), then the
 # main suite's untimed tests; beside them the checks (lint, type checks, python312), then the suites that drive
-# Ansible and node containers (CPU-bound: the module runs on the nodes; Mitogen, ansible.cfg's strategy, took them
-# from 29 min 56 s to 23 min 4 s in a fresh-clone run of make test). Then, alone, the local environment end to
-# end (tests/local: up from nothing and what does not judge time, then the canary judges, a WAN loss spike, a
-# certificate rotation and `down`), the bench's latency histograms and the emulated WAN link's rate and delay.
-# The local environment runs alone because it runs twice as fast so: measured beside the other lanes, up took
-# 569 s instead of 325 and the scale test 404 s instead of 163 (as a third lane beside vLLM's, up took 18 min).
+# Ansible and node containers (CPU-bound on the nodes' module runs). Then, alone, the local environment end to end
+# (tests/local: up from nothing and what does not judge time, then the canary judges, a WAN loss spike, a
+# certificate rotation and `down`), the bench's latency histograms and the emulated WAN link's rate and delay. The
+# local environment runs alone because it runs twice as fast so (figures: docs/testing.md).
 ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories
 TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
 test: host-test venv

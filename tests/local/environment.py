@@ -3,7 +3,7 @@ deployed through playbooks/deploy.yml, and the checks the pdserve and vLLM runs 
 
 A module's `local` fixture runs `up` (from nothing, or again: a warm `up` changes nothing and takes seconds) and
 leaves the environment up; only the down test takes it away, so the modules also run as separate pytest sessions
-(the Makefile runs test_local_env.py beside the other lanes and test_local_timed.py on a quiet machine)."""
+(the Makefile runs both in one session, alone on the machine after its two lanes)."""
 
 from __future__ import annotations
 
