@@ -21,6 +21,9 @@ request fails its handshake, and under tls_client_auth required so does a client
 tls_ca. Probes (/health...) are on the same listener. The certificate is reloaded in place when its files change
 or on SIGHUP (pdserve.common.tls.reloading), without a restart. A TLS handshake must be complete within the header
 deadline too (asyncio's ssl_handshake_timeout; its default would be 60 s); the header deadline then starts afresh.
+A TLS connection being closed waits at most TLS_SHUTDOWN_TIMEOUT_S for the peer's close_notify (asyncio's
+ssl_shutdown_timeout, 30 s by default): an idle pooled client never sends one, so with the default every stop of a
+TLS listener with a keep-alive caller took 30 s, past a container's stop grace.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ HEADER_TIMEOUT_ENV = "PDSERVE_HTTP_HEADER_TIMEOUT_SECONDS"
 BODY_TIMEOUT_ENV = "PDSERVE_HTTP_BODY_TIMEOUT_SECONDS"
 IDLE_TIMEOUT_ENV = "PDSERVE_HTTP_IDLE_TIMEOUT_SECONDS"
 MAX_HEADER_BYTES_ENV = "PDSERVE_HTTP_MAX_HEADER_BYTES"
+TLS_SHUTDOWN_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -257,10 +261,15 @@ class _ReloadingServer(uvicorn.Server):
         if self.config.ssl is None:
             await super().startup(sockets)
             return
-        # uvicorn passes create_server no ssl_handshake_timeout: shadow the loop's method while uvicorn binds, so
-        # that a client stalling its handshake is dropped at the header deadline instead of after asyncio's 60 s.
+        # uvicorn passes create_server neither TLS timeout: shadow the loop's method while uvicorn binds, so that a
+        # client stalling its handshake is dropped at the header deadline instead of after asyncio's 60 s, and a
+        # closing connection waits TLS_SHUTDOWN_TIMEOUT_S for the peer's close_notify instead of 30 s.
         loop: Any = asyncio.get_running_loop()
-        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        loop.create_server = functools.partial(
+            loop.create_server,
+            ssl_handshake_timeout=self.handshake_timeout,
+            ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT_S,
+        )
         try:
             await super().startup(sockets)
         finally:

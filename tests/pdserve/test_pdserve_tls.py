@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.listener import TLS_SHUTDOWN_TIMEOUT_S
 from tests.support.cluster import KEYS, write_keys_file
 from tests.support.ports import free_port
 from tests.support.serverproc import api_token_file
@@ -494,6 +495,28 @@ def test_a_stalled_handshake_is_dropped_at_the_header_deadline(tmp_path: Path):
                 except TimeoutError:
                     pytest.fail(f"after {sent!r}: the listener kept the stalled handshake open")
         assert probe(listener.service.port, pki.context(caller))[0] == 200
+    finally:
+        listener.service.stop()
+
+
+def test_sigterm_with_an_idle_keep_alive_caller_stops_the_listener_within_its_tls_shutdown_timeout(tmp_path: Path):
+    """A caller's pooled connection, idle after one request, never answers the listener's close_notify: the stop
+    waits TLS_SHUTDOWN_TIMEOUT_S for it, not asyncio's 30 s (past podman's stop grace), which the wait below would
+    not reach, and shuts down cleanly."""
+    pki = PKI(tmp_path)
+    caller = pki.files("caller", client=True)
+    listener = _scheduler(tmp_path, pki)
+    listener.service.launch()
+    try:
+        wait_https(listener, pki.context(caller))
+        kept = http.client.HTTPSConnection("127.0.0.1", listener.service.port, context=pki.context(caller))
+        kept.request("GET", "/health/live")
+        assert kept.getresponse().read() and kept.sock is not None  # open, idle, unread until the listener is gone
+        assert listener.service.process is not None
+        listener.service.process.send_signal(signal.SIGTERM)
+        listener.service.process.wait(timeout=TLS_SHUTDOWN_TIMEOUT_S + 15)
+        assert "Finished server process" in listener.service.logs()  # a clean shutdown, then SIGTERM re-raised
+        kept.close()
     finally:
         listener.service.stop()
 
