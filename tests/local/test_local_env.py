@@ -149,6 +149,9 @@ def test_prometheus_scrapes_every_pdserve_component_and_node(local: Local) -> No
     assert len(up) == 11 and set(up.values()) == {"1"}, up
     clocks = local.internal.get(query, params={"query": "node_timex_sync_status"}, timeout=10).json()["data"]["result"]
     assert len(clocks) == 5  # what the clock-skew alert reads
+    started = {"query": 'process_start_time_seconds{job=~"pdserve-.*"}'}
+    processes = local.internal.get(query, params=started, timeout=10).json()["data"]["result"]
+    assert len(processes) == 6  # what the restart alert reads, from every pdserve component
 
 
 def test_a_completion_is_prefilled_in_dc1_and_decoded_in_dc2_across_the_wan(local: Local) -> None:

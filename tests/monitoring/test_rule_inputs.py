@@ -21,6 +21,7 @@ import jinja2
 import pytest
 import yaml
 
+from pdserve.common.registry import component_registry
 from pdstack.contract.alerting import PLAN_RECORD, plan_generation_tokens_per_second, plan_rules, rules_with_plan
 from pdstack.dashboards.promql import metric_names
 from tests.support import REPO
@@ -46,14 +47,23 @@ def sample_names(name: str, kind: str) -> set[str]:
     return {base + suffix for suffix in SUFFIXES[kind]}
 
 
+@cache
+def process_series() -> frozenset[str]:
+    """What pdserve.common.registry.component_registry() holds before its component registers anything."""
+    return frozenset(sample.name for family in component_registry().collect() for sample in family.samples)
+
+
 def constructed(path: Path) -> set[str]:
     """Sample names of the metrics a module constructs: Counter/Gauge/Histogram calls (or factories named after
-    them) with the name as first argument or `name=`."""
+    them) with the name as first argument or `name=`, and the process series of a component_registry() it makes."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Call):
             continue
         func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if func == component_registry.__name__:
+            names |= process_series()
+            continue
         kind = next((k for k in SUFFIXES if k in func.lower()), None)
         if kind is None:
             continue

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
+from pdserve.common.registry import component_registry
 from pdserve.scheduler.protocol import ENGINE_OPTIONAL_PARAMS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -54,7 +55,7 @@ def field_label(field: str) -> str:
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = component_registry()
         r = self.registry
         self.requests = Counter(
             "pdserve_gateway_requests",

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pdserve.common.registry import component_registry
 
 from .advisor import Advice
 from .registry import Registry
@@ -19,7 +21,7 @@ class SchedulerMetrics:
     def __init__(
         self, registry: Registry, weights: Callable[[], dict[str, float]], advice: Callable[[], Advice]
     ) -> None:
-        self.prometheus = CollectorRegistry()
+        self.prometheus = component_registry()
         self.transitions = Counter(
             "pdserve_scheduler_instance_transitions",
             "Instance state transitions, by new state",

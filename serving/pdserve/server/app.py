@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.logs import bind_request_id, reset_request_id
+from pdserve.common.registry import component_registry
 from pdserve.common.routes import probe_routes
 from pdserve.engine import Engine
 from pdserve.kv import SecretKey
@@ -103,7 +104,7 @@ def read_api_token(settings: ServerSettings) -> str | None:
 
 
 def create_app(settings: ServerSettings, registry: CollectorRegistry | None = None) -> Starlette:
-    metrics = ServerMetrics(registry if registry is not None else CollectorRegistry())
+    metrics = ServerMetrics(registry if registry is not None else component_registry())
     metrics.build.labels(settings.version, settings.role.value).set(1)
     state = ServerState(settings, metrics)
     api_token = read_api_token(settings)
