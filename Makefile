@@ -32,16 +32,18 @@ python312: venv
 		--target $(VENV)/py312 '.[infra,ansible,plot,dev]' './serving[parity]'
 	$(VENV)/bin/mypy --python-version 3.12 --cache-dir .mypy_cache/py312
 
-# Two lanes side by side (make's -j2; --output-sync prints each lane's output whole), none of which asserts a time or
-# a rate, and which share no name, port or network: the vLLM suite (its engines pinned to the two cores), then the
-# main suite's untimed tests; beside them the checks (lint, type checks, python312), then the suites that drive
-# Ansible and node containers (CPU-bound on the nodes' module runs). Then, alone, the local environment end to end
-# (tests/local: up from nothing and what does not judge time, then the canary judges, a WAN loss spike, a
-# certificate rotation and `down`), the bench's latency histograms and the emulated WAN link's rate and delay. The
-# local environment runs alone because it runs twice as fast so (figures: docs/testing.md).
-ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories
+# Both virtual environments are built at once (one pip alone leaves a core idle). Then two lanes side by side
+# (make's -j2; --output-sync prints each lane's output whole), none of which asserts a time or a rate, and which share
+# no name, port or network: the vLLM suite (its engines pinned to the two cores), then the main suite's untimed
+# tests; beside them the checks (lint, type checks, python312), then the suites that drive Ansible, node containers
+# and a node's bootstrap (CPU-bound on module runs). Then, alone, the local environment end to end (tests/local: up
+# from nothing and what does not judge time, then the canary judges, a WAN loss spike, a certificate rotation and
+# `down`), the bench's latency histograms and the emulated WAN link's rate and delay. The local environment runs
+# alone because it runs twice as fast so (figures: docs/testing.md).
+ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories tests/pdstack/node tests/ci_templates
 TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
-test: host-test venv
+test: host-test
+	$(MAKE) --no-print-directory -j2 venv $(VLLM_STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-untimed test-checks-ansible
 	$(VENV)/bin/pytest $(TIMED_SUITES)
 
@@ -61,7 +63,7 @@ test-checks-ansible: venv
 test-untimed: venv
 	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) $(TIMED_SUITES))
 
-# The Ansible and node-container suites alone.
+# The suites that drive Ansible, node containers and a node's bootstrap, alone.
 test-ansible: venv
 	$(VENV)/bin/pytest $(ANSIBLE_SUITES)
 

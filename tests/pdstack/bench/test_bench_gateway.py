@@ -22,7 +22,7 @@ from .conftest import BenchRunner, bench_process
 
 GATEWAY_TTFT = "pdserve_gateway_time_to_first_token_seconds"
 GATEWAY_E2E = "pdserve_gateway_request_duration_seconds"
-LOW_RATE = ["--rate", "0.5", "--requests", "12", "--workload", "short", "--max-tokens", "16", "--seed", "5"]
+LOW_RATE = ["--rate", "1", "--requests", "12", "--workload", "short", "--max-tokens", "16", "--seed", "5"]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from tests.support.serverproc import ServerProcess
 
 from .conftest import BenchRunner
 
-LOW_RATE = ["--rate", "0.5", "--requests", "16", "--workload", "short", "--max-tokens", "16", "--seed", "3"]
+LOW_RATE = ["--rate", "1", "--requests", "16", "--workload", "short", "--max-tokens", "16", "--seed", "3"]
 
 
 @pytest.fixture(scope="module")
