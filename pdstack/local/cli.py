@@ -149,7 +149,9 @@ def scale_command(
     typer.echo(f"{datacenter}/{pool}: {desired} nodes (release {report.release or 'unchanged'})")
     for node in report.launched:
         phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in node.seconds.items())
+        apply = ", ".join(f"{part} {seconds:.1f}s" for part, seconds in node.apply.items())
         typer.echo(f"  launched {node.node} ({node.instance_id}): {phases}")
+        typer.echo(f"    apply: {apply}; model: {node.model_bytes} bytes from the bucket")
     for name in report.removed:
         typer.echo(f"  drained and removed {name}")
 

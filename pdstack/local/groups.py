@@ -67,6 +67,8 @@ class Launched:
     node: str
     instance_id: str
     seconds: dict[str, float]  # boot (to cloud-init done), then each bootstrap phase, then total
+    apply: dict[str, float] = field(default_factory=dict)  # the apply phase's image, roles and engine_start
+    model_bytes: int = 0  # downloaded from the datacenter's bucket
 
 
 @dataclass(frozen=True)
@@ -219,12 +221,15 @@ def wait_ready(node: Node, instance_id: str, say: Callable[[str], None], timeout
             ["podman", "exec", node.name, "journalctl", "-u", UNIT, "-n", "40", "--no-pager"], check=False
         )
         raise ScaleError(f"{node.name} ({instance_id}) did not come up: {UNIT} is {state}\n{log.stdout[-4000:]}")
-    seconds = {"boot": booted, **_phase_seconds(node.name), "total": time.monotonic() - started}
+    metrics = _bootstrap_metrics(node.name)
+    seconds = {"boot": booted, **metrics["phase_seconds"], "total": time.monotonic() - started}
+    apply, model_bytes = metrics["apply_seconds"], int(metrics["model_downloaded_bytes"].get("", 0))
     say(
         f"scale: {node.name} ready in {seconds['total']:.0f}s: "
         + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+        + f"; apply: {', '.join(f'{k} {v:.1f}s' for k, v in apply.items())}; model {model_bytes} bytes downloaded"
     )
-    return Launched(node.name, instance_id, seconds)
+    return Launched(node.name, instance_id, seconds, apply, model_bytes)
 
 
 def remove_launched(env: LocalEnv, aws: LocalAws, topology: Topology, node: Node, *, drain: bool = True) -> None:
@@ -260,14 +265,18 @@ def _unit_state(name: str) -> str:
     return run_captured(["podman", "exec", name, "systemctl", "is-active", UNIT], check=False).stdout.strip()
 
 
-def _phase_seconds(name: str) -> dict[str, float]:
+def _bootstrap_metrics(name: str) -> dict[str, dict[str, float]]:
+    """The node's bootstrap metrics: phase_seconds, apply_seconds and model_downloaded_bytes, each by its one
+    label's value ("" for none)."""
     text = run_captured(["podman", "exec", name, "cat", METRICS], check=False).stdout
-    seconds = {}
-    for line in text.splitlines():
-        if line.startswith('pdstack_node_bootstrap_phase_seconds{phase="'):
-            phase = line.split('"')[1]
-            seconds[phase] = float(line.rsplit(" ", 1)[1])
-    return seconds
+    found: dict[str, dict[str, float]] = {"phase_seconds": {}, "apply_seconds": {}, "model_downloaded_bytes": {}}
+    for family, values in found.items():
+        prefix = f"pdstack_node_bootstrap_{family}"
+        for line in text.splitlines():
+            if line.startswith((prefix + "{", prefix + " ")):
+                label = line.split('"')[1] if "{" in line else ""
+                values[label] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def _instances(env: LocalEnv) -> dict[str, str]:

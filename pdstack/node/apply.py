@@ -34,6 +34,14 @@ from pdstack.node.release import ReleaseRecord
 from pdstack.node.secrets import SecretFiles
 
 VARS_FILE = "apply-vars.json"
+# The play's task times (plugins/callback/pdstack_task_times.py, in the bundle), to split the phase's seconds
+TASK_TIMES_FILE = "apply-tasks.json"
+TASK_TIMES_CALLBACK = "pdstack_task_times"
+TASK_TIMES_ENV = "PDSTACK_TASK_TIMES"  # the callback's OUTPUT_ENV
+CALLBACKS_DIR = "plugins/callback"
+IMAGE_ACTIONS = frozenset({"containers.podman.podman_image"})
+SERVER_ROLES = frozenset({"pdserve", "vllm_engine"})  # node.yml's server: its first container task starts the engine
+CONTAINER_ACTION = "containers.podman.podman_container"
 # Inside the bundle (pdstack/node/bundle.py writes them there): the roles, and the Ansible collections they use
 # (containers.podman, community.general, ansible.posix; amazon.aws for the scheduler URL's lookup) as
 # collections/ansible_collections/<namespace>/<name>: the venv has ansible-core only.
@@ -101,6 +109,9 @@ def playbook_run(bundle_dir: Path, playbook: str, vars_file: Path, bin_dir: Path
         "ANSIBLE_ROLES_PATH": str(bundle_dir / ROLES_DIR),
         "ANSIBLE_COLLECTIONS_PATH": str(bundle_dir / COLLECTIONS_DIR),
         "ANSIBLE_CONFIG": str(bundle_dir / ANSIBLE_CFG),
+        "ANSIBLE_CALLBACK_PLUGINS": str(bundle_dir / CALLBACKS_DIR),
+        "ANSIBLE_CALLBACKS_ENABLED": TASK_TIMES_CALLBACK,
+        TASK_TIMES_ENV: str(vars_file.parent / TASK_TIMES_FILE),
     }
     return PlaybookRun(argv, env, bundle_dir)
 
@@ -124,9 +135,27 @@ def apply_bundle(
     if not (bundle_dir / record.bundle.playbook).is_file():
         raise BootstrapError(Phase.APPLY, f"the bundle {record.bundle.key} has no {record.bundle.playbook}")
     vars_file = state_dir / VARS_FILE
+    (state_dir / TASK_TIMES_FILE).unlink(missing_ok=True)  # a previous boot's
     write_atomic(vars_file, (json.dumps(dict(variables), indent=2, sort_keys=True) + "\n").encode(), 0o600)
     run = playbook_run(bundle_dir, record.bundle.playbook, vars_file, bin_dir)
     code = runner(run)
     if code != 0:
         raise BootstrapError(Phase.APPLY, f"{Path(run.argv[0]).name} {record.bundle.playbook} exited {code}")
     return run
+
+
+def apply_parts(state_dir: Path, total: float) -> dict[str, float]:
+    """The apply phase's `total` seconds split as the play ran them (the task times file of this run): `image`, the
+    pulls; `engine_start`, from the server role's first container task to the play's end (the start, and the wait
+    until the scheduler routes to it); `roles`, the rest (the baseline, the server's set-up, Ansible's own start).
+    Empty when the play left no times (it did not run)."""
+    path = state_dir / TASK_TIMES_FILE
+    if not path.is_file():
+        return {}
+    tasks: list[dict[str, Any]] = json.loads(path.read_text())
+    if not tasks:
+        return {}
+    image = sum(t["end"] - t["start"] for t in tasks if t["action"] in IMAGE_ACTIONS)
+    starts = [t["start"] for t in tasks if t["action"] == CONTAINER_ACTION and t["role"] in SERVER_ROLES]
+    engine = tasks[-1]["end"] - min(starts) if starts else 0.0
+    return {"image": image, "roles": max(total - image - engine, 0.0), "engine_start": engine}

@@ -8,8 +8,8 @@ once per release; stage 0 did it already when it started this program), secrets,
 token, bought with its instance role: pdstack.node.join; joining again answers the same token), registry, model,
 apply. Any
 failure is a BootstrapError naming its phase: the node writes the failure metric, marks itself Unhealthy so its
-group replaces it, and exits non-zero. Success writes the per-phase seconds, the release and the model bytes that
-this boot downloaded.
+group replaces it, and exits non-zero. Success writes the per-phase seconds (apply's also split into image pulls,
+roles and engine start), the release and the model bytes that this boot downloaded.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pdstack.contract.components import (
     scheduler_audience,
     scheduler_url_parameter,
 )
-from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, extra_vars, subprocess_runner
+from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, apply_parts, extra_vars, subprocess_runner
 from pdstack.node.config import NodeConfig
 from pdstack.node.drain import install_termination_watch
 from pdstack.node.join import Joined, JoinError, join_scheduler
@@ -82,6 +82,7 @@ class BootstrapResult:
     model: ModelSync
     playbook: PlaybookRun
     seconds: dict[str, float] = field(default_factory=dict)
+    apply_parts: dict[str, float] = field(default_factory=dict)  # the apply phase: image, roles, engine_start
 
 
 @contextmanager
@@ -170,5 +171,7 @@ def bootstrap(
             textfile_dir=paths.textfile_dir,
         )
         raise
-    write_metrics(metrics_text(seconds, release=record.release, model_bytes=model.downloaded_bytes), paths.textfile_dir)
-    return BootstrapResult(instance, record.release, model, run, seconds)
+    parts = apply_parts(paths.state_dir, seconds[str(Phase.APPLY)])
+    text = metrics_text(seconds, release=record.release, model_bytes=model.downloaded_bytes, apply_parts=parts)
+    write_metrics(text, paths.textfile_dir)
+    return BootstrapResult(instance, record.release, model, run, seconds, parts)

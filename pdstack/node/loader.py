@@ -117,10 +117,11 @@ def metrics_text(
     failed: str | None = None,
     release: str | None = None,
     model_bytes: int | None = None,
+    apply_parts: Mapping[str, float] | None = None,
     now: float | None = None,
 ) -> str:
     """The bootstrap's metrics in Prometheus' text format: per-phase seconds always; then either the failed phase or
-    the success time, the release and the model bytes downloaded."""
+    the success time, the release, the model bytes downloaded and the apply phase's parts."""
     lines = [
         "# HELP pdstack_node_bootstrap_phase_seconds How long each bootstrap phase of this boot took.",
         "# TYPE pdstack_node_bootstrap_phase_seconds gauge",
@@ -148,6 +149,12 @@ def metrics_text(
                 "# HELP pdstack_node_bootstrap_model_downloaded_bytes Model bytes this boot downloaded.",
                 "# TYPE pdstack_node_bootstrap_model_downloaded_bytes gauge",
                 f"pdstack_node_bootstrap_model_downloaded_bytes {model_bytes}",
+            ]
+        if apply_parts:
+            lines += [
+                "# HELP pdstack_node_bootstrap_apply_seconds Seconds of the apply phase: pulls, roles, engine start.",
+                "# TYPE pdstack_node_bootstrap_apply_seconds gauge",
+                *(f'pdstack_node_bootstrap_apply_seconds{{part="{p}"}} {s:.3f}' for p, s in apply_parts.items()),
             ]
     return "\n".join(lines) + "\n"
 

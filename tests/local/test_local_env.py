@@ -24,6 +24,10 @@ from openai import APIConnectionError, DefaultHttpxClient, OpenAI
 
 from pdstack.contract.components import Component
 from pdstack.local import nodes
+from pdstack.local.commands import run_captured
+from pdstack.node.apply import VARS_FILE
+from pdstack.node.loader import STATE_DIR
+from pdstack.node.release import read_release
 from tests.local.alerting import assert_a_restarted_decode_reaches_the_webhook
 from tests.local.environment import (
     LOAD_RATE,
@@ -228,6 +232,10 @@ def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_
         launched = json.loads(out.stdout)["launched"]
         assert [n["node"] for n in launched] == ["dc2-decode-3"], launched
         assert {"boot", "release", "secrets", "join", "registry", "model", "apply"} <= set(launched[0]["seconds"])
+        assert set(launched[0]["apply"]) == {"image", "roles", "engine_start"}, launched[0]
+        model = read_release(local.env.aws().client("ssm"), "local").model
+        assert launched[0]["model_bytes"] == sum(f.size for f in model.files)  # every byte from the bucket
+        assert_an_anonymous_pull_is_refused_on("dc2-decode-3")
         instance = f"decode-{launched[0]['instance_id']}"
         routed = {i["instance_id"]: i for i in local.instances()}
         assert routed[instance]["state"] == "ready" and routed[instance]["info"]["url"].endswith(f":{decode}")
@@ -243,6 +251,16 @@ def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_
     assert instance not in {i["instance_id"] for i in local.instances()}  # deregistered by its drain
     assert not nodes.node_exists("dc2-decode-3")
     assert load.completed() > 50 and not load.failures(), load.failures()
+
+
+def assert_an_anonymous_pull_is_refused_on(node: str) -> None:
+    """The node's image came through an authenticated pull: the same pull on the node without its credentials is
+    refused by the registry."""
+    applied = json.loads(nodes.exec_in_node(node, ["cat", str(STATE_DIR / VARS_FILE)]))
+    image = applied["pdstack_images"]["decode"]
+    anonymous = f"echo '{{}}' > /tmp/anonymous.json && podman pull --authfile /tmp/anonymous.json {image}"
+    pulled = run_captured(["podman", "exec", node, "sh", "-c", anonymous], check=False)
+    assert pulled.returncode != 0 and "unauthorized" in (pulled.stdout + pulled.stderr).lower(), pulled.stderr
 
 
 def test_up_again_changes_nothing(local: Local) -> None:

@@ -88,7 +88,7 @@ class Node:
             self.config,
             client=kwargs.pop("client", self.clients),
             identify=lambda: self.instance_id,
-            runner=self.runner,
+            runner=kwargs.pop("runner", self.runner),
             paths=self.paths,
             bin_dir=Path("/opt/venv/bin"),
             credentials=kwargs.pop("credentials", lambda: self.credentials),

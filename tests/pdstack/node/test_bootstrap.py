@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from botocore.stub import Stubber
 
+from pdstack.node.apply import TASK_TIMES_CALLBACK, TASK_TIMES_ENV, TASK_TIMES_FILE, PlaybookRun
 from pdstack.node.loader import BootstrapError, Phase
 from pdstack.node.release import ModelFile
 from tests.pdstack.node.conftest import MODEL_FILES, Node, pool_certificate
@@ -70,6 +71,8 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
     )
     assert run.env["ANSIBLE_ROLES_PATH"] == str(bundle_dir / "roles")
     assert run.env["ANSIBLE_COLLECTIONS_PATH"] == str(bundle_dir / "collections")
+    assert run.env["ANSIBLE_CALLBACKS_ENABLED"] == TASK_TIMES_CALLBACK
+    assert run.env[TASK_TIMES_ENV] == str(node.paths.state_dir / TASK_TIMES_FILE)
     assert json.loads(vars_file.read_text()) == {
         "pdstack_environment": "local",
         "pdstack_datacenter": "dc2",
@@ -100,6 +103,23 @@ def test_a_fresh_node_comes_up(node: Node) -> None:
     for phase in PHASES:
         assert f'pdstack_node_bootstrap_phase_seconds{{phase="{phase}"}} ' in metrics
     assert node.health() == "Healthy"
+
+
+def test_the_apply_phase_is_split_as_its_play_ran_in_the_metrics(node: Node) -> None:
+    def play(run: PlaybookRun) -> int:  # what the task-times callback writes (tests/pdstack/node/test_apply.py)
+        pull = {"play": 1, "role": "pdserve", "action": "containers.podman.podman_image", "start": 5.0, "end": 7.5}
+        start = {"play": 1, "role": "pdserve", "action": "containers.podman.podman_container", "start": 8, "end": 9}
+        Path(run.env[TASK_TIMES_ENV]).write_text(json.dumps([pull, start]))
+        return 0
+
+    result = node.boot(runner=play)
+
+    # the times written above are longer than this phase's own seconds: nothing is left for the roles
+    assert result.apply_parts == {"image": 2.5, "roles": 0.0, "engine_start": 1.0}
+    metrics = node.metrics()
+    assert 'pdstack_node_bootstrap_apply_seconds{part="image"} 2.500\n' in metrics
+    assert 'pdstack_node_bootstrap_apply_seconds{part="engine_start"} 1.000\n' in metrics
+    assert 'pdstack_node_bootstrap_apply_seconds{part="roles"} ' in metrics
 
 
 def test_a_second_boot_repeats_no_work(node: Node) -> None:

@@ -22,7 +22,7 @@ from infra.storage import bucket_name
 from pdstack.cli import app
 from pdstack.contract.components import scheduler_url_parameter
 from pdstack.contract.node_lifecycle import node_role_name
-from pdstack.node.apply import PlaybookRun
+from pdstack.node.apply import CALLBACKS_DIR, TASK_TIMES_CALLBACK, PlaybookRun
 from pdstack.node.bootstrap import NodePaths, bootstrap
 from pdstack.node.bundle import COLLECTIONS, NODE_PLATFORMS, PLAYBOOK, build_bundle, node_requirements, wheel_commands
 from pdstack.node.config import NodeConfig
@@ -56,6 +56,7 @@ def test_the_bundle_is_what_the_loader_accepts_and_the_play_needs(bundle: Path, 
     config.read_string((REPO / "ansible.cfg").read_text())
     plugins = config["defaults"]["strategy_plugins"].removeprefix("./")
     assert f"{plugins}/{config['defaults']['strategy']}.py" in names
+    assert f"{CALLBACKS_DIR}/{TASK_TIMES_CALLBACK}.py" in names  # what apply.py enables for the play
     play = yaml.safe_load((REPO / PLAYBOOK).read_text())
     for role in {entry["role"] for p in play for entry in p.get("roles", [])} | {"serving_node", "model_artifacts"}:
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
