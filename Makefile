@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv host host-test lint typecheck python312 test test-unit test-vllm-untimed test-checks-ansible test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
+.PHONY: venv vllm-venv host host-test lint typecheck python312 test test-unit test-vllm-untimed test-checks-ansible test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -76,6 +76,8 @@ test-unit: host-test venv
 # on this torch; text models need none of them. The main suite ignores tests/vllm (pyproject addopts).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): serving/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
