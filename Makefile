@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv vllm-venv host host-test lint typecheck python312 test test-unit test-vllm-untimed test-checks-ansible test-untimed test-ansible test-vllm test-vllm-tp test-vllm-deploy up down clean
+.PHONY: venv vllm-venv host host-test lint typecheck python312 test test-unit test-vllm-untimed test-checks-ansible test-untimed test-ansible test-program test-vllm test-vllm-tp test-vllm-deploy up down clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,8 @@ python312: venv
 # `down`), the bench's latency histograms and the emulated WAN link's rate and delay. The local environment runs
 # alone because it runs twice as fast so (figures: docs/testing.md).
 ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories tests/pdstack/node tests/ci_templates
+# The Pulumi program and the stack model (synthesis under mocks, pyright, kube play, hypothesis): lane 2's end
+PROGRAM_SUITES := tests/infra tests/pdstack/stacks
 TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
 test: host-test
 	$(MAKE) --no-print-directory -j2 venv $(VLLM_STAMP)
@@ -52,20 +54,25 @@ test-vllm-untimed: venv
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-untimed
 
-# lint, type checks, python312, then the Ansible suites (the other lane).
+# lint, type checks, python312, the Ansible suites, then the Pulumi program's and the stack model's (the other lane).
 test-checks-ansible: venv
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory python312
 	$(MAKE) --no-print-directory test-ansible
+	$(MAKE) --no-print-directory test-program
 
-# The main suite without the Ansible and the timed suites.
+# The main suite without the Ansible, the program's and the timed suites.
 test-untimed: venv
-	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) $(TIMED_SUITES))
+	$(VENV)/bin/pytest $(addprefix --ignore=,$(ANSIBLE_SUITES) $(PROGRAM_SUITES) $(TIMED_SUITES))
 
 # The suites that drive Ansible, node containers and a node's bootstrap, alone.
 test-ansible: venv
 	$(VENV)/bin/pytest $(ANSIBLE_SUITES)
+
+# The Pulumi program's and the stack model's suites, alone.
+test-program: venv
+	$(VENV)/bin/pytest $(PROGRAM_SUITES)
 
 # The fast tier, under a minute: every test not marked slow (docs/testing.md).
 test-unit: host-test venv
