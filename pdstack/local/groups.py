@@ -43,7 +43,7 @@ from pdstack.local.pools import CapacityError, checked_capacity, load_capacity, 
 from pdstack.local.topology import Node, Topology, load_topology
 from pdstack.model import Environment
 from pdstack.node.bundle import build_bundle
-from pdstack.node.loader import CURRENT_VENV, METRICS_FILE, STATE_DIR
+from pdstack.node.loader import CURRENT_VENV, METRICS_FILE, STATE_DIR, read_metrics
 from pdstack.node.release import ReleaseNotFoundError, read_release
 from pdstack.node.userdata import UNIT, render_user_data
 from pdstack.stacks.environment import load_environment
@@ -266,17 +266,10 @@ def _unit_state(name: str) -> str:
 
 
 def _bootstrap_metrics(name: str) -> dict[str, dict[str, float]]:
-    """The node's bootstrap metrics: phase_seconds, apply_seconds and model_downloaded_bytes, each by its one
-    label's value ("" for none)."""
+    """The node's bootstrap metrics (pdstack.node.loader.read_metrics), every family present, empty or not."""
     text = run_captured(["podman", "exec", name, "cat", METRICS], check=False).stdout
-    found: dict[str, dict[str, float]] = {"phase_seconds": {}, "apply_seconds": {}, "model_downloaded_bytes": {}}
-    for family, values in found.items():
-        prefix = f"pdstack_node_bootstrap_{family}"
-        for line in text.splitlines():
-            if line.startswith((prefix + "{", prefix + " ")):
-                label = line.split('"')[1] if "{" in line else ""
-                values[label] = float(line.rsplit(" ", 1)[1])
-    return found
+    families = ("phase_seconds", "apply_seconds", "model_downloaded_bytes")
+    return {family: {} for family in families} | read_metrics(text)
 
 
 def _instances(env: LocalEnv) -> dict[str, str]:

@@ -38,7 +38,6 @@ VARS_FILE = "apply-vars.json"
 TASK_TIMES_FILE = "apply-tasks.json"
 TASK_TIMES_CALLBACK = "pdstack_task_times"
 TASK_TIMES_ENV = "PDSTACK_TASK_TIMES"  # the callback's OUTPUT_ENV
-CALLBACKS_DIR = "plugins/callback"
 IMAGE_ACTIONS = frozenset({"containers.podman.podman_image"})
 SERVER_ROLES = frozenset({"pdserve", "vllm_engine"})  # node.yml's server: its first container task starts the engine
 CONTAINER_ACTION = "containers.podman.podman_container"
@@ -48,6 +47,8 @@ CONTAINER_ACTION = "containers.podman.podman_container"
 ROLES_DIR = "roles"
 COLLECTIONS_DIR = "collections"
 ANSIBLE_CFG = "ansible.cfg"
+PLUGINS_DIR = "plugins"  # ansible.cfg's strategy_plugins, relative to it (here and in the bundle), and the callback
+CALLBACKS_DIR = f"{PLUGINS_DIR}/callback"
 
 
 @dataclass(frozen=True)

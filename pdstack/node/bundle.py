@@ -34,14 +34,13 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from pdstack.node.apply import ANSIBLE_CFG, COLLECTIONS_DIR, ROLES_DIR
+from pdstack.node.apply import ANSIBLE_CFG, COLLECTIONS_DIR, PLUGINS_DIR, ROLES_DIR
 from pdstack.node.loader import REQUIREMENTS, WHEELS
 
 PLAYBOOK = "playbooks/node.yml"
 # The collections the roles (containers.podman, community.general, ansible.posix) and node.yml (amazon.aws: the
 # scheduler URL's SSM lookup) use; a test checks every collection named under roles/ and playbooks/ is here.
 COLLECTIONS = ("amazon.aws", "ansible.posix", "community.general", "containers.podman")
-PLUGINS_DIR = "plugins"  # ansible.cfg's strategy_plugins, relative to it here and in the bundle
 # The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
 CLOUD_FACTS = "inventories/aws/group_vars/all/stacks.yml"
 ENV_VARS_DIRS = ("playbooks/vars/contract", "playbooks/vars/vllm")  # one file per environment, <env>.yml

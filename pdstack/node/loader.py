@@ -35,6 +35,7 @@ from typing import Any
 NODE_CONFIG = Path("/etc/pdstack/node.json")
 STATE_DIR = Path("/var/lib/pdstack/node")  # unpacked bundles by sha256, the venvs installed from them
 METRICS_FILE = "pdstack_node_bootstrap.prom"
+METRIC_PREFIX = "pdstack_node_bootstrap_"
 # Kept equal to pdstack.contract.components.NODE_EXPORTER_TEXTFILE_DIR by a test: this module imports no pdstack
 TEXTFILE_DIR = Path("/var/lib/prometheus/node-exporter")
 CHUNK = 8 << 20
@@ -157,6 +158,18 @@ def metrics_text(
                 *(f'pdstack_node_bootstrap_apply_seconds{{part="{p}"}} {s:.3f}' for p, s in apply_parts.items()),
             ]
     return "\n".join(lines) + "\n"
+
+
+def read_metrics(text: str) -> dict[str, dict[str, float]]:
+    """What metrics_text wrote, by family without the `pdstack_node_bootstrap_` prefix, then by its one label's value
+    ("" for a family without labels): {"phase_seconds": {"release": 0.2, ...}, "model_downloaded_bytes": {"": 12.0}}."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if line.startswith(METRIC_PREFIX):
+            name, _, value = line.removeprefix(METRIC_PREFIX).rpartition(" ")
+            family, _, labels = name.partition("{")
+            found.setdefault(family, {})[labels.split('"')[1] if labels else ""] = float(value)
+    return found
 
 
 def mark_unhealthy(autoscaling: Any, instance: str) -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from pdstack.contract.components import NODE_EXPORTER_TEXTFILE_DIR, REGISTRY_AUTH_FILE
 from pdstack.node import loader
-from pdstack.node.loader import BootstrapError, Phase, fetch_bundle, install_venv, metrics_text
+from pdstack.node.loader import BootstrapError, Phase, fetch_bundle, install_venv, metrics_text, read_metrics
 from tests.pdstack.node.conftest import BUNDLE, Node
 from tests.support import REPO
 from tests.support.motoserver import CREDENTIALS
@@ -53,6 +53,22 @@ def test_the_metrics_are_prometheus_text() -> None:
     assert "pdstack_node_bootstrap_success_timestamp_seconds 1000.000\n" in done
     promtool = subprocess.run(["promtool", "check", "metrics"], input=done, capture_output=True, text=True, check=False)
     assert promtool.returncode == 0, promtool.stdout + promtool.stderr
+
+
+def test_the_metrics_read_back_as_written() -> None:
+    """pdstack local scale reads a node's report through read_metrics."""
+    parts = {"image": 15.0, "roles": 64.7, "engine_start": 6.75}
+    text = metrics_text(
+        {"identity": 0.4, "apply": 86.45}, release="r1", model_bytes=716737, apply_parts=parts, now=1000.0
+    )
+    assert read_metrics(text) == {
+        "phase_seconds": {"identity": 0.4, "apply": 86.45},
+        "failed": {"": 0.0},
+        "success_timestamp_seconds": {"": 1000.0},
+        "release_info": {"r1": 1.0},
+        "model_downloaded_bytes": {"": 716737.0},
+        "apply_seconds": parts,
+    }
 
 
 def tarball(members: dict[str, tarfile.TarInfo | bytes]) -> bytes:
