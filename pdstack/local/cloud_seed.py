@@ -7,7 +7,8 @@ A seed is a folder cloud-init reads at /var/lib/cloud/seed/nocloud (docs: cloud-
 - `meta-data`: what EC2's metadata says of the instance, here its id and hostname (`cloud-init query v1.instance_id`
   answers the id, as it answers EC2's in the cloud);
 - `vendor-data`: the platform's own configuration. Locally it hands the node its instance role's credentials (which
-  EC2's metadata service serves in the cloud), so the user data stays the cloud's, byte for byte.
+  EC2's metadata service serves in the cloud) and lets the operators' SSH key in (where a cloud node's image carries
+  the SSM agent their sessions reach), so the user data stays the cloud's, byte for byte.
 
 cloud-init merges vendor-data's cloud-config under user data's, and a top-level key both set is user data's alone
 (lists are not appended): the pool's user data writes files and runs commands (`write_files`, `runcmd`), so vendor
@@ -34,6 +35,7 @@ from pdstack.local.commands import run_captured
 SEED_MOUNT = "/var/lib/cloud/seed/nocloud"
 AWS_CREDENTIALS = "/root/.aws/credentials"
 AWS_CONFIG = "/root/.aws/config"
+AUTHORIZED_KEYS = Path("/root/.ssh/authorized_keys")
 OUTPUT_LOG = "/var/log/cloud-init-output.log"
 # the keys credentials_vendor_data sets: a user data setting one of them would drop vendor data's
 VENDOR_DATA_KEYS = ("bootcmd",)
@@ -77,10 +79,19 @@ def write_seed(seed: InstanceSeed, folder: Path) -> Path:
     return folder
 
 
-def credentials_vendor_data(access_key_id: str, secret_access_key: str, session_token: str | None, region: str) -> str:
+def credentials_vendor_data(
+    access_key_id: str,
+    secret_access_key: str,
+    session_token: str | None,
+    region: str,
+    operator_key: str | None = None,
+) -> str:
     """Vendor data (`#cloud-config`) writing the instance role's credentials as root's AWS shared files,
     /root/.aws/credentials and /root/.aws/config (its region), both 0600, at every boot (bootcmd: see the module's
-    docstring). boto3 on the node finds them as it finds the metadata service's in the cloud."""
+    docstring). boto3 on the node finds them as it finds the metadata service's in the cloud.
+
+    `operator_key`: an SSH public key root's authorized_keys then holds, the operators' way in to a local node (their
+    plays reach it as the AWS inventory's SSM sessions reach a cloud node, whose agent the image carries)."""
     credentials = f"[default]\naws_access_key_id = {access_key_id}\naws_secret_access_key = {secret_access_key}\n"
     if session_token:
         credentials += f"aws_session_token = {session_token}\n"
@@ -91,7 +102,11 @@ def credentials_vendor_data(access_key_id: str, secret_access_key: str, session_
         f'umask 077 && mkdir -p {Path(AWS_CREDENTIALS).parent} && printf "%s" "$1" > {AWS_CREDENTIALS} '
         f'&& printf "%s" "$2" > {AWS_CONFIG} && chmod 600 {AWS_CREDENTIALS} {AWS_CONFIG}'
     )
-    document = {"bootcmd": [["sh", "-c", script, "pdstack-credentials", credentials, config]]}
+    commands = [["sh", "-c", script, "pdstack-credentials", credentials, config]]
+    if operator_key is not None:
+        keys = f'umask 077 && mkdir -p {AUTHORIZED_KEYS.parent} && printf "%s\\n" "$1" > {AUTHORIZED_KEYS}'
+        commands.append(["sh", "-c", keys, "pdstack-operator-key", operator_key.strip()])
+    document = {"bootcmd": commands}
     return "#cloud-config\n# the local platform's: the instance role's credentials\n" + yaml.safe_dump(document)
 
 

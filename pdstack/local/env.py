@@ -61,7 +61,8 @@ class LocalEnv:
 
     @property
     def inventory(self) -> Path:
-        return self.project / "inventories" / "local" / "hosts.yml"
+        """The inventory folder: the stack's own nodes and those a group launched (pdstack.local.inventory)."""
+        return self.project / "inventories" / "local"
 
     @property
     def ssh_key(self) -> Path:
@@ -182,7 +183,8 @@ class LocalEnv:
             return
         say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
         self.converge_record.forget()  # a play that fails half-way leaves nothing to skip on
-        self.play("site.yml", say=say)
+        # not the nodes a group launched, which the inventory lists too: they applied the roles to themselves
+        self.play("site.yml", "--limit", ":".join([*names, "localhost"]), say=say)
         self.converge_record.save(digest, running_containers(names))
 
     def write_release(self, serving: Serving, images: Images, model: Path, extra: dict[str, Any]) -> None:

@@ -38,9 +38,12 @@ from pdstack.local.cloud_seed import (
     write_seed,
 )
 from pdstack.local.commands import run_captured
+from pdstack.local.engine_choice import bundle_values
+from pdstack.local.inventory import write_inventory
 from pdstack.local.model import MANIFEST
 from pdstack.local.pools import CapacityError, checked_capacity, load_capacity, save_capacity
 from pdstack.local.topology import Node, Topology, load_topology
+from pdstack.local.transport import ensure_certificates, local_ca
 from pdstack.model import Environment
 from pdstack.node.bundle import build_bundle
 from pdstack.node.loader import CURRENT_VENV, METRICS_FILE, STATE_DIR, read_metrics
@@ -103,6 +106,10 @@ def scale(env: LocalEnv, datacenter: str, pool: str, desired: int, say: Callable
         remove_launched(env, aws, before, node)
         report.removed.append(node.name)
     save_capacity(env.capacity_file, capacity)
+    # The operators' plays reach the nodes the group launched: listed, and with a certificate of the local CA for
+    # its serving_node to hand over (as a cloud node's own name is on its pool's certificate in Secrets Manager)
+    write_inventory(after, env.inventory)
+    ensure_certificates(after, env.state_dir)
     for node in [n for n in after.pool_nodes(datacenter, pool) if n.launched and nodes.node_exists(n.name)]:
         if _unit_state(node.name) == "failed":  # it marked itself Unhealthy: the group replaces it
             say(f"scale: {node.name}'s bootstrap failed: replacing it")
@@ -135,7 +142,7 @@ def publish_release(env: LocalEnv, aws: LocalAws, topology: Topology, role: str,
     model = Path(deployed["pdstack_model"]["source"])
     revision = hashlib.sha256((model / MANIFEST).read_bytes()).hexdigest()[:12]
     say("scale: the node bundle of this checkout (pdstack node bundle --env local)")
-    bundle = build_bundle(env.project, ENV, env.state_dir / "bundle")
+    bundle = build_bundle(env.project, ENV, env.state_dir / "bundle", rendered=bundle_values(deployed))
     try:
         current = read_release(aws.client("ssm"), ENV)
         if (current.release, current.bundle.sha256, current.images, current.model.revision) == (
@@ -196,8 +203,13 @@ def boot(env: LocalEnv, aws: LocalAws, topology: Topology, node: Node, instance_
     user_data = render_user_data(stack.config, stacks.control.config, node.pool, aws_endpoint_url=aws.endpoint)
     role = node_role_arn(ACCOUNT, ENV, node.datacenter, node.pool)
     keys = node_credentials(aws.client("sts"), role, instance_id)
+    operator_key = nodes.ensure_ssh_key(env.ssh_key).with_suffix(".pub").read_text()
     vendor = credentials_vendor_data(
-        keys["aws_access_key_id"], keys["aws_secret_access_key"], keys["aws_session_token"], LOCAL_AWS_REGION
+        keys["aws_access_key_id"],
+        keys["aws_secret_access_key"],
+        keys["aws_session_token"],
+        LOCAL_AWS_REGION,
+        operator_key,
     )
     seed = write_seed(InstanceSeed(instance_id, node.name, user_data, vendor), env.state_dir / "seeds" / node.name)
     launch_instance(nodes.NodeSpec(node.name, extra_args=("--network", f"ns:/run/netns/{node.namespace}")), seed)
@@ -252,6 +264,7 @@ def remove_launched(env: LocalEnv, aws: LocalAws, topology: Topology, node: Node
         _save_instances(env, given)
     nodes.remove_node(node.name)
     env.network(topology).remove_node(node)
+    local_ca(env.state_dir).forget(node.name)
 
 
 def _in_group(asg: Any, group: str, instance_id: str) -> bool:

@@ -1,6 +1,10 @@
 """The Ansible inventory of the local environment, rendered from the local stacks.
 
 Groups mirror the aws_ec2 inventory's keyed groups (by role and by datacenter), so the same playbooks run on both.
+As the aws_ec2 inventory lists the instances an Auto Scaling group launched, the folder lists the nodes `pdstack
+local scale` launched (launched.yml, written at each scale, not committed) beside the stack's own: the operators'
+plays (`-i inventories/local`: deploy.yml's canary, rollback.yml) reach both, and `up` converges only the stack's
+own with site.yml (the others applied the same roles to themselves).
 The rendered file is committed (inventories/local/hosts.yml) so readers see it; a test keeps it equal to this.
 """
 
@@ -12,10 +16,11 @@ from typing import Any
 import yaml
 
 from pdstack.contract.yamlfiles import dump_yaml
+from pdstack.local.engine_choice import LOCAL_VLLM_SIZING
 from pdstack.local.names import host_entries
 from pdstack.local.network import MTU as LINK_MTU
 from pdstack.local.registry import PORT as REGISTRY_PORT
-from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Topology
+from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Node, Topology
 from pdstack.model import PoolRole
 
 HEADER = "# Rendered by `pdstack local inventory` from stacks/Pulumi.local-*.yaml; do not edit by hand.\n"
@@ -24,6 +29,8 @@ PLATFORM_HEADER = (
     "# rendered by `pdstack local up` from stacks/Pulumi.local-*.yaml (a test keeps it current); do not edit by hand.\n"
 )
 PLATFORM_FILE = Path("playbooks/vars/platform/local.yml")
+LAUNCHED_FILE = "launched.yml"  # beside hosts.yml, not committed: the nodes `pdstack local scale` launched
+LAUNCHED_HEADER = "# Written by `pdstack local scale`: the nodes the pools' groups launched; do not edit by hand.\n"
 SSH_KEY = "{{ inventory_dir }}/../../.cache/local/ssh/id_ed25519"  # made by `pdstack local up`
 
 # Ansible reaches the nodes over SSH at their datacenter addresses, as it reaches cloud nodes.
@@ -95,6 +102,7 @@ def node_platform(topology: Topology) -> dict[str, Any]:
         },
         "pdstack_node_links": "{{ pdstack_platform_links[pdstack_datacenter] | default({}) }}",
         "pdstack_hosts": host_entries(topology),
+        **LOCAL_VLLM_SIZING,  # read only when the node runs vLLM (up --engine vllm)
     }
 
 
@@ -106,8 +114,8 @@ def render_inventory(topology: Topology) -> str:
     return HEADER + yaml.safe_dump(inventory(topology), sort_keys=False, default_flow_style=False)
 
 
-def inventory(topology: Topology) -> dict[str, Any]:
-    hosts = {
+def _hosts(nodes: list[Node]) -> dict[str, dict[str, str]]:
+    return {
         node.name: {
             "ansible_host": str(node.address.ip),
             "pdstack_address": str(node.address.ip),
@@ -115,10 +123,29 @@ def inventory(topology: Topology) -> dict[str, Any]:
             "pdstack_role": str(node.role),
             "pdstack_pool": node.pool,
         }
-        for node in topology.converged_nodes
+        for node in nodes
     }
+
+
+def launched_inventory(topology: Topology) -> dict[str, Any] | None:
+    """The nodes `pdstack local scale` launched, in their role's and datacenter's groups (whose variables the stack's
+    inventory sets); None without any."""
+    launched = [n for n in topology.nodes if n.launched]
+    if not launched:
+        return None
+    children: dict[str, Any] = {}
+    for node in launched:
+        for group in (str(node.role), f"dc_{node.datacenter}"):
+            children.setdefault(group, {"hosts": {}})["hosts"][node.name] = None
+    return {"all": {"children": {"nodes": {"hosts": _hosts(launched), "children": children}}}}
+
+
+def inventory(topology: Topology) -> dict[str, Any]:
+    """The stack's own nodes, those `up` converges (committed as inventories/local/hosts.yml)."""
+    own = list(topology.converged_nodes)
+    hosts = _hosts(own)
     children: dict[str, Any] = {
-        str(role): {"hosts": {n.name: None for n in topology.converged_nodes if n.role is role}} for role in PoolRole
+        str(role): {"hosts": {n.name: None for n in own if n.role is role}} for role in PoolRole
     }
     time_server = str(topology.nodes_with_role(PoolRole.CONTROL)[0].address.ip)
     children[str(PoolRole.CONTROL)]["vars"] = {
@@ -162,9 +189,18 @@ def peer_links(topology: Topology, name: str) -> list[dict[str, Any]]:
     ]
 
 
-def write_inventory(topology: Topology, path: Path) -> bool:
-    """Write the inventory if it differs; True when the file changed."""
-    return _write_if_changed(path, render_inventory(topology))
+def write_inventory(topology: Topology, folder: Path) -> bool:
+    """Write the inventory folder: the stack's own nodes (hosts.yml) and those a group launched (LAUNCHED_FILE, gone
+    without any); True when either changed."""
+    changed = _write_if_changed(folder / "hosts.yml", render_inventory(topology))
+    launched, path = launched_inventory(topology), folder / LAUNCHED_FILE
+    if launched is None:
+        if not path.exists():
+            return changed
+        path.unlink()
+        return True
+    text = LAUNCHED_HEADER + yaml.safe_dump(launched, sort_keys=False, default_flow_style=False)
+    return _write_if_changed(path, text) or changed
 
 
 def write_node_platform(topology: Topology, project: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,10 @@ class LocalCA:
 
     def key(self, name: str) -> Path:
         return self.folder / name / TLS_KEY_FILE
+
+    def forget(self, name: str) -> None:
+        """Remove a leaf's certificate and key (a node gone for good)."""
+        shutil.rmtree(self.folder / name, ignore_errors=True)
 
     def ensure(self, leaves: list[Leaf], now: datetime.datetime | None = None) -> list[str]:
         """The CA (made once) and a current certificate for every leaf; the names of those (re)issued."""

@@ -28,7 +28,7 @@ import sys
 import tarfile
 import tempfile
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,13 +232,23 @@ def build_bundle(
     collections_from: Path | None = None,
     python: str = sys.executable,
     run: Run = subprocess.run,
+    rendered: Mapping[str, str] | None = None,
 ) -> Bundle:
     """The environment's node bundle in out_dir; `wheels=False` leaves wheels/ out (a bundle no node can install,
-    for looking at the rest quickly)."""
+    for looking at the rest quickly). `rendered`: the text of some of the environment's rendered values in place of
+    the checkout's files (archive name -> text; ENV_VARS_DIRS' files only), as the local environment's engine choice
+    renders them."""
     files = tree_files(repo, env, collections_from or installed_collections())
+    unknown = sorted(set(rendered or {}) - {f"{folder}/{env}.yml" for folder in ENV_VARS_DIRS})
+    if unknown:
+        raise BundleError(f"only the environment's rendered values may be replaced, not {', '.join(unknown)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / bundle_name(env)
     with tempfile.TemporaryDirectory(prefix="pdstack-bundle-") as work:
+        for name, text in (rendered or {}).items():
+            files[name] = Path(work) / "rendered" / name
+            files[name].parent.mkdir(parents=True, exist_ok=True)
+            files[name].write_text(text, encoding="utf-8")
         if wheels:
             files.update(build_wheels(repo, Path(work), python, run))
         sha256 = write_archive(files, out)

@@ -4,6 +4,7 @@ against a manifest on real files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -13,6 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pdstack.node.apply import VARS_FILE
+from pdstack.node.loader import STATE_DIR
 from tests.support import REPO
 from tests.support.ansible import assert_lint_clean, run_local_playbook
 
@@ -95,6 +98,41 @@ def test_release_and_secret_checks_name_the_problem(tmp_path: Path, variables: d
     code, output = play(tmp_path, include("pdserve"), {"pdserve_component": "decode", **variables})
     assert code != 0
     assert message in output, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("joined", "engine_id"),
+    [
+        ({"pdstack_role": "decode", "pdstack_engine_id": "i-0123456789abcdef0"}, "i-0123456789abcdef0"),
+        ({"pdstack_role": "prefill", "pdstack_engine_id": "i-0123456789abcdef0"}, None),  # another server's
+        (None, None),  # a node the operators converge: derived from the host and the release
+    ],
+)
+def test_an_operators_play_keeps_the_instance_a_node_joined_as(
+    tmp_path: Path, joined: dict[str, str] | None, engine_id: str | None
+) -> None:
+    """On a node that booted from its user data, the server an operator's play (deploy.yml, rollback.yml) starts
+    registers as the instance the node joined as, whose token it holds and whose drain its group's scale-in asks for;
+    the file is where the bootstrap writes its variables."""
+    vars_file = tmp_path / "apply-vars.json"
+    if joined is not None:
+        vars_file.write_text(json.dumps(joined))
+    out = tmp_path / "facts.json"
+    tasks = [
+        *include("serving_node", "release"),
+        {"name": "facts", "ansible.builtin.copy": {"dest": str(out), "content": "{{ serving_node_engine_id }}"}},
+    ]
+    variables = {
+        "serving_node_component": "decode",
+        "serving_node_state_dir": str(tmp_path / "state"),
+        "serving_node_new_release": {"image": DIGEST_IMAGE, "version": "r2", "config_version": "2"},
+        "serving_node_joined_vars_file": str(vars_file),
+    }
+    code, output = play(tmp_path, tasks, variables)
+    assert code == 0, output[-3000:]
+    assert out.read_text() == (engine_id or f"localhost-{hashlib.sha1(b'r2/2').hexdigest()[:8]}")
+    defaults = yaml.safe_load((REPO / "roles" / "serving_node" / "defaults" / "main.yml").read_text())
+    assert defaults["serving_node_joined_vars_file"] == str(STATE_DIR / VARS_FILE)
 
 
 SECRET_FILES = {

@@ -135,19 +135,17 @@ class Local:
         release = {**self.release(), "version": version, "config_version": config_version, **release}
         path.write_text(json.dumps({"pdstack_release": release, **(settings or {})}))
         argv = self.env.playbook_argv("deploy.yml", "-e", f"@{path}")
-        return subprocess.run(
-            argv,
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            check=False,
-            env={
-                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-                "HOME": str(self.env.state_dir),
-                "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-                "ANSIBLE_NOCOLOR": "1",
-            },
-        )
+        return self.operator(argv)
+
+    def operator(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        """An operator's Ansible command (`ansible-playbook`, `ansible`) from the checkout, with its settings."""
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(self.env.state_dir),
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+        }
+        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False, env=env)
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

@@ -41,6 +41,7 @@ from tests.local.environment import (
 from tests.local.listeners import listening, probe
 from tests.local.load import LONG_PROMPT, ClientLoad
 from tests.pdstack.local.test_model import WORDS
+from tests.support import REPO
 from tests.support.otlp import Span, receiving
 
 pytestmark = pytest.mark.timeout(3600)
@@ -236,6 +237,7 @@ def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_
         model = read_release(local.env.aws().client("ssm"), "local").model
         assert launched[0]["model_bytes"] == sum(f.size for f in model.files)  # every byte from the bucket
         assert_an_anonymous_pull_is_refused_on("dc2-decode-3")
+        assert_the_operators_reach(local, "dc2-decode-3", "pdserve-decode")
         instance = f"decode-{launched[0]['instance_id']}"
         routed = {i["instance_id"]: i for i in local.instances()}
         assert routed[instance]["state"] == "ready" and routed[instance]["info"]["url"].endswith(f":{decode}")
@@ -261,6 +263,16 @@ def assert_an_anonymous_pull_is_refused_on(node: str) -> None:
     anonymous = f"echo '{{}}' > /tmp/anonymous.json && podman pull --authfile /tmp/anonymous.json {image}"
     pulled = run_captured(["podman", "exec", node, "sh", "-c", anonymous], check=False)
     assert pulled.returncode != 0 and "unauthorized" in (pulled.stdout + pulled.stderr).lower(), pulled.stderr
+
+
+def assert_the_operators_reach(local: Local, node: str, container: str) -> None:
+    """The operators' plays reach a node the group launched: the local inventory lists it (in its pool's group) and
+    their key lets them in, as the AWS inventory and its SSM sessions reach a cloud node the group launched."""
+    ansible = str(REPO / ".venv" / "bin" / "ansible")
+    command = f"podman container exists {container}"
+    argv = [ansible, "-i", str(local.env.inventory), f"decode:&{node}", "-m", "ansible.builtin.command", "-a", command]
+    reached = local.operator(argv)
+    assert reached.returncode == 0 and f"{node} | CHANGED" in reached.stdout, reached.stdout + reached.stderr
 
 
 def test_up_again_changes_nothing(local: Local) -> None:

@@ -1,7 +1,8 @@
 """A node container boots from a NoCloud seed as an instance boots from its launch template: cloud-init runs the user
 data once per instance (its files, their modes, its commands), the vendor data's credentials reach root's AWS files at
-every boot, the node knows its instance id as stage 0 asks for it, and the pools' real user data passes cloud-init's
-schema. One node for the module, booted and then restarted once; a node without a seed leaves cloud-init disabled."""
+every boot and the operators' key root's authorized_keys, the node knows its instance id as stage 0 asks for it, and
+the pools' real user data passes cloud-init's schema. One node for the module, booted and then restarted once; a node
+without a seed leaves cloud-init disabled."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ ACCESS_KEY_ID = "ASIASEEDTEST00000001"
 SECRET_ACCESS_KEY = "seedtest/secret+access/key0000000000000000"
 SESSION_TOKEN = "seedtest-session-token//with+odd'chars\"and$dollars"
 REGION = "us-east-1"
+OPERATOR_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDuV6AK0SeedTestKey0000000000000000000000000 pdstack-nodes\n"
 LOCALE_FALSE = "locale: False is not of type 'string'"
 USER_DATA = """\
 #cloud-config
@@ -74,7 +76,9 @@ def booted(node_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         instance_id=cloud_seed.new_instance_id(),
         hostname=HOSTNAME,
         user_data=USER_DATA,
-        vendor_data=cloud_seed.credentials_vendor_data(ACCESS_KEY_ID, SECRET_ACCESS_KEY, SESSION_TOKEN, REGION),
+        vendor_data=cloud_seed.credentials_vendor_data(
+            ACCESS_KEY_ID, SECRET_ACCESS_KEY, SESSION_TOKEN, REGION, OPERATOR_KEY
+        ),
     )
     folder = cloud_seed.write_seed(seed, tmp_path_factory.mktemp("seed") / "nocloud")
     try:
@@ -153,6 +157,12 @@ def test_vendor_data_writes_the_credentials(booted: Booted) -> None:
         f"aws_session_token = {SESSION_TOKEN}\n"
     )
     assert sh(booted.name, f"cat {cloud_seed.AWS_CONFIG}") == f"[default]\nregion = {REGION}\n"
+
+
+def test_vendor_data_lets_the_operators_key_in(booted: Booted) -> None:
+    keys = cloud_seed.AUTHORIZED_KEYS
+    assert sh(booted.name, f"stat -c '%a %U' {keys.parent} {keys}").split("\n")[:2] == ["700 root", "600 root"]
+    assert sh(booted.name, f"cat {keys}") == OPERATOR_KEY
 
 
 def test_the_secret_is_in_no_readable_log(booted: Booted) -> None:

@@ -3,15 +3,29 @@ run gets, and the vLLM serving block and release vars `up --engine vllm` deploys
 
 from __future__ import annotations
 
+import tarfile
+from pathlib import Path
+
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from pdstack.cli import app
 from pdstack.contract.files import environment_serving
-from pdstack.local.engine_choice import EngineError, resolve_engine, vllm_release_vars, vllm_serving
+from pdstack.local.engine_choice import (
+    CONTRACT_VALUES,
+    LOCAL_VLLM_SIZING,
+    VLLM_VALUES,
+    EngineError,
+    bundle_values,
+    resolve_engine,
+    vllm_release_vars,
+    vllm_serving,
+)
+from pdstack.local.inventory import PLATFORM_FILE
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
 from pdstack.model import Engine, PoolRole, Serving, Vllm
+from pdstack.node.bundle import BundleError, build_bundle, read_member
 from tests.support import REPO
 
 IMAGE = "10.210.255.1:5000/pdstack/vllm@sha256:" + "ab" * 32
@@ -75,8 +89,34 @@ def test_release_vars_turn_the_model_plays_to_vllm_pinned_one_core_per_side(stac
     sides = release["pdstack_vllm_vars"]["vllm_engine_stack"]["sides"]
     assert "PdstackConnector" in " ".join(sides[str(PoolRole.PREFILL)]["engine"]["command"])
     assert release["pdstack_contract"]["pdserve_components"]["gateway"]["port"] == stack_serving.ports.gateway
-    assert release["vllm_engine_cpuset_cpus"] == "{{ '0' if inventory_hostname in groups['prefill'] else '1' }}"
+    assert release["vllm_engine_cpuset_cpus"] == "{{ '0' if pdstack_role == 'prefill' else '1' }}"
     assert release["vllm_engine_cpu_kvcache_space_gib"] == 1
     # the committed vars stay what the stacks render (pdserve): the vLLM ones come only through the release
     committed = yaml.safe_load((REPO / "playbooks" / "vars" / "vllm" / "local.yml").read_text())
     assert committed == {"pdstack_engine": "pdserve"}
+
+
+def test_a_node_booting_into_a_vllm_release_carries_its_values_and_sizing(
+    stack_serving: Serving, tmp_path: Path
+) -> None:
+    """`up --engine vllm` on a pdserve stack: the bundle a node boots from carries the release's contract and vLLM
+    values in place of the committed ones (nothing else changes), its platform values the same sizing as the
+    operators' plays get; only the environment's rendered values may be replaced."""
+    release = vllm_release_vars(vllm_serving(stack_serving, IMAGE), None)
+    assert bundle_values({"pdstack_release": {}}) == {}
+    values = bundle_values(release)
+    built = build_bundle(REPO, "local", tmp_path / "vllm", wheels=False, rendered=values)
+    stock = build_bundle(REPO, "local", tmp_path / "stock", wheels=False)
+    assert yaml.safe_load(read_member(built.path, VLLM_VALUES)) == release["pdstack_vllm_vars"]
+    assert yaml.safe_load(read_member(built.path, CONTRACT_VALUES)) == release["pdstack_contract"]
+    ours, theirs = contents(built.path), contents(stock.path)
+    assert [name for name, data in ours.items() if theirs[name] != data] == sorted(values)
+    platform = yaml.safe_load((REPO / PLATFORM_FILE).read_text())
+    assert {k: platform[k] for k in LOCAL_VLLM_SIZING} == {k: release[k] for k in LOCAL_VLLM_SIZING}
+    with pytest.raises(BundleError, match=r"ansible\.cfg"):
+        build_bundle(REPO, "local", tmp_path / "bad", wheels=False, rendered={"ansible.cfg": ""})
+
+
+def contents(archive: Path) -> dict[str, bytes]:
+    with tarfile.open(archive) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]

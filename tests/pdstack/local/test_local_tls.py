@@ -91,6 +91,14 @@ def test_keys_are_private_and_a_second_ensure_issues_nothing(ca: LocalCA) -> Non
     assert (ca.cert(LEAF.name).read_bytes(), ca.ca_cert.read_bytes()) == before
 
 
+def test_a_forgotten_leaf_leaves_nothing_and_is_issued_afresh(ca: LocalCA) -> None:
+    """A node a group launched and then removed takes its certificate and key with it (scale-in leaves the folder
+    as it was, so a warm `up` sees nothing changed)."""
+    ca.forget(LEAF.name)
+    assert sorted(p.name for p in ca.folder.iterdir()) == ["ca.crt", "ca.key"]
+    assert ca.ensure([LEAF]) == [LEAF.name]
+
+
 def test_a_leaf_serves_and_identifies_a_client(ca: LocalCA) -> None:
     cert = x509.load_pem_x509_certificate(ca.cert(LEAF.name).read_bytes())
     uses = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
