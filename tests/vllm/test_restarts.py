@@ -38,9 +38,13 @@ from tests.vllm.conftest import (
 
 # 80 blocks of 32 tokens: enough for max_model_len 2048 (vLLM refuses to start below one full-length request),
 # far too few for PREEMPT_REQUESTS growing to PREEMPT_PROMPT + PREEMPT_TOKENS tokens (19 blocks) each: any 5 of
-# them decoding at once outgrow it (8 requests of 200 + 200 tokens did not always overlap enough here).
+# them decoding at once outgrow it (8 requests of 200 + 200 tokens did not always overlap enough here). As many
+# requests as their prompts' blocks fit at once (11 of 7 blocks): each is admitted, and pulls its KV, as soon as it
+# arrives. A 12th waited for blocks until its lease had expired and was recomputed (CI rehearsal of 8bacc0a: 11 loads
+# at one instant, the 12th "expired" 18 s later), which the test then counted as a KV that never came from prefill.
 DECODE_BLOCKS = 80
-PREEMPT_REQUESTS, PREEMPT_PROMPT, PREEMPT_TOKENS = 12, 200, 400
+PREEMPT_PROMPT, PREEMPT_TOKENS = 200, 400
+PREEMPT_REQUESTS = DECODE_BLOCKS // -(-PREEMPT_PROMPT // BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
