@@ -37,7 +37,7 @@ AWS_CREDENTIALS = "/root/.aws/credentials"
 AWS_CONFIG = "/root/.aws/config"
 AUTHORIZED_KEYS = Path("/root/.ssh/authorized_keys")
 OUTPUT_LOG = "/var/log/cloud-init-output.log"
-# the keys credentials_vendor_data sets: a user data setting one of them would drop vendor data's
+# the keys platform_vendor_data sets: a user data setting one of them would drop vendor data's
 VENDOR_DATA_KEYS = ("bootcmd",)
 # `cloud-init status`: what the node is still doing, and what ends the wait
 PENDING = {"not run", "running"}
@@ -79,7 +79,7 @@ def write_seed(seed: InstanceSeed, folder: Path) -> Path:
     return folder
 
 
-def credentials_vendor_data(
+def platform_vendor_data(
     access_key_id: str,
     secret_access_key: str,
     session_token: str | None,
@@ -107,7 +107,10 @@ def credentials_vendor_data(
         keys = f'umask 077 && mkdir -p {AUTHORIZED_KEYS.parent} && printf "%s\\n" "$1" > {AUTHORIZED_KEYS}'
         commands.append(["sh", "-c", keys, "pdstack-operator-key", operator_key.strip()])
     document = {"bootcmd": commands}
-    return "#cloud-config\n# the local platform's: the instance role's credentials\n" + yaml.safe_dump(document)
+    return (
+        "#cloud-config\n# the local platform's: the instance role's credentials, the operators' key\n"
+        + yaml.safe_dump(document)
+    )
 
 
 def launch_instance(spec: nodes.NodeSpec, seed_dir: Path) -> str:

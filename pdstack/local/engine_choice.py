@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from pdstack.contract.files import render_ansible_vars
+from pdstack.contract.files import CONTRACT_VARS_DIR, render_ansible_vars
 from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.local.model import VLLM_MAX_MODEL_LEN, VLLM_MODEL_NAME
-from pdstack.model import Alerting, Engine, Limits, Model, Serving, Vllm
+from pdstack.model import Alerting, Engine, Environment, Limits, Model, Serving, Vllm
 from pdstack.vllm import deploy
 
 VLLM_VERSION = "0.32.0"  # what .venv-vllm (pdstack/vllm/lock.py) and so the image hold
@@ -35,8 +35,8 @@ LOCAL_VLLM_SIZING = {
     "vllm_engine_cpuset_cpus": "{{ '0' if pdstack_role == 'prefill' else '1' }}",
 }
 # The environment's rendered values a release of another engine than the stack's replaces (playbooks/vars/...)
-CONTRACT_VALUES = "playbooks/vars/contract/local.yml"
-VLLM_VALUES = "playbooks/vars/vllm/local.yml"
+CONTRACT_VALUES = (CONTRACT_VARS_DIR / f"{Environment.LOCAL}.yml").as_posix()
+VLLM_VALUES = (deploy.VARS_DIR / f"{Environment.LOCAL}.yml").as_posix()
 
 
 class EngineError(ValueError):

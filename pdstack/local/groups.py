@@ -32,8 +32,8 @@ from pdstack.local import nodes
 from pdstack.local.aws import ACCOUNT, LocalAws, ensure_groups, node_credentials, publish_local_release
 from pdstack.local.cloud_seed import (
     InstanceSeed,
-    credentials_vendor_data,
     launch_instance,
+    platform_vendor_data,
     wait_for_cloud_init,
     write_seed,
 )
@@ -204,7 +204,7 @@ def boot(env: LocalEnv, aws: LocalAws, topology: Topology, node: Node, instance_
     role = node_role_arn(ACCOUNT, ENV, node.datacenter, node.pool)
     keys = node_credentials(aws.client("sts"), role, instance_id)
     operator_key = nodes.ensure_ssh_key(env.ssh_key).with_suffix(".pub").read_text()
-    vendor = credentials_vendor_data(
+    vendor = platform_vendor_data(
         keys["aws_access_key_id"],
         keys["aws_secret_access_key"],
         keys["aws_session_token"],

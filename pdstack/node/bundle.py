@@ -34,8 +34,10 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from pdstack.contract.files import CONTRACT_VARS_DIR
 from pdstack.node.apply import ANSIBLE_CFG, COLLECTIONS_DIR, PLUGINS_DIR, ROLES_DIR
 from pdstack.node.loader import REQUIREMENTS, WHEELS
+from pdstack.vllm.deploy import VARS_DIR as VLLM_VARS_DIR
 
 PLAYBOOK = "playbooks/node.yml"
 # The collections the roles (containers.podman, community.general, ansible.posix) and node.yml (amazon.aws: the
@@ -43,7 +45,8 @@ PLAYBOOK = "playbooks/node.yml"
 COLLECTIONS = ("amazon.aws", "ansible.posix", "community.general", "containers.podman")
 # The environment's facts node.yml loads (rendered by pdstack.contract.cloud_inventory)
 CLOUD_FACTS = "inventories/aws/group_vars/all/stacks.yml"
-ENV_VARS_DIRS = ("playbooks/vars/contract", "playbooks/vars/vllm")  # one file per environment, <env>.yml
+# one file per environment, <env>.yml: the rendered contract and vLLM values
+ENV_VARS_DIRS = (CONTRACT_VARS_DIR.as_posix(), VLLM_VARS_DIR.as_posix())
 PLATFORM_DIR = "playbooks/vars/platform"  # the local platform's local.yml, and cloud.yml for every other
 SKIP = {"__pycache__", ".pytest_cache", "tests", ".git"}
 SOURCE_DATE_EPOCH = 0  # the members' mtime

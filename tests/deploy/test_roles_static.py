@@ -131,8 +131,11 @@ def test_an_operators_play_keeps_the_instance_a_node_joined_as(
     code, output = play(tmp_path, tasks, variables)
     assert code == 0, output[-3000:]
     assert out.read_text() == (engine_id or f"localhost-{hashlib.sha1(b'r2/2').hexdigest()[:8]}")
-    defaults = yaml.safe_load((REPO / "roles" / "serving_node" / "defaults" / "main.yml").read_text())
+    role = REPO / "roles" / "serving_node"
+    defaults = yaml.safe_load((role / "defaults" / "main.yml").read_text())
+    spec = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]["release"]["options"]
     assert defaults["serving_node_joined_vars_file"] == str(STATE_DIR / VARS_FILE)
+    assert spec["serving_node_joined_vars_file"]["default"] == str(STATE_DIR / VARS_FILE)
 
 
 SECRET_FILES = {

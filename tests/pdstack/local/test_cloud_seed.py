@@ -76,7 +76,7 @@ def booted(node_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         instance_id=cloud_seed.new_instance_id(),
         hostname=HOSTNAME,
         user_data=USER_DATA,
-        vendor_data=cloud_seed.credentials_vendor_data(
+        vendor_data=cloud_seed.platform_vendor_data(
             ACCESS_KEY_ID, SECRET_ACCESS_KEY, SESSION_TOKEN, REGION, OPERATOR_KEY
         ),
     )
@@ -129,7 +129,7 @@ def real_user_data(environment: str, stack: str, pool: str) -> str:
 def test_the_real_user_data_leaves_vendor_datas_keys_alone(environment: str, stack: str, pool: str) -> None:
     document: dict[str, Any] = yaml.safe_load(real_user_data(environment, stack, pool))
     assert set(cloud_seed.VENDOR_DATA_KEYS).isdisjoint(document)
-    vendor = yaml.safe_load(cloud_seed.credentials_vendor_data("a", "b", None, REGION))
+    vendor = yaml.safe_load(cloud_seed.platform_vendor_data("a", "b", None, REGION))
     assert set(vendor) == set(cloud_seed.VENDOR_DATA_KEYS)
 
 
