@@ -35,13 +35,13 @@ python312: venv
 # Both virtual environments are built at once (one pip alone leaves a core idle). Then two lanes side by side
 # (make's -j2; --output-sync prints each lane's output whole), none of which asserts a time or a rate, and which share
 # no name, port or network: the vLLM suite (its engines pinned to the two cores), then the main suite's untimed
-# tests; beside them the checks (lint, type checks, python312), then the suites that drive Ansible, node containers
-# and a node's bootstrap (CPU-bound on module runs). Then, alone, the local environment end to end (tests/local: up
+# tests and the Pulumi program's; beside them the checks (lint, type checks, python312), then the suites that drive
+# Ansible, node containers and a node's bootstrap (CPU-bound on module runs). Then, alone, the local environment end to end (tests/local: up
 # from nothing and what does not judge time, then the canary judges, a WAN loss spike, a certificate rotation and
 # `down`), the bench's latency histograms and the emulated WAN link's rate and delay. The local environment runs
 # alone because it runs twice as fast so (figures: docs/testing.md).
 ANSIBLE_SUITES := tests/deploy tests/roles tests/alerting tests/inventories tests/pdstack/node tests/ci_templates
-# The Pulumi program and the stack model (synthesis under mocks, pyright, kube play, hypothesis): lane 2's end
+# The Pulumi program and the stack model (synthesis under mocks, pyright, kube play, hypothesis): lane 1's end
 PROGRAM_SUITES := tests/infra tests/pdstack/stacks
 TIMED_SUITES := tests/local tests/pdstack/bench tests/pdstack/local
 test: host-test
@@ -49,18 +49,19 @@ test: host-test
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-untimed test-checks-ansible
 	$(VENV)/bin/pytest $(TIMED_SUITES)
 
-# The vLLM suite, then the main suite's untimed tests (one lane of `make test`).
+# The vLLM suite, the main suite's untimed tests, then the Pulumi program's and the stack model's (one lane of
+# `make test`).
 test-vllm-untimed: venv
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-untimed
+	$(MAKE) --no-print-directory test-program
 
-# lint, type checks, python312, the Ansible suites, then the Pulumi program's and the stack model's (the other lane).
+# lint, type checks, python312, then the Ansible suites (the other lane).
 test-checks-ansible: venv
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory python312
 	$(MAKE) --no-print-directory test-ansible
-	$(MAKE) --no-print-directory test-program
 
 # The main suite without the Ansible, the program's and the timed suites.
 test-untimed: venv

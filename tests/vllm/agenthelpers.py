@@ -7,6 +7,8 @@ $PDSTACK_MAIN_PYTHON), since vLLM's lacks the gateway's rate-limit dependencies.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -114,6 +116,7 @@ class Fleet:
     engine_token_file: Path
     agents: dict[str, AgentProcess] = field(default_factory=dict)
     gateways: list[Service] = field(default_factory=list)
+    _gateway_logs: Iterator[int] = field(default_factory=itertools.count)
     unready_samples: list[tuple[str, str]] = field(default_factory=list)
     """(instance id, scheduler state) seen while that instance's vLLM /health was not yet 200"""
 
@@ -135,6 +138,17 @@ class Fleet:
             time.sleep(0.2)
         return state
 
+    @contextlib.contextmanager
+    def routed_gateway(self, *flags: str) -> Iterator[Service]:
+        """A gateway routing to both instances, stopped at the end (a module's own: the fleet outlives it)."""
+        gateway = self.start_gateway(*flags)
+        try:
+            self.wait_routable(gateway)
+            yield gateway
+        finally:
+            gateway.stop()
+            self.gateways.remove(gateway)
+
     def start_gateway(self, *flags: str) -> Service:
         keys = write_keys_file(self.tmp / "api-keys.json")
         args = [
@@ -155,7 +169,7 @@ class Fleet:
         gateway = Service(
             "pdserve.gateway",
             args,
-            self.tmp / f"gateway-{len(self.gateways)}.log",
+            self.tmp / f"gateway-{next(self._gateway_logs)}.log",
             program=[main_python(), "-m", "pdserve.gateway"],
         ).start(timeout=120)
         self.gateways.append(gateway)

@@ -1,8 +1,9 @@
-"""vLLM prefill and decode instances with PdstackConnector, started once per module on loopback.
+"""vLLM prefill and decode instances with PdstackConnector, started once per module (or per package) on loopback.
 
 These tests run in vLLM's own environment (`make test-vllm`), not in the main suite (pyproject ignores this folder).
 Each vLLM instance is three processes and takes 1-3 minutes to start on a 2-core machine, so a module starts one
-prefill and one decode and every test of the module reuses them; at most two run at once.
+prefill and one decode and every test of the module reuses them, and the packages fleet/ and pair/ share theirs
+across their modules; at most two run at once (a shared pair waits idle while test_models starts its others).
 """
 
 from __future__ import annotations
@@ -261,6 +262,16 @@ class VLLMServer:
             time.sleep(0.5)
         return value
 
+    def wait_leases_gone(self) -> None:
+        """Until this prefill holds no KV lease (earlier ones, another module's on a shared pair too, acked or
+        expired). It steps the engine while it waits: the lease gauge travels with each engine step's stats, so an
+        idle engine's stays at its last value."""
+        deadline = time.monotonic() + LEASE_SECONDS + 30
+        while (held := self.metric("pdserve_kv_lease_bytes")) != 0:
+            assert time.monotonic() < deadline, f"{self.name}: KV leases of {held} bytes never ended"
+            self.complete([5, 6, 7], 1)
+            time.sleep(1)
+
 
 @dataclass
 class Pair:
@@ -281,13 +292,6 @@ class Pair:
         signed with the params key derived from the KV channel key, as the connector signs them."""
         issued = {name: value for name, value in params.items() if name not in VLLM_ADDED_FIELDS}
         return signed_params.sign(signed_params.derive_params_key(self.key.material), {**issued, **changes})
-
-
-@pytest.fixture(scope="module")
-def pair(
-    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Pair]:
-    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "recompute")
 
 
 def start_pair(

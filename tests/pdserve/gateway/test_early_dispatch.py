@@ -3,8 +3,9 @@ signs decode's kv_transfer_params itself with the params key.
 
 The prefill and decode here are recording HTTP upstreams on real sockets, registered with a real scheduler, in
 front of a real gateway process: they stand in for vLLM instances with the streaming connector so the test can
-see exactly what each was sent and when (tests/vllm/test_vllm_gateway.py drives real vLLM). The prefill upstream holds
-its answer until decode's request has arrived: a gateway that waited for prefill first would never see it come.
+see exactly what each was sent and when (tests/vllm/fleet/test_vllm_gateway.py drives real vLLM). The prefill
+upstream holds its answer until decode's request has arrived: a gateway that waited for prefill first would never
+see it come.
 """
 
 from __future__ import annotations

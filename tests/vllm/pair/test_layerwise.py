@@ -16,14 +16,11 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from pdserve.kv.auth import SecretKey
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
@@ -32,24 +29,16 @@ from tests.vllm.conftest import (
     failure_line,
     loaded,
     prompt_of,
-    start_pair,
     token_ids,
 )
 from tests.vllm.kvhelpers import early_dispatch_params
+from tests.vllm.pair.conftest import BATCHED_TOKENS
 
-BATCHED_TOKENS = 128
 LONG = 1900  # 60 blocks, the last one partial; 15 prefill steps
 STEP_LINE = re.compile(
     r"lease (\S+) step (\d+): blocks \[(\d+), (\d+)\) of (\d+) added, (\d+) prompt tokens computed, (\d+) bytes served"
 )
 SEAL_LINE = re.compile(r"lease (\S+) sealed after (\d+) steps: (\d+) of (\d+) bytes were already served")
-
-
-@pytest.fixture(scope="module")
-def pair(
-    model_dir: Path, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Pair]:
-    yield from start_pair(model_dir, kv_key_file, kv_key, tmp_path_factory, "recompute", batched_tokens=BATCHED_TOKENS)
 
 
 def colocated(pair: Pair, prompt: list[int]) -> list[int]:
@@ -146,7 +135,7 @@ def busy_prefill(pair: Pair, count: int) -> list[threading.Thread]:
 def test_prefill_aborted_mid_stream_frees_everything_and_decode_recomputes(pair: Pair) -> None:
     prompt = prompt_of(LONG, seed=83)
     reference = colocated(pair, prompt)
-    pair.prefill.wait_metric("pdserve_kv_lease_bytes", lambda value: value == 0)  # earlier leases acked
+    pair.prefill.wait_leases_gone()
     usage = pair.prefill.metric("vllm:kv_cache_usage_perc")
     transfer = secrets.token_hex(16)
     answers: dict[str, Any] = {}

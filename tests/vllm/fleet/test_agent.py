@@ -21,21 +21,15 @@ import pytest
 
 from pdserve.agent.instance import InstanceFileError, find
 from tests.support.services import Service
-from tests.vllm.agenthelpers import API_KEY, MODEL_NAME, Fleet, prompt_of, start_fleet
+from tests.vllm.agenthelpers import API_KEY, MODEL_NAME, Fleet, prompt_of
 
 LONG_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, kv_key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from start_fleet(model_dir, kv_key_file, tmp_path_factory.mktemp("agent-fleet"))
-
-
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet) -> Service:
-    service = fleet.start_gateway()
-    fleet.wait_routable(service)
-    return service
+def gateway(fleet: Fleet) -> Iterator[Service]:
+    with fleet.routed_gateway() as service:
+        yield service
 
 
 def stream_tokens(gateway: Service, max_tokens: int, arrivals: list[tuple[float, int]] | None = None) -> dict[str, Any]:

