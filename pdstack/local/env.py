@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,9 +267,11 @@ class LocalEnv:
     def down(self, say: Callable[[str], None] = print) -> None:
         topology = self.topology()
         self.converge_record.forget()
-        for node in topology.nodes:
-            say(f"nodes: removing {node.name}")
-            nodes.remove_node(node.name)
+        names = [node.name for node in topology.nodes]
+        say(f"nodes: removing {', '.join(names)}")
+        # side by side: each waits up to seconds for the systemd in it (and the containers under it) to stop
+        with ThreadPoolExecutor(max_workers=max(1, len(names))) as removing:
+            list(removing.map(nodes.remove_node, names))
         say("registry: stopping")
         self.registry().stop()
         say("aws: stopping")
