@@ -269,7 +269,7 @@ class LocalEnv:
         self.converge_record.forget()
         names = [node.name for node in topology.nodes]
         say(f"nodes: removing {', '.join(names)}")
-        # side by side: each waits up to seconds for the systemd in it (and the containers under it) to stop
+        # side by side: each waits up to 5 s for the systemd in it (and the containers under it) to stop
         with ThreadPoolExecutor(max_workers=max(1, len(names))) as removing:
             list(removing.map(nodes.remove_node, names))
         say("registry: stopping")

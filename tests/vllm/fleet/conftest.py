@@ -1,6 +1,7 @@
 """One fleet (a scheduler, a vLLM prefill and decode with PdstackConnector, an agent for each) that every module of
-this package shares: started once, stopped when the package's last test is done. Each module adds its own gateway
-(Fleet.start_gateway) and leaves the fleet as it found it (an agent it stopped is started again)."""
+this package shares: started once, stopped when the package's last test is done. Each module adds gateways of its
+own (Fleet.routed_gateway, stopped with the module) and leaves the fleet as it found it (an agent it stopped is
+started again)."""
 
 from __future__ import annotations
 
