@@ -35,7 +35,7 @@ from pdstack.contract.components import (
 from pdstack.node.apply import PlaybookRun, Runner, apply_bundle, apply_parts, extra_vars, subprocess_runner
 from pdstack.node.config import NodeConfig
 from pdstack.node.drain import install_termination_watch
-from pdstack.node.join import Joined, JoinError, join_scheduler
+from pdstack.node.join import WAIT_FOR_CONTROL_PLANE, Joined, JoinError, JoinWait, join_scheduler
 from pdstack.node.loader import (
     STATE_DIR,
     BootstrapError,
@@ -113,6 +113,7 @@ def bootstrap(
     bundle_seconds: float = 0.0,
     credentials: CredentialsSource = instance_role_credentials,
     watch_termination: Callable[[Path], None] = install_termination_watch,
+    join_wait: JoinWait = WAIT_FOR_CONTROL_PLANE,
 ) -> BootstrapResult:
     """Bring this node to its release; BootstrapError (reported as above) when it cannot."""
     paths = paths or NodePaths()
@@ -150,6 +151,7 @@ def bootstrap(
                 sts_url=config.aws_endpoint_url.rstrip("/") + "/" if config.aws_endpoint_url else None,
                 ca_file=files.tls[TLS_CA_FILE],
                 client_pair=(files.tls[TLS_CERT_FILE], files.tls[TLS_KEY_FILE]),
+                wait=join_wait,
             )
         with _phase(Phase.REGISTRY, seconds):
             hosts = [registry_host(image) for image in record.images.values()]

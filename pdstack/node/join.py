@@ -13,7 +13,10 @@ joining.
 
 from __future__ import annotations
 
+import socket
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +34,35 @@ from pdserve.scheduler.protocol import (
 from pdstack.node.files import write_atomic
 
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # the scheduler waits for STS (join_sts_timeout) before it answers
+# A node may boot before its control plane answers (each stack comes up by itself; a group launches at once): it waits
+# this long for the scheduler URL and a scheduler that listens, then fails (and its group replaces it)
+JOIN_WAIT_S = 900.0
+NOT_YET_STATUS = {502, 503, 504}  # a load balancer or proxy in front of a scheduler that is not there yet
 
 
 class JoinError(RuntimeError):
     """The scheduler refused the join, or could not be reached: the status and the field it named."""
 
-    def __init__(self, message: str, status: int | None = None, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, field: str | None = None, *, not_yet: bool = False
+    ) -> None:
         super().__init__(message)
         self.status, self.field = status, field
+        self.not_yet = not_yet  # no control plane yet (no URL, nothing listening): worth waiting for, not a refusal
+
+
+@dataclass(frozen=True)
+class JoinWait:
+    """How long a join waits for a control plane that is not there yet, and how it sleeps between attempts (each
+    reads the URL again and signs anew); a refusal, or a TLS handshake the scheduler rejects, fails at once."""
+
+    seconds: float = JOIN_WAIT_S
+    sleep: Callable[[float], None] = time.sleep
+    first_delay: float = 1.0
+    max_delay: float = 15.0
+
+
+WAIT_FOR_CONTROL_PLANE = JoinWait()
 
 
 def signed_join_request(
@@ -78,7 +102,8 @@ def join(
             timeout=timeout,
         )
     except httpx.HTTPError as exc:
-        raise JoinError(f"join: the scheduler at {scheduler_url} did not answer: {exc}") from None
+        message = f"join: the scheduler at {scheduler_url} did not answer: {exc}"
+        raise JoinError(message, not_yet=_nothing_listening(exc)) from None
     if answer.status_code != 200:
         try:
             found = answer.json().get("error")
@@ -91,8 +116,22 @@ def join(
             f"join: the scheduler refused ({answer.status_code}): {message}",
             answer.status_code,
             field if isinstance(field, str) else None,
+            not_yet=answer.status_code in NOT_YET_STATUS,
         )
     return JoinAnswer.model_validate(answer.json())
+
+
+def _nothing_listening(exc: BaseException) -> bool:
+    """Whether the connection failed for want of a listener (refused, a name not resolving yet, a connect timeout),
+    not in the TLS handshake or after it."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return True
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError | socket.gaierror):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -109,7 +148,7 @@ def scheduler_url(ssm: Any, parameter: str) -> str:
     try:
         value = str(ssm.get_parameter(Name=parameter)["Parameter"]["Value"]).strip()
     except ssm.exceptions.ParameterNotFound:
-        raise JoinError(f"join: no scheduler URL at {parameter} (the control plane writes it)") from None
+        raise JoinError(f"join: no scheduler URL at {parameter} (the control plane writes it)", not_yet=True) from None
     if not value.startswith(("https://", "http://")):
         raise JoinError(f"join: {parameter} holds {value[:80]!r}, not a URL")
     return value
@@ -127,22 +166,41 @@ def join_scheduler(
     sts_url: str | None = None,
     ca_file: Path | None = None,
     client_pair: tuple[Path, Path] | None = None,
+    wait: JoinWait = WAIT_FOR_CONTROL_PLANE,
 ) -> Joined:
     """Join the scheduler named by `parameter` with the instance role's `credentials` and write the token (0600,
     atomically) to `token_file`. Joining again is harmless: the scheduler answers the same token. Over https the
     scheduler is verified against `ca_file`, and the pool's certificate and key (`client_pair`) are presented: a
-    scheduler with mutual TLS (serving.mutual_tls) closes the connection on a caller without one."""
+    scheduler with mutual TLS (serving.mutual_tls) closes the connection on a caller without one. Until the control
+    plane is there (its URL written, its scheduler listening) it waits, as `wait` says."""
     if credentials is None:
         raise JoinError("join: no AWS credentials (the instance role's) to sign with")
-    url = scheduler_url(ssm, parameter)
-    verify: ssl.SSLContext | bool = True
-    if url.startswith("https://") and (ca_file is not None or client_pair is not None):
-        verify = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
-        if client_pair is not None:
-            verify.load_cert_chain(str(client_pair[0]), str(client_pair[1]))
-    answer = join(url, signed_join_request(credentials, region, audience, sts_url=sts_url), verify=verify)
+    deadline = time.monotonic() + wait.seconds
+    delay = wait.first_delay
+    while True:
+        try:
+            url = scheduler_url(ssm, parameter)
+            request = signed_join_request(credentials, region, audience, sts_url=sts_url)
+            answer = join(url, request, verify=_verify(url, ca_file, client_pair))
+            break
+        except JoinError as error:
+            if not error.not_yet:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise JoinError(f"{error} (waited {wait.seconds:.0f} s for the control plane)") from None
+        wait.sleep(delay)
+        delay = min(2 * delay, wait.max_delay)
     prefix = f"{component}-"
     if not answer.instance_id.startswith(prefix) or answer.principal != f"instance:{answer.instance_id}":
         raise JoinError(f"join: the scheduler named this node {answer.principal}, not a {component} instance")
     write_atomic(token_file, answer.token.encode(), 0o600)
     return Joined(token_file, answer.instance_id.removeprefix(prefix), answer.instance_id)
+
+
+def _verify(url: str, ca_file: Path | None, client_pair: tuple[Path, Path] | None) -> ssl.SSLContext | bool:
+    if not url.startswith("https://") or (ca_file is None and client_pair is None):
+        return True
+    verify = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    if client_pair is not None:
+        verify.load_cert_chain(str(client_pair[0]), str(client_pair[1]))
+    return verify

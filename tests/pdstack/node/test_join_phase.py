@@ -1,7 +1,7 @@
 """Phase `join` against the folder's moto server and a scheduler process with join on: a node's own scheduler token
 written where the serving roles mount it, for the engine id apply passes on; the same token on a second boot; a
-refusal, an unknown role, a certificate the scheduler's CA never issued or an unreachable scheduler a BootstrapError
-naming the phase, the node Unhealthy."""
+refusal, an unknown role, a certificate the scheduler's CA never issued a BootstrapError naming the phase at once, the
+node Unhealthy; a control plane not there yet (no URL, nothing listening) waited for, then the same."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import httpx
 import pytest
 
 from pdserve.scheduler.client import bearer
-from pdstack.contract.components import INSTANCE_TOKEN, TLS_CERT_FILE, TLS_KEY_FILE
+from pdstack.contract.components import INSTANCE_TOKEN, TLS_CERT_FILE, TLS_KEY_FILE, scheduler_url_parameter
+from pdstack.node.join import JoinWait
 from pdstack.node.loader import BootstrapError, Phase
 from tests.pdstack.node.conftest import Node, pool_certificate
 from tests.support.joining import assume, ensure_role
+from tests.support.ports import free_port
 from tests.support.services import principal_token
 from tests.support.tlsfiles import write_tls_dir
 
@@ -100,3 +102,36 @@ def test_a_certificate_from_another_ca_cannot_join(node: Node, tmp_path: Path) -
         SecretId=node.config.tls_secret, SecretString=secret
     )
     refused(node, "did not answer")
+
+
+def write_scheduler_url(node: Node, url: str | None) -> None:
+    """The scheduler URL the control plane writes (None: not written yet)."""
+    ssm, name = node.client("ssm", node.config.control_region), scheduler_url_parameter(str(node.config.environment))
+    if url is None:
+        ssm.delete_parameter(Name=name)
+    else:
+        ssm.put_parameter(Name=name, Value=url, Type="String", Overwrite=True)
+
+
+def test_a_node_booting_before_its_control_plane_waits_for_it_then_joins(node: Node) -> None:
+    """A group launches its nodes whenever its stack comes up, maybe before the control plane: no scheduler URL yet,
+    then a URL where nothing listens yet. The node waits (each attempt reads the URL again) and joins once the
+    scheduler answers, instead of failing and being replaced."""
+    assert node.scheduler is not None
+    write_scheduler_url(node, None)
+    steps = iter([f"https://127.0.0.1:{free_port()}", node.scheduler.url])
+    waited: list[float] = []
+
+    def control_plane_moves_on(seconds: float) -> None:
+        waited.append(seconds)
+        write_scheduler_url(node, next(steps))
+
+    result = node.boot(join_wait=JoinWait(seconds=60, sleep=control_plane_moves_on))
+    assert waited == [1.0, 2.0]  # no URL, then nothing listening, then joined
+    assert (node.paths.secrets_dir / INSTANCE_TOKEN.file).read_text() == token_of(node)
+    assert "join" in result.seconds
+
+
+def test_a_control_plane_that_never_comes_fails_the_phase_after_the_wait(node: Node) -> None:
+    write_scheduler_url(node, f"https://127.0.0.1:{free_port()}")
+    refused(node, "did not answer", "waited 3 s for the control plane", join_wait=JoinWait(seconds=3))
