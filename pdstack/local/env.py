@@ -1,7 +1,8 @@
 """`pdstack local up | down | status`: all of pdstack on one machine, from the `local` stacks.
 
-`up` validates the stacks, builds the networks and the emulated WAN, starts the registry, builds and pushes the images,
-creates the node containers, runs `playbooks/site.yml` against them, and sends one completion through the gateway.
+`up` validates the stacks, builds the networks and the emulated WAN, starts the local AWS and the registry, builds and
+pushes the images, converges the control node with `playbooks/site.yml` while each GPU node boots from its pool's
+user data as an instance of the pool's group (pdstack.local.groups), and sends one completion through the gateway.
 Every step is idempotent; `down` removes every container, namespace, link and rule that `up` made.
 """
 
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import subprocess
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from openai import OpenAI
 
 from pdstack.contract.components import contract
 from pdstack.contract.files import ansible_vars, environment_alerting, write_ansible_vars
-from pdstack.local import nodes, transport
+from pdstack.local import groups, nodes, transport
 from pdstack.local.aws import LocalAws, seed_local_aws
 from pdstack.local.commands import CommandError
 from pdstack.local.converged import ConvergeRecord, inputs_digest, running_containers
@@ -34,7 +36,7 @@ from pdstack.local.pools import load_capacity
 from pdstack.local.registry import Registry, registry_auth_vars
 from pdstack.local.secrets import LocalSecrets
 from pdstack.local.topology import Node, Topology, load_topology
-from pdstack.model import Engine, PoolRole, Serving
+from pdstack.model import Engine, Serving
 
 # One user on one machine: the local tenant's rate limits stay out of the way of load tests and benchmarks.
 LOCAL_RATE_LIMITS = {
@@ -148,8 +150,7 @@ class LocalEnv:
         else:
             say("model: the seeded test checkpoint and its SHA256SUMS manifest")
             model = ensure_model(self.state_dir / "models", topology.serving.model.name)
-        self.replace_nodes_of_other_engine(topology, chosen, say)
-        say("nodes: starting node containers in their datacenter namespaces")
+        say("nodes: starting the control nodes in their datacenter namespaces")
         key = nodes.ensure_ssh_key(self.ssh_key)
         for node in topology.converged_nodes:
             ensure_node(node, key.with_suffix(".pub").read_text(), say)
@@ -163,13 +164,34 @@ class LocalEnv:
         extra["pdserve_env"] = {**LOCAL_RATE_LIMITS, **join}
         write_ansible_vars(self.project, "local", topology.serving)
         self.write_release(serving, images, model, extra)
-        self.converge_nodes(topology, model, converge, say)
+        self.converge_beside_boots(topology, aws, model, converge, say)
         status = self.status(topology)
         say("smoke: one completion through the gateway with the openai client")
         status["smoke"] = smoke_completion(
             status["gateway_url"], self.secrets.api_key, serving.model.name, Path(status["ca_file"])
         )
         return status
+
+    def converge_beside_boots(
+        self, topology: Topology, aws: LocalAws, model: Path, converge: bool, say: Callable[[str], None]
+    ) -> None:
+        """site.yml on the control nodes while the GPU nodes boot from their pools' user data: each waits for the
+        scheduler to join (pdstack.node.join), and the gateway's play waits for a decode to route to."""
+        failed = threading.Event()
+
+        def control() -> None:
+            try:
+                self.converge_nodes(topology, model, converge, say)
+            except BaseException:
+                failed.set()
+                raise
+
+        with ThreadPoolExecutor(max_workers=1) as converging:
+            converged = converging.submit(control)
+            try:
+                groups.up_pools(self, aws, topology, say, stop=failed)
+            finally:
+                converged.result()  # its error first: the boots stopped waiting because of it
 
     def converge_nodes(self, topology: Topology, model: Path, converge: bool, say: Callable[[str], None]) -> None:
         """Run playbooks/site.yml, unless nothing it reads changed since it last ran and every node still runs the
@@ -182,9 +204,9 @@ class LocalEnv:
                 "each node runs the containers it left (pdstack local up --converge runs it anyway)"
             )
             return
-        say("ansible: playbooks/site.yml (baseline, container runtime, serving) against inventories/local")
+        say("ansible: playbooks/site.yml (baseline, container runtime, control plane) on the control nodes")
         self.converge_record.forget()  # a play that fails half-way leaves nothing to skip on
-        # not the nodes a group launched, which the inventory lists too: they applied the roles to themselves
+        # not the GPU nodes, which the inventory lists too: they apply the roles to themselves
         self.play("site.yml", "--limit", ":".join([*names, "localhost"]), say=say)
         self.converge_record.save(digest, running_containers(names))
 
@@ -219,16 +241,6 @@ class LocalEnv:
             return None
         release = json.loads(self.release_file.read_text())
         return Engine(release.get("pdstack_vllm_vars", {}).get("pdstack_engine", Engine.PDSERVE))
-
-    def replace_nodes_of_other_engine(self, topology: Topology, engine: Engine, say: Callable[[str], None]) -> None:
-        """Switching engines starts the prefill and decode nodes afresh: the other engine's containers, records and
-        registrations do not linger beside the new ones."""
-        before = self.deployed_engine()
-        if before is None or before is engine:
-            return
-        for node in topology.nodes_with_role(PoolRole.PREFILL) + topology.nodes_with_role(PoolRole.DECODE):
-            say(f"nodes: {node.name} ran {before}, now {engine}: removing it")
-            nodes.remove_node(node.name)
 
     def playbook_argv(self, playbook: str, *args: str) -> list[str]:
         """`ansible-playbook` of `playbooks/<playbook>` against the local inventory, with the current release."""

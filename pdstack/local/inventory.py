@@ -3,8 +3,8 @@
 Groups mirror the aws_ec2 inventory's keyed groups (by role and by datacenter), so the same playbooks run on both.
 As the aws_ec2 inventory lists the instances an Auto Scaling group launched, the folder lists the nodes `pdstack
 local scale` launched (launched.yml, written at each scale, not committed) beside the stack's own: the operators'
-plays (`-i inventories/local`: deploy.yml's canary, rollback.yml) reach both, and `up` converges only the stack's
-own with site.yml (the others applied the same roles to themselves).
+plays (`-i inventories/local`: deploy.yml's canary, rollback.yml) reach both. `up` converges only the control nodes
+with site.yml: every GPU node booted from its pool's user data and applied the same roles to itself.
 The rendered file is committed (inventories/local/hosts.yml) so readers see it; a test keeps it equal to this.
 """
 
@@ -19,6 +19,7 @@ from pdstack.contract.yamlfiles import dump_yaml
 from pdstack.local.engine_choice import LOCAL_VLLM_SIZING
 from pdstack.local.names import host_entries
 from pdstack.local.network import MTU as LINK_MTU
+from pdstack.local.nodes import BOOT_TIMEOUT_S
 from pdstack.local.registry import PORT as REGISTRY_PORT
 from pdstack.local.topology import LOCAL_SUPERNET, SERVICE_ADDRESS, Node, Topology
 from pdstack.model import PoolRole
@@ -141,8 +142,8 @@ def launched_inventory(topology: Topology) -> dict[str, Any] | None:
 
 
 def inventory(topology: Topology) -> dict[str, Any]:
-    """The stack's own nodes, those `up` converges (committed as inventories/local/hosts.yml)."""
-    own = list(topology.converged_nodes)
+    """The stacks' own nodes (committed as inventories/local/hosts.yml)."""
+    own = list(topology.stack_nodes)
     hosts = _hosts(own)
     children: dict[str, Any] = {
         str(role): {"hosts": {n.name: None for n in own if n.role is role}} for role in PoolRole
@@ -154,6 +155,8 @@ def inventory(topology: Topology) -> dict[str, Any]:
         "time_sync_allow": [str(LOCAL_SUPERNET)],
         # Six targets on one machine: a 1 s scrape gives a 20 s canary window ten independent latency points.
         "prometheus_scrape_interval": "1s",
+        # the gateway is ready once a decode is routable, and up boots the GPU nodes beside site.yml's control plays
+        "pdserve_ready_timeout_s": BOOT_TIMEOUT_S,
     }
     for dc in topology.datacenters:
         children[f"dc_{dc.name}"] = {

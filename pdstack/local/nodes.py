@@ -26,6 +26,9 @@ from pdstack.local.commands import CommandError, run_captured
 
 BASE_IMAGE = "localhost/pdstack-debian12-base:latest"
 NODE_REPOSITORY = "localhost/pdstack-node"
+# A GPU node from launch to ready, booting from its user data beside the others and the control plane's converge:
+# packages, a 100 MB bundle, a venv installed offline, the model and the roles, on 2 cores
+BOOT_TIMEOUT_S = 1200
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SUITE = "bookworm"
 

@@ -19,8 +19,9 @@ SERVICE_ADDRESS = IPv4Address("10.210.255.1")  # the host as every node sees it:
 UPLINK_NET = IPv4Network("10.211.0.0/24")  # host <-> datacenter router, a /30 each
 WAN_NET = IPv4Network("10.212.0.0/24")  # datacenter router <-> datacenter router, a /30 per link
 FIRST_NODE_HOST = 10  # node i of a datacenter gets the network's address .10 + i
-# Nodes a pool's group launched beyond the stack's desired size (`pdstack local scale`) boot from the pool's user data;
-# pool p of a datacenter gives them .100 + LAUNCHED_PER_POOL * p + j, so growing one pool never moves another's nodes.
+# Every GPU node boots from its pool's user data; those a pool's group launched beyond the stack's desired size
+# (`pdstack local scale`) get .100 + LAUNCHED_PER_POOL * p + j (pool p of a datacenter), so growing one pool never moves
+# another's nodes.
 FIRST_LAUNCHED_HOST = 100
 LAUNCHED_PER_POOL = 20
 PREFIX = "pds"
@@ -41,7 +42,13 @@ class Node:
     role: PoolRole
     pool: str
     address: IPv4Interface
-    launched: bool = False  # booted from its pool's user data (pdstack local scale), not converged by site.yml
+    launched: bool = False  # beyond its stack's desired size (pdstack local scale)
+
+    @property
+    def boots_from_user_data(self) -> bool:
+        """A GPU node: its pool's group boots it from the pool's user data, as in the cloud (pdstack.local.groups);
+        the control nodes are converged by site.yml."""
+        return self.role.needs_gpu
 
     @property
     def namespace(self) -> str:
@@ -115,9 +122,19 @@ class Topology:
         return [node for node in self.nodes if node.role is role]
 
     @property
-    def converged_nodes(self) -> tuple[Node, ...]:
-        """The nodes the operators' playbooks converge (the local inventory's): not those launched from user data."""
+    def stack_nodes(self) -> tuple[Node, ...]:
+        """The nodes of the stacks' desired sizes (inventories/local/hosts.yml): not those `scale` launched beyond."""
         return tuple(node for node in self.nodes if not node.launched)
+
+    @property
+    def converged_nodes(self) -> tuple[Node, ...]:
+        """The nodes `up` converges with site.yml: the control plane's; the GPU nodes boot from their user data."""
+        return tuple(node for node in self.nodes if not node.boots_from_user_data)
+
+    @property
+    def gpu_pools(self) -> list[tuple[str, str]]:
+        """(datacenter, pool) of every pool whose group boots its nodes."""
+        return [(dc.name, pool) for dc in self.datacenters for pool, role in dc.pools if role.needs_gpu]
 
     def pool_nodes(self, datacenter: str, pool: str) -> list[Node]:
         return [node for node in self.nodes if node.datacenter == datacenter and node.pool == pool]

@@ -56,6 +56,8 @@ NODE_PYTHON = "3.11"
 NODE_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64")
 ANSIBLE_EXTRA = "ansible"  # pyproject's extra holding ansible-core and boto3 (and the `ansible` package, not taken)
 NOT_ON_NODES = {"ansible"}  # the whole `ansible` package: the node takes its few collections instead
+# The projects built as wheels: (folder in the checkout, its packages, its other files beside pyproject.toml)
+WHEEL_PROJECTS = ((".", ("pdstack", "infra"), ("README.md",)), ("serving", ("pdserve",), ("README.md",)))
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -122,6 +124,18 @@ def tree_files(repo: Path, env: str, collections_from: Path) -> dict[str, Path]:
 
 
 # -- wheels ------------------------------------------------------------------------------------------------------
+def bundle_sources(repo: Path) -> list[Path]:
+    """Every file or folder of the checkout a bundle is built from (the collections come from the installed
+    `ansible` package, at the pyproject's pin): what a cache of bundles keys on."""
+    tree = [repo / ANSIBLE_CFG, repo / CLOUD_FACTS, repo / ROLES_DIR, repo / PLUGINS_DIR, repo / "playbooks"]
+    wheels = [
+        repo / folder / name
+        for folder, packages, extra in WHEEL_PROJECTS
+        for name in ("pyproject.toml", *packages, *extra)
+    ]
+    return tree + wheels
+
+
 def _project(pyproject: Path) -> dict[str, object]:
     return dict(tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"])
 
@@ -179,8 +193,8 @@ def build_wheels(repo: Path, work: Path, python: str = sys.executable, run: Run 
     """wheels/ of the bundle: archive name -> file."""
     install, download = node_requirements(repo)
     sources = [
-        _copy_project(repo, work / "src" / "pdstack", ["pdstack", "infra"], ["README.md"]),
-        _copy_project(repo / "serving", work / "src" / "pdserve", ["pdserve"], ["README.md"]),
+        _copy_project(repo / folder, work / "src" / packages[0], packages, extra)
+        for folder, packages, extra in WHEEL_PROJECTS
     ]
     wheel_dir = work / WHEELS
     wheel_dir.mkdir()

@@ -324,6 +324,7 @@ def install_venv(bundle: Path, state_dir: Path = STATE_DIR, run: Any = subproces
             "-m",
             "pip",
             "install",
+            "--no-compile",  # byte-compiled as imported: the few modules a node runs, not every file (27 s -> 14 s)
             "--no-index",
             "--find-links",
             str(bundle / WHEELS),

@@ -135,6 +135,7 @@ def test_the_venv_is_installed_once_offline(tmp_path: Path) -> None:
         "-m",
         "pip",
         "install",
+        "--no-compile",
         "--no-index",
         "--find-links",
         str(bundle / "wheels"),
