@@ -255,12 +255,12 @@ def deployed_release(env: LocalEnv) -> dict[str, Any]:
 
 def fleet_release(env: LocalEnv, topology: Topology, role: PoolRole) -> dict[str, Any]:
     """{version, image[, vllm_image]} a running server of `role` serves now (up's release, or the last canary
-    deploy.yml promoted), from the record its role keeps on the node; up's where none runs."""
-    running = [n for n in topology.nodes_with_role(role) if nodes.node_exists(n.name)]
-    if not running:
-        return deployed_release(env)
-    current: dict[str, Any] = _server_record(running[0])["current"]
-    return current
+    deploy.yml promoted), from the record its role keeps on the node; up's where none serves yet."""
+    for node in [n for n in topology.nodes_with_role(role) if nodes.node_exists(n.name)]:
+        current: dict[str, Any] | None = _server_record(node).get("current")
+        if current is not None:
+            return current
+    return deployed_release(env)
 
 
 def _server_record(node: Node) -> dict[str, Any]:

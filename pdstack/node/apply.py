@@ -147,16 +147,20 @@ def apply_bundle(
 
 def apply_parts(state_dir: Path, total: float) -> dict[str, float]:
     """The apply phase's `total` seconds split as the play ran them (the task times file of this run): `image`, the
-    pulls; `engine_start`, from the server role's first container task to the play's end (the start, and the wait
-    until the scheduler routes to it); `roles`, the rest (the baseline, the server's set-up, Ansible's own start).
-    Empty when the play left no times (it did not run)."""
+    pulls; `engine_start`, from the server role's first container task after the pulls to the play's end (the start, and
+    the wait until the scheduler routes to it; not the other engine's container a switch removes first); `roles`,
+    the rest (the baseline, the server's set-up, Ansible's own start). Empty when the play left no times (it did not
+    run)."""
     path = state_dir / TASK_TIMES_FILE
     if not path.is_file():
         return {}
     tasks: list[dict[str, Any]] = json.loads(path.read_text())
     if not tasks:
         return {}
-    image = sum(t["end"] - t["start"] for t in tasks if t["action"] in IMAGE_ACTIONS)
-    starts = [t["start"] for t in tasks if t["action"] == CONTAINER_ACTION and t["role"] in SERVER_ROLES]
+    pulls = [t for t in tasks if t["action"] in IMAGE_ACTIONS]
+    image = sum(t["end"] - t["start"] for t in pulls)
+    pulled = max((t["end"] for t in pulls), default=tasks[0]["start"])  # an engine starts from its pulled image
+    servers = [t for t in tasks if t["action"] == CONTAINER_ACTION and t["role"] in SERVER_ROLES]
+    starts = [t["start"] for t in servers if t["start"] >= pulled]
     engine = tasks[-1]["end"] - min(starts) if starts else 0.0
     return {"image": image, "roles": max(total - image - engine, 0.0), "engine_start": engine}

@@ -23,7 +23,8 @@ import pytest
 from openai import APIConnectionError, DefaultHttpxClient, OpenAI
 
 from pdstack.contract.components import Component
-from pdstack.local import nodes
+from pdstack.contract.node_lifecycle import node_group_name
+from pdstack.local import groups, nodes
 from pdstack.local.commands import run_captured
 from pdstack.node.apply import VARS_FILE
 from pdstack.node.loader import STATE_DIR
@@ -63,6 +64,24 @@ def test_up_prints_the_endpoint_the_key_file_and_prometheus(local: Local) -> Non
     by_dc = {dc: sorted(n["role"] for n in members) for dc, members in local.status["nodes"].items()}
     assert by_dc == {"control": ["control"], "dc1": ["prefill", "prefill"], "dc2": ["decode", "decode"]}
     assert all(n["running"] for members in local.status["nodes"].values() for n in members)
+
+
+def test_up_booted_every_gpu_node_as_an_instance_of_its_pools_group(local: Local) -> None:
+    """`up` brings the prefill and decode nodes up as the cloud does: each an instance of its pool's Auto Scaling
+    group that bootstrapped itself from the pool's user data into the release `up` published, and joined the
+    scheduler as that instance."""
+    asg = local.env.aws().client("autoscaling")
+    release = read_release(local.env.aws().client("ssm"), "local").release
+    assert release == local.release()["version"]
+    routed = {i["instance_id"]: i for i in local.instances() if i["state"] == "ready"}
+    for node in [n for n in local.topology.nodes if n.role.needs_gpu]:
+        group = node_group_name("local", node.datacenter, node.pool)
+        members = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"][0]["Instances"]
+        metrics = nodes.exec_in_node(node.name, ["cat", groups.METRICS])
+        assert "pdstack_node_bootstrap_failed 0" in metrics and f'release="{release}"' in metrics, metrics
+        joined = json.loads(nodes.exec_in_node(node.name, ["cat", str(STATE_DIR / VARS_FILE)]))["pdstack_engine_id"]
+        assert joined in {m["InstanceId"] for m in members}, (node.name, joined, members)
+        assert routed[f"{node.role}-{joined}"]["info"]["version"] == release
 
 
 def test_the_openai_client_reaches_the_gateway_over_https_by_name_verifying_the_local_ca(local: Local) -> None:

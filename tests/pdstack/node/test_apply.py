@@ -132,6 +132,18 @@ def test_engine_start_begins_at_the_servers_container_not_a_drains(tmp_path: Pat
     assert apply_parts(write_tasks(tmp_path, tasks), 30.0) == {"image": 4.0, "roles": 21.0, "engine_start": 5.0}
 
 
+def test_engine_start_begins_after_the_pulls_not_at_the_other_engines_container(tmp_path: Path) -> None:
+    """A vLLM node's play passes through pdserve's role first (its container looked for, and removed on an engine
+    switch): the engine's start is vLLM's, after its image came."""
+    tasks = [
+        task("containers.podman.podman_container", "pdserve", 1.0, 2.0),
+        task("containers.podman.podman_image", "vllm_engine", 5.0, 65.0),
+        task("containers.podman.podman_container", "vllm_engine", 66.0, 70.0),
+        task("ansible.builtin.uri", "serving_node", 70.0, 90.0),
+    ]
+    assert apply_parts(write_tasks(tmp_path, tasks), 100.0) == {"image": 60.0, "roles": 16.0, "engine_start": 24.0}
+
+
 def test_a_play_without_a_server_start_is_all_roles_and_no_times_no_split(tmp_path: Path) -> None:
     tasks = [task("ansible.builtin.command", "time_sync", 0.0, 2.0)]
     assert apply_parts(write_tasks(tmp_path, tasks), 9.0) == {"image": 0.0, "roles": 9.0, "engine_start": 0.0}
