@@ -71,11 +71,11 @@ def test_up_booted_every_gpu_node_as_an_instance_of_its_pools_group(local: Local
     group that bootstrapped itself from the pool's user data into the release `up` published, and joined the
     scheduler as that instance."""
     asg = local.env.aws().client("autoscaling")
-    release = read_release(local.env.aws().client("ssm"), "local").release
+    release = read_release(local.env.aws().client("ssm"), groups.ENV).release
     assert release == local.release()["version"]
     routed = {i["instance_id"]: i for i in local.instances() if i["state"] == "ready"}
     for node in [n for n in local.topology.nodes if n.role.needs_gpu]:
-        group = node_group_name("local", node.datacenter, node.pool)
+        group = node_group_name(groups.ENV, node.datacenter, node.pool)
         members = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"][0]["Instances"]
         metrics = nodes.exec_in_node(node.name, ["cat", groups.METRICS])
         assert "pdstack_node_bootstrap_failed 0" in metrics and f'release="{release}"' in metrics, metrics
@@ -253,7 +253,7 @@ def test_a_decode_node_launched_from_user_data_takes_traffic_and_leaves_through_
         assert [n["node"] for n in launched] == ["dc2-decode-3"], launched
         assert {"boot", "release", "secrets", "join", "registry", "model", "apply"} <= set(launched[0]["seconds"])
         assert set(launched[0]["apply"]) == {"image", "roles", "engine_start"}, launched[0]
-        model = read_release(local.env.aws().client("ssm"), "local").model
+        model = read_release(local.env.aws().client("ssm"), groups.ENV).model
         assert launched[0]["model_bytes"] == sum(f.size for f in model.files)  # every byte from the bucket
         assert_an_anonymous_pull_is_refused_on("dc2-decode-3")
         assert_the_operators_reach(local, "dc2-decode-3", "pdserve-decode")
